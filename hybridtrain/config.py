@@ -1,0 +1,249 @@
+"""Declarative, validated configuration: defaults in code, one YAML per recipe, ``--set`` overrides.
+
+Every key is public interface. ``load_config`` returns a validated :class:`Config`; any unknown key,
+wrong type or out-of-range value raises :class:`UserError` with one line naming the key and what is allowed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from .errors import UserError
+
+
+def choice(default, choices, doc=""):
+    return field(default=default, metadata={"choices": tuple(choices), "doc": doc})
+
+
+def number(default, lo=None, hi=None, lo_open=False, hi_open=False, doc=""):
+    return field(default=default, metadata={"lo": lo, "hi": hi, "lo_open": lo_open, "hi_open": hi_open, "doc": doc})
+
+
+def plain(default, doc=""):
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"doc": doc})
+    return field(default=default, metadata={"doc": doc})
+
+
+ARCHS = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152")
+
+
+@dataclass
+class DataConfig:
+    path: str = plain("data/digits", "dataset root holding train/<class>/*.jpg and val/<class>/*.jpg")
+    backend: str = choice("torchvision", ["torchvision"], "input pipeline")
+    crop_size: int = number(224, lo=8, doc="training crop (RandomResizedCrop) and validation center crop, px")
+    val_resize: int = number(256, lo=8, doc="validation: resize the shorter side to this, then center-crop")
+    min_crop_area: float = number(0.08, lo=0.0, hi=1.0, lo_open=True, doc="RandomResizedCrop area lower bound")
+    hflip: bool = plain(True, "random horizontal flip with p=0.5 in training")
+    workers: int = number(2, lo=0, doc="data-loading worker processes per rank (0 = load in the training process)")
+    val_batch_size: int = number(0, lo=0, doc="validation batch per rank; 0 = train.batch_size")
+
+
+@dataclass
+class ModelConfig:
+    arch: str = choice("resnet50", ARCHS, "network")
+    variant: str = choice("v1.5", ["v1", "v1.5"], "where bottleneck blocks downsample: 1x1 conv (v1) or 3x3 conv (v1.5)")
+    small_input_stem: bool = plain(False, "3x3 stride-1 stem without max-pool, for 32-64 px inputs")
+    num_classes: int = number(0, lo=0, doc="0 = number of class folders in the dataset")
+    zero_init_last_bn: bool = plain(True, "gamma = 0 in the last BN of every residual block (paper 2.2.3)")
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = number(90, lo=1, doc="training epochs")
+    batch_size: int = number(256, lo=1, doc="per-rank (per-GPU) batch size; global = batch_size x ranks")
+    threads: int = number(0, lo=0, doc="torch threads per rank; 0 = cores / local ranks")
+    keep_checkpoints: int = number(3, lo=1, doc="how many epoch checkpoints to keep")
+    progress: bool = plain(True, "progress bar on rank 0")
+
+
+@dataclass
+class OptimConfig:
+    name: str = choice("goyal", ["goyal", "sgd"], "optimizer recipe")
+    lr: float = number(0.1, lo=0.0, lo_open=True, doc="single-GPU learning rate; scaled by the number of ranks")
+    momentum: float = number(0.9, lo=0.0, hi=1.0, hi_open=True, doc="SGD momentum")
+    weight_decay: float = number(1e-4, lo=0.0, doc="L2 weight decay")
+    decay_bn_and_bias: bool = plain(False, "apply weight decay to BN parameters and biases too")
+    warmup_epochs: float = number(5.0, lo=0.0, doc="goyal: gradual warmup from lr to lr x N over this many epochs")
+    milestones: list = plain([1 / 3, 2 / 3, 8 / 9], "step decay points as fractions of the run")
+    decay_factor: float = number(0.1, lo=0.0, hi=1.0, lo_open=True, doc="step decay multiplier")
+
+
+@dataclass
+class PrecisionConfig:
+    mode: str = choice("fp32", ["fp32"], "compute precision")
+
+
+@dataclass
+class HorovodConfig:
+    compression: str = choice("fp16", ["fp16", "none"], "gradient all-reduce compression")
+
+
+@dataclass
+class BNConfig:
+    stats: str = choice("last_iteration", ["last_iteration"],
+                        "running statistics: those of the last training iteration (paper 2.2.3)")
+
+
+@dataclass
+class Config:
+    run_dir: str = plain("runs/default", "where checkpoints, metrics and reports go")
+    seed: int = number(0, lo=0, doc="global seed")
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    horovod: HorovodConfig = field(default_factory=HorovodConfig)
+    bn: BNConfig = field(default_factory=BNConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+# ----------------------------------------------------------------------------- building from dicts
+
+def _suggest(key: str, allowed) -> str:
+    near = difflib.get_close_matches(key, list(allowed), n=1)
+    return f" (did you mean '{near[0]}'?)" if near else ""
+
+
+def _default(f: dataclasses.Field):
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
+
+def _coerce(value: Any, f: dataclasses.Field, dotted: str):
+    """Check a value against a field's declared type and constraints; return it typed."""
+    default = _default(f)
+    meta = f.metadata
+    expected = type(default)
+    if expected is bool:
+        if not isinstance(value, bool):
+            raise UserError(f"config error: {dotted} must be true or false, got {value!r}")
+    elif expected is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise UserError(f"config error: {dotted} must be an integer, got {value!r}")
+    elif expected is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise UserError(f"config error: {dotted} must be a number, got {value!r}")
+        value = float(value)
+    elif expected is str:
+        if not isinstance(value, str):
+            raise UserError(f"config error: {dotted} must be a string, got {value!r}")
+    elif expected is list:
+        if not isinstance(value, list):
+            raise UserError(f"config error: {dotted} must be a list, got {value!r}")
+    if "choices" in meta and value not in meta["choices"]:
+        allowed = ", ".join(str(c) for c in meta["choices"])
+        raise UserError(f"config error: {dotted} must be one of: {allowed}; got {value!r}")
+    _check_range(value, meta, dotted)
+    return value
+
+
+def _check_range(value, meta, dotted):
+    lo, hi = meta.get("lo"), meta.get("hi")
+    if lo is None and hi is None:
+        return
+    too_low = lo is not None and (value <= lo if meta.get("lo_open") else value < lo)
+    too_high = hi is not None and (value >= hi if meta.get("hi_open") else value > hi)
+    if too_low or too_high:
+        left = "(" if meta.get("lo_open") else "["
+        right = ")" if meta.get("hi_open") else "]"
+        span = f"{left}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}{right}"
+        raise UserError(f"config error: {dotted} must be in {span}, got {value!r}")
+
+
+def _build(cls, values: dict, prefix: str = ""):
+    if not isinstance(values, dict):
+        raise UserError(f"config error: section '{prefix.rstrip('.') or 'top level'}' must be a mapping, got {values!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in values.items():
+        dotted = f"{prefix}{key}"
+        if key not in fields:
+            allowed = ", ".join(fields)
+            raise UserError(f"config error: unknown key '{dotted}'{_suggest(key, fields)}; allowed here: {allowed}")
+        f = fields[key]
+        default = _default(f)
+        if dataclasses.is_dataclass(default):
+            kwargs[key] = _build(type(default), {} if value is None else value, f"{dotted}.")
+        else:
+            kwargs[key] = _coerce(value, f, dotted)
+    return cls(**kwargs)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``train.epochs=5`` -> (['train', 'epochs'], 5); the value is parsed as YAML."""
+    if "=" not in text:
+        raise UserError(f"bad --set '{text}': write it as key.sub=value, e.g. --set train.epochs=5")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def _apply_override(tree: dict, path: list[str], value: Any) -> None:
+    node = tree
+    for part in path[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise UserError(f"bad --set: '{'.'.join(path)}' goes through a value that is not a section")
+    node[path[-1]] = value
+
+
+def read_yaml(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise UserError(f"config file not found: {path} (pass an existing YAML, e.g. --config configs/demo.yaml)")
+    try:
+        with open(path) as fh:
+            data = yaml.safe_load(fh)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise UserError(f"config file {path} is not valid YAML{where}: fix its syntax") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UserError(f"config file {path} must hold a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def load_config(path: str | None = None, overrides: list[str] | None = None) -> Config:
+    tree = read_yaml(path) if path else {}
+    for text in overrides or []:
+        key_path, value = parse_override(text)
+        _apply_override(tree, key_path, value)
+    return validate(_build(Config, tree))
+
+
+def config_from_dict(tree: dict) -> Config:
+    return validate(_build(Config, tree))
+
+
+def validate(cfg: Config) -> Config:
+    """Cross-field checks that a single key cannot express."""
+    ms = cfg.optim.milestones
+    if not all(isinstance(m, (int, float)) and 0 < m < 1 for m in ms) or list(ms) != sorted(ms):
+        raise UserError(f"config error: optim.milestones must be increasing fractions in (0, 1), got {ms!r}")
+    if cfg.optim.name == "goyal" and cfg.optim.warmup_epochs >= cfg.train.epochs:
+        raise UserError(f"config error: optim.warmup_epochs ({cfg.optim.warmup_epochs}) must be smaller "
+                        f"than train.epochs ({cfg.train.epochs})")
+    return cfg
+
+
+def save_config(cfg: Config, path: str) -> None:
+    with open(path, "w") as fh:
+        yaml.safe_dump(cfg.to_dict(), fh, sort_keys=False)

@@ -1,0 +1,1 @@
+"""Datasets and input pipelines."""

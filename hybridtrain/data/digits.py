@@ -1,0 +1,82 @@
+"""The embedded dataset: scikit-learn's handwritten digits (1,797 real 8x8 images, 10 classes).
+
+Written as 32x32 RGB JPEGs in the ImageNet folder layout with a fixed, seeded, stratified ~80/20 split,
+so every backend reads it exactly as it would read ImageNet. No network is needed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+from PIL import Image
+
+from ..errors import UserError
+
+MARKER = ".hybridtrain-digits.json"
+SIZE = 32
+
+
+def stratified_split(labels: np.ndarray, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Indices of train and val: within each class a seeded shuffle, the first round(n*f) go to val."""
+    rng = np.random.default_rng(seed)
+    train, val = [], []
+    for c in np.unique(labels):
+        idx = np.flatnonzero(labels == c)
+        rng.shuffle(idx)
+        n_val = int(round(len(idx) * val_fraction))
+        val.append(idx[:n_val])
+        train.append(idx[n_val:])
+    return np.sort(np.concatenate(train)), np.sort(np.concatenate(val))
+
+
+def digit_to_image(pixels: np.ndarray) -> Image.Image:
+    """8x8 values in [0, 16] -> 32x32 RGB (white digit on black), bicubic upscaling."""
+    gray = Image.fromarray(np.clip(pixels * (255.0 / 16.0), 0, 255).astype(np.uint8), mode="L")
+    return gray.resize((SIZE, SIZE), Image.BICUBIC).convert("RGB")
+
+
+def _check_target(out: str, params: dict) -> bool:
+    """True when ``out`` already holds this exact dataset; raise if it holds something else."""
+    if not os.path.exists(out):
+        return False
+    if not os.path.isdir(out):
+        raise UserError(f"{out} exists and is not a directory: choose another --out")
+    marker = os.path.join(out, MARKER)
+    if os.path.isfile(marker):
+        with open(marker) as fh:
+            if json.load(fh) == params:
+                return True
+        raise UserError(f"{out} holds digits prepared with other settings: remove it or choose another --out")
+    if os.listdir(out):
+        raise UserError(f"{out} is not empty and was not made by prepare-data: choose another --out")
+    return False
+
+
+def prepare_digits(out: str, val_fraction: float = 0.2, seed: int = 0) -> dict:
+    """Write the dataset; idempotent. Returns counts per split."""
+    from sklearn.datasets import load_digits
+
+    params = {"dataset": "digits", "size": SIZE, "val_fraction": val_fraction, "seed": seed}
+    if _check_target(out, params):
+        return _counts(out)
+    digits = load_digits()
+    train_idx, val_idx = stratified_split(digits.target, val_fraction, seed)
+    tmp = out.rstrip("/") + ".partial"
+    shutil.rmtree(tmp, ignore_errors=True)  # a previous run that died half-way
+    for split, indices in (("train", train_idx), ("val", val_idx)):
+        for i in indices:
+            class_dir = os.path.join(tmp, split, str(digits.target[i]))
+            os.makedirs(class_dir, exist_ok=True)
+            digit_to_image(digits.images[i]).save(os.path.join(class_dir, f"{i:04d}.jpg"), quality=95)
+    with open(os.path.join(tmp, MARKER), "w") as fh:
+        json.dump(params, fh)
+    if os.path.isdir(out):
+        os.rmdir(out)  # empty, checked above
+    os.replace(tmp, out)
+    return _counts(out)
+
+
+def _counts(out: str) -> dict:
+    return {split: sum(len(files) for _, _, files in os.walk(os.path.join(out, split))) for split in ("train", "val")}

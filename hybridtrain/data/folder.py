@@ -1,0 +1,58 @@
+"""Scanning an ImageNet-layout dataset (``ROOT/{train,val}/<class>/<image>``) with clear errors."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from ..errors import UserError
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", ".ppm")
+
+
+@dataclass
+class ImageList:
+    """A split: class names (sorted) and (path, label) samples in a stable order."""
+    root: str
+    classes: list[str]
+    samples: list[tuple[str, int]]
+    skipped_non_images: list[str]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+
+def is_image_file(name: str) -> bool:
+    return name.lower().endswith(IMAGE_EXTENSIONS)
+
+
+def scan_split(root: str, split: str) -> ImageList:
+    split_dir = os.path.join(root, split)
+    if not os.path.isdir(root):
+        raise UserError(f"data directory not found: {root} (set data.path, or create it with "
+                        f"'hybridtrain prepare-data digits --out {root}')")
+    if not os.path.isdir(split_dir):
+        raise UserError(f"data directory {root} has no '{split}' folder: expected {root}/{split}/<class>/*.jpg")
+    classes = sorted(d for d in os.listdir(split_dir) if os.path.isdir(os.path.join(split_dir, d)))
+    if not classes:
+        raise UserError(f"{split_dir} has no class folders: expected {split_dir}/<class>/*.jpg")
+    samples, skipped = [], []
+    for label, name in enumerate(classes):
+        class_dir = os.path.join(split_dir, name)
+        files = sorted(os.listdir(class_dir))
+        images = [f for f in files if is_image_file(f) and os.path.isfile(os.path.join(class_dir, f))]
+        skipped += [os.path.join(class_dir, f) for f in files if f not in images]
+        if not images:
+            raise UserError(f"class folder {class_dir} has no images: add images or remove the folder")
+        samples += [(os.path.join(class_dir, f), label) for f in images]
+    return ImageList(split_dir, classes, samples, skipped)
+
+
+def scan_dataset(root: str) -> tuple[ImageList, ImageList]:
+    """Both splits, checked to share the same classes."""
+    train, val = scan_split(root, "train"), scan_split(root, "val")
+    if train.classes != val.classes:
+        only_train = sorted(set(train.classes) - set(val.classes))[:3]
+        only_val = sorted(set(val.classes) - set(train.classes))[:3]
+        raise UserError(f"train and val class folders differ in {root} (only in train: {only_train}, "
+                        f"only in val: {only_val}): both splits need the same class folders")
+    return train, val

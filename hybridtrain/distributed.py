@@ -1,0 +1,84 @@
+"""Horovod, the engine: init, thread pinning, broadcast from rank 0, FP32 all-reduces of statistics."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .errors import UserError
+
+RANK_ENV_VARS = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
+
+
+def launcher_rank() -> int:
+    """The rank the launcher assigned, readable before hvd.init() (0 when run alone)."""
+    for var in RANK_ENV_VARS:
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
+
+
+def import_horovod():
+    try:
+        import horovod.torch as hvd
+    except ImportError as exc:
+        raise UserError(f"Horovod is not usable in this environment ({exc}): run ./install.sh, "
+                        f"which builds Horovod 0.28.1 for this torch") from None
+    return hvd
+
+
+@dataclass
+class Topology:
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+
+    @property
+    def is_root(self) -> bool:
+        return self.rank == 0
+
+
+def init(threads: int = 0) -> Topology:
+    """hvd.init() and pin torch threads: ``threads`` or cores / local ranks."""
+    hvd = import_horovod()
+    hvd.init()
+    topo = Topology(hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size())
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    torch.set_num_threads(threads or max(1, cores // topo.local_size))
+    return topo
+
+
+def broadcast_model(model: torch.nn.Module) -> None:
+    """Rank 0's parameters and buffers to every rank."""
+    hvd = import_horovod()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+
+
+def broadcast_object(obj, name: str):
+    return import_horovod().broadcast_object(obj, root_rank=0, name=name)
+
+
+def allreduce_sum(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    hvd = import_horovod()
+    return hvd.allreduce(tensor, op=hvd.Sum, name=name)
+
+
+def allreduce_mean_fp32(tensors: list[torch.Tensor], name: str) -> list[torch.Tensor]:
+    """Average tensors over ranks in FP32 (one fused call), whatever their own dtype."""
+    hvd = import_horovod()
+    flat = torch.cat([t.detach().float().reshape(-1) for t in tensors])
+    flat = hvd.allreduce(flat, op=hvd.Average, name=name)
+    return list(torch.split(flat, [t.numel() for t in tensors]))
+
+
+def compression(name: str):
+    hvd = import_horovod()
+    return {"fp16": hvd.Compression.fp16, "none": hvd.Compression.none}[name]
+
+
+def distributed_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module, compression_name: str):
+    hvd = import_horovod()
+    return hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                    compression=compression(compression_name), op=hvd.Average)

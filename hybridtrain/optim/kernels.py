@@ -1,0 +1,115 @@
+"""Multi-tensor update kernels (``torch._foreach_*``) for AdaBound and LARS-SGD.
+
+Every function updates LISTS of tensors in place. The math is issued as a fixed number of
+foreach ops per call, whatever the number of tensors, and nothing reads a value back to the
+host (no ``.item()``): hyperparameters are Python floats, per-tensor trust ratios stay on
+the device. All tensors of one call must live on one device.
+"""
+
+import math
+
+import torch
+
+LARS_MODES = ("scale", "clip")
+
+
+def _check_same_length(**lists):
+    lengths = {name: len(values) for name, values in lists.items()}
+    if len(set(lengths.values())) > 1:
+        raise ValueError(f"tensor lists must have equal lengths, got {lengths}")
+
+
+def adabound_step_size(step, alpha, beta1, beta2):
+    """Bias-corrected scalar step alpha * sqrt(1 - beta2^k) / (1 - beta1^k) for 1-based step k."""
+    return alpha * math.sqrt(1.0 - beta2**step) / (1.0 - beta1**step)  # alpha*sqrt(1-b2^k)/(1-b1^k)
+
+
+def adabound_step_(params, grads, exp_avgs, exp_avg_sqs, step, alpha, beta1, beta2, eps,
+                   weight_decay, lower, upper):
+    """One AdaBound update (Luo et al. 2019 reference algorithm) of every tensor in ``params``.
+
+    ``step`` is the 1-based step k after this update; ``lower``/``upper`` are the clip bounds
+    (floats, ``upper`` may be inf). ``grads`` are not modified.
+    """
+    _check_same_length(params=params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs)
+    if not params:
+        return
+    if weight_decay != 0:
+        grads = torch._foreach_add(grads, params, alpha=weight_decay)  # g <- g + wd * p (coupled L2)
+    torch._foreach_mul_(exp_avgs, beta1)
+    torch._foreach_add_(exp_avgs, grads, alpha=1.0 - beta1)  # m = b1*m + (1-b1)*g
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)  # v = b2*v + (1-b2)*g^2
+    step_sizes = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_add_(step_sizes, eps)  # sqrt(v) + eps
+    torch._foreach_reciprocal_(step_sizes)
+    torch._foreach_mul_(step_sizes, adabound_step_size(step, alpha, beta1, beta2))  # eta = step / (sqrt(v)+eps)
+    if lower > 0:
+        torch._foreach_clamp_min_(step_sizes, lower)  # eta = clip(eta, lower, .)
+    if math.isfinite(upper):
+        torch._foreach_clamp_max_(step_sizes, upper)  # eta = clip(eta, ., upper)
+    torch._foreach_mul_(step_sizes, exp_avgs)
+    torch._foreach_sub_(params, step_sizes)  # p <- p - eta * m
+
+
+def lars_trust_factors(params, grads, lr, weight_decay, trust_coefficient, eps, mode):
+    """Per-tensor factor multiplying (g + wd*w), as a list of 0-dim device tensors.
+
+    local_lr = eta * ||w|| / (||g|| + wd * ||w|| + eps) (You et al. 2017).
+    mode "scale": factor = local_lr.
+    mode "clip" (LARC): factor = min(local_lr / lr, 1), so the effective lr is min(local_lr, lr).
+    In both modes the factor is 1 when ||w|| == 0 or ||g|| == 0 (no adaptation).
+    """
+    if mode not in LARS_MODES:
+        raise ValueError(f"mode must be one of {LARS_MODES}, got {mode!r}")
+    w_norms = torch.stack(torch._foreach_norm(params))
+    g_norms = torch.stack(torch._foreach_norm(grads))
+    local_lr = trust_coefficient * w_norms / (g_norms + weight_decay * w_norms + eps)  # eta*||w||/(||g||+wd*||w||+eps)
+    if mode == "clip":
+        local_lr = torch.clamp(local_lr / lr, max=1.0)  # LARC: min(local_lr / lr, 1)
+    adapt = (w_norms > 0) & (g_norms > 0)
+    factors = torch.where(adapt, local_lr, torch.ones_like(local_lr))  # factor = 1 if a norm is 0
+    return list(factors.unbind(0))
+
+
+def _momentum_sgd_(params, directions, momentum_bufs, lr, momentum):
+    """buf = momentum * buf + d; p <- p - lr * buf (no dampening, no Nesterov)."""
+    torch._foreach_mul_(momentum_bufs, momentum)
+    torch._foreach_add_(momentum_bufs, directions)  # buf = mu*buf + d
+    torch._foreach_add_(params, momentum_bufs, alpha=-lr)  # p <- p - lr*buf
+
+
+def _split_by_flag(flags, *lists):
+    """Split each list into (flagged, unflagged) sublists by the boolean ``flags``."""
+    on = [i for i, flag in enumerate(flags) if flag]
+    off = [i for i, flag in enumerate(flags) if not flag]
+    return [([values[i] for i in on], [values[i] for i in off]) for values in lists]
+
+
+def lars_sgd_step_(params, grads, momentum_bufs, lr, momentum, weight_decay, trust_coefficient,
+                   eps, mode, apply_lars):
+    """One LARS-SGD update with momentum of every tensor in ``params``.
+
+    Tensors with ``apply_lars[i]`` True: d = (g + wd*w) * factor with factor from
+    `lars_trust_factors` ("scale": local_lr; "clip"/LARC: min(local_lr/lr, 1)).
+    Tensors with ``apply_lars[i]`` False (BN, biases): d = g, no weight decay.
+    ``apply_lars`` is a list of bools aligned with ``params``, or one bool for all.
+    Then for all: buf = momentum*buf + d; p <- p - lr*buf. Buffers must start at zero.
+    """
+    if isinstance(apply_lars, bool):
+        apply_lars = [apply_lars] * len(params)
+    _check_same_length(params=params, grads=grads, momentum_bufs=momentum_bufs, apply_lars=apply_lars)
+    if mode not in LARS_MODES:
+        raise ValueError(f"mode must be one of {LARS_MODES}, got {mode!r}")
+    (lars_p, plain_p), (lars_g, plain_g), (lars_b, plain_b) = _split_by_flag(
+        apply_lars, params, grads, momentum_bufs)
+    if lars_p:
+        factors = lars_trust_factors(lars_p, lars_g, lr, weight_decay, trust_coefficient, eps, mode)
+        if weight_decay != 0:
+            directions = torch._foreach_add(lars_g, lars_p, alpha=weight_decay)  # g + wd*w
+            torch._foreach_mul_(directions, factors)  # d = (g + wd*w) * factor
+        else:
+            directions = torch._foreach_mul(lars_g, factors)  # d = g * factor
+        _momentum_sgd_(lars_p, directions, lars_b, lr, momentum)
+    if plain_p:
+        _momentum_sgd_(plain_p, plain_g, plain_b, lr, momentum)  # excluded: d = g

@@ -1,0 +1,271 @@
+"""``torch.optim.Optimizer`` subclasses for the hybrid gradient descent, built on `kernels`.
+
+Horovod's ``DistributedOptimizer`` rebuilds an optimizer as ``cls(optimizer.param_groups)``, so
+every constructor argument besides ``params`` has a default and every hyperparameter lives in
+the param groups (which also makes ``state_dict()`` carry all of it). Group hyperparameters are
+plain Python values; the trainer may change them between steps (lr, bounds, phase) and they
+are re-validated at every ``step()``.
+
+Per-group keys shared by LARS and HybridOptimizer: ``lars`` (bool, default True). Pass BN and
+bias parameters in a second group with ``lars=False`` (and ``weight_decay=0``): in the SGD/LARS
+update those get plain momentum SGD with no weight decay.
+
+Note: string-valued group keys (``mode``, ``lars_mode``, ``phase``) cannot go through
+``hvd.broadcast_optimizer_state`` (it wraps every group value in a tensor); broadcast with
+``hvd.broadcast_object(optimizer.state_dict())`` + ``load_state_dict`` instead.
+"""
+
+import math
+
+import torch
+from torch.optim import Optimizer
+
+from .kernels import LARS_MODES, adabound_step_, lars_sgd_step_
+
+PHASES = ("adabound", "sgd")
+_ADABOUND_STATE_KEYS = ("exp_avg", "exp_avg_sq", "adabound_step")
+
+
+# ---------------------------------------------------------------- group validation
+
+def _require_at_least(group, key, minimum):
+    value = group[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= minimum:
+        raise ValueError(f"{key} must be a number >= {minimum}, got {value!r}")
+
+
+def _require_in_unit_interval(group, key):
+    value = group[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+        raise ValueError(f"{key} must be in [0, 1), got {value!r}")
+
+
+def _require_positive(group, key):
+    value = group[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{key} must be a number > 0, got {value!r}")
+
+
+def _require_choice(group, key, choices):
+    if group[key] not in choices:
+        raise ValueError(f"{key} must be one of {choices}, got {group[key]!r}")
+
+
+def _require_bool(group, key):
+    if not isinstance(group[key], bool):
+        raise ValueError(f"{key} must be True or False, got {group[key]!r}")
+
+
+def _require_betas(group):
+    betas = group["betas"]
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"betas must be a pair (beta1, beta2) with each in [0, 1), got {betas!r}")
+    for name, beta in zip(("betas[0]", "betas[1]"), betas):
+        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta < 1.0:
+            raise ValueError(f"{name} must be in [0, 1), got {beta!r}")
+
+
+def _require_bounds(group):
+    _require_at_least(group, "lower_bound", 0.0)
+    upper = group["upper_bound"]
+    if isinstance(upper, bool) or not isinstance(upper, (int, float)) or math.isnan(upper):
+        raise ValueError(f"upper_bound must be a number (inf allowed), got {upper!r}")
+    if upper < group["lower_bound"]:
+        raise ValueError(f"upper_bound ({upper!r}) must be >= lower_bound ({group['lower_bound']!r})")
+
+
+def _validate_adabound_keys(group, alpha_key):
+    _require_at_least(group, alpha_key, 0.0)
+    _require_betas(group)
+    _require_at_least(group, "eps", 0.0)
+    _require_at_least(group, "weight_decay", 0.0)
+    _require_bounds(group)
+
+
+def _validate_lars_keys(group, mode_key):
+    _require_at_least(group, "lr", 0.0)
+    _require_in_unit_interval(group, "momentum")
+    _require_at_least(group, "weight_decay", 0.0)
+    _require_positive(group, "trust_coefficient")
+    _require_at_least(group, "eps", 0.0)
+    _require_choice(group, mode_key, LARS_MODES)
+    _require_bool(group, "lars")
+
+
+# ---------------------------------------------------------------- shared step helpers
+
+def _params_with_grad(group):
+    params = [p for p in group["params"] if p.grad is not None]
+    for p in params:
+        if p.grad.is_sparse:
+            raise RuntimeError("sparse gradients are not supported")
+    return params
+
+
+def _bucket(params, key_of):
+    """Split params into lists sharing ``key_of(p)`` (one kernel call per device/dtype/step)."""
+    buckets = {}
+    for p in params:
+        buckets.setdefault(key_of(p), []).append(p)
+    return list(buckets.values())
+
+
+def _zeros_state(state, keys, p):
+    for key in keys:
+        if key not in state:
+            state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def _adabound_update(opt_state, params, group, alpha, step_key):
+    """AdaBound-update ``params``; ``state[step_key]`` is the bias-correction step k."""
+    for p in params:
+        state = opt_state[p]
+        _zeros_state(state, ("exp_avg", "exp_avg_sq"), p)
+        state.setdefault(step_key, 0)
+    beta1, beta2 = group["betas"]
+    for bucket in _bucket(params, lambda p: (p.device, p.dtype, opt_state[p][step_key])):
+        step = opt_state[bucket[0]][step_key] + 1
+        adabound_step_(
+            bucket, [p.grad for p in bucket],
+            [opt_state[p]["exp_avg"] for p in bucket], [opt_state[p]["exp_avg_sq"] for p in bucket],
+            step, alpha, beta1, beta2, group["eps"], group["weight_decay"],
+            group["lower_bound"], group["upper_bound"])
+        for p in bucket:
+            opt_state[p][step_key] = step
+
+
+def _lars_update(opt_state, params, group, mode):
+    """LARS-SGD-update ``params`` with zero-initialised momentum buffers."""
+    for p in params:
+        _zeros_state(opt_state[p], ("momentum_buffer",), p)
+    for bucket in _bucket(params, lambda p: (p.device, p.dtype)):
+        lars_sgd_step_(
+            bucket, [p.grad for p in bucket], [opt_state[p]["momentum_buffer"] for p in bucket],
+            group["lr"], group["momentum"], group["weight_decay"], group["trust_coefficient"],
+            group["eps"], mode, group["lars"])
+
+
+class _GroupValidatingOptimizer(Optimizer):
+    """Validates each param group (defaults merged in) when added and again at every step."""
+
+    def _validate_group(self, group):
+        raise NotImplementedError
+
+    def add_param_group(self, param_group):
+        self._validate_group({**self.defaults, **param_group})
+        super().add_param_group(param_group)
+
+    def _run_closure(self, closure):
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
+
+
+# ---------------------------------------------------------------- optimizers
+
+class LARS(_GroupValidatingOptimizer):
+    """SGD with momentum and layer-wise adaptive rate scaling (You et al. 2017).
+
+    mode "scale": d = (g + wd*w) * local_lr; mode "clip" (LARC): d = (g + wd*w) * min(local_lr/lr, 1).
+    buf = momentum*buf + d; p <- p - lr*buf. Groups with ``lars=False``: d = g, no weight decay.
+    """
+
+    def __init__(self, params, lr=0.1, momentum=0.9, weight_decay=1e-4, trust_coefficient=0.001,
+                 eps=1e-8, mode="scale"):
+        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
+                        trust_coefficient=trust_coefficient, eps=eps, mode=mode, lars=True)
+        super().__init__(params, defaults)
+
+    def _validate_group(self, group):
+        _validate_lars_keys(group, "mode")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = self._run_closure(closure)
+        for group in self.param_groups:
+            self._validate_group(group)
+            params = _params_with_grad(group)
+            if params:
+                _lars_update(self.state, params, group, group["mode"])
+        return loss
+
+
+class LinearScalingAdaBound(_GroupValidatingOptimizer):
+    """AdaBound (Luo et al. 2019) with externally scheduled bounds.
+
+    ``lr`` is AdaBound's alpha. ``lower_bound``/``upper_bound`` are group keys the trainer sets
+    before each step: from `bounds.adabound_bounds` (linear-scaling AdaBound, seed 001) or from
+    `bounds.reference_adabound_bounds` (reference AdaBound baseline).
+    """
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-4,
+                 lower_bound=0.0, upper_bound=math.inf):
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                        lower_bound=lower_bound, upper_bound=upper_bound)
+        super().__init__(params, defaults)
+
+    def _validate_group(self, group):
+        _validate_adabound_keys(group, "lr")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = self._run_closure(closure)
+        for group in self.param_groups:
+            self._validate_group(group)
+            params = _params_with_grad(group)
+            if params:
+                _adabound_update(self.state, params, group, group["lr"], "step")
+        return loss
+
+
+class HybridOptimizer(_GroupValidatingOptimizer):
+    """Linear-scaling AdaBound warmup, then LARS-SGD, in one optimizer (seed 001, 2.2.1).
+
+    ``group["phase"]`` selects the update: "adabound" uses ``alpha``, ``betas``, ``eps``,
+    ``weight_decay`` and the bounds; "sgd" uses ``lr``, ``momentum``, ``weight_decay``,
+    ``trust_coefficient``, ``eps``, ``lars_mode`` and ``lars``.
+
+    Switching phase: the first step of a phase starts that phase's buffers from zero and drops
+    the other phase's buffers from the state (momentum_buffer, or exp_avg/exp_avg_sq with the
+    bias-correction count ``adabound_step``). ``state["step"]`` counts all updates of a param.
+    """
+
+    def __init__(self, params, lr=0.1, alpha=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-4,
+                 momentum=0.9, trust_coefficient=0.001, lars_mode="scale", lower_bound=0.0,
+                 upper_bound=math.inf, phase="adabound"):
+        defaults = dict(lr=lr, alpha=alpha, betas=betas, eps=eps, weight_decay=weight_decay,
+                        momentum=momentum, trust_coefficient=trust_coefficient,
+                        lars_mode=lars_mode, lower_bound=lower_bound, upper_bound=upper_bound,
+                        phase=phase, lars=True)
+        super().__init__(params, defaults)
+
+    def _validate_group(self, group):
+        _require_choice(group, "phase", PHASES)
+        _validate_adabound_keys(group, "alpha")
+        _validate_lars_keys(group, "lars_mode")
+
+    def _enter_phase(self, params, phase):
+        """Drop the buffers of the other phase, so the new phase starts from zero."""
+        stale = ("momentum_buffer",) if phase == "adabound" else _ADABOUND_STATE_KEYS
+        for p in params:
+            state = self.state[p]
+            for key in stale:
+                state.pop(key, None)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = self._run_closure(closure)
+        for group in self.param_groups:
+            self._validate_group(group)
+            params = _params_with_grad(group)
+            if not params:
+                continue
+            self._enter_phase(params, group["phase"])
+            if group["phase"] == "adabound":
+                _adabound_update(self.state, params, group, group["alpha"], "adabound_step")
+            else:
+                _lars_update(self.state, params, group, group["lars_mode"])
+            for p in params:
+                self.state[p]["step"] = self.state[p].get("step", 0) + 1
+        return loss

@@ -1,0 +1,151 @@
+"""``hybridtrain train``: set up Horovod, data, model and optimizer; run epochs; checkpoint; report."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+
+from . import checkpoint, distributed, reporting
+from .config import Config, save_config
+from .data import sharding
+from .data.folder import scan_dataset
+from .data.torchvision_loader import create_train_loader, create_val_loader
+from .errors import UserError
+from .models import create_model
+from .optim import create_optimizer
+from .training import average_bn_statistics, evaluate, train_one_epoch, use_last_iteration_statistics
+
+
+class ProgressBar:
+    """tqdm on rank 0 (loss, img/s, ETA); nothing elsewhere. Reads the device every ``every`` steps."""
+
+    def __init__(self, total: int, epoch: int, epochs: int, world_size: int, every: int = 5):
+        from tqdm import tqdm
+        self.bar = tqdm(total=total, desc=f"epoch {epoch + 1}/{epochs}", unit="step", leave=False,
+                        file=sys.stdout, dynamic_ncols=True)
+        self.world_size, self.every, self.start = world_size, every, time.perf_counter()
+
+    def update(self, loss_sum, seen, steps: int) -> None:
+        self.bar.update(1)
+        if steps % self.every == 0:
+            rate = float(seen) * self.world_size / (time.perf_counter() - self.start)
+            self.bar.set_postfix(loss=f"{float(loss_sum / seen):.4f}", img_s=f"{rate:.0f}")
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def log(topo, message: str) -> None:
+    if topo.is_root:
+        print(message, flush=True)
+
+
+def build_data(cfg: Config, topo):
+    train_set, val_set = scan_dataset(cfg.data.path)
+    if train_set.skipped_non_images or val_set.skipped_non_images:
+        skipped = train_set.skipped_non_images + val_set.skipped_non_images
+        log(topo, f"hybridtrain: skipping {len(skipped)} non-image file(s), e.g. {skipped[0]}")
+    if len(train_set) < 2 * topo.size:
+        raise UserError(f"{len(train_set)} training images cannot be split over {topo.size} ranks "
+                        f"(each needs >= 2): use fewer ranks or more data")
+    num_classes = cfg.model.num_classes or len(train_set.classes)
+    if num_classes != len(train_set.classes):
+        raise UserError(f"model.num_classes={cfg.model.num_classes} but {cfg.data.path} has "
+                        f"{len(train_set.classes)} class folders: set model.num_classes: 0 to infer it")
+    return train_set, val_set, num_classes
+
+
+def resume_state(cfg: Config, topo) -> dict | None:
+    """Rank 0 reads the newest valid checkpoint (weights_only) and broadcasts it to every rank."""
+    state = None
+    if topo.is_root:
+        try:
+            state = checkpoint.load_latest(cfg.run_dir)
+        except UserError as exc:
+            state = {"error": str(exc)}  # every rank raises it, nobody waits on a dead rank 0
+    state = distributed.broadcast_object(state, "resume_state")
+    if "error" in state:
+        raise UserError(state["error"])
+    if state.get("config_fingerprint") != cfg.fingerprint():
+        log(topo, "hybridtrain: warning: the config differs from the checkpoint's; continuing with the new one")
+    return state
+
+
+def append_metrics(path: str, record: dict) -> None:
+    with open(path, "a") as fh:
+        fh.write(json.dumps(record) + "\n")
+
+
+def truncate_metrics(path: str, last_epoch: int) -> list[dict]:
+    """Keep metrics of epochs <= last_epoch (a resumed run rewrites what came after its checkpoint)."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as fh:
+        records = [json.loads(line) for line in fh if line.strip()]
+    kept = [r for r in records if r["epoch"] <= last_epoch]
+    with open(path, "w") as fh:
+        fh.writelines(json.dumps(r) + "\n" for r in kept)
+    return kept
+
+
+def run_training(cfg: Config, resume: bool = False) -> dict | None:
+    topo = distributed.init(cfg.train.threads)
+    train_set, val_set, num_classes = build_data(cfg, topo)
+    model = create_model(cfg.model.arch, num_classes, cfg.model.variant, cfg.model.small_input_stem,
+                         cfg.model.zero_init_last_bn, seed=cfg.seed)
+    use_last_iteration_statistics(model)
+    steps = sharding.steps_per_epoch(len(train_set), topo.size, cfg.train.batch_size)
+    bundle = create_optimizer(model, cfg, topo.size, steps)
+    metrics_path = os.path.join(cfg.run_dir, "metrics.jsonl")
+    start_epoch, history, elapsed_before = 0, [], 0.0
+    if resume:
+        state = resume_state(cfg, topo)
+        model.load_state_dict(state["model"])
+        bundle.optimizer.load_state_dict(state["optimizer"])
+        start_epoch, elapsed_before = state["epoch"] + 1, state.get("elapsed_s", 0.0)
+        log(topo, f"hybridtrain: resumed from epoch {state['epoch'] + 1} in {cfg.run_dir}")
+    else:
+        distributed.broadcast_model(model)
+        bundle.optimizer.load_state_dict(distributed.broadcast_object(bundle.optimizer.state_dict(), "optim_init"))
+    bundle.optimizer = distributed.distributed_optimizer(bundle.optimizer, model, cfg.horovod.compression)
+    if topo.is_root:
+        os.makedirs(cfg.run_dir, exist_ok=True)
+        save_config(cfg, os.path.join(cfg.run_dir, "config.yaml"))
+        history = truncate_metrics(metrics_path, start_epoch - 1)
+    train_loader = create_train_loader(train_set, cfg, topo.rank, topo.size)
+    val_loader = create_val_loader(val_set, cfg, topo.rank, topo.size)
+    dropped = sharding.dropped_per_epoch(len(train_set), topo.size, cfg.train.batch_size)
+    log(topo, f"hybridtrain: {topo.size} rank(s), {len(train_set)} train / {len(val_set)} val images, "
+              f"{num_classes} classes, {steps} steps/epoch, global batch {topo.size * cfg.train.batch_size}"
+              + (f", {dropped} image(s) dropped per epoch" if dropped else ""))
+    run_start = time.perf_counter() - elapsed_before
+    for epoch in range(start_epoch, cfg.train.epochs):
+        epoch_start = time.perf_counter()
+        bar = ProgressBar(steps, epoch, cfg.train.epochs, topo.size) if topo.is_root and cfg.train.progress else None
+        result = train_one_epoch(model, bundle, train_loader, epoch, steps, bar)
+        if bar:
+            bar.close()
+        average_bn_statistics(model)
+        ev = evaluate(model, val_loader, tag=str(epoch))
+        record = {"epoch": epoch + 1, "train_loss": result.train_loss, "val_loss": ev.loss, "val_top1": ev.top1,
+                  "val_top5": ev.top5, "lr": bundle.optimizer.param_groups[0]["lr"],
+                  "epoch_time_s": time.perf_counter() - epoch_start,
+                  "images_per_sec": result.samples_seen / result.train_time_s, "samples_seen": result.samples_seen,
+                  "val_count": ev.count, "wall_time_s": time.perf_counter() - run_start}
+        if topo.is_root:
+            append_metrics(metrics_path, record)
+            history.append(record)
+            state = {"model": model.state_dict(), "optimizer": bundle.optimizer.state_dict(), "epoch": epoch,
+                     "config": cfg.to_dict(), "config_fingerprint": cfg.fingerprint(),
+                     "elapsed_s": time.perf_counter() - run_start}
+            checkpoint.save_checkpoint(state, cfg.run_dir, epoch + 1, cfg.train.keep_checkpoints)
+            log(topo, reporting.epoch_line(record, cfg.train.epochs))
+    if not topo.is_root:
+        return None
+    torch.save(model.state_dict(), os.path.join(cfg.run_dir, "final_model.pt"))
+    report = reporting.write_report(cfg, history, topo.size, time.perf_counter() - run_start)
+    print(reporting.summary_table(report), flush=True)
+    return report

@@ -1,0 +1,103 @@
+"""One training epoch and one evaluation pass, plus the paper's BatchNorm statistics handling."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import distributed
+from .errors import UserError
+
+
+@dataclass
+class EpochResult:
+    train_loss: float
+    samples_seen: int
+    train_time_s: float
+
+
+@dataclass
+class EvalResult:
+    loss: float
+    top1: float
+    top5: float
+    count: int
+
+
+def batch_norms(model: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
+    return [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
+
+def use_last_iteration_statistics(model: nn.Module) -> None:
+    """momentum = 1: running stats := the current batch's stats, i.e. those of the last iteration (paper 2.2.3)."""
+    for bn in batch_norms(model):
+        bn.momentum = 1.0
+
+
+@torch.no_grad()
+def average_bn_statistics(model: nn.Module) -> None:
+    """Running mean/var averaged over all ranks in FP32 by one all-reduce; afterwards identical on every rank."""
+    bns = batch_norms(model)
+    buffers = [b for bn in bns for b in (bn.running_mean, bn.running_var)]
+    for buf, avg in zip(buffers, distributed.allreduce_mean_fp32(buffers, "bn_statistics")):
+        buf.copy_(avg.view_as(buf).to(buf.dtype))  # mean_r over ranks, in FP32 (paper 2.2.3)
+
+
+def classification_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Softmax cross-entropy computed in FP32 whatever the compute dtype (paper 2.2.2, item 2)."""
+    return F.cross_entropy(logits.float(), labels)
+
+
+def topk_correct(logits: torch.Tensor, labels: torch.Tensor, ks=(1, 5)) -> list[torch.Tensor]:
+    k_max = min(max(ks), logits.shape[1])
+    top = logits.topk(k_max, dim=1).indices
+    hits = top.eq(labels.view(-1, 1))
+    return [hits[:, :min(k, k_max)].any(dim=1).sum() for k in ks]
+
+
+def train_one_epoch(model, bundle, loader, epoch: int, steps_per_epoch: int, progress=None) -> EpochResult:
+    model.train()
+    loader.batch_sampler.set_epoch(epoch)
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    seen = torch.zeros((), dtype=torch.float64)
+    start = time.perf_counter()
+    for i, batch in enumerate(loader):
+        if batch is None:
+            raise UserError("a whole training batch was unreadable: run 'hybridtrain check-data' on the dataset",
+                            same_on_all_ranks=False)
+        images, labels, _ = batch
+        bundle.apply_schedule(epoch * steps_per_epoch + i)
+        loss = classification_loss(model(images), labels)
+        bundle.optimizer.zero_grad()
+        loss.backward()
+        bundle.optimizer.step()
+        loss_sum += loss.detach() * labels.numel()
+        seen += labels.numel()
+        if progress is not None:
+            progress.update(loss_sum, seen, i + 1)
+    elapsed = time.perf_counter() - start
+    totals = distributed.allreduce_sum(torch.stack([loss_sum, seen]), f"train_totals.{epoch}")
+    return EpochResult(float(totals[0] / totals[1]), int(totals[1]), elapsed)
+
+
+@torch.no_grad()
+def evaluate(model, loader, tag: str) -> EvalResult:
+    """Loss, top-1, top-5 over the whole validation set: per-rank sums, then one all-reduce of the sums."""
+    model.eval()
+    sums = torch.zeros(4, dtype=torch.float64)  # loss, top1, top5, count
+    for batch in loader:
+        if batch is None:
+            continue
+        images, labels, _ = batch
+        logits = model(images)
+        loss = F.cross_entropy(logits.float(), labels, reduction="sum")
+        top1, top5 = topk_correct(logits, labels)
+        sums += torch.stack([loss.double(), top1.double(), top5.double(), torch.tensor(float(labels.numel()))])
+    sums = distributed.allreduce_sum(sums, f"eval_totals.{tag}")
+    count = int(sums[3])
+    if count == 0:
+        raise UserError("the validation set yielded no readable images: check data.path/val")
+    return EvalResult(float(sums[0] / count), float(sums[1] / count), float(sums[2] / count), count)

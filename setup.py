@@ -1,0 +1,26 @@
+"""hybridtrain: distributed ResNet-50 training on Horovod with the hybrid AdaBound -> LARS-SGD optimizer.
+
+Install with ./install.sh: it builds Horovod 0.28.1 with the C++17 fix that PyTorch >= 2.1 needs.
+"""
+from setuptools import find_packages, setup
+
+TORCH = "torch==2.13.*"
+TORCHVISION = "torchvision==0.28.*"
+HOROVOD = "horovod==0.28.1"
+DALI = "nvidia-dali-cuda130>=1.30"
+
+setup(
+    name="hybridtrain",
+    version="0.1.0",
+    description="Horovod data-parallel ResNet training with hybrid gradient computing (AdaBound warmup + LARS-SGD)",
+    packages=find_packages(include=["hybridtrain", "hybridtrain.*"]),
+    python_requires=">=3.9",
+    install_requires=[TORCH, TORCHVISION, HOROVOD, "numpy", "pyyaml", "tqdm", "pillow", "matplotlib",
+                      "scikit-learn", "psutil", "cloudpickle"],
+    extras_require={
+        "dali": [DALI],
+        "mpi": ["mpi4py"],
+        "dev": ["pytest"],
+    },
+    entry_points={"console_scripts": ["hybridtrain=hybridtrain.cli:main"]},
+)
