@@ -31,6 +31,22 @@ run() { "$@" >>"$LOG" 2>&1; }
 # the registry's torchvision cannot load its compiled ops with ("operator torchvision::nms does not exist").
 registry_pip() { env -u PIP_FIND_LINKS PIP_CONFIG_FILE=/dev/null "$VENV/bin/python" -m pip "$@"; }
 
+# Optional (HYBRIDTRAIN_SYSTEM_PACKAGES=1, root on Debian/Ubuntu): the compiler, cmake 3, OpenMPI and shellcheck.
+install_system_packages() {
+  [ "${HYBRIDTRAIN_SYSTEM_PACKAGES:-0}" = 1 ] || return 0
+  if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
+    step "skipping system packages (needs root and apt-get)"; return 0
+  fi
+  local -a wanted=(g++ cmake libopenmpi-dev openmpi-bin shellcheck python3-venv)
+  local -a missing=()
+  local p
+  for p in "${wanted[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+  if [ ${#missing[@]} -eq 0 ]; then step "system packages present"; return 0; fi
+  step "installing system packages: ${missing[*]}"
+  run apt-get update -qq || fail "apt-get update failed"
+  DEBIAN_FRONTEND=noninteractive run apt-get install -y -qq "${missing[@]}" || fail "apt-get install ${missing[*]} failed"
+}
+
 check_tools() {
   step "checking tools (python, compiler, cmake)"
   command -v "$PYTHON" >/dev/null || fail "python3 not found: install Python >= 3.9 (Debian: apt-get install python3 python3-venv python3-dev)"
@@ -149,6 +165,7 @@ check_build() {
   echo "install: ok ($VENV; log $VENV/install.log)"
 }
 
+install_system_packages
 check_tools
 make_venv
 install_torch

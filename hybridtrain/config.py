@@ -114,9 +114,9 @@ class Config:
 
 # ----------------------------------------------------------------------------- building from dicts
 
-def _suggest(key: str, allowed) -> str:
+def _suggest(key: str, allowed, prefix: str) -> str:
     near = difflib.get_close_matches(key, list(allowed), n=1)
-    return f" (did you mean '{near[0]}'?)" if near else ""
+    return f" (did you mean '{prefix}{near[0]}'?)" if near else ""
 
 
 def _default(f: dataclasses.Field):
@@ -173,7 +173,7 @@ def _build(cls, values: dict, prefix: str = ""):
         dotted = f"{prefix}{key}"
         if key not in fields:
             allowed = ", ".join(fields)
-            raise UserError(f"config error: unknown key '{dotted}'{_suggest(key, fields)}; allowed here: {allowed}")
+            raise UserError(f"config error: unknown key '{dotted}'{_suggest(key, fields, prefix)}; allowed here: {allowed}")
         f = fields[key]
         default = _default(f)
         if dataclasses.is_dataclass(default):

@@ -1,6 +1,7 @@
 """Horovod, the engine: init, thread pinning, broadcast from rank 0, FP32 all-reduces of statistics."""
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
 
@@ -58,6 +59,19 @@ def broadcast_model(model: torch.nn.Module) -> None:
 
 def broadcast_object(obj, name: str):
     return import_horovod().broadcast_object(obj, root_rank=0, name=name)
+
+
+def state_digest(module: torch.nn.Module) -> str:
+    """sha256 over every parameter and buffer, in state_dict order: equal digests = bitwise-equal models."""
+    h = hashlib.sha256()
+    for name, tensor in module.state_dict().items():
+        h.update(name.encode())
+        h.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def gather_digests(module: torch.nn.Module) -> list[str]:
+    return import_horovod().allgather_object(state_digest(module), name="state_digests")
 
 
 def allreduce_sum(tensor: torch.Tensor, name: str) -> torch.Tensor:

@@ -11,7 +11,7 @@ def epoch_line(r: dict, epochs: int) -> str:
             f"{r['images_per_sec']:.0f} img/s  {r['epoch_time_s']:.1f}s")
 
 
-def write_report(cfg, history: list[dict], world_size: int, total_time_s: float) -> dict:
+def write_report(cfg, history: list[dict], world_size: int, total_time_s: float, extra: dict | None = None) -> dict:
     last = history[-1] if history else {}
     seen = sum(r["samples_seen"] for r in history)
     train_time = sum(r["samples_seen"] / r["images_per_sec"] for r in history if r["images_per_sec"] > 0)
@@ -24,6 +24,7 @@ def write_report(cfg, history: list[dict], world_size: int, total_time_s: float)
         "total_time_s": total_time_s,
         "images_per_sec": seen / train_time if train_time else None,
         "config": cfg.to_dict(),
+        **(extra or {}),
     }
     with open(os.path.join(cfg.run_dir, "report.json"), "w") as fh:
         json.dump(report, fh, indent=2)

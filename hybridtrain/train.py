@@ -79,13 +79,13 @@ def append_metrics(path: str, record: dict) -> None:
         fh.write(json.dumps(record) + "\n")
 
 
-def truncate_metrics(path: str, last_epoch: int) -> list[dict]:
-    """Keep metrics of epochs <= last_epoch (a resumed run rewrites what came after its checkpoint)."""
+def truncate_metrics(path: str, completed_epochs: int) -> list[dict]:
+    """Keep the records of the first ``completed_epochs`` epochs (a resumed run rewrites what came after)."""
     if not os.path.exists(path):
         return []
     with open(path) as fh:
         records = [json.loads(line) for line in fh if line.strip()]
-    kept = [r for r in records if r["epoch"] <= last_epoch]
+    kept = [r for r in records if r["epoch"] <= completed_epochs]
     with open(path, "w") as fh:
         fh.writelines(json.dumps(r) + "\n" for r in kept)
     return kept
@@ -101,6 +101,8 @@ def run_training(cfg: Config, resume: bool = False) -> dict | None:
     bundle = create_optimizer(model, cfg, topo.size, steps)
     metrics_path = os.path.join(cfg.run_dir, "metrics.jsonl")
     start_epoch, history, elapsed_before = 0, [], 0.0
+    # Wrap first: Horovod rebuilds the optimizer from its param_groups, so state loaded before would be lost.
+    bundle.optimizer = distributed.distributed_optimizer(bundle.optimizer, model, cfg.horovod.compression)
     if resume:
         state = resume_state(cfg, topo)
         model.load_state_dict(state["model"])
@@ -110,11 +112,10 @@ def run_training(cfg: Config, resume: bool = False) -> dict | None:
     else:
         distributed.broadcast_model(model)
         bundle.optimizer.load_state_dict(distributed.broadcast_object(bundle.optimizer.state_dict(), "optim_init"))
-    bundle.optimizer = distributed.distributed_optimizer(bundle.optimizer, model, cfg.horovod.compression)
     if topo.is_root:
         os.makedirs(cfg.run_dir, exist_ok=True)
         save_config(cfg, os.path.join(cfg.run_dir, "config.yaml"))
-        history = truncate_metrics(metrics_path, start_epoch - 1)
+        history = truncate_metrics(metrics_path, start_epoch)
     train_loader = create_train_loader(train_set, cfg, topo.rank, topo.size)
     val_loader = create_val_loader(val_set, cfg, topo.rank, topo.size)
     dropped = sharding.dropped_per_epoch(len(train_set), topo.size, cfg.train.batch_size)
@@ -143,9 +144,14 @@ def run_training(cfg: Config, resume: bool = False) -> dict | None:
                      "elapsed_s": time.perf_counter() - run_start}
             checkpoint.save_checkpoint(state, cfg.run_dir, epoch + 1, cfg.train.keep_checkpoints)
             log(topo, reporting.epoch_line(record, cfg.train.epochs))
+    digests = distributed.gather_digests(model)
     if not topo.is_root:
         return None
+    if len(set(digests)) != 1:
+        print("hybridtrain: warning: ranks ended with different parameters (see report.json rank_digests)",
+              file=sys.stderr)
     torch.save(model.state_dict(), os.path.join(cfg.run_dir, "final_model.pt"))
-    report = reporting.write_report(cfg, history, topo.size, time.perf_counter() - run_start)
+    report = reporting.write_report(cfg, history, topo.size, time.perf_counter() - run_start,
+                                    extra={"rank_digests": digests})
     print(reporting.summary_table(report), flush=True)
     return report

@@ -1,0 +1,132 @@
+"""check-data: fully decode every image of an ImageNet-layout dataset in parallel and report the problems.
+
+The report (a JSON-ready dict) holds, per split: the class folders with their count of readable images,
+the readable samples as (path relative to the split folder, label), the corrupt or unreadable images with
+the decoder's message, and the files that are not images. ``write_filelist`` turns it into a clean file
+list (``class/file label`` per line, the format of DALI's ``file_list``), and ``read_filelist`` reads one
+back as an :class:`ImageList` for either backend. Labels are the class folder's position in sorted order,
+as in ``folder.scan_split``.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+
+from PIL import Image
+from tqdm import tqdm
+
+from ..errors import UserError
+from .folder import ImageList, is_image_file
+
+SPLITS = ("train", "val")
+FULL_TABLE_MAX_CLASSES = 20
+
+
+def decode_error(path: str) -> str | None:
+    """None when the image decodes completely, else the decoder's complaint."""
+    try:
+        with Image.open(path) as img:
+            img.convert("RGB")
+    except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError, DecompressionBombError...
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def list_split(split_dir: str) -> tuple[list[str], list[tuple[str, int]], list[str]]:
+    """Class names, image candidates (relative path, label) and non-image files of one split."""
+    entries = sorted(os.listdir(split_dir))
+    classes = [d for d in entries if os.path.isdir(os.path.join(split_dir, d))]
+    candidates, non_images = [], [e for e in entries if e not in classes]
+    for label, name in enumerate(classes):
+        for f in sorted(os.listdir(os.path.join(split_dir, name))):
+            rel = os.path.join(name, f)
+            if is_image_file(f) and os.path.isfile(os.path.join(split_dir, rel)):
+                candidates.append((rel, label))
+            else:
+                non_images.append(rel)
+    return classes, candidates, non_images
+
+
+def decode_all(paths: list[str], workers: int, desc: str) -> list[str | None]:
+    """decode_error for every path, in order, over ``workers`` processes, with a progress bar."""
+    bar = dict(total=len(paths), desc=desc, unit="img", dynamic_ncols=True)
+    if workers <= 1 or len(paths) < 2:
+        return [decode_error(p) for p in tqdm(paths, **bar)]
+    with multiprocessing.get_context("forkserver").Pool(workers) as pool:
+        return list(tqdm(pool.imap(decode_error, paths, chunksize=32), **bar))
+
+
+def check_split(root: str, split: str, workers: int) -> dict:
+    split_dir = os.path.join(root, split)
+    classes, candidates, non_images = list_split(split_dir)
+    errors = decode_all([os.path.join(split_dir, rel) for rel, _ in candidates], workers, f"check {split}")
+    samples = [[rel, label] for (rel, label), err in zip(candidates, errors) if err is None]
+    counts = dict.fromkeys(classes, 0)
+    for rel, label in samples:
+        counts[classes[label]] += 1
+    corrupt = [{"path": rel, "error": err} for (rel, _), err in zip(candidates, errors) if err is not None]
+    return {"classes": counts, "samples": samples, "corrupt": corrupt, "non_images": non_images}
+
+
+def check_data(root: str, workers: int = 0) -> dict:
+    """Decode every image under ROOT/{train,val} with ``workers`` processes (0 = all cores)."""
+    splits = [s for s in SPLITS if os.path.isdir(os.path.join(root, s))]
+    if not splits:
+        raise UserError(f"{root} has neither a train nor a val folder: expected {root}/train/<class>/*.jpg")
+    workers = workers or os.cpu_count() or 1
+    return {"root": root, "splits": {s: check_split(root, s, workers) for s in splits}}
+
+
+def problem_count(report: dict) -> int:
+    """Corrupt images over all splits (non-image files are skipped by both backends, not counted)."""
+    return sum(len(s["corrupt"]) for s in report["splits"].values())
+
+
+def format_report(report: dict) -> str:
+    """A readable table: per split totals, per-class counts (or their range), then every problem file."""
+    lines = [f"{'split':<6} {'classes':>7} {'images':>8} {'corrupt':>7} {'non-images':>10}"]
+    for split, s in report["splits"].items():
+        lines.append(f"{split:<6} {len(s['classes']):>7} {len(s['samples']):>8} {len(s['corrupt']):>7} "
+                     f"{len(s['non_images']):>10}")
+    for split, s in report["splits"].items():
+        lines += class_lines(split, s["classes"])
+        lines += [f"corrupt   {split}/{c['path']}  ({c['error']})" for c in s["corrupt"]]
+        lines += [f"non-image {split}/{p}" for p in s["non_images"]]
+    return "\n".join(lines)
+
+
+def class_lines(split: str, counts: dict) -> list[str]:
+    if not counts:
+        return [f"{split}: no class folders"]
+    if len(counts) <= FULL_TABLE_MAX_CLASSES:
+        return [f"{split}/{name:<24} {n:>8}" for name, n in counts.items()]
+    low, high = min(counts, key=counts.get), max(counts, key=counts.get)
+    empty = [name for name, n in counts.items() if n == 0]
+    return [f"{split}: images per class from {counts[low]} ({low}) to {counts[high]} ({high})"
+            + (f"; {len(empty)} class(es) with no readable image, e.g. {empty[0]}" if empty else "")]
+
+
+def write_filelist(report: dict, split: str, path: str) -> int:
+    """Write ``class/file label`` lines for the split's readable images; returns how many."""
+    samples = report["splits"][split]["samples"]
+    with open(path, "w") as fh:
+        fh.writelines(f"{rel} {label}\n" for rel, label in samples)
+    return len(samples)
+
+
+def read_filelist(split_dir: str, path: str) -> ImageList:
+    """An ImageList from a file list written by ``write_filelist`` for ``split_dir``; checks it still fits."""
+    classes = sorted(d for d in os.listdir(split_dir) if os.path.isdir(os.path.join(split_dir, d)))
+    label_of = {name: label for label, name in enumerate(classes)}
+    samples = []
+    with open(path) as fh:
+        for n, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            rel, _, label = line.rstrip("\n").rpartition(" ")
+            folder = rel.split("/", 1)[0]
+            if not label.isdigit() or label_of.get(folder) != int(label):
+                raise UserError(f"file list {path} line {n} does not match the class folders of {split_dir}: "
+                                f"run 'hybridtrain check-data --write-filelist' again")
+            samples.append((os.path.join(split_dir, rel), int(label)))
+    return ImageList(split_dir, classes, samples, [])

@@ -1,0 +1,316 @@
+"""The DALI backends: one ImageNet pipeline definition, run on the CPU (``dali_cpu``) or the GPU (``dali_gpu``).
+
+The graph is the same for both devices; only the decoder's device differs ("cpu", or "mixed" = nvJPEG on
+the GPU, after which resize and normalisation run on the GPU too). A CPU pipeline runs without any GPU
+(``device_id=None``), which is how the tests exercise the GPU path's graph.
+
+Sharding: ``shard_id`` is the GLOBAL Horovod rank and ``num_shards`` the world size. DALI gives shard i the
+samples [floor(i*n/k), floor((i+1)*n/k)) of its (shuffled) list.
+
+Shuffling: the reader's ``shuffle_after_epoch=True`` reshuffles the WHOLE list after every epoch with a
+seed that is identical on every rank, so each rank reads a different part of the data every epoch and the
+shards still partition it. (DALI's ``random_shuffle`` only shuffles inside a rank's own shard through a
+buffer, so shards would never change; it is not used.) DALI's reshuffle seed is fixed by DALI, so the file
+list handed to the reader is first permuted by (``seed``, starting epoch): the order then depends on the
+configured seed, is identical on all ranks and is deterministic. Epochs run back to back reuse the
+pipeline; asking for any other epoch (a resumed run) rebuilds it from that epoch, so a resumed run sees a
+deterministic, globally shuffled order, though not the one an uninterrupted run would have seen.
+
+Equal steps: every shard is padded (``pad_last_batch=True``) to ceil(n/k) samples and then to whole
+batches, so every rank runs the pipeline the same number of times per epoch and epochs stay aligned with
+batches. Training yields only the first floor(floor(n/k)/b) batches, which are full of real samples on
+every rank (each sample at most once per epoch; fewer than one global batch dropped, see
+``train_dropped``). Validation yields every real sample of the shard exactly once and cuts off the padded
+duplicates, so the metrics count each image once across ranks. The (at most one) batch left in the epoch
+after the last yielded one is run and discarded before that last batch is handed out. An epoch the
+consumer leaves half-way is not run out: the next iteration rebuilds the pipeline instead.
+
+Labels: the reader is given the sample index as its "label"; the loader maps it to the class label and
+also returns it, so every batch is ``(images, labels, indices)`` as with the torchvision backend.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..errors import UserError
+from .folder import ImageList
+from .torchvision_loader import IMAGENET_MEAN, IMAGENET_STD
+
+INSTALL_HINT = "pip install nvidia-dali-cuda130 in the venv (or run ./install.sh)"
+READER_NAME = "reader"
+DEFAULT_PREFETCH = 2
+
+
+def dali_available() -> bool:
+    """True when NVIDIA DALI imports."""
+    try:
+        import nvidia.dali  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def require_dali() -> None:
+    """Raise a one-line UserError telling how to install DALI when it is missing."""
+    if not dali_available():
+        raise UserError(f"data.backend dali_cpu/dali_gpu needs NVIDIA DALI, which is not installed: {INSTALL_HINT}, "
+                        f"or use data.backend=torchvision")
+
+
+def require_gpu_for_dali_gpu() -> None:
+    """Raise a one-line UserError when dali_gpu is asked for without a CUDA device."""
+    if not torch.cuda.is_available():
+        raise UserError("data.backend=dali_gpu needs a CUDA GPU and none is visible: use data.backend=dali_cpu")
+
+
+# ----------------------------------------------------------------------------- shard arithmetic
+
+def shard_range(num_samples: int, shard: int, num_shards: int) -> range:
+    """The positions of DALI's shard ``shard`` in the reader's list."""
+    return range(num_samples * shard // num_shards, num_samples * (shard + 1) // num_shards)
+
+
+def runs_per_epoch(num_samples: int, num_shards: int, batch_size: int) -> int:
+    """Pipeline runs per epoch on every rank: shards padded to ceil(n/k), then to whole batches."""
+    return math.ceil(math.ceil(num_samples / num_shards) / batch_size)
+
+
+def train_steps(num_samples: int, num_shards: int, batch_size: int) -> int:
+    """Full batches every rank can fill from its own shard (the smallest holds floor(n/k))."""
+    return (num_samples // num_shards) // batch_size
+
+
+def train_dropped(num_samples: int, num_shards: int, batch_size: int) -> int:
+    """Samples not used in a training epoch; always fewer than one global batch."""
+    return num_samples - num_shards * batch_size * train_steps(num_samples, num_shards, batch_size)
+
+
+def default_threads(local_size: int) -> int:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // max(1, local_size))
+
+
+# ----------------------------------------------------------------------------- the pipeline
+
+@dataclass(frozen=True)
+class GraphSpec:
+    """Everything that shapes the graph; ``device`` is "cpu" or "gpu"."""
+    training: bool
+    device: str
+    crop_size: int
+    val_resize: int
+    min_crop_area: float
+    hflip: bool
+    fp16: bool
+    channels_last: bool
+
+
+def imagenet_graph(files: list[str], sample_ids: list[int], shard_id: int, num_shards: int, spec: GraphSpec):
+    """Read, decode, augment or center-crop, normalise; returns (images, sample ids)."""
+    from nvidia.dali import fn, types
+
+    jpegs, ids = fn.readers.file(files=files, labels=sample_ids, shard_id=shard_id, num_shards=num_shards,
+                                 shuffle_after_epoch=spec.training, stick_to_shard=not spec.training,
+                                 pad_last_batch=True, name=READER_NAME)
+    decoder = "mixed" if spec.device == "gpu" else "cpu"
+    mirror = 0
+    if spec.training:
+        images = fn.decoders.image_random_crop(jpegs, device=decoder, output_type=types.RGB,
+                                               random_area=[spec.min_crop_area, 1.0],
+                                               random_aspect_ratio=[3 / 4, 4 / 3])
+        images = fn.resize(images, resize_x=spec.crop_size, resize_y=spec.crop_size)
+        if spec.hflip:
+            mirror = fn.random.coin_flip(probability=0.5)
+    else:
+        images = fn.decoders.image(jpegs, device=decoder, output_type=types.RGB)
+        images = fn.resize(images, resize_shorter=spec.val_resize)
+    images = fn.crop_mirror_normalize(images, crop=(spec.crop_size, spec.crop_size), mirror=mirror,
+                                      mean=[255 * m for m in IMAGENET_MEAN], std=[255 * s for s in IMAGENET_STD],
+                                      dtype=types.FLOAT16 if spec.fp16 else types.FLOAT,
+                                      output_layout="HWC" if spec.channels_last else "CHW")
+    return images, ids
+
+
+def pipeline_seed(seed: int, rank: int, start_epoch: int) -> int:
+    """Augmentation seed: differs per rank and per starting epoch, fits DALI's int range."""
+    return int(np.random.SeedSequence([seed, rank, start_epoch]).generate_state(1)[0] >> 1)
+
+
+def build_pipeline(images: ImageList, spec: GraphSpec, order: np.ndarray, rank: int, world_size: int,
+                   batch_size: int, seed: int, num_threads: int, prefetch_queue_depth: int, device_id):
+    """A built pipeline whose reader sees the samples in ``order``."""
+    from nvidia.dali import pipeline_def
+
+    files = [images.samples[i][0] for i in order]
+    pipe = pipeline_def(imagenet_graph)(
+        files, order.tolist(), rank, world_size, spec, batch_size=batch_size, num_threads=num_threads,
+        device_id=device_id, seed=seed, prefetch_queue_depth=prefetch_queue_depth)
+    with dali_errors():
+        pipe.build()
+    return pipe
+
+
+@contextlib.contextmanager
+def dali_errors():
+    """Turn a DALI failure (undecodable or unreadable file) into a one-line UserError for this rank only."""
+    try:
+        yield
+    except RuntimeError as exc:
+        raise UserError(describe_dali_error(str(exc)), same_on_all_ranks=False) from None
+
+
+def describe_dali_error(message: str) -> str:
+    """The file DALI could not decode, or the cause it reports, and what to do about it."""
+    decode = re.search(r"Failed to decode sample #\d+ : (\S.*)", message)
+    cause = re.search(r"encountered:\s*\n\s*(\S.*)", message)
+    if decode:
+        what = f"cannot decode {decode.group(1).strip()}"
+    else:
+        what = f"DALI failed reading the data ({(cause.group(1) if cause else message).strip()})"
+    return (f"{what}: run 'hybridtrain check-data' on the dataset and train from the clean file list "
+            f"it writes (--write-filelist)")
+
+
+# ----------------------------------------------------------------------------- the loader
+
+class DaliLoader:
+    """One rank's batches ``(images, labels, indices)``, with the torchvision loader's interface.
+
+    Images are NCHW (channels_last memory format when asked for) on the pipeline's device; labels and
+    indices are int64 on the CPU. ``len()`` is the number of batches this rank yields per epoch.
+    """
+
+    def __init__(self, images: ImageList, spec: GraphSpec, rank: int, world_size: int, batch_size: int, seed: int,
+                 num_threads: int, prefetch_queue_depth: int = DEFAULT_PREFETCH, device_id=None):
+        self.images, self.spec = images, spec
+        self.rank, self.world_size, self.batch_size, self.seed = rank, world_size, batch_size, seed
+        self.num_threads, self.prefetch_queue_depth, self.device_id = num_threads, prefetch_queue_depth, device_id
+        self.class_of = torch.tensor([label for _, label in images.samples], dtype=torch.int64)
+        self.shard_size = len(shard_range(len(images), rank, world_size))
+        self.runs = runs_per_epoch(len(images), world_size, batch_size)
+        self.epoch = 0
+        self._pipe = None
+        self._pipe_epoch = 0  # the epoch the pipeline's next run belongs to
+        self._runs_done = 0  # runs already made in that epoch
+
+    @property
+    def batch_sampler(self):
+        """The trainer calls ``loader.batch_sampler.set_epoch(e)``; the loader itself keeps the epoch."""
+        return self
+
+    @property
+    def dropped_per_epoch(self) -> int:
+        return train_dropped(len(self.images), self.world_size, self.batch_size) if self.spec.training else 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        if self.spec.training:
+            return train_steps(len(self.images), self.world_size, self.batch_size)
+        return math.ceil(self.shard_size / self.batch_size)
+
+    def __iter__(self):
+        stale = self.spec.training and self.epoch != self._pipe_epoch
+        if self._pipe is None or self._runs_done or stale:  # first use, an interrupted epoch, another epoch
+            self._pipe = self._build(self.epoch)
+        last = len(self) - 1
+        for run in range(last + 1):
+            images, ids = self._run()
+            keep = self._real_in(run)
+            if run == last:
+                pass
+            yield images[:keep], self.class_of[ids[:keep]], ids[:keep]
+
+    def _real_in(self, run: int) -> int:
+        """How many leading samples of this run's batch are real (not padding) and are yielded."""
+        if self.spec.training:
+            return self.batch_size
+        return min(self.batch_size, self.shard_size - run * self.batch_size)
+
+    def _run_out_epoch(self) -> None:
+        """Run and discard the padding-only batches left, so the pipeline stops at an epoch boundary."""
+        while self._runs_done < self.runs:
+            self._run()
+        self._pipe_epoch, self._runs_done = self._pipe_epoch + 1, 0
+
+    def _build(self, epoch: int):
+        self._pipe = None  # release the old pipeline's threads and memory first
+        self._pipe_epoch, self._runs_done = epoch, 0
+        n = len(self.images)
+        order = np.random.default_rng([self.seed, epoch]).permutation(n) if self.spec.training else np.arange(n)
+        return build_pipeline(self.images, self.spec, order, self.rank, self.world_size, self.batch_size,
+                              pipeline_seed(self.seed, self.rank, epoch), self.num_threads,
+                              self.prefetch_queue_depth, self.device_id)
+
+    def _run(self) -> tuple[torch.Tensor, torch.Tensor]:
+        with dali_errors():
+            images, ids = self._pipe.run()
+        self._runs_done += 1
+        return self._to_torch(images), torch.from_numpy(np.asarray(ids.as_array()).reshape(-1).astype(np.int64))
+
+    def _to_torch(self, images) -> torch.Tensor:
+        """Copy DALI's batch (valid only until the next run) into a torch tensor, NCHW-shaped."""
+        from nvidia.dali.plugin.pytorch import feed_ndarray
+
+        dense = images.as_tensor()
+        dtype = torch.float16 if self.spec.fp16 else torch.float32
+        on_gpu = self.spec.device == "gpu"
+        device = torch.device("cuda", self.device_id) if on_gpu else torch.device("cpu")
+        out = torch.empty(dense.shape(), dtype=dtype, device=device)
+        feed_ndarray(dense, out, cuda_stream=torch.cuda.current_stream(device) if on_gpu else None)
+        return out.permute(0, 3, 1, 2) if self.spec.channels_last else out
+
+
+# ----------------------------------------------------------------------------- factories
+
+def graph_spec(cfg, training: bool, device: str, dtype: torch.dtype, channels_last: bool) -> GraphSpec:
+    if device not in ("cpu", "gpu"):
+        raise ValueError(f"device must be 'cpu' or 'gpu', got {device!r}")
+    if dtype not in (torch.float16, torch.float32):
+        raise ValueError(f"dtype must be torch.float16 or torch.float32, got {dtype}")
+    d = cfg.data
+    return GraphSpec(training, device, d.crop_size, d.val_resize, d.min_crop_area, d.hflip,
+                     dtype == torch.float16, channels_last)
+
+
+def _create(images: ImageList, cfg, rank: int, world_size: int, local_size: int, device: str, training: bool,
+            batch_size: int, dtype: torch.dtype, channels_last: bool, prefetch_queue_depth: int) -> DaliLoader:
+    require_dali()
+    if device == "gpu":
+        require_gpu_for_dali_gpu()
+    spec = graph_spec(cfg, training, device, dtype, channels_last)
+    threads = cfg.data.workers or default_threads(local_size)
+    device_id = torch.cuda.current_device() if device == "gpu" else None
+    return DaliLoader(images, spec, rank, world_size, batch_size, cfg.seed, threads, prefetch_queue_depth, device_id)
+
+
+def create_dali_train_loader(images: ImageList, cfg, rank: int, world_size: int, local_size: int, device: str,
+                             dtype: torch.dtype = torch.float32, channels_last: bool = False,
+                             prefetch_queue_depth: int = DEFAULT_PREFETCH) -> DaliLoader:
+    """Training loader; ``device`` "gpu" decodes on the current CUDA device (set it to the local rank)."""
+    b = cfg.train.batch_size
+    if train_steps(len(images), world_size, b) == 0:
+        raise UserError(f"the training set ({len(images)} images) cannot give every one of {world_size} rank(s) "
+                        f"a full batch of {b}: lower train.batch_size or use fewer ranks")
+    return _create(images, cfg, rank, world_size, local_size, device, True, b, dtype, channels_last,
+                   prefetch_queue_depth)
+
+
+def create_dali_val_loader(images: ImageList, cfg, rank: int, world_size: int, local_size: int, device: str,
+                           dtype: torch.dtype = torch.float32, channels_last: bool = False,
+                           prefetch_queue_depth: int = DEFAULT_PREFETCH) -> DaliLoader:
+    """Validation loader: each real image exactly once across ranks, padded duplicates cut off."""
+    if len(images) < world_size:
+        raise UserError(f"the validation set ({len(images)} images) is smaller than the number of ranks "
+                        f"({world_size}): add images or use fewer ranks")
+    b = cfg.data.val_batch_size or cfg.train.batch_size
+    return _create(images, cfg, rank, world_size, local_size, device, False, b, dtype, channels_last,
+                   prefetch_queue_depth)

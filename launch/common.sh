@@ -1,0 +1,138 @@
+# shellcheck shell=bash
+# Shared functions of the launch scripts; sourced, never run. Every failure is ONE stderr line
+# "launch: error: ..." and exit status 2.
+#
+#   die MESSAGE                 print the error line and exit 2
+#   parse_hostfile FILE         lines "host slots=N" or "host:N"; '#' starts a comment; blank lines skipped
+#   parse_hosts_list LIST       "h1:2,h2:2"
+#   hosts_csv                   the parsed hosts as "h1:2,h2:2" (what horovodrun -H and mpirun -H take)
+#   check_np NP / check_config FILE / check_posint NAME VALUE / check_port PORT
+#   slurm_hostfile SLOTS        stdin: one host per line (scontrol show hostnames); stdout: "host slots=SLOTS"
+#   print_cmd ARGS...           "+ cmd arg ..." on stdout, quoted so it can be pasted into a shell
+#   run_cmd ARGS...             print_cmd, then exec unless DRY_RUN=1
+
+LAUNCH_HOSTS=()   # "host:slots", in the order given
+LAUNCH_WHERE=()   # where each host was given (for duplicate messages)
+LAUNCH_SLOTS=0    # total slots
+DRY_RUN=0
+
+die() {
+  printf 'launch: error: %s\n' "$*" >&2
+  exit 2
+}
+
+is_posint() { [[ "$1" =~ ^[1-9][0-9]*$ ]]; }
+
+check_posint() {
+  is_posint "$2" || die "$1 must be a positive integer, got '$2'"
+}
+
+check_port() {
+  if ! is_posint "$1" || [ "$1" -gt 65535 ]; then die "--ssh-port must be a port number in 1..65535, got '$1'"; fi
+}
+
+# need_value OPTION ARGC: OPTION is followed by a value ($# of the caller's remaining arguments).
+need_value() {
+  [ "$2" -ge 2 ] || die "$1 needs a value (see --help)"
+}
+
+is_hostname() { [[ "$1" =~ ^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?$ ]]; }
+
+add_host() {
+  local host="$1" slots="$2" where="$3" i
+  is_hostname "$host" || die "$where: '$host' is not a valid host name"
+  is_posint "$slots" || die "$where: slots must be a positive integer, got '$slots'"
+  for i in "${!LAUNCH_HOSTS[@]}"; do
+    [ "${LAUNCH_HOSTS[$i]%:*}" != "$host" ] || die "$where: host '$host' is already listed (${LAUNCH_WHERE[$i]})"
+  done
+  LAUNCH_HOSTS+=("$host:$slots")
+  LAUNCH_WHERE+=("$where")
+  LAUNCH_SLOTS=$((LAUNCH_SLOTS + slots))
+}
+
+trim() {
+  local s="$1"
+  s="${s#"${s%%[![:space:]]*}"}"
+  s="${s%"${s##*[![:space:]]}"}"
+  printf '%s' "$s"
+}
+
+parse_hostfile() {
+  local file="$1" line n=0
+  [ -e "$file" ] || die "hostfile not found: $file"
+  if [ ! -f "$file" ] || [ ! -r "$file" ]; then die "hostfile is not a readable file: $file"; fi
+  while IFS= read -r line || [ -n "$line" ]; do
+    n=$((n + 1))
+    line="$(trim "${line%%#*}")"
+    [ -n "$line" ] || continue
+    if [[ "$line" =~ ^([^[:space:]:]+)[[:space:]]+slots=([^[:space:]]*)$ ]] \
+      || [[ "$line" =~ ^([^[:space:]:]+):([^[:space:]]*)$ ]]; then
+      add_host "${BASH_REMATCH[1]}" "${BASH_REMATCH[2]}" "$file line $n"
+    else
+      die "$file line $n: expected 'host slots=N' or 'host:N', got '$line'"
+    fi
+  done <"$file"
+  [ "${#LAUNCH_HOSTS[@]}" -gt 0 ] || die "hostfile $file lists no hosts"
+}
+
+parse_hosts_list() {
+  local list="$1" entry n=0
+  local -a entries
+  [ -n "$list" ] || die "--hosts needs host:N entries, e.g. --hosts h1:4,h2:4"
+  IFS=, read -r -a entries <<<"$list"
+  for entry in "${entries[@]}"; do
+    n=$((n + 1))
+    [[ "$entry" =~ ^([^:]+):(.*)$ ]] || die "--hosts entry $n '$entry' is not host:N (e.g. --hosts h1:4,h2:4)"
+    add_host "${BASH_REMATCH[1]}" "${BASH_REMATCH[2]}" "--hosts entry $n"
+  done
+}
+
+hosts_csv() {
+  local IFS=,
+  printf '%s' "${LAUNCH_HOSTS[*]}"
+}
+
+check_np() {
+  [ -n "$1" ] || die "-np N is required (see --help)"
+  check_posint "-np" "$1"
+  [ "$1" -le "$LAUNCH_SLOTS" ] || die "-np $1 exceeds the $LAUNCH_SLOTS slots of $(hosts_csv)"
+}
+
+check_config() {
+  [ -n "$1" ] || die "--config FILE is required (see --help)"
+  [ -f "$1" ] || die "config file not found: $1"
+}
+
+slurm_hostfile() {
+  local slots="${1:-}" line n=0
+  check_posint "slots per host" "$slots"
+  while IFS= read -r line || [ -n "$line" ]; do
+    n=$((n + 1))
+    line="$(trim "$line")"
+    [ -n "$line" ] || continue
+    add_host "$line" "$slots" "host list line $n"
+    printf '%s slots=%s\n' "$line" "$slots"
+  done
+  [ "${#LAUNCH_HOSTS[@]}" -gt 0 ] || die "no hosts on stdin (expected the output of 'scontrol show hostnames')"
+}
+
+quote_arg() {
+  if [[ "$1" =~ ^[A-Za-z0-9_./:=,@%+-]+$ ]]; then
+    printf '%s' "$1"
+  else
+    printf "'%s'" "${1//\'/\'\\\'\'}"
+  fi
+}
+
+print_cmd() {
+  local arg line="+"
+  for arg in "$@"; do line+=" $(quote_arg "$arg")"; done
+  printf '%s\n' "$line"
+}
+
+run_cmd() {
+  print_cmd "$@"
+  [ "$DRY_RUN" != 1 ] || exit 0
+  command -v "$1" >/dev/null || die "$1 not found on PATH: activate the environment (source .venv/bin/activate) or run ./install.sh"
+  exec "$@"
+}

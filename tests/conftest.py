@@ -1,0 +1,108 @@
+"""Shared fixtures: the real digits data (full and a small subset), config files, real process launchers."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+BIN = os.path.dirname(sys.executable)
+HYBRIDTRAIN = os.path.join(BIN, "hybridtrain")
+HOROVODRUN = os.path.join(BIN, "horovodrun")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def env_with_venv() -> dict:
+    env = dict(os.environ)
+    env["PATH"] = BIN + os.pathsep + env.get("PATH", "")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def run(cmd, timeout=600, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env_with_venv(),
+                          cwd=cwd or REPO, stdin=subprocess.DEVNULL)
+
+
+def horovodrun(np_: int, args: list[str], timeout=600) -> subprocess.CompletedProcess:
+    hosts = f"localhost:{np_}"
+    return run([HOROVODRUN, "--gloo", "-np", str(np_), "-H", hosts, HYBRIDTRAIN, *args], timeout=timeout)
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if "hybridtrain: error:" in line]
+
+
+def rank_output(stderr: str) -> str:
+    """What the ranks printed; horovodrun prefixes it '[N]<stderr>:' (its own launcher lines are not ours)."""
+    prefixed = [line for line in stderr.splitlines() if re.match(r"^\[\d+\]<std(err|out)>:", line)]
+    return "\n".join(prefixed) if prefixed else stderr
+
+
+def assert_one_error_line(proc: subprocess.CompletedProcess, *needles: str) -> str:
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    output = proc.stdout + "\n" + proc.stderr  # horovodrun forwards rank stderr to its stdout
+    assert "Traceback" not in rank_output(output), output
+    lines = error_lines(output)
+    assert len(lines) == 1, proc.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+def read_metrics(run_dir: str) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+@pytest.fixture(scope="session")
+def digits_dir(tmp_path_factory) -> str:
+    from hybridtrain.data.digits import prepare_digits
+    out = str(tmp_path_factory.mktemp("data") / "digits")
+    prepare_digits(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def small_digits(digits_dir, tmp_path_factory) -> str:
+    """A quick subset: 24 train and 7 val images per class (240 / 70 images, 70 not divisible by batches)."""
+    out = tmp_path_factory.mktemp("data") / "small"
+    for split, per_class in (("train", 24), ("val", 7)):
+        for cls in sorted(os.listdir(os.path.join(digits_dir, split))):
+            src = os.path.join(digits_dir, split, cls)
+            dst = out / split / cls
+            dst.mkdir(parents=True)
+            for name in sorted(os.listdir(src))[:per_class]:
+                shutil.copy(os.path.join(src, name), dst / name)
+    return str(out)
+
+
+def tiny_config(data_path: str, run_dir: str, **sections) -> dict:
+    cfg = {
+        "run_dir": run_dir, "seed": 3,
+        "data": {"path": data_path, "crop_size": 32, "val_resize": 32, "min_crop_area": 0.5, "hflip": False,
+                 "workers": 0},
+        "model": {"arch": "resnet18"},
+        "train": {"epochs": 2, "batch_size": 16, "threads": 1, "progress": False},
+        "optim": {"name": "goyal", "lr": 0.05, "warmup_epochs": 1},
+    }
+    for section, values in sections.items():
+        if isinstance(values, dict):
+            cfg.setdefault(section, {}).update(values)
+        else:
+            cfg[section] = values
+    return cfg
+
+
+@pytest.fixture
+def write_config(tmp_path):
+    def write(cfg: dict, name: str = "config.yaml") -> str:
+        path = tmp_path / name
+        path.write_text(yaml.safe_dump(cfg))
+        return str(path)
+    return write

@@ -1,0 +1,215 @@
+"""The DALI pipeline on the CPU (the same graph as dali_gpu), with several ranks simulated in one process.
+
+Each simulated rank is its own pipeline with ``shard_id`` = rank, exactly as under Horovod. Also the data
+tools: synthetic-imagenet, check-data with a planted corrupt JPEG, and the flat validation layout.
+"""
+import os
+import shutil
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("nvidia.dali", reason="NVIDIA DALI is not installed: pip install nvidia-dali-cuda130 "
+                                          "(or ./install.sh)")
+
+from PIL import Image  # noqa: E402
+
+from hybridtrain.config import config_from_dict  # noqa: E402
+from hybridtrain.data import dali  # noqa: E402
+from hybridtrain.data.check import check_data, format_report, read_filelist, write_filelist  # noqa: E402
+from hybridtrain.data.flat_val import reorganise_flat_val  # noqa: E402
+from hybridtrain.data.folder import scan_dataset, scan_split  # noqa: E402
+from hybridtrain.data.synthetic_imagenet import prepare_synthetic_imagenet  # noqa: E402
+from hybridtrain.data.torchvision_loader import val_transform  # noqa: E402
+from hybridtrain.errors import UserError  # noqa: E402
+
+BATCH = 4
+CROP, RESIZE = 32, 36
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    """10 classes x (7 train, 3 val) small procedural JPEGs: 70 train, 30 val images."""
+    root = str(tmp_path_factory.mktemp("data") / "synthetic")
+    prepare_synthetic_imagenet(root, num_classes=10, train_per_class=7, val_per_class=3, typical_size=(64, 48),
+                               workers=1)
+    return scan_dataset(root)
+
+
+def make_cfg(seed=3):
+    return config_from_dict({"seed": seed, "train": {"batch_size": BATCH},
+                             "data": {"crop_size": CROP, "val_resize": RESIZE, "workers": 1}})
+
+
+def train_loaders(images, world_size, seed=3, **kw):
+    return [dali.create_dali_train_loader(images, make_cfg(seed), r, world_size, world_size, "cpu", **kw)
+            for r in range(world_size)]
+
+
+def run_epoch(loader, epoch):
+    """The index batches of one epoch, checking labels against the dataset on the way."""
+    loader.batch_sampler.set_epoch(epoch)
+    batches = []
+    for images, labels, indices in loader:
+        assert labels.dtype == indices.dtype == torch.int64
+        assert labels.tolist() == [loader.images.samples[i][1] for i in indices.tolist()]
+        batches.append(indices.tolist())
+    return batches
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_training_shards_partition_the_data_and_change_every_epoch(dataset, world_size):
+    train, _ = dataset
+    loaders = train_loaders(train, world_size)
+    dropped = loaders[0].dropped_per_epoch
+    assert 0 < dropped < world_size * BATCH  # 70 is not a multiple of the global batch
+    subsets = []
+    for epoch in (0, 1):
+        per_rank = [run_epoch(loader, epoch) for loader in loaders]
+        assert len({len(batches) for batches in per_rank}) == 1, "ranks ran different step counts"
+        assert all(len(batches) == len(loaders[0]) for batches in per_rank)
+        assert all(len(b) == BATCH for batches in per_rank for b in batches), "training yields full batches only"
+        seen = [i for batches in per_rank for b in batches for i in b]
+        assert len(seen) == len(set(seen)), "a sample was used twice in one epoch"
+        assert len(seen) == len(train) - dropped
+        subsets.append([{i for b in batches for i in b} for batches in per_rank])
+    largest_shard = -(-len(train) // world_size)
+    assert all(len(a | b) > largest_shard for a, b in zip(*subsets)), "a rank stayed inside one shard"
+
+
+def test_an_interrupted_epoch_does_not_shift_the_next(dataset):
+    train, _ = dataset
+    loaders = train_loaders(train, 2)
+    for loader in loaders:
+        it = iter(loader)
+        next(it), next(it)  # leave epoch 0 after two steps
+    seen = [i for loader in loaders for b in run_epoch(loader, 1) for i in b]
+    assert len(seen) == len(set(seen)) == len(train) - loaders[0].dropped_per_epoch
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_validation_counts_every_image_exactly_once(dataset, world_size):
+    _, val = dataset
+    assert len(val) % (world_size * BATCH) != 0
+    loaders = [dali.create_dali_val_loader(val, make_cfg(), r, world_size, world_size, "cpu")
+               for r in range(world_size)]
+    next(iter(loaders[0]))  # a pass left after one batch must not shift the next one
+    for _ in range(2):
+        per_rank = [run_epoch(loader, 0) for loader in loaders]
+        assert [len(batches) for batches in per_rank] == [len(loader) for loader in loaders]
+        seen = sorted(i for batches in per_rank for b in batches for i in b)
+        assert seen == list(range(len(val)))
+
+
+def test_validation_images_match_torchvision_preprocessing(dataset):
+    """Each returned image is its own index's resize + center crop + ImageNet normalisation (RGB order)."""
+    _, val = dataset
+    loader = dali.create_dali_val_loader(val, make_cfg(), 0, 1, 1, "cpu")
+    reference = torch.stack([val_transform(CROP, RESIZE)(Image.open(p).convert("RGB")) for p, _ in val.samples])
+    for images, _, indices in loader:
+        for image, index in zip(images, indices.tolist()):
+            distance = (reference - image).abs().mean(dim=(1, 2, 3))
+            assert int(distance.argmin()) == index
+            assert float(distance[index]) < 0.2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_output_dtype_and_layout_follow_the_arguments(dataset, dtype, channels_last):
+    train, val = dataset
+    cfg = make_cfg()
+    for loader in (dali.create_dali_train_loader(train, cfg, 0, 2, 2, "cpu", dtype=dtype, channels_last=channels_last),
+                   dali.create_dali_val_loader(val, cfg, 1, 2, 2, "cpu", dtype=dtype, channels_last=channels_last)):
+        images, labels, indices = next(iter(loader))
+        assert images.shape == (BATCH, 3, CROP, CROP) and images.dtype == dtype
+        memory_format = torch.channels_last if channels_last else torch.contiguous_format
+        assert images.is_contiguous(memory_format=memory_format)
+        assert -3 < float(images.float().mean()) < 3 and float(images.float().std()) > 0.1
+
+
+def test_epoch_order_and_augmentation_are_deterministic_for_a_seed(dataset):
+    train, _ = dataset
+    first, second, other_seed = (train_loaders(train, 2, seed)[1] for seed in (3, 3, 4))
+    assert [run_epoch(first, e) for e in (0, 1)] == [run_epoch(second, e) for e in (0, 1)]
+    assert run_epoch(other_seed, 0) != run_epoch(train_loaders(train, 2, 3)[1], 0)
+    images_a, images_b = (next(iter(train_loaders(train, 2)[0]))[0] for _ in range(2))
+    assert torch.equal(images_a, images_b)
+    resumed = [train_loaders(train, 2)[0] for _ in range(2)]  # starting at epoch 5, as a resumed run does
+    assert run_epoch(resumed[0], 5) == run_epoch(resumed[1], 5)
+
+
+def test_check_data_finds_a_planted_corrupt_jpeg_and_the_file_list_excludes_it(tmp_path):
+    root = str(tmp_path / "data")
+    prepare_synthetic_imagenet(root, num_classes=2, train_per_class=4, val_per_class=2, typical_size=(64, 48),
+                               workers=1)
+    class_dir = os.path.join(root, "train", "n00000001")
+    good = os.path.join(class_dir, sorted(os.listdir(class_dir))[0])
+    with open(good, "rb") as fh:
+        data = fh.read()
+    broken = os.path.join(class_dir, "broken.JPEG")
+    with open(broken, "wb") as fh:
+        fh.write(data[: len(data) // 2])
+    with open(os.path.join(class_dir, "notes.txt"), "w") as fh:
+        fh.write("not an image\n")
+
+    report = check_data(root, workers=2)
+    train = report["splits"]["train"]
+    assert [c["path"] for c in train["corrupt"]] == ["n00000001/broken.JPEG"]
+    assert train["non_images"] == ["n00000001/notes.txt"]
+    assert train["classes"] == {"n00000000": 4, "n00000001": 4}
+    assert report["splits"]["val"]["corrupt"] == []
+    assert "broken.JPEG" in format_report(report)
+
+    with pytest.raises(UserError, match="broken.JPEG.*check-data") as caught:
+        list(dali.create_dali_val_loader(scan_split(root, "train"), make_cfg(), 0, 1, 1, "cpu"))
+    assert not caught.value.same_on_all_ranks
+
+    filelist = str(tmp_path / "train.txt")
+    assert write_filelist(report, "train", filelist) == 8
+    clean = read_filelist(os.path.join(root, "train"), filelist)
+    assert len(clean) == 8 and broken not in [p for p, _ in clean.samples]
+    assert sorted(i for b in run_epoch(dali.create_dali_val_loader(clean, make_cfg(), 0, 1, 1, "cpu"), 0)
+                  for i in b) == list(range(8))
+
+
+@pytest.mark.parametrize("label_format,link", [("txt", True), ("csv", False)])
+def test_flat_validation_folder_is_reorganised_into_classes(dataset, tmp_path, label_format, link):
+    _, val = dataset
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    truth = {}
+    for i, (path, label) in enumerate(val.samples[:6]):
+        name = f"ILSVRC2012_val_{i + 1:08d}.JPEG"
+        shutil.copy(path, flat / name)
+        truth[name] = val.classes[label]
+    labels_file = tmp_path / f"labels.{label_format}"
+    if label_format == "csv":
+        rows = [f"{os.path.splitext(n)[0]},{c} 1 2 30 40 {c} 5 6 20 20" for n, c in truth.items()]
+        labels_file.write_text("ImageId,PredictionString\n" + "\n".join(rows) + "\n")
+    else:
+        labels_file.write_text("".join(f"{n} {c}\n" for n, c in truth.items()))
+
+    out = tmp_path / "val"
+    counts = reorganise_flat_val(str(flat), str(labels_file), str(out), link=link)
+    assert counts == {"images": 6, "classes": len(set(truth.values()))}
+    for name, cls in truth.items():
+        placed = out / cls / name
+        assert placed.is_symlink() == link
+        assert placed.read_bytes() == (flat / name).read_bytes()
+    with pytest.raises(UserError, match="not an empty folder"):
+        reorganise_flat_val(str(flat), str(labels_file), str(out))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_dali_gpu_without_a_gpu_is_one_clear_error(dataset):
+    train, _ = dataset
+    with pytest.raises(UserError, match="needs a CUDA GPU.*dali_cpu"):
+        dali.create_dali_train_loader(train, make_cfg(), 0, 1, 1, "gpu")
+
+
+def test_missing_dali_is_one_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "nvidia.dali", None)  # what an interpreter without DALI sees
+    assert not dali.dali_available()
+    with pytest.raises(UserError, match="pip install nvidia-dali-cuda130"):
+        dali.require_dali()

@@ -1,0 +1,142 @@
+"""Integration: real horovodrun (Gloo) and mpirun processes training on the real digits images."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+
+from conftest import HOROVODRUN, HYBRIDTRAIN, env_with_venv, horovodrun, read_metrics, run, tiny_config
+from hybridtrain.data.folder import scan_split
+from hybridtrain.data.torchvision_loader import val_transform
+from hybridtrain.models import create_model
+
+
+def digest_of_file(path: str) -> str:
+    """Independent of hybridtrain.distributed.state_digest's code path: reads the saved file."""
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    h = hashlib.sha256()
+    for name, tensor in state.items():
+        h.update(name.encode())
+        h.update(tensor.contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def single_process_eval(run_dir: str, data_path: str, crop: int, resize: int) -> tuple[float, float, float]:
+    val = scan_split(data_path, "val")
+    model = create_model("resnet18", len(val.classes))
+    model.load_state_dict(torch.load(os.path.join(run_dir, "final_model.pt"), weights_only=True))
+    model.eval()
+    tf = val_transform(crop, resize)
+    from PIL import Image
+    loss, top1, top5 = 0.0, 0, 0
+    with torch.no_grad():
+        for path, label in val.samples:
+            logits = model(tf(Image.open(path).convert("RGB")).unsqueeze(0))[0]
+            loss += float(torch.nn.functional.cross_entropy(logits.unsqueeze(0), torch.tensor([label])))
+            ranked = logits.argsort(descending=True).tolist()
+            top1 += int(ranked[0] == label)
+            top5 += int(label in ranked[:5])
+    n = len(val.samples)
+    return loss / n, top1 / n, top5 / n
+
+
+@pytest.fixture(scope="module")
+def gloo_run(small_digits, tmp_path_factory):
+    run_dir = str(tmp_path_factory.mktemp("runs") / "gloo")
+    cfg_path = tmp_path_factory.mktemp("cfg") / "c.yaml"
+    import yaml
+    cfg_path.write_text(yaml.safe_dump(tiny_config(small_digits, run_dir)))
+    proc = horovodrun(2, ["train", "--config", str(cfg_path)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return run_dir, proc
+
+
+def test_two_ranks_end_bitwise_identical(gloo_run):
+    run_dir, _ = gloo_run
+    with open(os.path.join(run_dir, "report.json")) as fh:
+        report = json.load(fh)
+    assert report["world_size"] == 2
+    digests = report["rank_digests"]
+    assert len(digests) == 2 and digests[0] == digests[1]
+    assert digests[0] == digest_of_file(os.path.join(run_dir, "final_model.pt"))
+
+
+def test_every_training_sample_seen_once_per_epoch(gloo_run, small_digits):
+    run_dir, _ = gloo_run
+    n_train = len(scan_split(small_digits, "train"))
+    records = read_metrics(run_dir)
+    assert [r["epoch"] for r in records] == [1, 2]
+    assert all(r["samples_seen"] == n_train for r in records)
+
+
+def test_validation_equals_single_process_evaluation(gloo_run, small_digits):
+    run_dir, _ = gloo_run
+    last = read_metrics(run_dir)[-1]
+    loss, top1, top5 = single_process_eval(run_dir, small_digits, 32, 32)
+    assert last["val_count"] == len(scan_split(small_digits, "val"))
+    assert last["val_top1"] == pytest.approx(top1, abs=1e-12)
+    assert last["val_top5"] == pytest.approx(top5, abs=1e-12)
+    assert last["val_loss"] == pytest.approx(loss, rel=1e-4)
+
+
+def test_run_dir_holds_config_report_and_summary(gloo_run):
+    run_dir, proc = gloo_run
+    for name in ("config.yaml", "metrics.jsonl", "report.json", "checkpoint-epoch0002.pt"):
+        assert os.path.exists(os.path.join(run_dir, name)), name
+    with open(os.path.join(run_dir, "report.json")) as fh:
+        report = json.load(fh)
+    for key in ("world_size", "epochs", "final_top1", "final_top5", "best_top1", "total_time_s", "images_per_sec",
+                "config"):
+        assert key in report
+    assert "| val top-1 (final)" in proc.stdout
+    rank1_lines = [line for line in proc.stdout.splitlines() if line.startswith("[1]<stdout>")]
+    assert rank1_lines == [], "rank 1 must stay quiet"
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="no MPI installed (apt-get install openmpi-bin)")
+def test_mpirun_two_ranks(small_digits, tmp_path, write_config):
+    run_dir = str(tmp_path / "mpi")
+    cfg = write_config(tiny_config(small_digits, run_dir, train={"epochs": 1}, optim={"warmup_epochs": 0.5}))
+    root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+    proc = run(["mpirun", *root, "--oversubscribe", "-np", "2", "-x", "PATH", "-x", "PYTHONUNBUFFERED",
+                HYBRIDTRAIN, "train", "--config", cfg])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(os.path.join(run_dir, "report.json")) as fh:
+        report = json.load(fh)
+    assert report["world_size"] == 2 and len(set(report["rank_digests"])) == 1
+    assert read_metrics(run_dir)[-1]["samples_seen"] == len(scan_split(small_digits, "train"))
+
+
+def test_interrupted_and_resumed_run_matches_uninterrupted(small_digits, tmp_path, write_config):
+    epochs = {"epochs": 3}
+    straight_dir, broken_dir = str(tmp_path / "straight"), str(tmp_path / "broken")
+    straight = write_config(tiny_config(small_digits, straight_dir, train=epochs), "straight.yaml")
+    broken = write_config(tiny_config(small_digits, broken_dir, train=epochs), "broken.yaml")
+    assert horovodrun(2, ["train", "--config", straight]).returncode == 0
+
+    # Kill the whole job as soon as epoch 1's checkpoint is durable.
+    proc = subprocess.Popen([HOROVODRUN, "--gloo", "-np", "2", "-H", "localhost:2", HYBRIDTRAIN, "train", "--config",
+                             broken], env=env_with_venv(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    first = os.path.join(broken_dir, "checkpoint-epoch0001.pt")
+    deadline = time.time() + 300
+    while not os.path.exists(first) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert os.path.exists(first)
+    assert not os.path.exists(os.path.join(broken_dir, "final_model.pt")), "killed too late to test resume"
+
+    resumed = horovodrun(2, ["train", "--config", broken, "--resume"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from epoch" in resumed.stdout
+    assert digest_of_file(os.path.join(broken_dir, "final_model.pt")) == \
+        digest_of_file(os.path.join(straight_dir, "final_model.pt"))
+    assert [r["epoch"] for r in read_metrics(broken_dir)] == [1, 2, 3]
