@@ -160,7 +160,7 @@ install_rest() {
 check_build() {
   step "horovodrun --check-build"
   "$VENV/bin/horovodrun" --check-build >>"$LOG" 2>&1 || fail "horovodrun --check-build failed"
-  grep -A3 'Available Controllers' "$LOG" | tail -n 2 | tr -s ' \n' ' ' | sed 's/^/  controllers:/'; echo
+  grep -A2 'Available Controllers' "$LOG" | tail -n 2 | tr -s ' \n' ' ' | sed 's/^/  controllers:/'; echo
   cp "$LOG" "$VENV/install.log"
   echo "install: ok ($VENV; log $VENV/install.log)"
 }

@@ -16,7 +16,7 @@ configured seed, is identical on all ranks and is deterministic. Epochs run back
 pipeline; asking for any other epoch (a resumed run) rebuilds it from that epoch, so a resumed run sees a
 deterministic, globally shuffled order, though not the one an uninterrupted run would have seen.
 
-Equal steps: every shard is padded (``pad_last_batch=True``) to ceil(n/k) samples and then to whole
+Equal steps: every shard is padded (``pad_last_batch=not spec.training``) to ceil(n/k) samples and then to whole
 batches, so every rank runs the pipeline the same number of times per epoch and epochs stay aligned with
 batches. Training yields only the first floor(floor(n/k)/b) batches, which are full of real samples on
 every rank (each sample at most once per epoch; fewer than one global batch dropped, see
@@ -118,7 +118,7 @@ def imagenet_graph(files: list[str], sample_ids: list[int], shard_id: int, num_s
 
     jpegs, ids = fn.readers.file(files=files, labels=sample_ids, shard_id=shard_id, num_shards=num_shards,
                                  shuffle_after_epoch=spec.training, stick_to_shard=not spec.training,
-                                 pad_last_batch=True, name=READER_NAME)
+                                 pad_last_batch=not spec.training, name=READER_NAME)
     decoder = "mixed" if spec.device == "gpu" else "cpu"
     mirror = 0
     if spec.training:
@@ -226,7 +226,7 @@ class DaliLoader:
             images, ids = self._run()
             keep = self._real_in(run)
             if run == last:
-                pass
+                self._run_out_epoch()
             yield images[:keep], self.class_of[ids[:keep]], ids[:keep]
 
     def _real_in(self, run: int) -> int:
