@@ -152,7 +152,7 @@ install_rest() {
   if [ "${HYBRIDTRAIN_SKIP_DALI:-0}" != 1 ]; then extras+=(dali); fi
   if detect_mpi; then extras+=(mpi); fi
   local spec
-  spec="$ROOT[$(IFS=,; echo "${extras[*]}")]"
+  spec="${ROOT}[$(IFS=,; echo "${extras[*]}")]"
   run registry_pip install -e "$spec" || fail "could not install $spec: see the log"
   torch_ok || fail "a dependency replaced torch or torchvision: see the log"
 }

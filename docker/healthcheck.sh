@@ -26,7 +26,7 @@ cd "$ROOT"
 run_dir="$STATE/run-$$"
 {
   hybridtrain prepare-data digits --out "$DIGITS" \
-    && launch/local.sh -np 1 --config configs/demo.yaml -- --set train.epochs=1 --set optim.warmup_epochs=0 \
+    && launch/local.sh -np 1 --config configs/demo.yaml -- --set train.epochs=1 --set optim.name=sgd \
       --set data.path="$DIGITS" --set run_dir="$run_dir" --set train.progress=false
 } >>"$STATE/last.log" 2>&1 || fail "1-rank training step failed"
 rm -rf "$run_dir"

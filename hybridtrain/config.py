@@ -67,14 +67,28 @@ class TrainConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = choice("goyal", ["goyal", "sgd"], "optimizer recipe")
-    lr: float = number(0.1, lo=0.0, lo_open=True, doc="single-GPU learning rate; scaled by the number of ranks")
+    name: str = choice("hybrid", ["hybrid", "adabound", "goyal", "sgd"],
+                       "hybrid (AdaBound warmup -> LARS-SGD, the paper), adabound, goyal or sgd (baselines)")
+    lr: float = number(0.1, lo=0.0, lo_open=True, doc="single-GPU SGD learning rate; scaled by the number of ranks")
     momentum: float = number(0.9, lo=0.0, hi=1.0, hi_open=True, doc="SGD momentum")
     weight_decay: float = number(1e-4, lo=0.0, doc="L2 weight decay")
-    decay_bn_and_bias: bool = plain(False, "apply weight decay to BN parameters and biases too")
+    decay_bn_and_bias: bool = plain(False, "apply weight decay and LARS to BN parameters and biases too")
+    # hybrid / adabound
+    adabound_epochs: int = number(10, lo=0, lo_open=True, doc="hybrid: T, the AdaBound warmup epochs")
+    alpha: float = number(1e-3, lo=0.0, lo_open=True, doc="hybrid/adabound: Adam-phase learning rate alpha")
+    betas: list = plain([0.9, 0.999], "hybrid/adabound: (beta1, beta2)")
+    eps: float = number(1e-8, lo=0.0, lo_open=True, doc="hybrid/adabound: epsilon")
+    bound_granularity: str = choice("iteration", ["iteration", "epoch"],
+                                    "hybrid: t in B_l(t), B_u(t) advances per iteration or per epoch")
+    kappa: float = number(0.9, lo=0.0, hi=1.0, lo_open=True, doc="hybrid: SGD-phase decay lr*N*kappa^epoch")
+    kappa_origin: str = choice("switch", ["switch", "zero"], "hybrid: kappa exponent counts from T or from 0")
+    lars: str = choice("scale", ["scale", "clip", "none"], "hybrid: LARS trust-ratio scaling, LARC clipping, or none")
+    trust_coefficient: float = number(0.001, lo=0.0, lo_open=True, doc="hybrid: LARS trust coefficient eta")
+    adabound_gamma: float = number(1e-3, lo=0.0, lo_open=True, doc="adabound: convergence speed gamma of the bounds")
+    # goyal / sgd
     warmup_epochs: float = number(5.0, lo=0.0, doc="goyal: gradual warmup from lr to lr x N over this many epochs")
-    milestones: list = plain([1 / 3, 2 / 3, 8 / 9], "step decay points as fractions of the run")
-    decay_factor: float = number(0.1, lo=0.0, hi=1.0, lo_open=True, doc="step decay multiplier")
+    milestones: list = plain([1 / 3, 2 / 3, 8 / 9], "goyal/sgd: step decay points as fractions of the run")
+    decay_factor: float = number(0.1, lo=0.0, hi=1.0, lo_open=True, doc="goyal/sgd: step decay multiplier")
 
 
 @dataclass
@@ -238,6 +252,12 @@ def validate(cfg: Config) -> Config:
     ms = cfg.optim.milestones
     if not all(isinstance(m, (int, float)) and 0 < m < 1 for m in ms) or list(ms) != sorted(ms):
         raise UserError(f"config error: optim.milestones must be increasing fractions in (0, 1), got {ms!r}")
+    betas = cfg.optim.betas
+    if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
+        raise UserError(f"config error: optim.betas must be two numbers in [0, 1), got {betas!r}")
+    if cfg.optim.name == "hybrid" and cfg.optim.adabound_epochs >= cfg.train.epochs:
+        raise UserError(f"config error: optim.adabound_epochs (T={cfg.optim.adabound_epochs}) must be in "
+                        f"[1, train.epochs={cfg.train.epochs}): the SGD phase needs at least one epoch")
     if cfg.optim.name == "goyal" and cfg.optim.warmup_epochs >= cfg.train.epochs:
         raise UserError(f"config error: optim.warmup_epochs ({cfg.optim.warmup_epochs}) must be smaller "
                         f"than train.epochs ({cfg.train.epochs})")

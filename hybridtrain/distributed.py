@@ -61,17 +61,27 @@ def broadcast_object(obj, name: str):
     return import_horovod().broadcast_object(obj, root_rank=0, name=name)
 
 
-def state_digest(module: torch.nn.Module) -> str:
-    """sha256 over every parameter and buffer, in state_dict order: equal digests = bitwise-equal models."""
+def _tensors_in(obj):
+    if torch.is_tensor(obj):
+        yield obj
+    elif isinstance(obj, dict):
+        for key in sorted(obj, key=str):
+            yield from _tensors_in(obj[key])
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _tensors_in(item)
+
+
+def state_digest(*states: dict) -> str:
+    """sha256 over every tensor of the given state dicts: equal digests = bitwise-equal states."""
     h = hashlib.sha256()
-    for name, tensor in module.state_dict().items():
-        h.update(name.encode())
+    for tensor in (t for state in states for t in _tensors_in(state)):
         h.update(tensor.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
 
 
-def gather_digests(module: torch.nn.Module) -> list[str]:
-    return import_horovod().allgather_object(state_digest(module), name="state_digests")
+def gather_digests(*states: dict) -> list[str]:
+    return import_horovod().allgather_object(state_digest(*states), name="state_digests")
 
 
 def allreduce_sum(tensor: torch.Tensor, name: str) -> torch.Tensor:

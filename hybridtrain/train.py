@@ -99,6 +99,8 @@ def run_training(cfg: Config, resume: bool = False) -> dict | None:
     use_last_iteration_statistics(model)
     steps = sharding.steps_per_epoch(len(train_set), topo.size, cfg.train.batch_size)
     bundle = create_optimizer(model, cfg, topo.size, steps)
+    bundle.on_phase_change = lambda step, s: log(topo, f"hybridtrain: switching to {s['phase']} at step {step} "
+                                                       f"(epoch {step // steps + 1}), lr {s['lr']:.4g}")
     metrics_path = os.path.join(cfg.run_dir, "metrics.jsonl")
     start_epoch, history, elapsed_before = 0, [], 0.0
     # Wrap first: Horovod rebuilds the optimizer from its param_groups, so state loaded before would be lost.
@@ -144,11 +146,11 @@ def run_training(cfg: Config, resume: bool = False) -> dict | None:
                      "elapsed_s": time.perf_counter() - run_start}
             checkpoint.save_checkpoint(state, cfg.run_dir, epoch + 1, cfg.train.keep_checkpoints)
             log(topo, reporting.epoch_line(record, cfg.train.epochs))
-    digests = distributed.gather_digests(model)
+    digests = distributed.gather_digests(model.state_dict(), bundle.optimizer.state_dict())
     if not topo.is_root:
         return None
     if len(set(digests)) != 1:
-        print("hybridtrain: warning: ranks ended with different parameters (see report.json rank_digests)",
+        print("hybridtrain: warning: ranks ended with different parameters or optimizer state (see report.json rank_digests)",
               file=sys.stderr)
     torch.save(model.state_dict(), os.path.join(cfg.run_dir, "final_model.pt"))
     report = reporting.write_report(cfg, history, topo.size, time.perf_counter() - run_start,

@@ -12,7 +12,8 @@ from typing import Callable
 import torch
 
 from ..errors import UserError
-from . import schedules
+from . import bounds, schedules
+from .optimizers import HybridOptimizer, LinearScalingAdaBound
 
 
 def is_bn_or_bias(name: str, param: torch.nn.Parameter) -> bool:
@@ -24,9 +25,9 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float, decay_bn_and_b
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         (no_decay if is_bn_or_bias(name, p) and not decay_bn_and_bias else decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}]
+    groups = [{"params": decay, "weight_decay": weight_decay, "lars": True}]
     if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0})
+        groups.append({"params": no_decay, "weight_decay": 0.0, "lars": False})
     return groups
 
 
@@ -34,17 +35,53 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float, decay_bn_and_b
 class OptimizerBundle:
     optimizer: torch.optim.Optimizer
     schedule: Callable[[int], dict]
+    on_phase_change: Callable[[int, dict], None] | None = None
 
     def apply_schedule(self, step: int) -> dict:
         settings = self.schedule(step)
+        previous = self.optimizer.param_groups[0].get("phase")
         for group in self.optimizer.param_groups:
             group.update(settings)
+        if self.on_phase_change and "phase" in settings and previous != settings["phase"] and step > 0:
+            self.on_phase_change(step, settings)
         return settings
+
+
+def hybrid_schedule(step: int, o, world_size: int, iters_per_epoch: int) -> dict:
+    """AdaBound with the paper's bounds for epochs [0, T), then LARS-SGD at lr*N*kappa^(epoch-T)."""
+    epoch, k = step // iters_per_epoch, step + 1
+    if epoch < o.adabound_epochs:
+        t = bounds.bound_progress(k, iters_per_epoch, o.bound_granularity)
+        lower, upper = bounds.adabound_bounds(t, o.adabound_epochs, o.lr, world_size, o.betas[1])
+        return {"phase": "adabound", "lower_bound": lower, "upper_bound": upper,
+                "lr": bounds.sgd_decay_lr(o.adabound_epochs, o.adabound_epochs, o.lr, world_size, o.kappa,
+                                          o.kappa_origin)}
+    return {"phase": "sgd", "lr": bounds.sgd_decay_lr(epoch, o.adabound_epochs, o.lr, world_size, o.kappa,
+                                                      o.kappa_origin)}
+
+
+def adabound_schedule(step: int, o, world_size: int) -> dict:
+    """The reference AdaBound bounds around final_lr = lr*N (linear scaling)."""
+    lower, upper = bounds.reference_adabound_bounds(step + 1, schedules.linear_scaled_lr(o.lr, world_size),
+                                                    o.adabound_gamma)
+    return {"lower_bound": lower, "upper_bound": upper}
 
 
 def create_optimizer(model: torch.nn.Module, cfg, world_size: int, iters_per_epoch: int) -> OptimizerBundle:
     o = cfg.optim
     groups = parameter_groups(model, o.weight_decay, o.decay_bn_and_bias)
+    if o.name == "hybrid":
+        lars = o.lars != "none"
+        for group in groups:
+            group["lars"] = group["lars"] and lars
+        optimizer = HybridOptimizer(groups, lr=o.lr * world_size, alpha=o.alpha, betas=tuple(o.betas), eps=o.eps,
+                                    momentum=o.momentum, trust_coefficient=o.trust_coefficient,
+                                    lars_mode=o.lars if lars else "scale")
+        return OptimizerBundle(optimizer, partial(hybrid_schedule, o=o, world_size=world_size,
+                                                  iters_per_epoch=iters_per_epoch))
+    if o.name == "adabound":
+        optimizer = LinearScalingAdaBound(groups, lr=o.alpha, betas=tuple(o.betas), eps=o.eps)
+        return OptimizerBundle(optimizer, partial(adabound_schedule, o=o, world_size=world_size))
     common = dict(iters_per_epoch=iters_per_epoch, base_lr=o.lr, world_size=world_size,
                   total_epochs=cfg.train.epochs, milestones=o.milestones, decay_factor=o.decay_factor)
     if o.name == "goyal":
@@ -52,6 +89,6 @@ def create_optimizer(model: torch.nn.Module, cfg, world_size: int, iters_per_epo
     elif o.name == "sgd":
         lr_at = partial(schedules.sgd_lr, **common)
     else:
-        raise UserError(f"unknown optim.name '{o.name}'")
+        raise UserError(f"unknown optim.name '{o.name}': choose hybrid, adabound, goyal or sgd")
     optimizer = torch.optim.SGD(groups, lr=lr_at(0), momentum=o.momentum)
     return OptimizerBundle(optimizer, lambda step: {"lr": lr_at(step)})
