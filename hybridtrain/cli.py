@@ -23,6 +23,22 @@ def cmd_prepare_data(args) -> int:
     return 0
 
 
+def cmd_experiment(args) -> int:
+    from .experiments import run_experiment
+    run_experiment(args.name, args.config, args.set, args.out, args.ranks, args.target)
+    return 0
+
+
+def cmd_plot_schedule(args) -> int:
+    from .config import load_config
+    from .optim.plot import plot_schedule
+    if args.ranks < 1 or args.iters_per_epoch < 1:
+        raise UserError("--ranks and --iters-per-epoch must be >= 1")
+    cfg = load_config(args.config, args.set + ["optim.name=hybrid"])
+    print(f"wrote {plot_schedule(cfg, args.ranks, args.iters_per_epoch, args.out)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridtrain", description=__doc__.splitlines()[0].replace("The ", "", 1))
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -43,6 +59,23 @@ def build_parser() -> argparse.ArgumentParser:
     digits.add_argument("--val-fraction", type=float, default=0.2, help="stratified validation share (default 0.2)")
     digits.add_argument("--seed", type=int, default=0, help="split seed (default 0)")
     digits.set_defaults(func=cmd_prepare_data)
+
+    exp = sub.add_parser("experiment", help="run a named comparison on Horovod ranks: optimizers, warmup-epochs")
+    exp.add_argument("name", help="optimizers (paper Fig 3.1) or warmup-epochs (Fig 3.2)")
+    exp.add_argument("--config", default="configs/demo.yaml", help="base recipe (default configs/demo.yaml)")
+    exp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for every row")
+    exp.add_argument("--out", default="runs/experiments", help="where tables, JSON and PNGs go")
+    exp.add_argument("--ranks", type=int, default=2, help="Horovod ranks per row (default 2)")
+    exp.add_argument("--target", type=float, default=0.95, help="val top-1 target for epochs-to-target")
+    exp.set_defaults(func=cmd_experiment)
+
+    plot = sub.add_parser("plot-schedule", help="draw B_l, B_u and the SGD lr of the hybrid recipe (PNG)")
+    plot.add_argument("--config", required=True, help="recipe YAML")
+    plot.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    plot.add_argument("--ranks", type=int, default=8, help="N, the number of ranks (default 8)")
+    plot.add_argument("--iters-per-epoch", type=int, default=100, help="iterations per epoch (default 100)")
+    plot.add_argument("--out", default="schedule.png", help="PNG path")
+    plot.set_defaults(func=cmd_plot_schedule)
     return parser
 
 

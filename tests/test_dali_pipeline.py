@@ -17,7 +17,7 @@ from PIL import Image  # noqa: E402
 
 from hybridtrain.config import config_from_dict  # noqa: E402
 from hybridtrain.data import dali  # noqa: E402
-from hybridtrain.data.check import check_data, format_report, read_filelist, write_filelist  # noqa: E402
+from hybridtrain.data.check import check_data, format_report, problem_count, read_filelist, write_filelist  # noqa: E402
 from hybridtrain.data.flat_val import reorganise_flat_val  # noqa: E402
 from hybridtrain.data.folder import scan_dataset, scan_split  # noqa: E402
 from hybridtrain.data.synthetic_imagenet import prepare_synthetic_imagenet  # noqa: E402
@@ -65,7 +65,7 @@ def test_training_shards_partition_the_data_and_change_every_epoch(dataset, worl
     dropped = loaders[0].dropped_per_epoch
     assert 0 < dropped < world_size * BATCH  # 70 is not a multiple of the global batch
     subsets = []
-    for epoch in range(4):
+    for epoch in range(6):
         per_rank = [run_epoch(loader, epoch) for loader in loaders]
         assert len({len(batches) for batches in per_rank}) == 1, "ranks ran different step counts"
         assert all(len(batches) == len(loaders[0]) for batches in per_rank)
@@ -161,7 +161,7 @@ def test_check_data_finds_a_planted_corrupt_jpeg_and_the_file_list_excludes_it(t
     assert [c["path"] for c in train["corrupt"]] == ["n00000001/broken.JPEG"]
     assert train["non_images"] == ["n00000001/notes.txt"]
     assert train["classes"] == {"n00000000": 4, "n00000001": 4}
-    assert report["splits"]["val"]["corrupt"] == []
+    assert report["splits"]["val"]["corrupt"] == [] and problem_count(report) == 1
     assert "broken.JPEG" in format_report(report)
 
     with pytest.raises(UserError, match="broken.JPEG.*check-data") as caught:

@@ -57,6 +57,7 @@ def decode_all(paths: list[str], workers: int, desc: str) -> list[str | None]:
 
 
 def check_split(root: str, split: str, workers: int) -> dict:
+    """One split's part of the report."""
     split_dir = os.path.join(root, split)
     classes, candidates, non_images = list_split(split_dir)
     errors = decode_all([os.path.join(split_dir, rel) for rel, _ in candidates], workers, f"check {split}")
@@ -70,6 +71,8 @@ def check_split(root: str, split: str, workers: int) -> dict:
 
 def check_data(root: str, workers: int = 0) -> dict:
     """Decode every image under ROOT/{train,val} with ``workers`` processes (0 = all cores)."""
+    if not os.path.isdir(root):
+        raise UserError(f"data directory not found: {root}")
     splits = [s for s in SPLITS if os.path.isdir(os.path.join(root, s))]
     if not splits:
         raise UserError(f"{root} has neither a train nor a val folder: expected {root}/train/<class>/*.jpg")
@@ -96,6 +99,7 @@ def format_report(report: dict) -> str:
 
 
 def class_lines(split: str, counts: dict) -> list[str]:
+    """Readable images per class: every class for small datasets, else the range and the empty ones."""
     if not counts:
         return [f"{split}: no class folders"]
     if len(counts) <= FULL_TABLE_MAX_CLASSES:

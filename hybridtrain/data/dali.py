@@ -16,7 +16,7 @@ configured seed, is identical on all ranks and is deterministic. Epochs run back
 pipeline; asking for any other epoch (a resumed run) rebuilds it from that epoch, so a resumed run sees a
 deterministic, globally shuffled order, though not the one an uninterrupted run would have seen.
 
-Equal steps: every shard is padded (``pad_last_batch=not spec.training``) to ceil(n/k) samples and then to whole
+Equal steps: every shard is padded (``pad_last_batch=True``) to ceil(n/k) samples and then to whole
 batches, so every rank runs the pipeline the same number of times per epoch and epochs stay aligned with
 batches. Training yields only the first floor(floor(n/k)/b) batches, which are full of real samples on
 every rank (each sample at most once per epoch; fewer than one global batch dropped, see
@@ -25,8 +25,11 @@ duplicates, so the metrics count each image once across ranks. The (at most one)
 after the last yielded one is run and discarded before that last batch is handed out. An epoch the
 consumer leaves half-way is not run out: the next iteration rebuilds the pipeline instead.
 
-Labels: the reader is given the sample index as its "label"; the loader maps it to the class label and
-also returns it, so every batch is ``(images, labels, indices)`` as with the torchvision backend.
+Reading: the reader gets the ImageList (so a clean list from ``check-data --write-filelist`` is honoured)
+as a temporary ``file_list`` whose "label" is the sample index; the loader maps it to the class label and
+also returns it, so every batch is ``(images, labels, indices)`` as with the torchvision backend. (Passing
+``files=``/``labels=`` instead costs about 8 s and 2 GB per rank for ImageNet's 1.28M files, against 3 s
+and 0.4 GB through a file.)
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ import contextlib
 import math
 import os
 import re
+import tempfile
 from dataclasses import dataclass
 
 import numpy as np
@@ -93,6 +97,7 @@ def train_dropped(num_samples: int, num_shards: int, batch_size: int) -> int:
 
 
 def default_threads(local_size: int) -> int:
+    """This process's cores shared among the ranks on the node."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, cores // max(1, local_size))
 
@@ -112,13 +117,13 @@ class GraphSpec:
     channels_last: bool
 
 
-def imagenet_graph(files: list[str], sample_ids: list[int], shard_id: int, num_shards: int, spec: GraphSpec):
+def imagenet_graph(file_list: str, file_root: str, shard_id: int, num_shards: int, spec: GraphSpec):
     """Read, decode, augment or center-crop, normalise; returns (images, sample ids)."""
     from nvidia.dali import fn, types
 
-    jpegs, ids = fn.readers.file(files=files, labels=sample_ids, shard_id=shard_id, num_shards=num_shards,
+    jpegs, ids = fn.readers.file(file_list=file_list, file_root=file_root, shard_id=shard_id, num_shards=num_shards,
                                  shuffle_after_epoch=spec.training, stick_to_shard=not spec.training,
-                                 pad_last_batch=not spec.training, name=READER_NAME)
+                                 pad_last_batch=True, name=READER_NAME)
     decoder = "mixed" if spec.device == "gpu" else "cpu"
     mirror = 0
     if spec.training:
@@ -139,22 +144,25 @@ def imagenet_graph(files: list[str], sample_ids: list[int], shard_id: int, num_s
 
 
 def pipeline_seed(seed: int, rank: int, start_epoch: int) -> int:
-    """Augmentation seed: differs per rank and per starting epoch, fits DALI's int range."""
+    """Augmentation seed: differs per rank and per epoch the pipeline is built for; fits DALI's int range."""
     return int(np.random.SeedSequence([seed, rank, start_epoch]).generate_state(1)[0] >> 1)
 
 
-def build_pipeline(images: ImageList, spec: GraphSpec, order: np.ndarray, rank: int, world_size: int,
-                   batch_size: int, seed: int, num_threads: int, prefetch_queue_depth: int, device_id):
-    """A built pipeline whose reader sees the samples in ``order``."""
-    from nvidia.dali import pipeline_def
+def relative_paths(images: ImageList) -> list[str]:
+    """Each sample's path relative to the split folder, which is the reader's ``file_root``."""
+    prefix = images.root.rstrip(os.sep) + os.sep
+    return [p[len(prefix):] if p.startswith(prefix) else os.path.relpath(p, images.root) for p, _ in images.samples]
 
-    files = [images.samples[i][0] for i in order]
-    pipe = pipeline_def(imagenet_graph)(
-        files, order.tolist(), rank, world_size, spec, batch_size=batch_size, num_threads=num_threads,
-        device_id=device_id, seed=seed, prefetch_queue_depth=prefetch_queue_depth)
-    with dali_errors():
-        pipe.build()
-    return pipe
+
+@contextlib.contextmanager
+def reader_file_list(relative: list[str], order: np.ndarray):
+    """A temporary DALI file list of the samples in ``order``, each labelled with its sample index."""
+    with tempfile.NamedTemporaryFile("w", prefix="hybridtrain-dali-", suffix=".txt", delete=False) as fh:
+        fh.writelines(f"{relative[i]} {i}\n" for i in order)
+    try:
+        yield fh.name
+    finally:
+        os.remove(fh.name)
 
 
 @contextlib.contextmanager
@@ -173,7 +181,7 @@ def describe_dali_error(message: str) -> str:
     if decode:
         what = f"cannot decode {decode.group(1).strip()}"
     else:
-        what = f"DALI failed reading the data ({(cause.group(1) if cause else message).strip()})"
+        what = f"DALI failed ({(cause.group(1) if cause else message).strip()})"
     return (f"{what}: run 'hybridtrain check-data' on the dataset and train from the clean file list "
             f"it writes (--write-filelist)")
 
@@ -193,6 +201,7 @@ class DaliLoader:
         self.rank, self.world_size, self.batch_size, self.seed = rank, world_size, batch_size, seed
         self.num_threads, self.prefetch_queue_depth, self.device_id = num_threads, prefetch_queue_depth, device_id
         self.class_of = torch.tensor([label for _, label in images.samples], dtype=torch.int64)
+        self.relative = relative_paths(images)
         self.shard_size = len(shard_range(len(images), rank, world_size))
         self.runs = runs_per_epoch(len(images), world_size, batch_size)
         self.epoch = 0
@@ -207,6 +216,7 @@ class DaliLoader:
 
     @property
     def dropped_per_epoch(self) -> int:
+        """Training samples left out each epoch (the same on every rank); 0 for validation."""
         return train_dropped(len(self.images), self.world_size, self.batch_size) if self.spec.training else 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -242,13 +252,21 @@ class DaliLoader:
         self._pipe_epoch, self._runs_done = self._pipe_epoch + 1, 0
 
     def _build(self, epoch: int):
+        """A built pipeline for ``epoch``: the reader gets the samples permuted by (seed, epoch)."""
+        from nvidia.dali import pipeline_def
+
         self._pipe = None  # release the old pipeline's threads and memory first
         self._pipe_epoch, self._runs_done = epoch, 0
         n = len(self.images)
         order = np.random.default_rng([self.seed, epoch]).permutation(n) if self.spec.training else np.arange(n)
-        return build_pipeline(self.images, self.spec, order, self.rank, self.world_size, self.batch_size,
-                              pipeline_seed(self.seed, self.rank, epoch), self.num_threads,
-                              self.prefetch_queue_depth, self.device_id)
+        with reader_file_list(self.relative, order) as file_list:  # read when the pipeline is built
+            pipe = pipeline_def(imagenet_graph)(
+                file_list, self.images.root, self.rank, self.world_size, self.spec, batch_size=self.batch_size,
+                num_threads=self.num_threads, device_id=self.device_id, seed=pipeline_seed(self.seed, self.rank, epoch),
+                prefetch_queue_depth=self.prefetch_queue_depth)
+            with dali_errors():
+                pipe.build()
+        return pipe
 
     def _run(self) -> tuple[torch.Tensor, torch.Tensor]:
         with dali_errors():

@@ -17,6 +17,7 @@ import shutil
 import numpy as np
 from PIL import Image, ImageDraw
 
+from ..errors import UserError
 from .digits import MARKER, _check_target, _counts
 
 SHAPES = ("ellipse", "rectangle", "triangle", "diamond")
@@ -24,6 +25,7 @@ SPLITS = ("train", "val")
 
 
 def class_name(c: int) -> str:
+    """A WordNet-id-like folder name."""
     return f"n{c:08d}"
 
 
@@ -76,6 +78,7 @@ def draw_shapes(img: Image.Image, c: int, num_classes: int, rng: np.random.Gener
 
 
 def render(c: int, num_classes: int, rng: np.random.Generator, typical: tuple[int, int]) -> Image.Image:
+    """One image of class ``c``."""
     w, h = image_size(rng, typical)
     pixels = background(c, num_classes, rng, w, h)
     img = Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8), mode="RGB")
@@ -99,6 +102,8 @@ def prepare_synthetic_imagenet(out: str, num_classes: int = 100, train_per_class
                                val_per_class: int = 20, seed: int = 0, typical_size: tuple[int, int] = (500, 375),
                                workers: int = 0) -> dict:
     """Write the dataset with ``workers`` processes (0 = all cores); idempotent. Returns counts per split."""
+    if min(num_classes, train_per_class, val_per_class, *typical_size) < 1:
+        raise UserError("synthetic-imagenet needs at least 1 class, 1 image per class and split, and a positive size")
     params = {"dataset": "synthetic-imagenet", "num_classes": num_classes, "train_per_class": train_per_class,
               "val_per_class": val_per_class, "seed": seed, "typical_size": list(typical_size)}
     if _check_target(out, params):
@@ -106,7 +111,8 @@ def prepare_synthetic_imagenet(out: str, num_classes: int = 100, train_per_class
     tmp = out.rstrip("/") + ".partial"
     shutil.rmtree(tmp, ignore_errors=True)  # a previous run that died half-way
     per_split = {"train": train_per_class, "val": val_per_class}
-    jobs = [(tmp, s, c, per_split[s], num_classes, seed, tuple(typical_size)) for s in SPLITS for c in range(num_classes)]
+    jobs = [(tmp, split, c, per_split[split], num_classes, seed, tuple(typical_size))
+            for split in SPLITS for c in range(num_classes)]
     run_jobs(jobs, workers or os.cpu_count() or 1)
     with open(os.path.join(tmp, MARKER), "w") as fh:
         json.dump(params, fh)
@@ -117,6 +123,7 @@ def prepare_synthetic_imagenet(out: str, num_classes: int = 100, train_per_class
 
 
 def run_jobs(jobs: list, workers: int) -> None:
+    """write_class for every job, over ``workers`` processes."""
     if workers == 1 or len(jobs) == 1:
         for job in jobs:
             write_class(job)

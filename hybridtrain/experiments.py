@@ -1,0 +1,108 @@
+"""``hybridtrain experiment NAME``: named comparisons, each run as real Horovod jobs.
+
+Every experiment has one form: a list of named rows, each a set of ``--set`` overrides on one recipe; each
+row trains under ``horovodrun``; the runner writes ``NAME.md`` (a table), ``NAME.json`` (one record per row)
+and ``NAME.png`` (train loss and val top-1 per epoch) into ``--out``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+from .config import load_config
+from .errors import UserError
+from .metrics import convergence_epoch
+
+
+def optimizer_rows(cfg) -> list[tuple[str, list[str]]]:
+    """The paper's Fig 3.1: hybrid against adabound, goyal and sgd on the same data, seed and budget."""
+    return [(name, [f"optim.name={name}"]) for name in ("hybrid", "adabound", "goyal", "sgd")]
+
+
+def warmup_epoch_rows(cfg) -> list[tuple[str, list[str]]]:
+    """The paper's Fig 3.2: T in {1, 2, 5, 10} scaled to the run (T/90 of the epochs), at least 1 and < epochs."""
+    epochs = cfg.train.epochs
+    ts = sorted({min(max(1, round(t * epochs / 90)), epochs - 1) for t in (1, 2, 5, 10)})
+    return [(f"T={t}", ["optim.name=hybrid", f"optim.adabound_epochs={t}"]) for t in ts]
+
+
+EXPERIMENTS = {"optimizers": optimizer_rows, "warmup-epochs": warmup_epoch_rows}
+
+
+def launch_row(config: str, overrides: list[str], run_dir: str, ranks: int) -> None:
+    bin_dir = os.path.dirname(sys.executable)
+    horovodrun = shutil.which("horovodrun", path=bin_dir + os.pathsep + os.environ.get("PATH", ""))
+    hybridtrain = shutil.which("hybridtrain", path=bin_dir + os.pathsep + os.environ.get("PATH", ""))
+    if not horovodrun or not hybridtrain:
+        raise UserError("horovodrun or hybridtrain is not on PATH: run ./install.sh and use .venv/bin")
+    sets = [arg for o in overrides + [f"run_dir={run_dir}", "train.progress=false"] for arg in ("--set", o)]
+    cmd = [horovodrun, "--gloo", "-np", str(ranks), "-H", f"localhost:{ranks}", hybridtrain, "train",
+           "--config", config, *sets]
+    print("+ " + " ".join(cmd), flush=True)
+    proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if proc.returncode != 0:
+        tail = [line for line in proc.stdout.splitlines() if "hybridtrain: error" in line][-1:] or ["see its log"]
+        raise UserError(f"experiment row failed ({' '.join(overrides)}): {tail[0]}", same_on_all_ranks=False)
+
+
+def summarise_row(name: str, run_dir: str, target: float) -> dict:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+        history = [json.loads(line) for line in fh if line.strip()]
+    top1 = [r["val_top1"] for r in history]
+    return {"row": name, "final_top1": top1[-1], "best_top1": max(top1),
+            "epochs_to_target": convergence_epoch(top1, target), "target": target,
+            "train_time_s": sum(r["epoch_time_s"] for r in history), "history": history}
+
+
+def write_table(name: str, rows: list[dict], out: str) -> str:
+    lines = [f"| {name} | final top-1 | best top-1 | epochs to top-1 >= {rows[0]['target']} | time (s) |",
+             "| --- | --- | --- | --- | --- |"]
+    for r in rows:
+        reached = r["epochs_to_target"] if r["epochs_to_target"] is not None else "not reached"
+        lines.append(f"| {r['row']} | {r['final_top1']:.4f} | {r['best_top1']:.4f} | {reached} | "
+                     f"{r['train_time_s']:.1f} |")
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(out, f"{name}.md"), "w") as fh:
+        fh.write(text)
+    return text
+
+
+def plot_rows(name: str, rows: list[dict], out: str) -> str:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(10, 4))
+    FigureCanvasAgg(fig)
+    loss_ax, acc_ax = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    for r in rows:
+        epochs = [h["epoch"] for h in r["history"]]
+        loss_ax.plot(epochs, [h["train_loss"] for h in r["history"]], marker="o", label=r["row"])
+        acc_ax.plot(epochs, [h["val_top1"] for h in r["history"]], marker="o", label=r["row"])
+    loss_ax.set(xlabel="epoch", ylabel="train loss", title="training loss")
+    acc_ax.set(xlabel="epoch", ylabel="val top-1", title="validation top-1")
+    acc_ax.axhline(rows[0]["target"], color="grey", linestyle=":", label="target")
+    acc_ax.legend()
+    path = os.path.join(out, f"{name}.png")
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    return path
+
+
+def run_experiment(name: str, config: str, overrides: list[str], out: str, ranks: int, target: float) -> list[dict]:
+    if name not in EXPERIMENTS:
+        raise UserError(f"unknown experiment '{name}': choose one of {', '.join(EXPERIMENTS)}")
+    if not 0 < target <= 1:
+        raise UserError(f"--target must be in (0, 1], got {target}")
+    cfg = load_config(config, overrides)  # fail fast on a bad recipe, before any launch
+    os.makedirs(out, exist_ok=True)
+    rows = []
+    for row_name, row_sets in EXPERIMENTS[name](cfg):
+        run_dir = os.path.join(out, "runs", row_name.replace("=", "-"))
+        launch_row(config, overrides + row_sets, run_dir, ranks)
+        rows.append(summarise_row(row_name, run_dir, target))
+    with open(os.path.join(out, f"{name}.json"), "w") as fh:
+        json.dump([{k: v for k, v in r.items() if k != "history"} for r in rows], fh, indent=2)
+    print(write_table(name, rows, out))
+    plot_rows(name, rows, out)
+    return rows
