@@ -5,6 +5,7 @@
 #   die MESSAGE                 print the error line and exit 2
 #   parse_hostfile FILE         lines "host slots=N" or "host:N"; '#' starts a comment; blank lines skipped
 #   parse_hosts_list LIST       "h1:2,h2:2"
+#   select_hosts FILE LIST      exactly one of the two, parsed
 #   hosts_csv                   the parsed hosts as "h1:2,h2:2" (what horovodrun -H and mpirun -H take)
 #   check_np NP / check_config FILE / check_posint NAME VALUE / check_port PORT
 #   slurm_hostfile SLOTS        stdin: one host per line (scontrol show hostnames); stdout: "host slots=SLOTS"
@@ -85,6 +86,16 @@ parse_hosts_list() {
     [[ "$entry" =~ ^([^:]+):(.*)$ ]] || die "--hosts entry $n '$entry' is not host:N (e.g. --hosts h1:4,h2:4)"
     add_host "${BASH_REMATCH[1]}" "${BASH_REMATCH[2]}" "--hosts entry $n"
   done
+}
+
+# select_hosts HOSTFILE HOSTS: exactly one of --hostfile / --hosts, parsed into the host table.
+select_hosts() {
+  local hostfile="$1" hosts="$2"
+  if [ -n "$hostfile" ] && [ -n "$hosts" ]; then die "give --hostfile or --hosts, not both"; fi
+  if [ -n "$hostfile" ]; then parse_hostfile "$hostfile"
+  elif [ -n "$hosts" ]; then parse_hosts_list "$hosts"
+  else die "--hostfile FILE or --hosts h1:N,h2:N is required (see --help)"
+  fi
 }
 
 hosts_csv() {

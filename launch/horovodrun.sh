@@ -47,11 +47,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 
-if [ -n "$hostfile" ] && [ -n "$hosts" ]; then die "give --hostfile or --hosts, not both"; fi
-if [ -n "$hostfile" ]; then parse_hostfile "$hostfile"
-elif [ -n "$hosts" ]; then parse_hosts_list "$hosts"
-else die "--hostfile FILE or --hosts h1:N,h2:N is required (see --help)"
-fi
+select_hosts "$hostfile" "$hosts"
 check_np "$np"
 check_config "$config"
 check_posint "--start-timeout" "$start_timeout"

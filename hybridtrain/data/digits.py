@@ -70,10 +70,15 @@ def prepare_digits(out: str, val_fraction: float = 0.2, seed: int = 0) -> dict:
             class_dir = os.path.join(tmp, split, str(digits.target[i]))
             os.makedirs(class_dir, exist_ok=True)
             digit_to_image(digits.images[i]).save(os.path.join(class_dir, f"{i:04d}.jpg"), quality=95)
+    return publish(tmp, out, params)
+
+
+def publish(tmp: str, out: str, params: dict) -> dict:
+    """Mark the finished temporary tree and move it into place in one rename; returns counts per split."""
     with open(os.path.join(tmp, MARKER), "w") as fh:
         json.dump(params, fh)
     if os.path.isdir(out):
-        os.rmdir(out)  # empty, checked above
+        os.rmdir(out)  # empty, checked by _check_target
     os.replace(tmp, out)
     return _counts(out)
 

@@ -8,7 +8,6 @@ index), so the result does not depend on how work is spread over processes.
 """
 from __future__ import annotations
 
-import json
 import math
 import multiprocessing
 import os
@@ -18,7 +17,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from ..errors import UserError
-from .digits import MARKER, _check_target, _counts
+from .digits import _check_target, _counts, publish
 
 SHAPES = ("ellipse", "rectangle", "triangle", "diamond")
 SPLITS = ("train", "val")
@@ -114,12 +113,7 @@ def prepare_synthetic_imagenet(out: str, num_classes: int = 100, train_per_class
     jobs = [(tmp, split, c, per_split[split], num_classes, seed, tuple(typical_size))
             for split in SPLITS for c in range(num_classes)]
     run_jobs(jobs, workers or os.cpu_count() or 1)
-    with open(os.path.join(tmp, MARKER), "w") as fh:
-        json.dump(params, fh)
-    if os.path.isdir(out):
-        os.rmdir(out)  # empty, checked above
-    os.replace(tmp, out)
-    return _counts(out)
+    return publish(tmp, out, params)
 
 
 def run_jobs(jobs: list, workers: int) -> None:
