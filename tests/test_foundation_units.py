@@ -52,8 +52,8 @@ def test_bad_config_values_name_key_and_allowed(override, needles):
 
 def test_overrides_are_typed_and_fingerprint_changes():
     base = load_config(None, [])
-    cfg = load_config(None, ["train.epochs=7", "optim.lr=0.2", "data.hflip=false"])
-    assert (cfg.train.epochs, cfg.optim.lr, cfg.data.hflip) == (7, 0.2, False)
+    cfg = load_config(None, ["train.epochs=17", "optim.lr=0.2", "data.hflip=false"])
+    assert (cfg.train.epochs, cfg.optim.lr, cfg.data.hflip) == (17, 0.2, False)
     assert cfg.fingerprint() != base.fingerprint() and isinstance(base, Config)
 
 
