@@ -14,7 +14,7 @@ def epoch_line(r: dict, epochs: int) -> str:
 def write_report(cfg, history: list[dict], world_size: int, total_time_s: float, extra: dict | None = None) -> dict:
     last = history[-1] if history else {}
     seen = sum(r["samples_seen"] for r in history)
-    train_time = sum(r["samples_seen"] / r["images_per_sec"] for r in history if r["images_per_sec"] > 0)
+    train_time = sum(r["train_time_s"] for r in history)
     report = {
         "world_size": world_size,
         "epochs": len(history),

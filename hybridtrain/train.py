@@ -136,6 +136,7 @@ def run_training(cfg: Config, resume: bool = False) -> dict | None:
         record = {"epoch": epoch + 1, "train_loss": result.train_loss, "val_loss": ev.loss, "val_top1": ev.top1,
                   "val_top5": ev.top5, "lr": bundle.optimizer.param_groups[0]["lr"],
                   "epoch_time_s": time.perf_counter() - epoch_start,
+                  "train_time_s": result.train_time_s,
                   "images_per_sec": result.samples_seen / result.train_time_s, "samples_seen": result.samples_seen,
                   "val_count": ev.count, "wall_time_s": time.perf_counter() - run_start}
         if topo.is_root:

@@ -6,6 +6,7 @@
 #   parse_hostfile FILE         lines "host slots=N" or "host:N"; '#' starts a comment; blank lines skipped
 #   parse_hosts_list LIST       "h1:2,h2:2"
 #   select_hosts FILE LIST      exactly one of the two, parsed
+#   take_host_option ARGS...    the options horovodrun.sh and mpirun.sh share; TAKEN = arguments used
 #   hosts_csv                   the parsed hosts as "h1:2,h2:2" (what horovodrun -H and mpirun -H take)
 #   check_np NP / check_config FILE / check_posint NAME VALUE / check_port PORT
 #   slurm_hostfile SLOTS        stdin: one host per line (scontrol show hostnames); stdout: "host slots=SLOTS"
@@ -35,6 +36,23 @@ check_port() {
 # need_value OPTION ARGC: OPTION is followed by a value ($# of the caller's remaining arguments).
 need_value() {
   [ "$2" -ge 2 ] || die "$1 needs a value (see --help)"
+}
+
+# take_host_option ARGS...: consume one option that horovodrun.sh and mpirun.sh share (--hostfile, --hosts,
+# -np, --config, --ssh-port, --dry-run), setting the caller's variable of that name; TAKEN = arguments used
+# (0 when "$1" is not one of them).
+# shellcheck disable=SC2034  # the variables belong to the sourcing script
+take_host_option() {
+  TAKEN=2
+  case "$1" in
+    --hostfile) need_value "$1" $#; hostfile="$2" ;;
+    --hosts) need_value "$1" $#; hosts="$2" ;;
+    -np | --np) need_value "$1" $#; np="$2" ;;
+    --config) need_value "$1" $#; config="$2" ;;
+    --ssh-port) need_value "$1" $#; ssh_port="$2" ;;
+    --dry-run) DRY_RUN=1; TAKEN=1 ;;
+    *) TAKEN=0 ;;
+  esac
 }
 
 is_hostname() { [[ "$1" =~ ^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?$ ]]; }

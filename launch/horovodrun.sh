@@ -32,16 +32,12 @@ hostfile="" hosts="" np="" config="" ssh_port="${HYBRIDTRAIN_SSH_PORT:-}" start_
 nics="${HOROVOD_GLOO_IFACE:-}"
 trainer_args=()
 while [ $# -gt 0 ]; do
+  take_host_option "$@"
+  if [ "$TAKEN" -gt 0 ]; then shift "$TAKEN"; continue; fi
   case "$1" in
     -h | --help) usage; exit 0 ;;
-    --hostfile) need_value "$1" $#; hostfile="$2"; shift 2 ;;
-    --hosts) need_value "$1" $#; hosts="$2"; shift 2 ;;
-    -np | --np) need_value "$1" $#; np="$2"; shift 2 ;;
-    --config) need_value "$1" $#; config="$2"; shift 2 ;;
-    --ssh-port) need_value "$1" $#; ssh_port="$2"; shift 2 ;;
     --start-timeout) need_value "$1" $#; start_timeout="$2"; shift 2 ;;
     --network-interfaces) need_value "$1" $#; nics="$2"; shift 2 ;;
-    --dry-run) DRY_RUN=1; shift ;;
     --) shift; trainer_args=("$@"); break ;;
     *) die "unknown argument '$1' (see --help)" ;;
   esac

@@ -37,20 +37,16 @@ USAGE
 hostfile="" hosts="" np="" config="" ssh_port="${HYBRIDTRAIN_SSH_PORT:-}" bind_to=socket map_by=socket
 allow_root=0 exports=() mpi_args=() trainer_args=()
 while [ $# -gt 0 ]; do
+  take_host_option "$@"
+  if [ "$TAKEN" -gt 0 ]; then shift "$TAKEN"; continue; fi
   case "$1" in
     -h | --help) usage; exit 0 ;;
-    --hostfile) need_value "$1" $#; hostfile="$2"; shift 2 ;;
-    --hosts) need_value "$1" $#; hosts="$2"; shift 2 ;;
-    -np | --np) need_value "$1" $#; np="$2"; shift 2 ;;
-    --config) need_value "$1" $#; config="$2"; shift 2 ;;
-    --ssh-port) need_value "$1" $#; ssh_port="$2"; shift 2 ;;
     --bind-to) need_value "$1" $#; bind_to="$2"; shift 2 ;;
     --map-by) need_value "$1" $#; map_by="$2"; shift 2 ;;
     --export) need_value "$1" $#; exports+=("$2"); shift 2 ;;
     --mpi-arg) need_value "$1" $#; mpi_args+=("$2"); shift 2 ;;
     --mpi-arg=*) mpi_args+=("${1#--mpi-arg=}"); shift ;;
     --allow-root) allow_root=1; shift ;;
-    --dry-run) DRY_RUN=1; shift ;;
     --) shift; trainer_args=("$@"); break ;;
     *) die "unknown argument '$1' (see --help)" ;;
   esac

@@ -53,9 +53,9 @@ def hybrid_schedule(step: int, o, world_size: int, iters_per_epoch: int) -> dict
     if epoch < o.adabound_epochs:
         t = bounds.bound_progress(k, iters_per_epoch, o.bound_granularity)
         lower, upper = bounds.adabound_bounds(t, o.adabound_epochs, o.lr, world_size, o.betas[1])
+        # lr is the SGD phase's starting rate lr*N (logged; the AdaBound step uses alpha and the bounds)
         return {"phase": "adabound", "lower_bound": lower, "upper_bound": upper,
-                "lr": bounds.sgd_decay_lr(o.adabound_epochs, o.adabound_epochs, o.lr, world_size, o.kappa,
-                                          o.kappa_origin)}
+                "lr": schedules.linear_scaled_lr(o.lr, world_size)}
     return {"phase": "sgd", "lr": bounds.sgd_decay_lr(epoch, o.adabound_epochs, o.lr, world_size, o.kappa,
                                                       o.kappa_origin)}
 

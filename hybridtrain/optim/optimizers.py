@@ -246,8 +246,14 @@ class HybridOptimizer(_GroupValidatingOptimizer):
         _validate_lars_keys(group, "lars_mode")
 
     def _enter_phase(self, params, phase):
-        """Drop the buffers of the other phase, so the new phase starts from zero."""
+        """Drop the buffers of the other phase, so the new phase starts from zero.
+
+        A group's params change phase together, so one look at the first param tells whether this
+        step is a switch; the per-param sweep runs only then, not on every step.
+        """
         stale = ("momentum_buffer",) if phase == "adabound" else _ADABOUND_STATE_KEYS
+        if not any(key in self.state[params[0]] for key in stale):
+            return
         for p in params:
             state = self.state[p]
             for key in stale:
