@@ -7,6 +7,7 @@
 #   parse_hosts_list LIST       "h1:2,h2:2"
 #   select_hosts FILE LIST      exactly one of the two, parsed
 #   take_host_option ARGS...    the options horovodrun.sh and mpirun.sh share; TAKEN = arguments used
+#   check_host_options          validate them
 #   hosts_csv                   the parsed hosts as "h1:2,h2:2" (what horovodrun -H and mpirun -H take)
 #   check_np NP / check_config FILE / check_posint NAME VALUE / check_port PORT
 #   slurm_hostfile SLOTS        stdin: one host per line (scontrol show hostnames); stdout: "host slots=SLOTS"
@@ -53,6 +54,13 @@ take_host_option() {
     --dry-run) DRY_RUN=1; TAKEN=1 ;;
     *) TAKEN=0 ;;
   esac
+}
+
+# check_host_options: validate what take_host_option collected (hosts, -np against the slots, config).
+check_host_options() {
+  select_hosts "$hostfile" "$hosts"
+  check_np "$np"
+  check_config "$config"
 }
 
 is_hostname() { [[ "$1" =~ ^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?$ ]]; }

@@ -43,9 +43,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 
-select_hosts "$hostfile" "$hosts"
-check_np "$np"
-check_config "$config"
+check_host_options
 check_posint "--start-timeout" "$start_timeout"
 
 cmd=(horovodrun -np "$np" -H "$(hosts_csv)")

@@ -52,9 +52,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 
-select_hosts "$hostfile" "$hosts"
-check_np "$np"
-check_config "$config"
+check_host_options
 [ -n "$bind_to" ] || die "--bind-to needs a value such as socket, core or none"
 [ -n "$map_by" ] || die "--map-by needs a value such as socket, slot or node"
 
