@@ -2,7 +2,7 @@
 
 Every experiment has one form: a list of named rows, each a set of ``--set`` overrides on one recipe; each
 row trains under ``horovodrun``; the runner writes ``NAME.md`` (a table), ``NAME.json`` (one record per row)
-and ``NAME.png`` (train loss and val top-1 per epoch) into ``--out``.
+and ``NAME.png`` (train and val top-1 per epoch, as the paper's Fig 3.1) into ``--out``.
 """
 from __future__ import annotations
 
@@ -75,12 +75,12 @@ def plot_rows(name: str, rows: list[dict], out: str) -> str:
     from matplotlib.figure import Figure
     fig = Figure(figsize=(10, 4))
     FigureCanvasAgg(fig)
-    loss_ax, acc_ax = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    train_ax, acc_ax = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
     for r in rows:
         epochs = [h["epoch"] for h in r["history"]]
-        loss_ax.plot(epochs, [h["train_loss"] for h in r["history"]], marker="o", label=r["row"])
+        train_ax.plot(epochs, [h["train_top1"] for h in r["history"]], marker="o", label=r["row"])
         acc_ax.plot(epochs, [h["val_top1"] for h in r["history"]], marker="o", label=r["row"])
-    loss_ax.set(xlabel="epoch", ylabel="train loss", title="training loss")
+    train_ax.set(xlabel="epoch", ylabel="train top-1", title="training top-1 (augmented batches)")
     acc_ax.set(xlabel="epoch", ylabel="val top-1", title="validation top-1")
     acc_ax.axhline(rows[0]["target"], color="grey", linestyle=":", label="target")
     acc_ax.legend()

@@ -7,7 +7,7 @@ import os
 
 def epoch_line(r: dict, epochs: int) -> str:
     return (f"epoch {r['epoch']:>3}/{epochs}  train_loss {r['train_loss']:.4f}  val_loss {r['val_loss']:.4f}  "
-            f"top1 {r['val_top1']:.4f}  top5 {r['val_top5']:.4f}  lr {r['lr']:.4g}  "
+            f"train_top1 {r['train_top1']:.4f}  top1 {r['val_top1']:.4f}  top5 {r['val_top5']:.4f}  lr {r['lr']:.4g}  "
             f"{r['images_per_sec']:.0f} img/s  {r['epoch_time_s']:.1f}s")
 
 

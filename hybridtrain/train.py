@@ -133,7 +133,8 @@ def run_training(cfg: Config, resume: bool = False) -> dict | None:
             bar.close()
         average_bn_statistics(model)
         ev = evaluate(model, val_loader, tag=str(epoch))
-        record = {"epoch": epoch + 1, "train_loss": result.train_loss, "val_loss": ev.loss, "val_top1": ev.top1,
+        record = {"epoch": epoch + 1, "train_loss": result.train_loss, "train_top1": result.train_top1,
+                  "val_loss": ev.loss, "val_top1": ev.top1,
                   "val_top5": ev.top5, "lr": bundle.optimizer.param_groups[0]["lr"],
                   "epoch_time_s": time.perf_counter() - epoch_start,
                   "train_time_s": result.train_time_s,

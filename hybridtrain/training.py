@@ -15,6 +15,7 @@ from .errors import UserError
 @dataclass
 class EpochResult:
     train_loss: float
+    train_top1: float  # on the augmented training batches, as the model was during each step
     samples_seen: int
     train_time_s: float
 
@@ -62,6 +63,7 @@ def train_one_epoch(model, bundle, loader, epoch: int, steps_per_epoch: int, pro
     model.train()
     loader.batch_sampler.set_epoch(epoch)
     loss_sum = torch.zeros((), dtype=torch.float64)
+    correct = torch.zeros((), dtype=torch.float64)
     seen = torch.zeros((), dtype=torch.float64)
     start = time.perf_counter()
     for i, batch in enumerate(loader):
@@ -70,17 +72,19 @@ def train_one_epoch(model, bundle, loader, epoch: int, steps_per_epoch: int, pro
                             same_on_all_ranks=False)
         images, labels, _ = batch
         bundle.apply_schedule(epoch * steps_per_epoch + i)
-        loss = classification_loss(model(images), labels)
+        logits = model(images)
+        loss = classification_loss(logits, labels)
         bundle.optimizer.zero_grad()
         loss.backward()
         bundle.optimizer.step()
         loss_sum += loss.detach() * labels.numel()
+        correct += topk_correct(logits.detach(), labels, ks=(1,))[0]
         seen += labels.numel()
         if progress is not None:
             progress.update(loss_sum, seen, i + 1)
     elapsed = time.perf_counter() - start
-    totals = distributed.allreduce_sum(torch.stack([loss_sum, seen]), f"train_totals.{epoch}")
-    return EpochResult(float(totals[0] / totals[1]), int(totals[1]), elapsed)
+    totals = distributed.allreduce_sum(torch.stack([loss_sum, correct, seen]), f"train_totals.{epoch}")
+    return EpochResult(float(totals[0] / totals[2]), float(totals[1] / totals[2]), int(totals[2]), elapsed)
 
 
 @torch.no_grad()
