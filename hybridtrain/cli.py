@@ -16,10 +16,61 @@ def cmd_train(args) -> int:
     return 0
 
 
-def cmd_prepare_data(args) -> int:
+def cmd_prepare_digits(args) -> int:
     from .data.digits import prepare_digits
     counts = prepare_digits(args.out, val_fraction=args.val_fraction, seed=args.seed)
     print(f"digits ready in {args.out}: {counts['train']} train / {counts['val']} val images, 10 classes")
+    return 0
+
+
+def cmd_prepare_synthetic(args) -> int:
+    from .data.synthetic_imagenet import prepare_synthetic_imagenet
+    counts = prepare_synthetic_imagenet(args.out, args.classes, args.train_per_class, args.val_per_class, args.seed,
+                                        parse_size(args.size), args.workers)
+    print(f"synthetic-imagenet ready in {args.out}: {counts['train']} train / {counts['val']} val images, "
+          f"{args.classes} classes")
+    return 0
+
+
+def parse_size(text: str) -> tuple[int, int]:
+    width, _, height = text.partition("x")
+    if not (width.isdigit() and height.isdigit()):
+        raise UserError(f"--size must be WIDTHxHEIGHT, e.g. 500x375; got '{text}'")
+    return int(width), int(height)
+
+
+def cmd_reorganise_val(args) -> int:
+    from .data.flat_val import reorganise_flat_val
+    counts = reorganise_flat_val(args.flat_dir, args.labels, args.out, link=not args.copy)
+    print(f"{counts['images']} validation images in {counts['classes']} class folders under {args.out}")
+    return 0
+
+
+def cmd_check_data(args) -> int:
+    import json
+    from .data.check import check_data, format_report, problem_count, write_filelist
+    report = check_data(args.dir, workers=args.workers)
+    print(format_report(report))
+    with open(args.report, "w") as fh:
+        json.dump(report, fh, indent=1)
+    print(f"report written to {args.report}")
+    if args.write_filelist:
+        os.makedirs(args.write_filelist, exist_ok=True)
+        for split in report["splits"]:
+            path = os.path.join(args.write_filelist, f"{split}.txt")
+            print(f"{write_filelist(report, split, path)} readable {split} images listed in {path}")
+        print(f"train from them with --set data.file_lists={args.write_filelist}")
+    bad = problem_count(report)
+    if bad and not args.write_filelist:
+        print(f"hybridtrain: {bad} corrupt image(s): rerun with --write-filelist DIR and train with "
+              f"data.file_lists=DIR, or remove them", file=sys.stderr)
+    return 1 if bad else 0
+
+
+def cmd_bench_data(args) -> int:
+    from .data.bench import bench_data, format_table
+    print(format_table(bench_data(args.backend, args.data, args.threads, args.batch_size, args.crop, args.steps,
+                                  args.warmup)))
     return 0
 
 
@@ -58,7 +109,44 @@ def build_parser() -> argparse.ArgumentParser:
     digits.add_argument("--out", required=True, help="target directory (created; refused if it holds other files)")
     digits.add_argument("--val-fraction", type=float, default=0.2, help="stratified validation share (default 0.2)")
     digits.add_argument("--seed", type=int, default=0, help="split seed (default 0)")
-    digits.set_defaults(func=cmd_prepare_data)
+    digits.set_defaults(func=cmd_prepare_digits)
+    synth = prep_sub.add_parser("synthetic-imagenet", help="procedural JPEGs of ImageNet size, for pipeline benchmarks")
+    synth.add_argument("--out", required=True, help="target directory")
+    synth.add_argument("--classes", type=int, default=100, help="number of classes (default 100)")
+    synth.add_argument("--train-per-class", type=int, default=100, help="training images per class (default 100)")
+    synth.add_argument("--val-per-class", type=int, default=20, help="validation images per class (default 20)")
+    synth.add_argument("--size", default="500x375", help="typical WIDTHxHEIGHT; each image varies around it")
+    synth.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
+    synth.add_argument("--workers", type=int, default=0, help="processes (default 0 = all cores)")
+    synth.set_defaults(func=cmd_prepare_synthetic)
+
+    reorg = sub.add_parser("reorganise-val", help="sort a flat ImageNet val folder into class folders")
+    reorg.add_argument("flat_dir", help="folder of ILSVRC2012_val_*.JPEG")
+    reorg.add_argument("--labels", required=True,
+                       help="label file: 'IMAGE CLASS' lines, or Kaggle's LOC_val_solution.csv")
+    reorg.add_argument("--out", required=True, help="new folder, e.g. imagenet/val")
+    reorg.add_argument("--copy", action="store_true", help="copy the images instead of symlinking them")
+    reorg.set_defaults(func=cmd_reorganise_val)
+
+    check = sub.add_parser("check-data", help="decode every image in parallel; report corrupt and non-image files")
+    check.add_argument("dir", help="dataset root holding train/ and val/")
+    check.add_argument("--workers", type=int, default=0, help="processes (default 0 = all cores)")
+    check.add_argument("--report", default="check-data.json", help="JSON report path (default check-data.json)")
+    check.add_argument("--write-filelist", metavar="DIR",
+                       help="write DIR/train.txt and DIR/val.txt listing the readable images (for data.file_lists)")
+    check.set_defaults(func=cmd_check_data)
+
+    bench = sub.add_parser("bench-data", help="input pipeline alone: images/s per backend and thread count")
+    bench.add_argument("--backend", action="append", required=True,
+                       choices=["torchvision", "dali_cpu", "dali_gpu"], help="backend (repeatable)")
+    bench.add_argument("--data", required=True, help="dataset root, e.g. from prepare-data synthetic-imagenet")
+    bench.add_argument("--threads", type=int, action="append", default=[],
+                       help="threads/workers to try (repeatable; default 1 and all cores)")
+    bench.add_argument("--batch-size", type=int, default=64, help="batch size (default 64)")
+    bench.add_argument("--crop", type=int, default=224, help="training crop in px (default 224)")
+    bench.add_argument("--steps", type=int, default=50, help="timed batches (default 50)")
+    bench.add_argument("--warmup", type=int, default=5, help="untimed batches first (default 5)")
+    bench.set_defaults(func=cmd_bench_data)
 
     exp = sub.add_parser("experiment", help="run a named comparison on Horovod ranks: optimizers, warmup-epochs")
     exp.add_argument("name", help="optimizers (paper Fig 3.1) or warmup-epochs (Fig 3.2)")
@@ -90,6 +178,13 @@ def main(argv=None) -> int:
             prefix = "" if rank == 0 else f"rank {rank}: "
             print(f"hybridtrain: error: {prefix}{exc}", file=sys.stderr, flush=True)
         return 2
+    except RuntimeError as exc:
+        from .distributed import is_peer_failure, launcher_rank
+        if not is_peer_failure(exc):
+            raise
+        print(f"hybridtrain: rank {launcher_rank()} stopped because another rank failed (its error line says why)",
+              file=sys.stderr, flush=True)
+        return 3
     except KeyboardInterrupt:
         print("hybridtrain: interrupted", file=sys.stderr)
         return 130

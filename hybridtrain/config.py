@@ -38,12 +38,19 @@ ARCHS = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152")
 @dataclass
 class DataConfig:
     path: str = plain("data/digits", "dataset root holding train/<class>/*.jpg and val/<class>/*.jpg")
-    backend: str = choice("torchvision", ["torchvision"], "input pipeline")
+    backend: str = choice("torchvision", ["torchvision", "dali_cpu", "dali_gpu", "synthetic"],
+                          "input pipeline: torchvision (PIL workers), dali_cpu, dali_gpu (nvJPEG), synthetic")
+    file_lists: str = plain("", "folder with the clean train.txt/val.txt of 'hybridtrain check-data --write-filelist'; "
+                                "'' = scan the class folders")
     crop_size: int = number(224, lo=8, doc="training crop (RandomResizedCrop) and validation center crop, px")
     val_resize: int = number(256, lo=8, doc="validation: resize the shorter side to this, then center-crop")
     min_crop_area: float = number(0.08, lo=0.0, hi=1.0, lo_open=True, doc="RandomResizedCrop area lower bound")
     hflip: bool = plain(True, "random horizontal flip with p=0.5 in training")
-    workers: int = number(2, lo=0, doc="data-loading worker processes per rank (0 = load in the training process)")
+    workers: int = number(0, lo=0, doc="per rank: DataLoader worker processes (torchvision) or DALI threads; "
+                                         "0 = cores / local ranks")
+    prefetch: int = number(2, lo=1, doc="batches prefetched per worker (torchvision) or DALI prefetch queue depth")
+    channels_last: bool = plain(False, "NHWC (channels_last) memory layout for input batches and the model")
+    synthetic_images: int = number(12800, lo=1, doc="synthetic: training images per epoch over all ranks")
     val_batch_size: int = number(0, lo=0, doc="validation batch per rank; 0 = train.batch_size")
 
 
@@ -261,6 +268,9 @@ def validate(cfg: Config) -> Config:
     if cfg.optim.name == "goyal" and cfg.optim.warmup_epochs >= cfg.train.epochs:
         raise UserError(f"config error: optim.warmup_epochs ({cfg.optim.warmup_epochs}) must be smaller "
                         f"than train.epochs ({cfg.train.epochs})")
+    if cfg.data.backend == "synthetic" and cfg.data.file_lists:
+        raise UserError("config error: data.file_lists names real images but data.backend is synthetic: "
+                        "unset one of them")
     return cfg
 
 

@@ -20,6 +20,11 @@ def launcher_rank() -> int:
     return 0
 
 
+def is_peer_failure(exc: BaseException) -> bool:
+    """True for the error Horovod raises on the surviving ranks after another rank failed or exited."""
+    return type(exc).__name__ == "HorovodInternalError" or "Horovod has been shut down" in str(exc)
+
+
 def import_horovod():
     try:
         import horovod.torch as hvd
@@ -40,15 +45,27 @@ class Topology:
     def is_root(self) -> bool:
         return self.rank == 0
 
+    @property
+    def device(self) -> torch.device:
+        """This rank's GPU (the local rank's) when CUDA is available, else the CPU."""
+        return torch.device("cuda", self.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+
 
 def init(threads: int = 0) -> Topology:
     """hvd.init() and pin torch threads: ``threads`` or cores / local ranks."""
     hvd = import_horovod()
     hvd.init()
     topo = Topology(hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size())
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    torch.set_num_threads(threads or max(1, cores // topo.local_size))
+    torch.set_num_threads(threads or cores_per_rank(topo.local_size))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(topo.local_rank)
     return topo
+
+
+def cores_per_rank(local_size: int) -> int:
+    """This process's cores shared among the ranks on the node (at least 1)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // max(1, local_size))
 
 
 def broadcast_model(model: torch.nn.Module) -> None:

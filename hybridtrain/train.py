@@ -10,9 +10,7 @@ import torch
 
 from . import checkpoint, distributed, reporting
 from .config import Config, save_config
-from .data import sharding
-from .data.folder import scan_dataset
-from .data.torchvision_loader import create_train_loader, create_val_loader
+from .data.loaders import create_loaders
 from .errors import UserError
 from .models import create_model
 from .optim import create_optimizer
@@ -41,21 +39,6 @@ class ProgressBar:
 def log(topo, message: str) -> None:
     if topo.is_root:
         print(message, flush=True)
-
-
-def build_data(cfg: Config, topo):
-    train_set, val_set = scan_dataset(cfg.data.path)
-    if train_set.skipped_non_images or val_set.skipped_non_images:
-        skipped = train_set.skipped_non_images + val_set.skipped_non_images
-        log(topo, f"hybridtrain: skipping {len(skipped)} non-image file(s), e.g. {skipped[0]}")
-    if len(train_set) < 2 * topo.size:
-        raise UserError(f"{len(train_set)} training images cannot be split over {topo.size} ranks "
-                        f"(each needs >= 2): use fewer ranks or more data")
-    num_classes = cfg.model.num_classes or len(train_set.classes)
-    if num_classes != len(train_set.classes):
-        raise UserError(f"model.num_classes={cfg.model.num_classes} but {cfg.data.path} has "
-                        f"{len(train_set.classes)} class folders: set model.num_classes: 0 to infer it")
-    return train_set, val_set, num_classes
 
 
 def resume_state(cfg: Config, topo) -> dict | None:
@@ -93,11 +76,13 @@ def truncate_metrics(path: str, completed_epochs: int) -> list[dict]:
 
 def run_training(cfg: Config, resume: bool = False) -> dict | None:
     topo = distributed.init(cfg.train.threads)
-    train_set, val_set, num_classes = build_data(cfg, topo)
-    model = create_model(cfg.model.arch, num_classes, cfg.model.variant, cfg.model.small_input_stem,
-                         cfg.model.zero_init_last_bn, seed=cfg.seed)
+    data = create_loaders(cfg, topo)
+    model = create_model(cfg.model.arch, data.num_classes, cfg.model.variant, cfg.model.small_input_stem,
+                         cfg.model.zero_init_last_bn, seed=cfg.seed).to(topo.device)
+    if cfg.data.channels_last:
+        model = model.to(memory_format=torch.channels_last)
     use_last_iteration_statistics(model)
-    steps = sharding.steps_per_epoch(len(train_set), topo.size, cfg.train.batch_size)
+    steps = data.steps_per_epoch
     bundle = create_optimizer(model, cfg, topo.size, steps)
     bundle.on_phase_change = lambda step, s: log(topo, f"hybridtrain: switching to {s['phase']} at step {step} "
                                                        f"(epoch {step // steps + 1}), lr {s['lr']:.4g}")
@@ -107,7 +92,7 @@ def run_training(cfg: Config, resume: bool = False) -> dict | None:
     bundle.optimizer = distributed.distributed_optimizer(bundle.optimizer, model, cfg.horovod.compression)
     if resume:
         state = resume_state(cfg, topo)
-        model.load_state_dict(state["model"])
+        model.load_state_dict(state["model"])  # copies into the parameters wherever they live
         bundle.optimizer.load_state_dict(state["optimizer"])
         start_epoch, elapsed_before = state["epoch"] + 1, state.get("elapsed_s", 0.0)
         log(topo, f"hybridtrain: resumed from epoch {state['epoch'] + 1} in {cfg.run_dir}")
@@ -118,21 +103,21 @@ def run_training(cfg: Config, resume: bool = False) -> dict | None:
         os.makedirs(cfg.run_dir, exist_ok=True)
         save_config(cfg, os.path.join(cfg.run_dir, "config.yaml"))
         history = truncate_metrics(metrics_path, start_epoch)
-    train_loader = create_train_loader(train_set, cfg, topo.rank, topo.size)
-    val_loader = create_val_loader(val_set, cfg, topo.rank, topo.size)
-    dropped = sharding.dropped_per_epoch(len(train_set), topo.size, cfg.train.batch_size)
-    log(topo, f"hybridtrain: {topo.size} rank(s), {len(train_set)} train / {len(val_set)} val images, "
-              f"{num_classes} classes, {steps} steps/epoch, global batch {topo.size * cfg.train.batch_size}"
-              + (f", {dropped} image(s) dropped per epoch" if dropped else ""))
+    if data.skipped_files:
+        log(topo, f"hybridtrain: skipping {len(data.skipped_files)} non-image file(s), e.g. {data.skipped_files[0]}")
+    log(topo, f"hybridtrain: {topo.size} rank(s), {cfg.data.backend} input, {data.train_images} train / "
+              f"{data.val_images} val images, {data.num_classes} classes, {steps} steps/epoch, global batch "
+              f"{topo.size * cfg.train.batch_size}"
+              + (f", {data.dropped_per_epoch} image(s) dropped per epoch" if data.dropped_per_epoch else ""))
     run_start = time.perf_counter() - elapsed_before
     for epoch in range(start_epoch, cfg.train.epochs):
         epoch_start = time.perf_counter()
         bar = ProgressBar(steps, epoch, cfg.train.epochs, topo.size) if topo.is_root and cfg.train.progress else None
-        result = train_one_epoch(model, bundle, train_loader, epoch, steps, bar)
+        result = train_one_epoch(model, bundle, data.train, epoch, steps, bar)
         if bar:
             bar.close()
         average_bn_statistics(model)
-        ev = evaluate(model, val_loader, tag=str(epoch))
+        ev = evaluate(model, data.val, tag=str(epoch))
         record = {"epoch": epoch + 1, "train_loss": result.train_loss, "train_top1": result.train_top1,
                   "val_loss": ev.loss, "val_top1": ev.top1,
                   "val_top5": ev.top5, "lr": bundle.optimizer.param_groups[0]["lr"],

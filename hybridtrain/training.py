@@ -9,6 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import distributed
+from .data.check import CLEAN_LIST_HINT
+from .data.torchvision_loader import UnreadableImage
 from .errors import UserError
 
 
@@ -59,18 +61,22 @@ def topk_correct(logits: torch.Tensor, labels: torch.Tensor, ks=(1, 5)) -> list[
     return [hits[:, :min(k, k_max)].any(dim=1).sum() for k in ks]
 
 
+def readable(batch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(images, labels) on the model's device, or this rank's one-line error naming an unreadable file."""
+    if isinstance(batch, UnreadableImage):
+        raise UserError(f"cannot read image {batch.path} ({batch.error}): {CLEAN_LIST_HINT}", same_on_all_ranks=False)
+    images, labels, _ = batch
+    return images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+
+
 def train_one_epoch(model, bundle, loader, epoch: int, steps_per_epoch: int, progress=None) -> EpochResult:
     model.train()
     loader.batch_sampler.set_epoch(epoch)
-    loss_sum = torch.zeros((), dtype=torch.float64)
-    correct = torch.zeros((), dtype=torch.float64)
-    seen = torch.zeros((), dtype=torch.float64)
+    device = next(model.parameters()).device
+    loss_sum, correct, seen = (torch.zeros((), dtype=torch.float64, device=device) for _ in range(3))
     start = time.perf_counter()
     for i, batch in enumerate(loader):
-        if batch is None:
-            raise UserError("a whole training batch was unreadable: run 'hybridtrain check-data' on the dataset",
-                            same_on_all_ranks=False)
-        images, labels, _ = batch
+        images, labels = readable(batch, device)
         bundle.apply_schedule(epoch * steps_per_epoch + i)
         logits = model(images)
         loss = classification_loss(logits, labels)
@@ -83,7 +89,7 @@ def train_one_epoch(model, bundle, loader, epoch: int, steps_per_epoch: int, pro
         if progress is not None:
             progress.update(loss_sum, seen, i + 1)
     elapsed = time.perf_counter() - start
-    totals = distributed.allreduce_sum(torch.stack([loss_sum, correct, seen]), f"train_totals.{epoch}")
+    totals = distributed.allreduce_sum(torch.stack([loss_sum, correct, seen]).cpu(), f"train_totals.{epoch}")
     return EpochResult(float(totals[0] / totals[2]), float(totals[1] / totals[2]), int(totals[2]), elapsed)
 
 
@@ -91,16 +97,16 @@ def train_one_epoch(model, bundle, loader, epoch: int, steps_per_epoch: int, pro
 def evaluate(model, loader, tag: str) -> EvalResult:
     """Loss, top-1, top-5 over the whole validation set: per-rank sums, then one all-reduce of the sums."""
     model.eval()
-    sums = torch.zeros(4, dtype=torch.float64)  # loss, top1, top5, count
+    device = next(model.parameters()).device
+    sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss, top1, top5, count
     for batch in loader:
-        if batch is None:
-            continue
-        images, labels, _ = batch
+        images, labels = readable(batch, device)
         logits = model(images)
         loss = F.cross_entropy(logits.float(), labels, reduction="sum")
         top1, top5 = topk_correct(logits, labels)
-        sums += torch.stack([loss.double(), top1.double(), top5.double(), torch.tensor(float(labels.numel()))])
-    sums = distributed.allreduce_sum(sums, f"eval_totals.{tag}")
+        count = torch.tensor(labels.numel(), dtype=torch.float64, device=device)
+        sums += torch.stack([loss.double(), top1.double(), top5.double(), count])
+    sums = distributed.allreduce_sum(sums.cpu(), f"eval_totals.{tag}")
     count = int(sums[3])
     if count == 0:
         raise UserError("the validation set yielded no readable images: check data.path/val")

@@ -86,7 +86,7 @@ def tiny_config(data_path: str, run_dir: str, **sections) -> dict:
     cfg = {
         "run_dir": run_dir, "seed": 3,
         "data": {"path": data_path, "crop_size": 32, "val_resize": 32, "min_crop_area": 0.5, "hflip": False,
-                 "workers": 0},
+                 "workers": 1},
         "model": {"arch": "resnet18"},
         "train": {"epochs": 2, "batch_size": 16, "threads": 1, "progress": False},
         "optim": {"name": "goyal", "lr": 0.05, "warmup_epochs": 1},

@@ -73,9 +73,6 @@ def test_training_shards_partition_the_data_and_change_every_epoch(dataset, worl
         assert len(seen) == len(set(seen)), f"a sample was used twice in epoch {epoch}"
         assert len(seen) == len(train) - dropped
         subsets.append([{i for b in batches for i in b} for batches in per_rank])
-        if epoch == 0:
-            pipelines = [loader._pipe for loader in loaders]
-    assert [loader._pipe for loader in loaders] == pipelines, "back-to-back epochs should reuse the pipeline"
     largest_shard = -(-len(train) // world_size)
     assert all(len(a | b) > largest_shard for a, b in zip(*subsets[:2])), "a rank stayed inside one shard"
 
@@ -137,8 +134,11 @@ def test_epoch_order_and_augmentation_are_deterministic_for_a_seed(dataset):
     assert run_epoch(other_seed, 0) != run_epoch(train_loaders(train, 2, 3)[1], 0)
     images_a, images_b = (next(iter(train_loaders(train, 2)[0]))[0] for _ in range(2))
     assert torch.equal(images_a, images_b)
-    resumed = [train_loaders(train, 2)[0] for _ in range(2)]  # starting at epoch 5, as a resumed run does
-    assert run_epoch(resumed[0], 5) == run_epoch(resumed[1], 5)
+    uninterrupted = train_loaders(train, 2)[0]
+    for epoch in range(5):
+        run_epoch(uninterrupted, epoch)
+    resumed = train_loaders(train, 2)[0]  # starting at epoch 5, as a resumed run does
+    assert run_epoch(resumed, 5) == run_epoch(uninterrupted, 5)
 
 
 def test_check_data_finds_a_planted_corrupt_jpeg_and_the_file_list_excludes_it(tmp_path):

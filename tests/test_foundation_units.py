@@ -143,15 +143,15 @@ def test_stratified_split_per_class_shares():
 
 
 @pytest.mark.parametrize("n, world, batch", [(240, 2, 16), (1438, 2, 32), (101, 3, 8), (70, 3, 16), (9, 2, 4)])
-def test_train_sharding_exactly_once_equal_steps(n, world, batch):
+def test_train_sharding_at_most_once_full_batches_equal_steps(n, world, batch):
     for epoch in (0, 1):
         per_rank = [sharding.train_batches(n, r, world, batch, seed=5, epoch=epoch) for r in range(world)]
         steps = {len(b) for b in per_rank}
         assert steps == {sharding.steps_per_epoch(n, world, batch)}
         seen = [i for batches in per_rank for b in batches for i in b]
         assert len(seen) == len(set(seen)) == n - sharding.dropped_per_epoch(n, world, batch)
-        assert all(len(b) >= 2 for batches in per_rank for b in batches)
-        assert sharding.dropped_per_epoch(n, world, batch) < 2 * world
+        assert all(len(b) == batch for batches in per_rank for b in batches), "the per-GPU batch is fixed"
+        assert sharding.dropped_per_epoch(n, world, batch) == n % (world * batch) < world * batch
     e0 = sharding.train_batches(n, 0, world, batch, 5, 0)
     e1 = sharding.train_batches(n, 0, world, batch, 5, 1)
     assert e0 != e1 and e0 == sharding.train_batches(n, 0, world, batch, 5, 0)

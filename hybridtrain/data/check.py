@@ -19,6 +19,8 @@ from ..errors import UserError
 from .folder import ImageList, is_image_file
 
 SPLITS = ("train", "val")
+CLEAN_LIST_HINT = ("run 'hybridtrain check-data DATA --write-filelist DIR' and train with data.file_lists=DIR "
+                   "(or remove the file)")
 FULL_TABLE_MAX_CLASSES = 20
 
 

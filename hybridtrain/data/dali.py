@@ -7,23 +7,21 @@ the GPU, after which resize and normalisation run on the GPU too). A CPU pipelin
 Sharding: ``shard_id`` is the GLOBAL Horovod rank and ``num_shards`` the world size. DALI gives shard i the
 samples [floor(i*n/k), floor((i+1)*n/k)) of its (shuffled) list.
 
-Shuffling: the reader's ``shuffle_after_epoch=True`` reshuffles the WHOLE list after every epoch with a
-seed that is identical on every rank, so each rank reads a different part of the data every epoch and the
-shards still partition it. (DALI's ``random_shuffle`` only shuffles inside a rank's own shard through a
-buffer, so shards would never change; it is not used.) DALI's reshuffle seed is fixed by DALI, so the file
-list handed to the reader is first permuted by (``seed``, starting epoch): the order then depends on the
-configured seed, is identical on all ranks and is deterministic. Epochs run back to back reuse the
-pipeline; asking for any other epoch (a resumed run) rebuilds it from that epoch, so a resumed run sees a
-deterministic, globally shuffled order, though not the one an uninterrupted run would have seen.
+Shuffling: a global reshuffle every epoch with the same seed on all ranks. The loader builds a pipeline
+per epoch whose reader gets the WHOLE file list permuted by (``seed``, epoch), identical on every rank,
+with ``shuffle_after_epoch`` off; each rank then reads its shard of that epoch's order, so shards change
+every epoch and still partition the data. (DALI's ``random_shuffle`` only shuffles inside a rank's own shard
+through a buffer, so shards would never change; and ``shuffle_after_epoch`` reshuffles with a seed fixed
+inside DALI and shuffles the first epoch too, so the order could not follow the configured seed, a resumed
+run could not see the order an uninterrupted one sees, and a failing file could not be named.) Rebuilding
+costs about 3 s per epoch for ImageNet's 1.28M files; in exchange the order is a pure function of
+(seed, epoch): resumed runs read exactly what uninterrupted runs read.
 
 Equal steps: every shard is padded (``pad_last_batch=True``) to ceil(n/k) samples and then to whole
-batches, so every rank runs the pipeline the same number of times per epoch and epochs stay aligned with
 batches. Training yields only the first floor(floor(n/k)/b) batches, which are full of real samples on
 every rank (each sample at most once per epoch; fewer than one global batch dropped, see
 ``train_dropped``). Validation yields every real sample of the shard exactly once and cuts off the padded
-duplicates, so the metrics count each image once across ranks. The (at most one) batch left in the epoch
-after the last yielded one is run and discarded before that last batch is handed out. An epoch the
-consumer leaves half-way is not run out: the next iteration rebuilds the pipeline instead.
+duplicates, so the metrics count each image once across ranks.
 
 Reading: the reader gets the ImageList (so a clean list from ``check-data --write-filelist`` is honoured)
 as a temporary ``file_list`` whose "label" is the sample index; the loader maps it to the class label and
@@ -43,13 +41,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..distributed import cores_per_rank
 from ..errors import UserError
+from .check import CLEAN_LIST_HINT, decode_error
 from .folder import ImageList
 from .torchvision_loader import IMAGENET_MEAN, IMAGENET_STD
 
 INSTALL_HINT = "pip install nvidia-dali-cuda130 in the venv (or run ./install.sh)"
 READER_NAME = "reader"
-DEFAULT_PREFETCH = 2
 
 
 def dali_available() -> bool:
@@ -81,11 +80,6 @@ def shard_range(num_samples: int, shard: int, num_shards: int) -> range:
     return range(num_samples * shard // num_shards, num_samples * (shard + 1) // num_shards)
 
 
-def runs_per_epoch(num_samples: int, num_shards: int, batch_size: int) -> int:
-    """Pipeline runs per epoch on every rank: shards padded to ceil(n/k), then to whole batches."""
-    return math.ceil(math.ceil(num_samples / num_shards) / batch_size)
-
-
 def train_steps(num_samples: int, num_shards: int, batch_size: int) -> int:
     """Full batches every rank can fill from its own shard (the smallest holds floor(n/k))."""
     return (num_samples // num_shards) // batch_size
@@ -94,12 +88,6 @@ def train_steps(num_samples: int, num_shards: int, batch_size: int) -> int:
 def train_dropped(num_samples: int, num_shards: int, batch_size: int) -> int:
     """Samples not used in a training epoch; always fewer than one global batch."""
     return num_samples - num_shards * batch_size * train_steps(num_samples, num_shards, batch_size)
-
-
-def default_threads(local_size: int) -> int:
-    """This process's cores shared among the ranks on the node."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores // max(1, local_size))
 
 
 # ----------------------------------------------------------------------------- the pipeline
@@ -122,7 +110,7 @@ def imagenet_graph(file_list: str, file_root: str, shard_id: int, num_shards: in
     from nvidia.dali import fn, types
 
     jpegs, ids = fn.readers.file(file_list=file_list, file_root=file_root, shard_id=shard_id, num_shards=num_shards,
-                                 shuffle_after_epoch=spec.training, stick_to_shard=not spec.training,
+                                 shuffle_after_epoch=False, stick_to_shard=True,
                                  pad_last_batch=True, name=READER_NAME)
     decoder = "mixed" if spec.device == "gpu" else "cpu"
     mirror = 0
@@ -165,25 +153,15 @@ def reader_file_list(relative: list[str], order: np.ndarray):
         os.remove(fh.name)
 
 
-@contextlib.contextmanager
-def dali_errors():
-    """Turn a DALI failure (undecodable or unreadable file) into a one-line UserError for this rank only."""
-    try:
-        yield
-    except RuntimeError as exc:
-        raise UserError(describe_dali_error(str(exc)), same_on_all_ranks=False) from None
-
-
-def describe_dali_error(message: str) -> str:
-    """The file DALI could not decode, or the cause it reports, and what to do about it."""
+def describe_dali_error(message: str, culprit: str | None) -> str:
+    """The file DALI could not decode (found by ``culprit``), or the cause it reports, and what to do."""
     decode = re.search(r"Failed to decode sample #\d+ : (\S.*)", message)
     cause = re.search(r"encountered:\s*\n\s*(\S.*)", message)
-    if decode:
-        what = f"cannot decode {decode.group(1).strip()}"
+    if culprit or decode:
+        what = f"cannot decode {culprit or decode.group(1).strip()}"
     else:
         what = f"DALI failed ({(cause.group(1) if cause else message).strip()})"
-    return (f"{what}: run 'hybridtrain check-data' on the dataset and train from the clean file list "
-            f"it writes (--write-filelist)")
+    return f"{what}: {CLEAN_LIST_HINT}"
 
 
 # ----------------------------------------------------------------------------- the loader
@@ -192,22 +170,19 @@ class DaliLoader:
     """One rank's batches ``(images, labels, indices)``, with the torchvision loader's interface.
 
     Images are NCHW (channels_last memory format when asked for) on the pipeline's device; labels and
-    indices are int64 on the CPU. ``len()`` is the number of batches this rank yields per epoch.
+    indices are int64 on the CPU. ``len()`` is the number of batches this rank yields per epoch. Each pass
+    builds the pipeline for the current epoch (see the module notes).
     """
 
     def __init__(self, images: ImageList, spec: GraphSpec, rank: int, world_size: int, batch_size: int, seed: int,
-                 num_threads: int, prefetch_queue_depth: int = DEFAULT_PREFETCH, device_id=None):
+                 num_threads: int, prefetch_queue_depth: int, device_id=None):
         self.images, self.spec = images, spec
         self.rank, self.world_size, self.batch_size, self.seed = rank, world_size, batch_size, seed
         self.num_threads, self.prefetch_queue_depth, self.device_id = num_threads, prefetch_queue_depth, device_id
         self.class_of = torch.tensor([label for _, label in images.samples], dtype=torch.int64)
         self.relative = relative_paths(images)
-        self.shard_size = len(shard_range(len(images), rank, world_size))
-        self.runs = runs_per_epoch(len(images), world_size, batch_size)
+        self.shard = shard_range(len(images), rank, world_size)
         self.epoch = 0
-        self._pipe = None
-        self._pipe_epoch = 0  # the epoch the pipeline's next run belongs to
-        self._runs_done = 0  # runs already made in that epoch
 
     @property
     def batch_sampler(self):
@@ -225,54 +200,59 @@ class DaliLoader:
     def __len__(self) -> int:
         if self.spec.training:
             return train_steps(len(self.images), self.world_size, self.batch_size)
-        return math.ceil(self.shard_size / self.batch_size)
+        return math.ceil(len(self.shard) / self.batch_size)
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """The reader's file list for ``epoch``: sample indices, permuted by (seed, epoch) for training."""
+        n = len(self.images)
+        return np.random.default_rng([self.seed, epoch]).permutation(n) if self.spec.training else np.arange(n)
 
     def __iter__(self):
-        stale = self.spec.training and self.epoch != self._pipe_epoch
-        if self._pipe is None or self._runs_done or stale:  # first use, an interrupted epoch, another epoch
-            self._pipe = self._build(self.epoch)
-        last = len(self) - 1
-        for run in range(last + 1):
-            images, ids = self._run()
-            keep = self._real_in(run)
-            if run == last:
-                self._run_out_epoch()
+        order = self.epoch_order(self.epoch)
+        pipe = self._build(order, self.epoch)
+        for run in range(len(self)):
+            images, ids = self._run(pipe, order, run)
+            keep = min(self.batch_size, len(self.shard) - run * self.batch_size)  # validation: cut the padding
             yield images[:keep], self.class_of[ids[:keep]], ids[:keep]
 
-    def _real_in(self, run: int) -> int:
-        """How many leading samples of this run's batch are real (not padding) and are yielded."""
-        if self.spec.training:
-            return self.batch_size
-        return min(self.batch_size, self.shard_size - run * self.batch_size)
-
-    def _run_out_epoch(self) -> None:
-        """Run and discard the padding-only batches left, so the pipeline stops at an epoch boundary."""
-        while self._runs_done < self.runs:
-            self._run()
-        self._pipe_epoch, self._runs_done = self._pipe_epoch + 1, 0
-
-    def _build(self, epoch: int):
-        """A built pipeline for ``epoch``: the reader gets the samples permuted by (seed, epoch)."""
+    def _build(self, order: np.ndarray, epoch: int):
         from nvidia.dali import pipeline_def
 
-        self._pipe = None  # release the old pipeline's threads and memory first
-        self._pipe_epoch, self._runs_done = epoch, 0
-        n = len(self.images)
-        order = np.random.default_rng([self.seed, epoch]).permutation(n) if self.spec.training else np.arange(n)
         with reader_file_list(self.relative, order) as file_list:  # read when the pipeline is built
             pipe = pipeline_def(imagenet_graph)(
                 file_list, self.images.root, self.rank, self.world_size, self.spec, batch_size=self.batch_size,
                 num_threads=self.num_threads, device_id=self.device_id, seed=pipeline_seed(self.seed, self.rank, epoch),
                 prefetch_queue_depth=self.prefetch_queue_depth)
-            with dali_errors():
+            with self._errors(order, 0):
                 pipe.build()
         return pipe
 
-    def _run(self) -> tuple[torch.Tensor, torch.Tensor]:
-        with dali_errors():
-            images, ids = self._pipe.run()
-        self._runs_done += 1
+    def _run(self, pipe, order: np.ndarray, run: int) -> tuple[torch.Tensor, torch.Tensor]:
+        with self._errors(order, run):
+            images, ids = pipe.run()
         return self._to_torch(images), torch.from_numpy(np.asarray(ids.as_array()).reshape(-1).astype(np.int64))
+
+    @contextlib.contextmanager
+    def _errors(self, order: np.ndarray, run: int):
+        """A DALI failure becomes this rank's one-line UserError, naming the undecodable file."""
+        try:
+            yield
+        except RuntimeError as exc:
+            culprit = self._find_culprit(order, run)
+            raise UserError(describe_dali_error(str(exc), culprit), same_on_all_ranks=False) from None
+
+    def _find_culprit(self, order: np.ndarray, run: int) -> str | None:
+        """The first file PIL cannot decode among those DALI may have read by ``run``, in reading order.
+
+        DALI reads up to ``prefetch_queue_depth`` batches ahead and may report a failure a few runs late,
+        so the search starts at the shard's first sample; DALI stops at the first bad file it meets.
+        """
+        last = min(self.shard.stop, self.shard.start + (run + self.prefetch_queue_depth + 1) * self.batch_size)
+        for position in range(self.shard.start, last):
+            path = self.images.samples[order[position]][0]
+            if decode_error(path) is not None:
+                return path
+        return None
 
     def _to_torch(self, images) -> torch.Tensor:
         """Copy DALI's batch (valid only until the next run) into a torch tensor, NCHW-shaped."""
@@ -300,35 +280,31 @@ def graph_spec(cfg, training: bool, device: str, dtype: torch.dtype, channels_la
 
 
 def _create(images: ImageList, cfg, rank: int, world_size: int, local_size: int, device: str, training: bool,
-            batch_size: int, dtype: torch.dtype, channels_last: bool, prefetch_queue_depth: int) -> DaliLoader:
+            batch_size: int, dtype: torch.dtype, channels_last: bool) -> DaliLoader:
     require_dali()
     if device == "gpu":
         require_gpu_for_dali_gpu()
     spec = graph_spec(cfg, training, device, dtype, channels_last)
-    threads = cfg.data.workers or default_threads(local_size)
+    threads = cfg.data.workers or cores_per_rank(local_size)
     device_id = torch.cuda.current_device() if device == "gpu" else None
-    return DaliLoader(images, spec, rank, world_size, batch_size, cfg.seed, threads, prefetch_queue_depth, device_id)
+    return DaliLoader(images, spec, rank, world_size, batch_size, cfg.seed, threads, cfg.data.prefetch, device_id)
 
 
 def create_dali_train_loader(images: ImageList, cfg, rank: int, world_size: int, local_size: int, device: str,
-                             dtype: torch.dtype = torch.float32, channels_last: bool = False,
-                             prefetch_queue_depth: int = DEFAULT_PREFETCH) -> DaliLoader:
+                             dtype: torch.dtype = torch.float32, channels_last: bool = False) -> DaliLoader:
     """Training loader; ``device`` "gpu" decodes on the current CUDA device (set it to the local rank)."""
     b = cfg.train.batch_size
     if train_steps(len(images), world_size, b) == 0:
         raise UserError(f"the training set ({len(images)} images) cannot give every one of {world_size} rank(s) "
                         f"a full batch of {b}: lower train.batch_size or use fewer ranks")
-    return _create(images, cfg, rank, world_size, local_size, device, True, b, dtype, channels_last,
-                   prefetch_queue_depth)
+    return _create(images, cfg, rank, world_size, local_size, device, True, b, dtype, channels_last)
 
 
 def create_dali_val_loader(images: ImageList, cfg, rank: int, world_size: int, local_size: int, device: str,
-                           dtype: torch.dtype = torch.float32, channels_last: bool = False,
-                           prefetch_queue_depth: int = DEFAULT_PREFETCH) -> DaliLoader:
+                           dtype: torch.dtype = torch.float32, channels_last: bool = False) -> DaliLoader:
     """Validation loader: each real image exactly once across ranks, padded duplicates cut off."""
     if len(images) < world_size:
         raise UserError(f"the validation set ({len(images)} images) is smaller than the number of ranks "
                         f"({world_size}): add images or use fewer ranks")
     b = cfg.data.val_batch_size or cfg.train.batch_size
-    return _create(images, cfg, rank, world_size, local_size, device, False, b, dtype, channels_last,
-                   prefetch_queue_depth)
+    return _create(images, cfg, rank, world_size, local_size, device, False, b, dtype, channels_last)

@@ -2,11 +2,12 @@
 
 Augmentation is reproducible: each sample's random crop and flip are seeded from (seed, epoch, index),
 so results do not depend on how samples are spread over workers, and a resumed run sees the same
-augmented images as an uninterrupted one. An unreadable image is skipped with one logged line.
+augmented images as an uninterrupted one. An unreadable image turns its batch into an
+:class:`UnreadableImage`, which the trainer reports as one error line naming the file.
 """
 from __future__ import annotations
 
-import sys
+from dataclasses import dataclass
 
 import torch
 from PIL import Image
@@ -53,20 +54,32 @@ class ImageListDataset(Dataset):
         try:
             with Image.open(path) as img:
                 img = img.convert("RGB")
-        except (OSError, ValueError) as exc:
-            print(f"hybridtrain: warning: skipping unreadable image {path} ({exc}); "
-                  f"run 'hybridtrain check-data' to list every bad file", file=sys.stderr, flush=True)
-            return None
+        except (OSError, ValueError, SyntaxError) as exc:
+            return UnreadableImage(path, f"{type(exc).__name__}: {exc}")
         torch.manual_seed(sample_seed(self.seed, epoch, index))
         return self.transform(img), label, index
 
 
-def collate_readable(items):
-    items = [it for it in items if it is not None]
-    if not items:
-        return None
-    images, labels, indices = zip(*items)
-    return torch.stack(images), torch.tensor(labels), torch.tensor(indices)
+@dataclass
+class UnreadableImage:
+    """Stands in for a batch that holds an image the decoder rejected."""
+    path: str
+    error: str
+
+
+class Collate:
+    """Stack (image, label, index) items into one batch, NCHW or channels_last; an unreadable one wins."""
+
+    def __init__(self, channels_last: bool):
+        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
+
+    def __call__(self, items):
+        bad = [it for it in items if isinstance(it, UnreadableImage)]
+        if bad:
+            return bad[0]
+        images, labels, indices = zip(*items)
+        return (torch.stack(images).contiguous(memory_format=self.memory_format), torch.tensor(labels),
+                torch.tensor(indices))
 
 
 class EpochBatches:
@@ -87,24 +100,26 @@ class EpochBatches:
         return len(self.batches_for_epoch(self.epoch))
 
 
-def _loader(dataset, batch_sampler, workers: int) -> DataLoader:
-    extra = {"multiprocessing_context": "forkserver", "persistent_workers": True} if workers > 0 else {}
-    return DataLoader(dataset, batch_sampler=batch_sampler, num_workers=workers, collate_fn=collate_readable,
-                      **extra)
+def _loader(dataset, batch_sampler, cfg, workers: int) -> DataLoader:
+    return DataLoader(dataset, batch_sampler=batch_sampler, num_workers=workers,
+                      collate_fn=Collate(cfg.data.channels_last), multiprocessing_context="forkserver",
+                      persistent_workers=True, prefetch_factor=cfg.data.prefetch)
 
 
-def create_train_loader(images: ImageList, cfg, rank: int, world_size: int) -> DataLoader:
+def create_train_loader(images: ImageList, cfg, rank: int, world_size: int, workers: int) -> DataLoader:
+    """This rank's training batches: every sample at most once per epoch, see ``sharding.train_batches``."""
     d = cfg.data
     dataset = ImageListDataset(images, train_transform(d.crop_size, d.min_crop_area, d.hflip), cfg.seed)
     n, b = len(images), cfg.train.batch_size
     sampler = EpochBatches(lambda epoch: sharding.train_batches(n, rank, world_size, b, cfg.seed, epoch))
-    return _loader(dataset, sampler, d.workers)
+    return _loader(dataset, sampler, cfg, workers)
 
 
-def create_val_loader(images: ImageList, cfg, rank: int, world_size: int) -> DataLoader:
+def create_val_loader(images: ImageList, cfg, rank: int, world_size: int, workers: int) -> DataLoader:
+    """This rank's contiguous slice of the validation set, every image exactly once over the ranks."""
     d = cfg.data
     dataset = ImageListDataset(images, val_transform(d.crop_size, d.val_resize), cfg.seed)
     shard = list(sharding.val_shard(len(images), rank, world_size))
     b = d.val_batch_size or cfg.train.batch_size
     sampler = EpochBatches(lambda epoch: [shard[i:i + b] for i in range(0, len(shard), b)])
-    return _loader(dataset, sampler, d.workers)
+    return _loader(dataset, sampler, cfg, workers)

@@ -1,0 +1,106 @@
+"""``create_loaders``: the one place where ``data.backend`` becomes this rank's training and validation loaders.
+
+Every backend yields ``(images, labels, indices)`` batches, has ``len()`` = batches per epoch (equal on every
+rank) and ``loader.batch_sampler.set_epoch(e)``. The torchvision and DALI backends cover the same images:
+the class folders, or the clean file lists written by ``hybridtrain check-data --write-filelist``.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ..distributed import cores_per_rank
+from ..errors import UserError
+from . import dali, sharding
+from .check import read_filelist
+from .folder import ImageList, scan_dataset
+from .synthetic import SyntheticLoader
+
+SYNTHETIC_CLASSES = 1000
+
+
+@dataclass
+class Loaders:
+    train: object
+    val: object
+    num_classes: int
+    train_images: int
+    val_images: int
+    dropped_per_epoch: int  # training images left out each epoch, fewer than one global batch
+    skipped_files: list[str]
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return len(self.train)
+
+
+def input_dtype(cfg) -> torch.dtype:
+    """The dtype the pipelines deliver: the model's compute dtype."""
+    return torch.float32
+
+
+def read_splits(cfg) -> tuple[ImageList, ImageList]:
+    """Both splits from the class folders, or from the clean file lists of ``check-data``."""
+    if not cfg.data.file_lists:
+        return scan_dataset(cfg.data.path)
+    splits = []
+    for split in ("train", "val"):
+        path = os.path.join(cfg.data.file_lists, f"{split}.txt")
+        if not os.path.isfile(path):
+            raise UserError(f"data.file_lists={cfg.data.file_lists} has no {split}.txt: run "
+                            f"'hybridtrain check-data {cfg.data.path} --write-filelist {cfg.data.file_lists}'")
+        splits.append(read_filelist(os.path.join(cfg.data.path, split), path))
+    return splits[0], splits[1]
+
+
+def resolve_num_classes(cfg, classes: list[str]) -> int:
+    if cfg.model.num_classes and cfg.model.num_classes != len(classes):
+        raise UserError(f"model.num_classes={cfg.model.num_classes} but {cfg.data.path} has "
+                        f"{len(classes)} class folders: set model.num_classes: 0 to infer it")
+    return len(classes)
+
+
+def create_loaders(cfg, topo) -> Loaders:
+    backend = cfg.data.backend
+    if backend == "synthetic":
+        return synthetic_loaders(cfg, topo)
+    if backend.startswith("dali"):
+        dali.require_dali()
+        if backend == "dali_gpu":
+            dali.require_gpu_for_dali_gpu()
+    train_set, val_set = read_splits(cfg)
+    if len(train_set) < topo.size * cfg.train.batch_size:
+        raise UserError(f"the training set ({len(train_set)} images) cannot give each of {topo.size} rank(s) a full "
+                        f"batch of {cfg.train.batch_size}: lower train.batch_size or use fewer ranks")
+    num_classes = resolve_num_classes(cfg, train_set.classes)
+    skipped = train_set.skipped_non_images + val_set.skipped_non_images
+    if backend == "torchvision":
+        from .torchvision_loader import create_train_loader, create_val_loader
+        workers = cfg.data.workers or cores_per_rank(topo.local_size)
+        train = create_train_loader(train_set, cfg, topo.rank, topo.size, workers)
+        val = create_val_loader(val_set, cfg, topo.rank, topo.size, workers)
+        dropped = sharding.dropped_per_epoch(len(train_set), topo.size, cfg.train.batch_size)
+    else:
+        device = "gpu" if backend == "dali_gpu" else "cpu"
+        args = (topo.rank, topo.size, topo.local_size, device, input_dtype(cfg), cfg.data.channels_last)
+        train = dali.create_dali_train_loader(train_set, cfg, *args)
+        val = dali.create_dali_val_loader(val_set, cfg, *args)
+        dropped = train.dropped_per_epoch
+    return Loaders(train, val, num_classes, len(train_set), len(val_set), dropped, skipped)
+
+
+def synthetic_loaders(cfg, topo) -> Loaders:
+    num_classes = cfg.model.num_classes or SYNTHETIC_CLASSES
+    b, d = cfg.train.batch_size, cfg.data
+    steps = d.synthetic_images // (topo.size * b)
+    if steps == 0:
+        raise UserError(f"data.synthetic_images={d.synthetic_images} is less than one global batch "
+                        f"({topo.size} x {b}): raise it")
+    val_batch = d.val_batch_size or b
+    shape = (d.crop_size, num_classes, input_dtype(cfg), d.channels_last, topo.device)
+    train = SyntheticLoader(steps, b, *shape, seed=cfg.seed * 7919 + topo.rank)
+    val = SyntheticLoader(1, val_batch, *shape, seed=cfg.seed * 7919 + topo.rank + 104729)
+    dropped = d.synthetic_images - steps * topo.size * b
+    return Loaders(train, val, num_classes, d.synthetic_images, topo.size * val_batch, dropped, [])

@@ -1,0 +1,149 @@
+"""The data backends under real Horovod ranks, the data tools on the command line, and bad data.
+
+Sharding is recorded by tests/scripts/record_shards.py, which builds each rank's loaders through the same
+factory as ``hybridtrain train`` and runs under horovodrun.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+
+import pytest
+import torch
+
+from conftest import (HOROVODRUN, HYBRIDTRAIN, REPO, assert_one_error_line, horovodrun, read_metrics, run,
+                      tiny_config)
+from hybridtrain.config import config_from_dict
+from hybridtrain.data.loaders import create_loaders
+from hybridtrain.distributed import Topology
+
+dali = pytest.importorskip("nvidia.dali", reason="NVIDIA DALI is not installed: ./install.sh")
+BACKENDS = ["torchvision", "dali_cpu"]
+BATCH = 14  # 240 train and 70 val images are multiples of neither 2 x 14 nor 3 x 14
+
+
+def record_shards(config: str, out: str, world_size: int, epochs: int = 2) -> list[dict]:
+    script = os.path.join(REPO, "tests", "scripts", "record_shards.py")
+    proc = run([HOROVODRUN, "--gloo", "-np", str(world_size), "-H", f"localhost:{world_size}", sys.executable,
+                script, config, out, str(epochs)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(world_size)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ranks_partition_each_epoch_reshuffle_and_count_val_once(backend, world_size, small_digits, tmp_path,
+                                                                  write_config):
+    cfg = write_config(tiny_config(small_digits, str(tmp_path / "run"), data={"backend": backend},
+                                   train={"batch_size": BATCH}))
+    ranks = record_shards(cfg, str(tmp_path / "shards"), world_size)
+    n, dropped = ranks[0]["train_images"], ranks[0]["dropped"]
+    assert 0 < dropped < world_size * BATCH
+    subsets = []
+    for epoch in range(2):
+        steps = [len(r["train"][epoch]) for r in ranks]
+        assert steps == [r["steps_per_epoch"] for r in ranks] and len(set(steps)) == 1, "unequal steps"
+        seen = [i for r in ranks for batch in r["train"][epoch] for i in batch]
+        assert len(seen) == len(set(seen)), f"a sample was used twice in epoch {epoch}"
+        assert len(seen) == n - dropped and set(seen) <= set(range(n))
+        subsets.append([{i for batch in r["train"][epoch] for i in batch} for r in ranks])
+    assert all(a != b for a, b in zip(*subsets)), "a rank saw the same subset in both epochs"
+    val = sorted(i for r in ranks for batch in r["val"] for i in batch)
+    assert ranks[0]["val_images"] % (world_size * BATCH) != 0
+    assert val == list(range(ranks[0]["val_images"])), "validation must count every image exactly once"
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ["synthetic"])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_batches_follow_the_configured_layout_and_dtype(backend, channels_last, small_digits):
+    cfg = config_from_dict({"data": {"path": small_digits, "backend": backend, "crop_size": 32, "val_resize": 32,
+                                     "channels_last": channels_last, "workers": 1, "synthetic_images": 64},
+                            "train": {"batch_size": 8}})
+    data = create_loaders(cfg, Topology(0, 1, 0, 1))
+    memory_format = torch.channels_last if channels_last else torch.contiguous_format
+    for loader in (data.train, data.val):
+        images, labels, indices = next(iter(loader))
+        assert images.shape == (8, 3, 32, 32) and images.dtype == torch.float32
+        assert images.is_contiguous(memory_format=memory_format)
+        assert labels.dtype == torch.int64 and labels.max() < data.num_classes
+    assert data.num_classes == (1000 if backend == "synthetic" else 10)
+
+
+def plant_truncated_jpeg(data: str) -> str:
+    victim_dir = os.path.join(data, "train", "4")
+    victim = os.path.join(victim_dir, sorted(os.listdir(victim_dir))[0])
+    with open(victim, "rb") as fh:
+        head = fh.read()[:200]
+    with open(victim, "wb") as fh:
+        fh.write(head)
+    return victim
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_corrupt_jpeg_is_refused_by_name_then_found_by_check_data_and_the_clean_list_trains(
+        backend, small_digits, tmp_path, write_config):
+    data = str(tmp_path / "data")
+    shutil.copytree(small_digits, data)
+    victim = plant_truncated_jpeg(data)
+    run_dir = str(tmp_path / "run")
+    sections = dict(data={"backend": backend}, train={"epochs": 1}, optim={"warmup_epochs": 0.5})
+    refused = horovodrun(2, ["train", "--config", write_config(tiny_config(data, run_dir, **sections))], timeout=300)
+    assert_one_error_line(refused, os.path.basename(victim), "check-data", "--write-filelist")
+
+    lists, report = str(tmp_path / "lists"), str(tmp_path / "report.json")
+    checked = run([HYBRIDTRAIN, "check-data", data, "--workers", "2", "--write-filelist", lists, "--report", report])
+    assert checked.returncode == 1, checked.stderr  # problems found: non-zero for scripts
+    assert f"corrupt   train/4/{os.path.basename(victim)}" in checked.stdout
+    assert json.load(open(report))["splits"]["train"]["corrupt"][0]["path"] == f"4/{os.path.basename(victim)}"
+    assert len(open(os.path.join(lists, "train.txt")).readlines()) == 240 - 1
+
+    sections["data"]["file_lists"] = lists
+    clean = horovodrun(2, ["train", "--config", write_config(tiny_config(data, run_dir, **sections), "clean.yaml")])
+    assert clean.returncode == 0, clean.stdout[-3000:] + clean.stderr[-3000:]
+    (record,) = read_metrics(run_dir)
+    assert record["samples_seen"] == 239 - 239 % (2 * 16) and record["val_count"] == 70
+
+
+def test_synthetic_backend_trains_on_two_ranks(tmp_path, write_config):
+    run_dir = str(tmp_path / "run")
+    cfg = tiny_config("unused", run_dir, data={"backend": "synthetic", "synthetic_images": 100},
+                      model={"arch": "resnet18", "num_classes": 10}, train={"epochs": 1, "batch_size": 8},
+                      optim={"warmup_epochs": 0.5})
+    proc = horovodrun(2, ["train", "--config", write_config(cfg)], timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (record,) = read_metrics(run_dir)
+    assert record["samples_seen"] == 6 * 2 * 8 and record["val_count"] == 2 * 8  # 100 // 16 = 6 global batches
+
+
+def test_prepare_synthetic_imagenet_and_bench_data_print_a_table(tmp_path):
+    data = str(tmp_path / "synthetic")
+    made = run([HYBRIDTRAIN, "prepare-data", "synthetic-imagenet", "--out", data, "--classes", "3",
+                "--train-per-class", "8", "--val-per-class", "2", "--size", "160x120", "--workers", "1"])
+    assert made.returncode == 0 and "24 train / 6 val images" in made.stdout, made.stderr
+    bench = run([HYBRIDTRAIN, "bench-data", "--backend", "torchvision", "--backend", "dali_cpu", "--data", data,
+                 "--threads", "1", "--batch-size", "4", "--crop", "64", "--steps", "4", "--warmup", "1"])
+    assert bench.returncode == 0, bench.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in bench.stdout.splitlines() if line.startswith("| ") and "backend" not in line]
+    assert [r[0].strip() for r in rows if "---" not in r[0]] == ["torchvision", "dali_cpu"]
+    assert all(float(r[4]) > 0 for r in rows if "---" not in r[0])
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["bench-data", "--backend", "dali_cpu", "--data", "/nonexistent"], "prepare-data synthetic-imagenet"),
+    (["prepare-data", "synthetic-imagenet", "--out", "/tmp/x", "--size", "big"], "WIDTHxHEIGHT"),
+])
+def test_data_tool_bad_input_is_one_line(argv, needle):
+    assert_one_error_line(run([HYBRIDTRAIN, *argv]), needle)
+
+
+def test_file_lists_folder_without_lists_is_one_line(small_digits, tmp_path, write_config):
+    cfg = write_config(tiny_config(small_digits, str(tmp_path / "run"), data={"file_lists": str(tmp_path)}))
+    assert_one_error_line(run([HYBRIDTRAIN, "train", "--config", cfg]), "has no train.txt", "check-data")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_dali_gpu_without_a_gpu_is_one_line_under_horovodrun(small_digits, tmp_path, write_config):
+    cfg = write_config(tiny_config(small_digits, str(tmp_path / "run"), data={"backend": "dali_gpu"}))
+    assert_one_error_line(horovodrun(2, ["train", "--config", cfg], timeout=300), "needs a CUDA GPU", "dali_cpu")
