@@ -148,8 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--warmup", type=int, default=5, help="untimed batches first (default 5)")
     bench.set_defaults(func=cmd_bench_data)
 
-    exp = sub.add_parser("experiment", help="run a named comparison on Horovod ranks: optimizers, warmup-epochs")
-    exp.add_argument("name", help="optimizers (paper Fig 3.1) or warmup-epochs (Fig 3.2)")
+    exp = sub.add_parser("experiment", help="run a named comparison on Horovod ranks: optimizers, warmup-epochs, lars")
+    exp.add_argument("name", help="optimizers (paper Fig 3.1), warmup-epochs (Fig 3.2) or lars (LARS defaults)")
     exp.add_argument("--config", default="configs/demo.yaml", help="base recipe (default configs/demo.yaml)")
     exp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for every row")
     exp.add_argument("--out", default="runs/experiments", help="where tables, JSON and PNGs go")

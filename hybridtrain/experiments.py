@@ -22,14 +22,30 @@ def optimizer_rows(cfg) -> list[tuple[str, list[str]]]:
     return [(name, [f"optim.name={name}"]) for name in ("hybrid", "adabound", "goyal", "sgd")]
 
 
+PAPER_WARMUP_EPOCHS = (1, 2, 5, 10)  # Fig 3.2's T, for a 90-epoch run
+
+
 def warmup_epoch_rows(cfg) -> list[tuple[str, list[str]]]:
-    """The paper's Fig 3.2: T in {1, 2, 5, 10} scaled to the run (T/90 of the epochs), at least 1 and < epochs."""
+    """The paper's Fig 3.2: T in {1, 2, 5, 10} of 90 epochs, scaled to the run (at least 1, below the
+    epochs). A run too short to keep four distinct values sweeps T = 1, 2, 3, 4 (up to half the run)."""
     epochs = cfg.train.epochs
-    ts = sorted({min(max(1, round(t * epochs / 90)), epochs - 1) for t in (1, 2, 5, 10)})
+    ts = sorted({min(max(1, round(t * epochs / 90)), epochs - 1) for t in PAPER_WARMUP_EPOCHS})
+    if len(ts) < len(PAPER_WARMUP_EPOCHS):
+        ts = list(range(1, max(1, epochs // 2) + 1))[:len(PAPER_WARMUP_EPOCHS)]
     return [(f"T={t}", ["optim.name=hybrid", f"optim.adabound_epochs={t}"]) for t in ts]
 
 
-EXPERIMENTS = {"optimizers": optimizer_rows, "warmup-epochs": warmup_epoch_rows}
+def lars_rows(cfg) -> list[tuple[str, list[str]]]:
+    """The hybrid recipe's SGD phase without LARS, with LARS scaling and with LARC clipping, at two trust
+    coefficients: You et al.'s 0.001 and NVIDIA LARC's 0.02. It is how the defaults were chosen."""
+    rows = [("none", ["optim.name=hybrid", "optim.lars=none"])]
+    for mode in ("scale", "clip"):
+        rows += [(f"{mode} eta={eta}", ["optim.name=hybrid", f"optim.lars={mode}", f"optim.trust_coefficient={eta}"])
+                 for eta in (0.001, 0.02)]
+    return rows
+
+
+EXPERIMENTS = {"optimizers": optimizer_rows, "warmup-epochs": warmup_epoch_rows, "lars": lars_rows}
 
 
 def launch_row(config: str, overrides: list[str], run_dir: str, ranks: int) -> None:
@@ -98,7 +114,7 @@ def run_experiment(name: str, config: str, overrides: list[str], out: str, ranks
     os.makedirs(out, exist_ok=True)
     rows = []
     for row_name, row_sets in EXPERIMENTS[name](cfg):
-        run_dir = os.path.join(out, "runs", row_name.replace("=", "-"))
+        run_dir = os.path.join(out, "runs", row_name.replace("=", "-").replace(" ", "_"))
         launch_row(config, overrides + row_sets, run_dir, ranks)
         rows.append(summarise_row(row_name, run_dir, target))
     with open(os.path.join(out, f"{name}.json"), "w") as fh:

@@ -6,7 +6,7 @@ import os
 
 from conftest import HYBRIDTRAIN, assert_one_error_line, run, tiny_config
 from hybridtrain.config import load_config
-from hybridtrain.experiments import warmup_epoch_rows
+from hybridtrain.experiments import lars_rows, warmup_epoch_rows
 from hybridtrain.optim.plot import schedule_series
 
 
@@ -32,8 +32,18 @@ def test_optimizers_experiment_writes_table_json_and_png(small_digits, tmp_path,
 def test_warmup_epoch_rows_scale_T_to_the_run():
     cfg = load_config(None, ["train.epochs=90"])
     assert [name for name, _ in warmup_epoch_rows(cfg)] == ["T=1", "T=2", "T=5", "T=10"]
-    short = load_config(None, ["train.epochs=12"])
-    assert [name for name, _ in warmup_epoch_rows(short)] == ["T=1"]
+    assert [name for name, _ in warmup_epoch_rows(load_config(None, ["train.epochs=180"]))] == [
+        "T=2", "T=4", "T=10", "T=20"]
+    short = load_config(None, ["train.epochs=12"])  # 12/90 of {1,2,5,10} collapses to T=1
+    assert [name for name, _ in warmup_epoch_rows(short)] == ["T=1", "T=2", "T=3", "T=4"]
+    tiny = load_config(None, ["train.epochs=5", "optim.adabound_epochs=1"])
+    assert [name for name, _ in warmup_epoch_rows(tiny)] == ["T=1", "T=2"]
+
+
+def test_lars_rows_cover_none_scale_and_clip():
+    rows = dict(lars_rows(load_config(None, ["train.epochs=12", "optim.adabound_epochs=3"])))
+    assert list(rows) == ["none", "scale eta=0.001", "scale eta=0.02", "clip eta=0.001", "clip eta=0.02"]
+    assert rows["clip eta=0.02"] == ["optim.name=hybrid", "optim.lars=clip", "optim.trust_coefficient=0.02"]
 
 
 def test_unknown_experiment_is_one_line(tmp_path):
