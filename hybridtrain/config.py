@@ -61,6 +61,9 @@ class ModelConfig:
     small_input_stem: bool = plain(False, "3x3 stride-1 stem without max-pool, for 32-64 px inputs")
     num_classes: int = number(0, lo=0, doc="0 = number of class folders in the dataset")
     zero_init_last_bn: bool = plain(True, "gamma = 0 in the last BN of every residual block (paper 2.2.3)")
+    residual_bn_scale: float = number(1.0, lo=0.0, hi=1.0, lo_open=True,
+                                      doc="multiply every BN output inside residual blocks by this (seed 002: 0.25)")
+    bn_swap: bool = plain(False, "seed 002's BN swap in the last BN of each block: y = gamma*(x_hat + shortcut) + beta")
 
 
 @dataclass
@@ -100,12 +103,24 @@ class OptimConfig:
 
 @dataclass
 class PrecisionConfig:
-    mode: str = choice("fp32", ["fp32"], "compute precision")
+    mode: str = choice("fp32", ["fp32", "fp64", "mixed", "layered", "fp16_pure"],
+                       "fp32; fp64; mixed (FP16/BF16 compute, FP32 master weights, the paper); layered (per stage, "
+                       "seed 000); fp16_pure (no FP32 copy, seed 002)")
+    compute_dtype: str = choice("fp16", ["fp16", "bf16"], "mixed: the reduced dtype of forward and backward")
+    layers: dict = plain({"stem": "fp32", "layer1": "fp16", "layer2": "fp16", "layer3": "fp16", "layer4": "fp16",
+                          "fc": "fp32"}, "layered: dtype (fp32, fp16 or bf16) per stage; seed 000's default")
+    loss_scaling: str = choice("auto", ["auto", "dynamic", "static", "none"],
+                               "auto = dynamic whenever FP16 computes, else none")
+    loss_scale: float = number(65536.0, lo=0.0, lo_open=True, doc="static: the scale; dynamic: the initial scale")
+    growth_interval: int = number(2000, lo=1, doc="dynamic: double the scale after this many clean steps")
+    max_consecutive_overflows: int = number(20, lo=1, doc="stop the run after this many skipped steps in a row")
 
 
 @dataclass
 class HorovodConfig:
     compression: str = choice("fp16", ["fp16", "none"], "gradient all-reduce compression")
+    gradient_predivide_factor: float = number(1.0, lo=1.0, doc="divide gradients by f before the sum and by "
+                                                               "N/f after: keeps FP16 sums over many ranks finite")
 
 
 @dataclass
@@ -165,6 +180,10 @@ def _coerce(value: Any, f: dataclasses.Field, dotted: str):
     elif expected is list:
         if not isinstance(value, list):
             raise UserError(f"config error: {dotted} must be a list, got {value!r}")
+    elif expected is dict:
+        if not isinstance(value, dict):
+            raise UserError(f"config error: {dotted} must be a mapping, got {value!r}")
+        value = {**default, **value}  # a partial mapping overrides only the keys it names
     if "choices" in meta and value not in meta["choices"]:
         allowed = ", ".join(str(c) for c in meta["choices"])
         raise UserError(f"config error: {dotted} must be one of: {allowed}; got {value!r}")
@@ -268,10 +287,26 @@ def validate(cfg: Config) -> Config:
     if cfg.optim.name == "goyal" and cfg.optim.warmup_epochs >= cfg.train.epochs:
         raise UserError(f"config error: optim.warmup_epochs ({cfg.optim.warmup_epochs}) must be smaller "
                         f"than train.epochs ({cfg.train.epochs})")
+    validate_precision(cfg)
     if cfg.data.backend == "synthetic" and cfg.data.file_lists:
         raise UserError("config error: data.file_lists names real images but data.backend is synthetic: "
                         "unset one of them")
     return cfg
+
+
+def validate_precision(cfg: Config) -> None:
+    from .precision import STAGES
+    p = cfg.precision
+    for stage, dtype in p.layers.items():
+        if stage not in STAGES:
+            raise UserError(f"config error: precision.layers names stage '{stage}', which a ResNet lacks: "
+                            f"use {', '.join(STAGES)}")
+        if dtype not in ("fp32", "fp16", "bf16"):
+            raise UserError(f"config error: precision.layers.{stage} must be fp32, fp16 or bf16; got {dtype!r}")
+    if p.mode == "fp16_pure" and cfg.optim.name in ("hybrid", "adabound"):
+        raise UserError(f"config error: precision.mode=fp16_pure keeps optimizer state in FP16, but optim.name="
+                        f"{cfg.optim.name} needs FP32 state (AdaBound's squared gradients): use optim.name=goyal "
+                        f"or sgd, or precision.mode=mixed")
 
 
 def save_config(cfg: Config, path: str) -> None:

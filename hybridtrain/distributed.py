@@ -119,7 +119,15 @@ def compression(name: str):
     return {"fp16": hvd.Compression.fp16, "none": hvd.Compression.none}[name]
 
 
-def distributed_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module, compression_name: str):
+def distributed_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module, horovod_cfg):
+    """Horovod's averaging all-reduce, FP16-compressed by default, with the configured pre-divide factor."""
     hvd = import_horovod()
     return hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                    compression=compression(compression_name), op=hvd.Average)
+                                    compression=compression(horovod_cfg.compression), op=hvd.Average,
+                                    gradient_predivide_factor=horovod_cfg.gradient_predivide_factor)
+
+
+def allgather_floats(values: list[float], name: str) -> list[float]:
+    """Every rank's ``values``, concatenated in rank order."""
+    hvd = import_horovod()
+    return hvd.allgather(torch.tensor(values, dtype=torch.float64), name=name).tolist()

@@ -14,7 +14,8 @@ from .data.loaders import create_loaders
 from .errors import UserError
 from .models import create_model
 from .optim import create_optimizer
-from .training import average_bn_statistics, evaluate, train_one_epoch, use_last_iteration_statistics
+from .precision import check_hardware, create_scaler, peak_memory_mb, prepare_model, reset_peak_memory, resolve_policy
+from .training import Precision, average_bn_statistics, evaluate, train_one_epoch, use_last_iteration_statistics
 
 
 class ProgressBar:
@@ -76,9 +77,14 @@ def truncate_metrics(path: str, completed_epochs: int) -> list[dict]:
 
 def run_training(cfg: Config, resume: bool = False) -> dict | None:
     topo = distributed.init(cfg.train.threads)
+    policy = resolve_policy(cfg.precision)
+    check_hardware(policy, topo.device)
     data = create_loaders(cfg, topo)
-    model = create_model(cfg.model.arch, data.num_classes, cfg.model.variant, cfg.model.small_input_stem,
-                         cfg.model.zero_init_last_bn, seed=cfg.seed).to(topo.device)
+    m = cfg.model
+    model = create_model(m.arch, data.num_classes, m.variant, m.small_input_stem, m.zero_init_last_bn, seed=cfg.seed,
+                         residual_bn_scale=m.residual_bn_scale, bn_swap=m.bn_swap).to(topo.device)
+    model = prepare_model(model, policy)
+    precision = Precision(policy, create_scaler(cfg.precision, policy))
     if cfg.data.channels_last:
         model = model.to(memory_format=torch.channels_last)
     use_last_iteration_statistics(model)
@@ -89,11 +95,13 @@ def run_training(cfg: Config, resume: bool = False) -> dict | None:
     metrics_path = os.path.join(cfg.run_dir, "metrics.jsonl")
     start_epoch, history, elapsed_before = 0, [], 0.0
     # Wrap first: Horovod rebuilds the optimizer from its param_groups, so state loaded before would be lost.
-    bundle.optimizer = distributed.distributed_optimizer(bundle.optimizer, model, cfg.horovod.compression)
+    bundle.optimizer = distributed.distributed_optimizer(bundle.optimizer, model, cfg.horovod)
     if resume:
         state = resume_state(cfg, topo)
         model.load_state_dict(state["model"])  # copies into the parameters wherever they live
         bundle.optimizer.load_state_dict(state["optimizer"])
+        if "scaler" in state:
+            precision.scaler.load_state_dict(state["scaler"])
         start_epoch, elapsed_before = state["epoch"] + 1, state.get("elapsed_s", 0.0)
         log(topo, f"hybridtrain: resumed from epoch {state['epoch'] + 1} in {cfg.run_dir}")
     else:
@@ -113,22 +121,27 @@ def run_training(cfg: Config, resume: bool = False) -> dict | None:
     for epoch in range(start_epoch, cfg.train.epochs):
         epoch_start = time.perf_counter()
         bar = ProgressBar(steps, epoch, cfg.train.epochs, topo.size) if topo.is_root and cfg.train.progress else None
-        result = train_one_epoch(model, bundle, data.train, epoch, steps, bar)
+        reset_peak_memory(topo.device)
+        result = train_one_epoch(model, bundle, precision, data.train, epoch, steps, bar)
         if bar:
             bar.close()
         average_bn_statistics(model)
-        ev = evaluate(model, data.val, tag=str(epoch))
+        ev = evaluate(model, data.val, policy, tag=str(epoch))
+        peak_mb = distributed.allgather_floats([peak_memory_mb(topo.device)], f"peak_memory.{epoch}")
         record = {"epoch": epoch + 1, "train_loss": result.train_loss, "train_top1": result.train_top1,
                   "val_loss": ev.loss, "val_top1": ev.top1,
                   "val_top5": ev.top5, "lr": bundle.optimizer.param_groups[0]["lr"],
                   "epoch_time_s": time.perf_counter() - epoch_start,
                   "train_time_s": result.train_time_s,
                   "images_per_sec": result.samples_seen / result.train_time_s, "samples_seen": result.samples_seen,
-                  "val_count": ev.count, "wall_time_s": time.perf_counter() - run_start}
+                  "val_count": ev.count, "wall_time_s": time.perf_counter() - run_start,
+                  "loss_scale": precision.scaler.scale, "skipped_steps": result.skipped_steps,
+                  "peak_memory_mb": max(peak_mb), "peak_memory_mb_per_rank": peak_mb}
         if topo.is_root:
             append_metrics(metrics_path, record)
             history.append(record)
-            state = {"model": model.state_dict(), "optimizer": bundle.optimizer.state_dict(), "epoch": epoch,
+            state = {"model": model.state_dict(), "optimizer": bundle.optimizer.state_dict(),
+                     "scaler": precision.scaler.state_dict(), "epoch": epoch,
                      "config": cfg.to_dict(), "config_fingerprint": cfg.fingerprint(),
                      "elapsed_s": time.perf_counter() - run_start}
             checkpoint.save_checkpoint(state, cfg.run_dir, epoch + 1, cfg.train.keep_checkpoints)

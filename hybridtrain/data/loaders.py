@@ -13,6 +13,7 @@ import torch
 
 from ..distributed import cores_per_rank
 from ..errors import UserError
+from ..precision import resolve_policy
 from . import dali, sharding
 from .check import read_filelist
 from .folder import ImageList, scan_dataset
@@ -37,8 +38,8 @@ class Loaders:
 
 
 def input_dtype(cfg) -> torch.dtype:
-    """The dtype the pipelines deliver: the model's compute dtype."""
-    return torch.float32
+    """The dtype the pipelines deliver: FP16 when the model takes FP16 input, else FP32 (FP64 is cast later)."""
+    return torch.float16 if resolve_policy(cfg.precision).input_dtype == torch.float16 else torch.float32
 
 
 def read_splits(cfg) -> tuple[ImageList, ImageList]:

@@ -7,12 +7,23 @@ Initialisation follows the paper (seed 001, 2.2.3):
 - convolutions: N(0, std) with std = sqrt(2 / fan_in), fan_in = k * k * C_in (torchvision uses fan_out);
 - BN: gamma = 1, beta = 0, except gamma = 0 in the last BN of every residual block (``zero_init_last_bn``);
 - FC (not specified by the paper): weight N(0, 0.01^2), bias 0, as Goyal et al. (2017).
+
+Seed 002's two FP16 stabilisers, both off by default:
+- ``residual_bn_scale`` s: every BN output of a block's main branch is multiplied by s (the seed: 0.25);
+  the stem BN and the shortcut's BN are unchanged.
+- ``bn_swap``: in the last BN of each block the shortcut r is added before gamma instead of after it:
+  y = gamma * (x_hat + r) + beta, instead of y = gamma * x_hat + beta + r (x_hat = the normalised
+  activation). The seed says "swap the position of residual connection and gamma"; we read it as moving the
+  addition of the two branches inside the affine transform, so the two branches meet at comparable scale
+  (x_hat has unit variance) before gamma scales their sum. With gamma = 0 this would cut the shortcut, so
+  it needs ``zero_init_last_bn`` off.
 """
 from __future__ import annotations
 
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..errors import UserError
@@ -26,7 +37,25 @@ def conv1x1(c_in: int, c_out: int, stride: int = 1) -> nn.Conv2d:
     return nn.Conv2d(c_in, c_out, 1, stride=stride, bias=False)
 
 
-class BasicBlock(nn.Module):
+class ResidualBlock(nn.Module):
+    """What both block types share: the BN output scale and the end of the block (with or without swap)."""
+    bn_scale = 1.0
+    bn_swap = False
+
+    def scaled(self, y: torch.Tensor) -> torch.Tensor:
+        return y * self.bn_scale if self.bn_scale != 1.0 else y
+
+    def merge(self, out: torch.Tensor, identity: torch.Tensor) -> torch.Tensor:
+        """relu(BN(out) + r), or with the swap relu(gamma * (x_hat + r) + beta)."""
+        bn = self.last_bn
+        if not self.bn_swap:
+            return self.relu(self.scaled(bn(out)) + identity)
+        x_hat = F.batch_norm(out, bn.running_mean, bn.running_var, None, None, bn.training, bn.momentum, bn.eps)
+        shape = (1, -1) + (1,) * (out.ndim - 2)
+        return self.relu(self.scaled(bn.weight.view(shape) * (x_hat + identity) + bn.bias.view(shape)))
+
+
+class BasicBlock(ResidualBlock):
     expansion = 1
 
     def __init__(self, c_in: int, width: int, stride: int = 1, downsample: nn.Module | None = None,
@@ -45,12 +74,11 @@ class BasicBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         identity = x if self.downsample is None else self.downsample(x)
-        out = self.relu(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
-        return self.relu(out + identity)
+        out = self.relu(self.scaled(self.bn1(self.conv1(x))))
+        return self.merge(self.conv2(out), identity)
 
 
-class Bottleneck(nn.Module):
+class Bottleneck(ResidualBlock):
     expansion = 4
 
     def __init__(self, c_in: int, width: int, stride: int = 1, downsample: nn.Module | None = None,
@@ -72,10 +100,9 @@ class Bottleneck(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         identity = x if self.downsample is None else self.downsample(x)
-        out = self.relu(self.bn1(self.conv1(x)))
-        out = self.relu(self.bn2(self.conv2(out)))
-        out = self.bn3(self.conv3(out))
-        return self.relu(out + identity)
+        out = self.relu(self.scaled(self.bn1(self.conv1(x))))
+        out = self.relu(self.scaled(self.bn2(self.conv2(out))))
+        return self.merge(self.conv3(out), identity)
 
 
 LAYOUTS = {
@@ -119,7 +146,7 @@ class ResNet(nn.Module):
         return nn.Sequential(*stage)
 
     def residual_blocks(self):
-        return [m for m in self.modules() if isinstance(m, (BasicBlock, Bottleneck))]
+        return [m for m in self.modules() if isinstance(m, ResidualBlock)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
@@ -149,9 +176,13 @@ def initialise(model: ResNet, zero_init_last_bn: bool = True) -> None:
 
 
 def create_model(arch: str, num_classes: int, variant: str = "v1.5", small_input_stem: bool = False,
-                 zero_init_last_bn: bool = True, seed: int | None = None) -> ResNet:
+                 zero_init_last_bn: bool = True, seed: int | None = None, residual_bn_scale: float = 1.0,
+                 bn_swap: bool = False) -> ResNet:
     if arch not in LAYOUTS:
         raise UserError(f"unknown model.arch '{arch}': choose one of {', '.join(LAYOUTS)}")
+    if bn_swap and zero_init_last_bn:
+        raise UserError("model.bn_swap multiplies the shortcut by the last BN's gamma, which zero_init_last_bn sets "
+                        "to 0: set model.zero_init_last_bn: false")
     if num_classes < 1:
         raise UserError(f"model.num_classes must be >= 1, got {num_classes}")
     block, layers = LAYOUTS[arch]
@@ -159,4 +190,6 @@ def create_model(arch: str, num_classes: int, variant: str = "v1.5", small_input
         torch.manual_seed(seed)
     model = ResNet(block, layers, num_classes, small_input_stem, stride_in_1x1=(variant == "v1"))
     initialise(model, zero_init_last_bn)
+    for block in model.residual_blocks():
+        block.bn_scale, block.bn_swap = residual_bn_scale, bn_swap
     return model
