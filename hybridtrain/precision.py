@@ -5,8 +5,8 @@ Modes:
 - ``mixed`` (the paper's FP-mix, seeds 001/004): FP32 master weights and FP32 update; forward and backward
   under autocast in ``compute_dtype`` (fp16, or bf16 on modern GPUs). Autocast keeps exp/log/softmax and the
   reductions in FP32, and the loss is always taken in FP32 (``training.classification_loss``).
-- ``layered`` (seed 000): each named stage (stem, layer1..layer4, fc) runs in its own dtype; a stage in FP32
-  runs with autocast off and its input cast up to FP32.
+- ``layered`` (seed 000): each named stage (stem, layer1..layer4, fc) runs in its own dtype: its input is
+  cast to that dtype; a reduced stage runs under autocast, an FP32 stage with autocast off.
 - ``fp16_pure`` (seed 002): weights, activations, gradients and optimizer state all FP16, no master copy,
   with the seed's two stabilisers as options (see ``models.resnet`` for the BN swap and the 0.25 scale).
 
@@ -85,7 +85,8 @@ def stage_modules(model: nn.Module, stage: str) -> list[nn.Module]:
 
 
 def run_stage_in(module: nn.Module, dtype: torch.dtype) -> None:
-    """Make ``module`` compute in ``dtype``: autocast for FP16/BF16, autocast off and FP32 input for FP32."""
+    """Make ``module`` compute in ``dtype``: its input cast to ``dtype``, then autocast in FP16/BF16 (autocast
+    off in FP32), so the shortcut additions run in the stage's dtype too."""
     inner = module.forward
 
     def forward(x, *args, **kwargs):
@@ -94,7 +95,7 @@ def run_stage_in(module: nn.Module, dtype: torch.dtype) -> None:
             with torch.autocast(device_type, enabled=False):
                 return inner(x.float(), *args, **kwargs)
         with torch.autocast(device_type, dtype=dtype):
-            return inner(x, *args, **kwargs)
+            return inner(x.to(dtype), *args, **kwargs)
 
     module.forward = forward
 
