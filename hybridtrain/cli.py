@@ -67,6 +67,18 @@ def cmd_check_data(args) -> int:
     return 1 if bad else 0
 
 
+def cmd_bench(args) -> int:
+    import json
+    from .bench import bench, format_table
+    rows = bench(args.arch, args.batch_size or [32], args.image_size, args.precision or ["fp32"], args.steps,
+                 args.warmup, args.channels_last, args.threads)
+    print(format_table(rows))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+    return 0
+
+
 def cmd_bench_data(args) -> int:
     from .data.bench import bench_data, format_table
     print(format_table(bench_data(args.backend, args.data, args.threads, args.batch_size, args.crop, args.steps,
@@ -136,6 +148,21 @@ def build_parser() -> argparse.ArgumentParser:
                        help="write DIR/train.txt and DIR/val.txt listing the readable images (for data.file_lists)")
     check.set_defaults(func=cmd_check_data)
 
+    step = sub.add_parser("bench", help="training-step images/s and peak memory per precision, synthetic data")
+    step.add_argument("--arch", default="resnet50", choices=["resnet18", "resnet34", "resnet50", "resnet101",
+                                                              "resnet152"], help="model (default resnet50)")
+    step.add_argument("--precision", action="append", metavar="MODE",
+                      choices=["fp64", "fp32", "mixed-fp16", "mixed-bf16", "layered", "fp16_pure"],
+                      help="fp64, fp32, mixed-fp16, mixed-bf16, layered or fp16_pure (repeatable; default fp32)")
+    step.add_argument("--batch-size", type=int, action="append", help="per-device batch (repeatable; default 32)")
+    step.add_argument("--image-size", type=int, default=224, help="square input size (default 224)")
+    step.add_argument("--steps", type=int, default=20, help="timed steps (default 20)")
+    step.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
+    step.add_argument("--channels-last", action="store_true", help="NHWC memory layout for model and input")
+    step.add_argument("--threads", type=int, default=0, help="CPU threads (default 0 = all cores)")
+    step.add_argument("--json", help="also write the rows to this JSON file")
+    step.set_defaults(func=cmd_bench)
+
     bench = sub.add_parser("bench-data", help="input pipeline alone: images/s per backend and thread count")
     bench.add_argument("--backend", action="append", required=True,
                        choices=["torchvision", "dali_cpu", "dali_gpu"], help="backend (repeatable)")
@@ -148,8 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--warmup", type=int, default=5, help="untimed batches first (default 5)")
     bench.set_defaults(func=cmd_bench_data)
 
-    exp = sub.add_parser("experiment", help="run a named comparison on Horovod ranks: optimizers, warmup-epochs, lars")
-    exp.add_argument("name", help="optimizers (paper Fig 3.1), warmup-epochs (Fig 3.2) or lars (LARS defaults)")
+    exp = sub.add_parser("experiment", help="run a named comparison on Horovod ranks (optimizers, warmup-epochs, lars, precision, layered)")
+    exp.add_argument("name", help="optimizers (paper Fig 3.1), warmup-epochs (Fig 3.2), lars (LARS defaults), "
+                                  "precision (seed 003, Fig 3.3) or layered (seed 000)")
     exp.add_argument("--config", default="configs/demo.yaml", help="base recipe (default configs/demo.yaml)")
     exp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for every row")
     exp.add_argument("--out", default="runs/experiments", help="where tables, JSON and PNGs go")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -45,7 +46,29 @@ def lars_rows(cfg) -> list[tuple[str, list[str]]]:
     return rows
 
 
-EXPERIMENTS = {"optimizers": optimizer_rows, "warmup-epochs": warmup_epoch_rows, "lars": lars_rows}
+def precision_rows(cfg) -> list[tuple[str, list[str]]]:
+    """Seed 003's schemes and seed 001's Fig 3.3: the recipe under every precision mode. fp16_pure keeps its
+    optimizer state in FP16, which AdaBound cannot use, so that row trains with goyal and seed 002's 0.25."""
+    rows = [("fp64", ["precision.mode=fp64"]), ("fp32", ["precision.mode=fp32"]),
+            ("mixed-fp16", ["precision.mode=mixed", "precision.compute_dtype=fp16"]),
+            ("mixed-bf16", ["precision.mode=mixed", "precision.compute_dtype=bf16"]),
+            ("layered", ["precision.mode=layered"])]
+    return rows + [("fp16_pure (goyal)", ["precision.mode=fp16_pure", "optim.name=goyal",
+                                          f"optim.warmup_epochs={min(5, cfg.train.epochs // 3)}",
+                                          "model.residual_bn_scale=0.25"])]
+
+
+def layered_rows(cfg) -> list[tuple[str, list[str]]]:
+    """Seed 000's Table 2: the first k residual stages in FP16 (k = 0..4), the stem and FC in FP32."""
+    rows = []
+    for k in range(5):
+        stages = [f"precision.layers.layer{i}={'fp16' if i <= k else 'fp32'}" for i in range(1, 5)]
+        rows.append((f"{k} stage(s) fp16", ["precision.mode=layered", *stages]))
+    return rows
+
+
+EXPERIMENTS = {"optimizers": optimizer_rows, "warmup-epochs": warmup_epoch_rows, "lars": lars_rows,
+               "precision": precision_rows, "layered": layered_rows}
 
 
 def launch_row(config: str, overrides: list[str], run_dir: str, ranks: int) -> None:
@@ -70,16 +93,22 @@ def summarise_row(name: str, run_dir: str, target: float) -> dict:
     top1 = [r["val_top1"] for r in history]
     return {"row": name, "final_top1": top1[-1], "best_top1": max(top1),
             "epochs_to_target": convergence_epoch(top1, target), "target": target,
-            "train_time_s": sum(r["epoch_time_s"] for r in history), "history": history}
+            "train_time_s": sum(r["epoch_time_s"] for r in history),
+            "epoch_time_s": sum(r["epoch_time_s"] for r in history) / len(history),
+            "peak_memory_mb": max(r["peak_memory_mb"] for r in history),
+            "skipped_steps": sum(r["skipped_steps"] for r in history),
+            "nan_epochs": sum(1 for r in history if r["train_loss"] != r["train_loss"]), "history": history}
 
 
 def write_table(name: str, rows: list[dict], out: str) -> str:
-    lines = [f"| {name} | final top-1 | best top-1 | epochs to top-1 >= {rows[0]['target']} | time (s) |",
-             "| --- | --- | --- | --- | --- |"]
+    lines = [f"| {name} | final top-1 | best top-1 | epochs to top-1 >= {rows[0]['target']} | time (s) | s/epoch | "
+             f"peak MiB/rank | skipped steps | NaN epochs |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         reached = r["epochs_to_target"] if r["epochs_to_target"] is not None else "not reached"
         lines.append(f"| {r['row']} | {r['final_top1']:.4f} | {r['best_top1']:.4f} | {reached} | "
-                     f"{r['train_time_s']:.1f} |")
+                     f"{r['train_time_s']:.1f} | {r['epoch_time_s']:.1f} | {r['peak_memory_mb']:.0f} | "
+                     f"{r['skipped_steps']} | {r['nan_epochs']} |")
     text = "\n".join(lines) + "\n"
     with open(os.path.join(out, f"{name}.md"), "w") as fh:
         fh.write(text)
@@ -114,7 +143,7 @@ def run_experiment(name: str, config: str, overrides: list[str], out: str, ranks
     os.makedirs(out, exist_ok=True)
     rows = []
     for row_name, row_sets in EXPERIMENTS[name](cfg):
-        run_dir = os.path.join(out, "runs", row_name.replace("=", "-").replace(" ", "_"))
+        run_dir = os.path.join(out, "runs", re.sub(r"[^A-Za-z0-9.+-]+", "_", row_name.replace("=", "-")).strip("_"))
         launch_row(config, overrides + row_sets, run_dir, ranks)
         rows.append(summarise_row(row_name, run_dir, target))
     with open(os.path.join(out, f"{name}.json"), "w") as fh:

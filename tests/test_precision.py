@@ -208,3 +208,28 @@ def test_bad_precision_settings_are_one_line(sets, needle, tiny_digits, tmp_path
     cfg = write_config(tiny_config(tiny_digits, str(tmp_path / "run")))
     args = [a for s in sets for a in ("--set", s)]
     assert_one_error_line(run([HYBRIDTRAIN, "train", "--config", cfg, *args]), needle)
+
+
+def test_bench_prints_images_per_second_and_peak_memory_per_precision(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = run([HYBRIDTRAIN, "bench", "--arch", "resnet18", "--precision", "fp32", "--precision", "mixed-bf16",
+                "--batch-size", "4", "--image-size", "32", "--steps", "2", "--warmup", "1", "--json", str(out)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert [r["precision"] for r in rows] == ["fp32", "mixed-bf16"]
+    assert all(r["images_per_sec"] > 0 and r["peak_memory_mb"] > 0 for r in rows)
+    assert "| resnet18 | mixed-bf16 | 4 | 32 |" in proc.stdout
+
+
+def test_precision_and_layered_experiment_rows():
+    from hybridtrain.config import load_config
+    from hybridtrain.experiments import layered_rows, precision_rows
+    cfg = load_config("configs/demo.yaml")
+    names = [name for name, _ in precision_rows(cfg)]
+    assert names == ["fp64", "fp32", "mixed-fp16", "mixed-bf16", "layered", "fp16_pure (goyal)"]
+    for _, sets in precision_rows(cfg):  # every row is a valid recipe
+        load_config("configs/demo.yaml", sets)
+    rows = dict(layered_rows(cfg))
+    assert list(rows) == [f"{k} stage(s) fp16" for k in range(5)]
+    assert rows["2 stage(s) fp16"][1:] == ["precision.layers.layer1=fp16", "precision.layers.layer2=fp16",
+                                           "precision.layers.layer3=fp32", "precision.layers.layer4=fp32"]
