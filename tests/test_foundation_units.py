@@ -177,3 +177,16 @@ def test_goyal_warmup_and_step_decay_by_hand():
     assert goyal_lr(800, **kw) == pytest.approx(0.0004)
     assert step_decay_factor(89, 90, [1 / 3, 2 / 3, 8 / 9], 0.1) == pytest.approx(1e-3)
     assert sgd_lr(0, 10, 0.1, 4, 90, [1 / 3], 0.1) == pytest.approx(0.4)
+
+
+def test_every_config_key_is_documented_in_the_readme():
+    import dataclasses
+    from hybridtrain.config import Config
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+    missing = []
+    for section in dataclasses.fields(Config):
+        default = section.default_factory() if section.default is dataclasses.MISSING else section.default
+        keys = [f"{section.name}.{f.name}" for f in dataclasses.fields(default)] if dataclasses.is_dataclass(default) \
+            else [section.name]
+        missing += [k for k in keys if f"| `{k}` |" not in readme]
+    assert not missing, f"config keys missing from the README's config table: {missing}"
