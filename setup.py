@@ -16,7 +16,7 @@ setup(
     packages=find_packages(include=["hybridtrain", "hybridtrain.*"]),
     python_requires=">=3.9",
     install_requires=[TORCH, TORCHVISION, HOROVOD, "numpy", "pyyaml", "tqdm", "pillow", "matplotlib",
-                      "scikit-learn", "psutil", "cloudpickle"],
+                      "scikit-learn", "psutil", "cloudpickle", "tensorboard"],
     extras_require={
         "dali": [DALI],
         "mpi": ["mpi4py"],

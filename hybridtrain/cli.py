@@ -92,6 +92,24 @@ def cmd_experiment(args) -> int:
     return 0
 
 
+def cmd_report(args) -> int:
+    from .reporting import comparison_markdown, report_run, summary_table
+    if args.single_gpu_speed is not None and args.single_gpu_speed <= 0:
+        raise UserError(f"--single-gpu-speed must be > 0 img/s, got {args.single_gpu_speed}")
+    reports = [report_run(d, args.top1_target, args.top5_target, args.single_gpu_speed) for d in args.run_dirs]
+    names = [os.path.basename(os.path.abspath(d)) for d in args.run_dirs]
+    for name, directory, report in zip(names, args.run_dirs, reports):
+        print(f"{name}: report.md, report.json and PNGs written to {directory}")
+        print(summary_table(report))
+    if len(reports) > 1:
+        table = comparison_markdown(names, reports)
+        print(table)
+        if args.out:
+            with open(args.out, "w") as fh:
+                fh.write(table)
+    return 0
+
+
 def cmd_plot_schedule(args) -> int:
     from .config import load_config
     from .optim.plot import plot_schedule
@@ -182,8 +200,17 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for every row")
     exp.add_argument("--out", default="runs/experiments", help="where tables, JSON and PNGs go")
     exp.add_argument("--ranks", type=int, default=2, help="Horovod ranks per row (default 2)")
-    exp.add_argument("--target", type=float, default=0.95, help="val top-1 target for epochs-to-target")
+    exp.add_argument("--target", type=float, help="val top-1 target for epochs-to-target (default: the recipe's "
+                                                   "report.top1_target)")
     exp.set_defaults(func=cmd_experiment)
+
+    rep = sub.add_parser("report", help="the paper's report of run directories: report.md/.json and PNGs")
+    rep.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (several: side by side)")
+    rep.add_argument("--top1-target", type=float, help="val top-1 target (default: the run's report.top1_target)")
+    rep.add_argument("--top5-target", type=float, help="val top-5 target (default: the run's report.top5_target)")
+    rep.add_argument("--single-gpu-speed", type=float, help="S1 in img/s, if not measured by hybridtrain scale")
+    rep.add_argument("--out", help="with several runs: also write the comparison table here (Markdown)")
+    rep.set_defaults(func=cmd_report)
 
     plot = sub.add_parser("plot-schedule", help="draw B_l, B_u and the SGD lr of the hybrid recipe (PNG)")
     plot.add_argument("--config", required=True, help="recipe YAML")

@@ -130,6 +130,13 @@ class BNConfig:
 
 
 @dataclass
+class ReportConfig:
+    top1_target: float = number(0.75, lo=0.0, hi=1.0, lo_open=True, doc="convergence: val top-1 target (paper: 0.75)")
+    top5_target: float = number(0.93, lo=0.0, hi=1.0, lo_open=True, doc="val top-5 target (paper: 0.93)")
+    tensorboard: bool = plain(True, "rank 0 writes TensorBoard scalars to run_dir/tensorboard")
+
+
+@dataclass
 class Config:
     run_dir: str = plain("runs/default", "where checkpoints, metrics and reports go")
     seed: int = number(0, lo=0, doc="global seed")
@@ -140,6 +147,7 @@ class Config:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     horovod: HorovodConfig = field(default_factory=HorovodConfig)
     bn: BNConfig = field(default_factory=BNConfig)
+    report: ReportConfig = field(default_factory=ReportConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -137,9 +137,10 @@ def plot_rows(name: str, rows: list[dict], out: str) -> str:
 def run_experiment(name: str, config: str, overrides: list[str], out: str, ranks: int, target: float) -> list[dict]:
     if name not in EXPERIMENTS:
         raise UserError(f"unknown experiment '{name}': choose one of {', '.join(EXPERIMENTS)}")
+    cfg = load_config(config, overrides)  # fail fast on a bad recipe, before any launch
+    target = cfg.report.top1_target if target is None else target
     if not 0 < target <= 1:
         raise UserError(f"--target must be in (0, 1], got {target}")
-    cfg = load_config(config, overrides)  # fail fast on a bad recipe, before any launch
     os.makedirs(out, exist_ok=True)
     rows = []
     for row_name, row_sets in EXPERIMENTS[name](cfg):

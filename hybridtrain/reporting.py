@@ -1,49 +1,217 @@
-"""Per-epoch log lines, the end-of-run summary table and ``report.json``."""
+"""The paper's report for a run directory: per-epoch log lines, ``report.md``/``report.json``, PNGs, the
+end-of-run summary table, and the side-by-side comparison of several runs (Tables 3.8-3.10).
+
+Headline (seed 001 §1, §3.2.2): the convergence epoch (first epoch at the top-1 target), the actual
+training time to the end of that epoch (with and without evaluation), and the actual average single-GPU
+training time = actual training time x N. S1, the single-GPU speed, comes from ``--single-gpu-speed``, from
+a ``scale.json`` that ``hybridtrain scale`` left in the run directory, or from the run itself when it had one
+rank; the report says which, and leaves the efficiency blank when it has none.
+"""
 from __future__ import annotations
 
 import json
 import os
 
+import yaml
+
+from . import metrics
+from .errors import UserError
+
+HEADLINE_KEYS = ("convergence_epoch", "actual_training_time_s", "actual_avg_single_gpu_time_s", "single_gpu_speed",
+                 "scaling_efficiency", "final_top1", "final_top5", "images_per_sec", "world_size")
+
 
 def epoch_line(r: dict, epochs: int) -> str:
+    scale = f"  scale {r['loss_scale']:g}" if r.get("loss_scale", 1.0) != 1.0 else ""
+    skipped = f"  skipped {r['skipped_steps']}" if r.get("skipped_steps") else ""
     return (f"epoch {r['epoch']:>3}/{epochs}  train_loss {r['train_loss']:.4f}  val_loss {r['val_loss']:.4f}  "
             f"train_top1 {r['train_top1']:.4f}  top1 {r['val_top1']:.4f}  top5 {r['val_top5']:.4f}  lr {r['lr']:.4g}  "
-            f"{r['images_per_sec']:.0f} img/s  {r['epoch_time_s']:.1f}s")
+            f"{r['images_per_sec']:.0f} img/s  {r['epoch_time_s']:.1f}s{scale}{skipped}")
 
 
-def write_report(cfg, history: list[dict], world_size: int, total_time_s: float, extra: dict | None = None) -> dict:
-    last = history[-1] if history else {}
-    seen = sum(r["samples_seen"] for r in history)
-    train_time = sum(r["train_time_s"] for r in history)
-    report = {
-        "world_size": world_size,
-        "epochs": len(history),
-        "final_top1": last.get("val_top1"),
-        "final_top5": last.get("val_top5"),
-        "best_top1": max((r["val_top1"] for r in history), default=None),
-        "total_time_s": total_time_s,
-        "images_per_sec": seen / train_time if train_time else None,
-        "config": cfg.to_dict(),
-        **(extra or {}),
-    }
-    with open(os.path.join(cfg.run_dir, "report.json"), "w") as fh:
+# ----------------------------------------------------------------------------- reading a run
+
+def load_run(run_dir: str) -> tuple[dict, list[dict]]:
+    """The resolved config and the per-epoch records of a run directory."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise UserError(f"{run_dir} has no metrics.jsonl: give the run_dir of a 'hybridtrain train' run")
+    with open(path) as fh:
+        history = [json.loads(line) for line in fh if line.strip()]
+    if not history:
+        raise UserError(f"{path} is empty: the run finished no epoch yet")
+    config_path = os.path.join(run_dir, "config.yaml")
+    config = {}
+    if os.path.isfile(config_path):
+        with open(config_path) as fh:
+            config = yaml.safe_load(fh) or {}
+    return config, history
+
+
+def single_gpu_speed_of(run_dir: str, history: list[dict], world_size: int, given: float | None) -> tuple:
+    """(S1 in img/s or None, where it came from)."""
+    if given:
+        return given, "given (--single-gpu-speed)"
+    scale_path = os.path.join(run_dir, "scale.json")
+    if os.path.isfile(scale_path):
+        with open(scale_path) as fh:
+            rows = [r for r in json.load(fh)["rows"] if r["world_size"] == 1]
+        if rows:
+            return rows[0]["images_per_sec"], "measured by hybridtrain scale (scale.json)"
+    if world_size == 1:
+        return run_speed(history), "this run (one rank)"
+    return None, "unknown: pass --single-gpu-speed or run hybridtrain scale"
+
+
+def run_speed(history: list[dict]) -> float:
+    """Global training images/s over the whole run."""
+    return sum(r["samples_seen"] for r in history) / sum(r["train_time_s"] for r in history)
+
+
+# ----------------------------------------------------------------------------- the figures
+
+def run_figures(history: list[dict], world_size: int, top1_target: float, top5_target: float,
+                single_gpu_speed: float | None, speed_source: str) -> dict:
+    """Every figure of the report under stable keys (None where a figure does not exist)."""
+    top1 = [r["val_top1"] for r in history]
+    top5 = [r["val_top5"] for r in history]
+    epoch = metrics.convergence_epoch(top1, top1_target)
+    epoch5 = metrics.convergence_epoch(top5, top5_target)
+    speed = run_speed(history)
+    ends = [r["wall_time_s"] for r in history]
+    evals = [max(0.0, r["epoch_time_s"] - r["train_time_s"]) for r in history]  # evaluation + BN averaging
+    efficiency = metrics.scaling_efficiency(speed, single_gpu_speed, world_size) if single_gpu_speed else None
+    figures = {"world_size": world_size, "epochs": len(history), "top1_target": top1_target,
+               "top5_target": top5_target, "convergence_epoch": epoch, "convergence_epoch_top5": epoch5,
+               "convergence_rate": metrics.convergence_rate(epoch) if epoch else None,
+               "actual_training_time_s": None, "actual_training_time_without_eval_s": None,
+               "actual_avg_single_gpu_time_s": None, "model_single_gpu_time_s": None, "model_gap": None,
+               "single_gpu_speed": single_gpu_speed, "single_gpu_speed_source": speed_source,
+               "scaling_efficiency": efficiency, "final_top1": top1[-1], "final_top5": top5[-1],
+               "best_top1": max(top1), "images_per_sec": speed, "total_time_s": ends[-1],
+               "images_per_epoch": history[-1]["samples_seen"]}
+    if epoch:
+        time = metrics.actual_training_time(ends, epoch, evals)
+        figures["actual_training_time_s"] = time.with_eval
+        figures["actual_training_time_without_eval_s"] = time.without_eval
+        figures["actual_avg_single_gpu_time_s"] = metrics.actual_average_single_gpu_time(time.with_eval, world_size)
+        if efficiency:
+            modelled = metrics.model_single_gpu_time(epoch, figures["images_per_epoch"], single_gpu_speed, efficiency)
+            figures["model_single_gpu_time_s"] = modelled
+            figures["model_gap"] = metrics.model_gap(figures["actual_avg_single_gpu_time_s"], modelled)
+    return figures
+
+
+def report_run(run_dir: str, top1_target: float | None = None, top5_target: float | None = None,
+               single_gpu_speed: float | None = None, extra: dict | None = None) -> dict:
+    """Write report.md, report.json and the PNGs into ``run_dir``; return the figures."""
+    config, history = load_run(run_dir)
+    targets = config.get("report", {})
+    top1_target = top1_target if top1_target is not None else targets.get("top1_target", 0.75)
+    top5_target = top5_target if top5_target is not None else targets.get("top5_target", 0.93)
+    for name, value in (("top-1 target", top1_target), ("top-5 target", top5_target)):
+        if not 0 < value <= 1:
+            raise UserError(f"the {name} must be in (0, 1], got {value}")
+    world_size = (extra or {}).get("world_size") or history[-1].get("world_size", 1)
+    speed, source = single_gpu_speed_of(run_dir, history, world_size, single_gpu_speed)
+    figures = run_figures(history, world_size, top1_target, top5_target, speed, source)
+    report = {**figures, "config": config, **(extra or {})}
+    with open(os.path.join(run_dir, "report.json"), "w") as fh:
         json.dump(report, fh, indent=2)
+    with open(os.path.join(run_dir, "report.md"), "w") as fh:
+        fh.write(report_markdown(os.path.basename(os.path.abspath(run_dir)), figures, history))
+    plot_run(history, run_dir)
     return report
 
 
-def summary_table(report: dict) -> str:
-    rows = [("ranks", f"{report['world_size']}"),
-            ("epochs", f"{report['epochs']}"),
-            ("val top-1 (final)", _pct(report["final_top1"])),
-            ("val top-5 (final)", _pct(report["final_top5"])),
-            ("val top-1 (best)", _pct(report["best_top1"])),
-            ("images/s (global, training)", f"{report['images_per_sec']:.1f}" if report["images_per_sec"] else "-"),
-            ("total time", f"{report['total_time_s']:.1f} s")]
-    width = max(len(k) for k, _ in rows)
-    line = "+" + "-" * (width + 2) + "+" + "-" * 14 + "+"
-    body = [f"| {k:<{width}} | {v:>12} |" for k, v in rows]
-    return "\n".join([line, f"| {'summary':<{width}} | {'':>12} |", line, *body, line])
+# ----------------------------------------------------------------------------- text
+
+def minutes(seconds: float | None) -> str:
+    return "not reached" if seconds is None else f"{seconds / 60:.2f} min ({seconds:.1f} s)"
 
 
-def _pct(x) -> str:
+def pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.2f}%"
+
+
+def headline_rows(f: dict) -> list[tuple[str, str]]:
+    epoch = f["convergence_epoch"]
+    return [
+        ("ranks (N)", str(f["world_size"])),
+        (f"convergence epoch (top-1 >= {f['top1_target']})", str(epoch) if epoch else "not reached"),
+        (f"convergence epoch (top-5 >= {f['top5_target']})",
+         str(f["convergence_epoch_top5"]) if f["convergence_epoch_top5"] else "not reached"),
+        ("actual training time", minutes(f["actual_training_time_s"])),
+        ("  without evaluation", minutes(f["actual_training_time_without_eval_s"])),
+        ("actual average single-GPU training time", minutes(f["actual_avg_single_gpu_time_s"])),
+        ("  model form E*I/(S1*eff)", minutes(f["model_single_gpu_time_s"])
+         + ("" if f["model_gap"] is None else f", gap {100 * f['model_gap']:+.1f}%")),
+        ("single-GPU speed S1", "-" if f["single_gpu_speed"] is None else
+         f"{f['single_gpu_speed']:.1f} img/s ({f['single_gpu_speed_source']})"),
+        ("scaling efficiency", pct(f["scaling_efficiency"])),
+        ("images/s (global, training)", f"{f['images_per_sec']:.1f}"),
+        ("val top-1 (final / best)", f"{pct(f['final_top1'])} / {pct(f['best_top1'])}"),
+        ("val top-5 (final)", pct(f["final_top5"])),
+        (f"whole run ({f['epochs']} epochs)", minutes(f["total_time_s"])),
+    ]
+
+
+def report_markdown(name: str, f: dict, history: list[dict]) -> str:
+    lines = [f"# Report: {name}", "", "| quantity | value |", "| --- | --- |"]
+    lines += [f"| {k} | {v} |" for k, v in headline_rows(f)]
+    lines += ["", "## Per epoch", "", "| epoch | train loss | train top-1 | val top-1 | val top-5 | lr | img/s | "
+              "epoch s | wall s |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['epoch']} | {r['train_loss']:.4f} | {r.get('train_top1', float('nan')):.4f} | "
+              f"{r['val_top1']:.4f} | {r['val_top5']:.4f} | {r['lr']:.4g} | {r['images_per_sec']:.1f} | "
+              f"{r['epoch_time_s']:.1f} | {r['wall_time_s']:.1f} |" for r in history]
+    lines += ["", "Plots: `accuracy.png` (top-1/top-5 against epoch and wall time), `throughput.png`, `lr.png`."]
+    return "\n".join(lines) + "\n"
+
+
+def summary_table(figures: dict) -> str:
+    rows = headline_rows(figures)
+    width = max(len(k) for k, _ in rows)
+    value_width = max(len(v) for _, v in rows)
+    line = "+" + "-" * (width + 2) + "+" + "-" * (value_width + 2) + "+"
+    body = [f"| {k:<{width}} | {v:>{value_width}} |" for k, v in rows]
+    return "\n".join([line, f"| {'summary':<{width}} | {'':>{value_width}} |", line, *body, line])
+
+
+def comparison_markdown(names: list[str], reports: list[dict]) -> str:
+    """Several runs side by side, one column each, in the layout of Tables 3.8-3.10."""
+    rows = [headline_rows(r) for r in reports]
+    lines = ["| quantity | " + " | ".join(names) + " |", "| --- |" + " --- |" * len(names)]
+    for i, (label, _) in enumerate(rows[0]):
+        lines.append(f"| {label} | " + " | ".join(r[i][1] for r in rows) + " |")
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- plots
+
+def plot_run(history: list[dict], out_dir: str) -> list[str]:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    epochs = [r["epoch"] for r in history]
+    wall = [r["wall_time_s"] / 60 for r in history]
+    paths = []
+
+    def save(fig, name):
+        FigureCanvasAgg(fig)
+        path = os.path.join(out_dir, name)
+        fig.savefig(path, dpi=100, bbox_inches="tight")
+        paths.append(path)
+
+    fig = Figure(figsize=(10, 4))
+    for ax, x, label in ((fig.add_subplot(1, 2, 1), epochs, "epoch"), (fig.add_subplot(1, 2, 2), wall, "wall time (min)")):
+        ax.plot(x, [r["val_top1"] for r in history], marker="o", label="val top-1")
+        ax.plot(x, [r["val_top5"] for r in history], marker="s", label="val top-5")
+        ax.set(xlabel=label, ylabel="accuracy")
+        ax.legend()
+    save(fig, "accuracy.png")
+    for name, key, ylabel in (("throughput.png", "images_per_sec", "images/s (global)"), ("lr.png", "lr", "learning rate")):
+        fig = Figure(figsize=(5, 3.5))
+        ax = fig.add_subplot(1, 1, 1)
+        ax.plot(epochs, [r[key] for r in history], marker="o")
+        ax.set(xlabel="epoch", ylabel=ylabel)
+        save(fig, name)
+    return paths

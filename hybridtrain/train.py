@@ -75,6 +75,26 @@ def truncate_metrics(path: str, completed_epochs: int) -> list[dict]:
     return kept
 
 
+def tensorboard_writer(cfg: Config):
+    """TensorBoard's writer for rank 0, or None when switched off (report.tensorboard)."""
+    if not cfg.report.tensorboard:
+        return None
+    from torch.utils.tensorboard import SummaryWriter
+    return SummaryWriter(os.path.join(cfg.run_dir, "tensorboard"))
+
+
+TENSORBOARD_SCALARS = {"loss/train": "train_loss", "loss/val": "val_loss", "top1/train": "train_top1",
+                       "top1/val": "val_top1", "top5/val": "val_top5", "lr": "lr", "images_per_sec": "images_per_sec",
+                       "precision/loss_scale": "loss_scale", "precision/skipped_steps": "skipped_steps",
+                       "memory/peak_mb": "peak_memory_mb"}
+
+
+def write_scalars(board, record: dict) -> None:
+    for tag, key in TENSORBOARD_SCALARS.items():
+        board.add_scalar(tag, record[key], record["epoch"])
+    board.flush()
+
+
 def run_training(cfg: Config, resume: bool = False) -> dict | None:
     topo = distributed.init(cfg.train.threads)
     policy = resolve_policy(cfg.precision)
@@ -118,6 +138,7 @@ def run_training(cfg: Config, resume: bool = False) -> dict | None:
               f"{topo.size * cfg.train.batch_size}"
               + (f", {data.dropped_per_epoch} image(s) dropped per epoch" if data.dropped_per_epoch else ""))
     run_start = time.perf_counter() - elapsed_before
+    board = tensorboard_writer(cfg) if topo.is_root else None
     for epoch in range(start_epoch, cfg.train.epochs):
         epoch_start = time.perf_counter()
         bar = ProgressBar(steps, epoch, cfg.train.epochs, topo.size) if topo.is_root and cfg.train.progress else None
@@ -136,10 +157,12 @@ def run_training(cfg: Config, resume: bool = False) -> dict | None:
                   "images_per_sec": result.samples_seen / result.train_time_s, "samples_seen": result.samples_seen,
                   "val_count": ev.count, "wall_time_s": time.perf_counter() - run_start,
                   "loss_scale": precision.scaler.scale, "skipped_steps": result.skipped_steps,
-                  "peak_memory_mb": max(peak_mb), "peak_memory_mb_per_rank": peak_mb}
+                  "peak_memory_mb": max(peak_mb), "peak_memory_mb_per_rank": peak_mb, "world_size": topo.size}
         if topo.is_root:
             append_metrics(metrics_path, record)
             history.append(record)
+            if board:
+                write_scalars(board, record)
             state = {"model": model.state_dict(), "optimizer": bundle.optimizer.state_dict(),
                      "scaler": precision.scaler.state_dict(), "epoch": epoch,
                      "config": cfg.to_dict(), "config_fingerprint": cfg.fingerprint(),
@@ -153,7 +176,8 @@ def run_training(cfg: Config, resume: bool = False) -> dict | None:
         print("hybridtrain: warning: ranks ended with different parameters or optimizer state (see report.json rank_digests)",
               file=sys.stderr)
     torch.save(model.state_dict(), os.path.join(cfg.run_dir, "final_model.pt"))
-    report = reporting.write_report(cfg, history, topo.size, time.perf_counter() - run_start,
-                                    extra={"rank_digests": digests})
+    if board:
+        board.close()
+    report = reporting.report_run(cfg.run_dir, extra={"world_size": topo.size, "rank_digests": digests})
     print(reporting.summary_table(report), flush=True)
     return report
