@@ -93,7 +93,8 @@ class OptimConfig:
     kappa: float = number(0.9, lo=0.0, hi=1.0, lo_open=True, doc="hybrid: SGD-phase decay lr*N*kappa^epoch")
     kappa_origin: str = choice("switch", ["switch", "zero"], "hybrid: kappa exponent counts from T or from 0")
     lars: str = choice("scale", ["scale", "clip", "none"], "hybrid: LARS trust-ratio scaling, LARC clipping, or none")
-    trust_coefficient: float = number(0.001, lo=0.0, lo_open=True, doc="hybrid: LARS trust coefficient eta")
+    trust_coefficient: float = number(0.02, lo=0.0, lo_open=True,
+                                      doc="hybrid: LARS trust coefficient eta (chosen by experiment lars)")
     adabound_gamma: float = number(1e-3, lo=0.0, lo_open=True, doc="adabound: convergence speed gamma of the bounds")
     # goyal / sgd
     warmup_epochs: float = number(5.0, lo=0.0, doc="goyal: gradual warmup from lr to lr x N over this many epochs")

@@ -171,7 +171,7 @@ class LARS(_GroupValidatingOptimizer):
     buf = momentum*buf + d; p <- p - lr*buf. Groups with ``lars=False``: d = g, no weight decay.
     """
 
-    def __init__(self, params, lr=0.1, momentum=0.9, weight_decay=1e-4, trust_coefficient=0.001,
+    def __init__(self, params, lr=0.1, momentum=0.9, weight_decay=1e-4, trust_coefficient=0.02,
                  eps=1e-8, mode="scale"):
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
                         trust_coefficient=trust_coefficient, eps=eps, mode=mode, lars=True)
@@ -232,7 +232,7 @@ class HybridOptimizer(_GroupValidatingOptimizer):
     """
 
     def __init__(self, params, lr=0.1, alpha=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-4,
-                 momentum=0.9, trust_coefficient=0.001, lars_mode="scale", lower_bound=0.0,
+                 momentum=0.9, trust_coefficient=0.02, lars_mode="scale", lower_bound=0.0,
                  upper_bound=math.inf, phase="adabound"):
         defaults = dict(lr=lr, alpha=alpha, betas=betas, eps=eps, weight_decay=weight_decay,
                         momentum=momentum, trust_coefficient=trust_coefficient,
