@@ -110,6 +110,21 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_scale(args) -> int:
+    from .scale import format_table, parse_compressions, parse_counts, run_scale
+    rows = run_scale(args.config, args.set, parse_counts(args.np), parse_compressions(args.compression), args.steps,
+                     args.warmup, args.out)
+    print(format_table(rows))
+    print(f"scale.json and scale.png written to {args.out}")
+    return 0
+
+
+def cmd_predict(args) -> int:
+    from .predict_cli import run_predict
+    run_predict(args)
+    return 0
+
+
 def cmd_plot_schedule(args) -> int:
     from .config import load_config
     from .optim.plot import plot_schedule
@@ -212,6 +227,21 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--out", help="with several runs: also write the comparison table here (Markdown)")
     rep.set_defaults(func=cmd_report)
 
+    scale = sub.add_parser("scale", help="synthetic-data benchmark at several rank counts: img/s, efficiency, "
+                                         "all-reduce bytes and time")
+    scale.add_argument("--config", default="configs/demo.yaml", help="model, per-rank batch, crop and precision")
+    scale.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    scale.add_argument("--np", default="1,2", help="rank counts, e.g. 1,2 (default 1,2)")
+    scale.add_argument("--compression", default="fp16,none", help="fp16 and/or none (default fp16,none)")
+    scale.add_argument("--steps", type=int, default=20, help="timed steps (default 20)")
+    scale.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
+    scale.add_argument("--out", default="runs/scale", help="where scale.json, scale.png and timelines go")
+    scale.set_defaults(func=cmd_scale)
+
+    from .predict_cli import add_predict_arguments
+    add_predict_arguments(sub.add_parser("predict", help="model step time, img/s and efficiency of large clusters"))
+    sub.choices["predict"].set_defaults(func=cmd_predict)
+
     plot = sub.add_parser("plot-schedule", help="draw B_l, B_u and the SGD lr of the hybrid recipe (PNG)")
     plot.add_argument("--config", required=True, help="recipe YAML")
     plot.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
@@ -222,10 +252,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+def run_guarded(action) -> int:
+    """Run ``action()``; bad input becomes one error line (rank 0 only when every rank has it), exit 2."""
     try:
-        return args.func(args)
+        return action() or 0
     except UserError as exc:
         from .distributed import launcher_rank
         rank = launcher_rank()
@@ -243,6 +273,11 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("hybridtrain: interrupted", file=sys.stderr)
         return 130
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return run_guarded(lambda: args.func(args))
 
 
 if __name__ == "__main__":

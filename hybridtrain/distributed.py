@@ -127,6 +127,11 @@ def distributed_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modu
                                     gradient_predivide_factor=horovod_cfg.gradient_predivide_factor)
 
 
+def barrier() -> None:
+    """Wait for every rank (no tensor is all-reduced, so Horovod's timeline stays clean)."""
+    import_horovod().barrier()
+
+
 def allgather_floats(values: list[float], name: str) -> list[float]:
     """Every rank's ``values``, concatenated in rank order."""
     hvd = import_horovod()

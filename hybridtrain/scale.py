@@ -1,0 +1,223 @@
+"""``hybridtrain scale``: the synthetic-data training benchmark at several rank counts, through horovodrun.
+
+Each (ranks, compression) row launches ``horovodrun --gloo -np N`` with Horovod's timeline on, and every
+rank runs ``warmup`` then ``steps`` training steps of the config's model, per-rank batch and precision on a
+fixed random batch, one torch thread per rank (so 1 and 2 ranks on a 2-core machine compare fairly). From
+each row: global img/s, efficiency against the 1-rank row of the same compression (the paper's
+actual / (N x S1)), and from the timeline the bytes all-reduced per step (each ALLREDUCE's dtype x shape)
+and the time per step during which an all-reduce was running (the union of the ALLREDUCE intervals, so
+fused tensors are not counted twice). Output: a table, ``scale.json`` (``report`` reads S1 from it) and
+``scale.png``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from .errors import UserError
+
+DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+
+
+# ----------------------------------------------------------------------------- one rank (under horovodrun)
+
+def worker(config: str, overrides: list[str], compression: str, steps: int, warmup: int, out: str) -> None:
+    import torch
+
+    from . import distributed
+    from .config import load_config
+    from .models import create_model
+    from .precision import create_scaler, prepare_model, resolve_policy
+    from .training import Precision, train_step
+
+    cfg = load_config(config, overrides + [f"horovod.compression={compression}"])
+    topo = distributed.init(threads=1)
+    policy = resolve_policy(cfg.precision)
+    classes = cfg.model.num_classes or 1000
+    model = prepare_model(create_model(cfg.model.arch, classes, cfg.model.variant, cfg.model.small_input_stem,
+                                       seed=cfg.seed).to(topo.device), policy)
+    distributed.broadcast_model(model)
+    optimizer = distributed.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+                                                  model, cfg.horovod)
+    precision = Precision(policy, create_scaler(cfg.precision, policy))
+    generator = torch.Generator().manual_seed(topo.rank)
+    b, size = cfg.train.batch_size, cfg.data.crop_size
+    images = torch.randn(b, 3, size, size, generator=generator).to(topo.device, policy.input_dtype)
+    labels = torch.randint(classes, (b,), generator=generator).to(topo.device)
+    for _ in range(warmup):
+        train_step(model, optimizer, precision, images, labels)
+    distributed.barrier()  # start the clock together
+    start = time.perf_counter()
+    for _ in range(steps):
+        train_step(model, optimizer, precision, images, labels)
+    distributed.barrier()
+    elapsed = time.perf_counter() - start
+    if topo.is_root:
+        record = {"world_size": topo.size, "compression": compression, "steps": steps, "warmup": warmup,
+                  "batch_per_rank": b, "step_time_s": elapsed / steps,
+                  "images_per_sec": topo.size * b * steps / elapsed,
+                  "parameters": sum(p.numel() for p in model.parameters())}
+        with open(out, "w") as fh:
+            json.dump(record, fh)
+
+
+# ----------------------------------------------------------------------------- the timeline
+
+def read_timeline(path: str) -> list[dict]:
+    """Horovod's Chrome-trace events; a timeline cut off before its closing bracket is accepted."""
+    if not os.path.isfile(path) or os.path.getsize(path) == 0:
+        raise UserError(f"Horovod wrote no timeline at {path}: check that horovodrun accepts --timeline-filename "
+                        f"and that the directory is writable")
+    text = open(path).read().strip().rstrip(",")
+    if not text.endswith("]"):
+        text += "]"
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UserError(f"Horovod's timeline {path} is not valid JSON ({exc.msg} at line {exc.lineno}): "
+                        f"rerun hybridtrain scale") from None
+
+
+def allreduce_intervals(events: list[dict]) -> list[tuple[float, float, int]]:
+    """(start us, end us, bytes) of every top-level ALLREDUCE activity, from its B/E pair per tensor."""
+    depth, start, found = {}, {}, []
+    for e in events:
+        pid, phase = e.get("pid"), e.get("ph")
+        if phase == "B":
+            if depth.get(pid, 0) == 0 and e.get("name") == "ALLREDUCE":
+                start[pid] = e["ts"]
+            depth[pid] = depth.get(pid, 0) + 1
+        elif phase == "E" and depth.get(pid, 0) > 0:
+            depth[pid] -= 1
+            if depth[pid] == 0 and pid in start:
+                args = e.get("args", {})
+                shape = json.loads(args.get("shape", "[]")) if args.get("shape") else []
+                found.append((start.pop(pid), e["ts"], int(np.prod(shape)) * DTYPE_BYTES.get(args.get("dtype"), 0)))
+    return found
+
+
+def busy_time_us(intervals: list[tuple[float, float, int]]) -> float:
+    """Length of the union of the intervals."""
+    total, end = 0.0, float("-inf")
+    for s, e, _ in sorted(intervals):
+        if e > end:
+            total += e - max(s, end)
+            end = e
+    return total
+
+
+# ----------------------------------------------------------------------------- the driver
+
+def parse_counts(text: str) -> list[int]:
+    try:
+        counts = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise UserError(f"--np must be comma-separated rank counts such as 1,2; got '{text}'") from None
+    if not counts or counts[0] < 1:
+        raise UserError(f"--np must list rank counts >= 1, got '{text}'")
+    return counts
+
+
+def parse_compressions(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    if not names or any(n not in ("fp16", "none") for n in names):
+        raise UserError(f"--compression must list fp16 and/or none, got '{text}'")
+    return names
+
+
+def available_slots() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def launch(config: str, overrides: list[str], n: int, compression: str, steps: int, warmup: int, out: str) -> dict:
+    bin_dir = os.path.dirname(sys.executable)
+    horovodrun = shutil.which("horovodrun", path=bin_dir + os.pathsep + os.environ.get("PATH", ""))
+    if not horovodrun:
+        raise UserError("horovodrun is not on PATH: run ./install.sh and use .venv/bin")
+    tag = f"np{n}-{compression}"
+    record_path, timeline = os.path.join(out, f"{tag}.json"), os.path.join(out, f"{tag}.timeline.json")
+    for stale in (record_path, timeline):
+        if os.path.exists(stale):
+            os.remove(stale)
+    cmd = [horovodrun, "--gloo", "-np", str(n), "-H", f"localhost:{n}", "--timeline-filename", timeline,
+           sys.executable, "-m", "hybridtrain.scale", config, compression, str(steps), str(warmup), record_path,
+           *overrides]
+    print("+ " + " ".join(cmd), flush=True)
+    proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if proc.returncode != 0 or not os.path.isfile(record_path):
+        tail = [line for line in proc.stdout.splitlines() if "hybridtrain: error" in line][-1:] or ["see its output"]
+        raise UserError(f"scale row np={n} compression={compression} failed: {tail[0]}", same_on_all_ranks=False)
+    with open(record_path) as fh:
+        record = json.load(fh)
+    intervals = allreduce_intervals(read_timeline(timeline)) if n > 1 else []
+    total_steps = steps + warmup
+    record["allreduce_bytes_per_step"] = sum(b for *_, b in intervals) / total_steps if n > 1 else 0.0
+    record["allreduce_time_per_step_s"] = busy_time_us(intervals) / 1e6 / total_steps if n > 1 else 0.0
+    return record
+
+
+def run_scale(config: str, overrides: list[str], counts: list[int], compressions: list[str], steps: int,
+              warmup: int, out: str) -> list[dict]:
+    from .config import load_config
+    load_config(config, overrides)  # a bad recipe fails here, before any launch
+    if steps < 1 or warmup < 0:
+        raise UserError("--steps must be >= 1 and --warmup >= 0")
+    if counts[-1] > available_slots():
+        raise UserError(f"--np {counts[-1]} needs {counts[-1]} slots (one core per rank) but this machine has "
+                        f"{available_slots()}: use --np up to {available_slots()}")
+    if 1 not in counts:
+        counts = [1] + counts  # efficiency is measured against the 1-rank row
+    os.makedirs(out, exist_ok=True)
+    rows = []
+    for compression in compressions:
+        single = None
+        for n in counts:
+            record = launch(config, overrides, n, compression, steps, warmup, out)
+            single = single or record["images_per_sec"]
+            record["ideal_images_per_sec"] = n * single
+            record["efficiency"] = record["images_per_sec"] / (n * single)  # actual / (N * S1)
+            rows.append(record)
+    with open(os.path.join(out, "scale.json"), "w") as fh:
+        json.dump({"config": config, "overrides": overrides, "rows": rows}, fh, indent=1)
+    plot_scale(rows, os.path.join(out, "scale.png"))
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = ["| N | compression | img/s | ideal img/s | efficiency | step ms | all-reduce ms/step | MB all-reduced/step |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['world_size']} | {r['compression']} | {r['images_per_sec']:.1f} | {r['ideal_images_per_sec']:.1f} | "
+              f"{100 * r['efficiency']:.1f}% | {1000 * r['step_time_s']:.1f} | {1000 * r['allreduce_time_per_step_s']:.1f} | "
+              f"{r['allreduce_bytes_per_step'] / 1e6:.2f} |" for r in rows]
+    return "\n".join(lines)
+
+
+def plot_scale(rows: list[dict], path: str) -> str:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(10, 4))
+    FigureCanvasAgg(fig)
+    speed_ax, eff_ax = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    for compression in sorted({r["compression"] for r in rows}):
+        mine = [r for r in rows if r["compression"] == compression]
+        n = [r["world_size"] for r in mine]
+        speed_ax.plot(n, [r["images_per_sec"] for r in mine], marker="o", label=f"{compression}")
+        speed_ax.plot(n, [r["ideal_images_per_sec"] for r in mine], linestyle=":", label=f"{compression} ideal")
+        eff_ax.plot(n, [100 * r["efficiency"] for r in mine], marker="o", label=compression)
+    speed_ax.set(xlabel="ranks", ylabel="images/s", title="throughput")
+    eff_ax.set(xlabel="ranks", ylabel="scaling efficiency (%)", title="actual / (N x S1)")
+    speed_ax.legend(), eff_ax.legend()
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    return path
+
+
+if __name__ == "__main__":  # one rank of a row: python -m hybridtrain.scale CONFIG COMPRESSION STEPS WARMUP OUT [SETS]
+    from .cli import run_guarded
+    sys.exit(run_guarded(lambda: worker(sys.argv[1], sys.argv[6:], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]),
+                                        sys.argv[5])))

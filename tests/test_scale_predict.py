@@ -1,0 +1,104 @@
+"""`hybridtrain scale` on real 1- and 2-rank Horovod jobs with Horovod's timeline, and `hybridtrain predict`."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from conftest import HYBRIDTRAIN, assert_one_error_line, run
+from hybridtrain.errors import UserError
+from hybridtrain.models import create_model
+from hybridtrain.predict import RESNET50_PARAMETERS, ring_allreduce_time
+from hybridtrain.scale import allreduce_intervals, busy_time_us, read_timeline
+
+SETS = ["--set", "model.arch=resnet18", "--set", "train.batch_size=4", "--set", "data.crop_size=32"]
+
+
+@pytest.fixture(scope="module")
+def scale_result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("scale")
+    proc = run([HYBRIDTRAIN, "scale", "--config", "configs/demo.yaml", *SETS, "--np", "1,2", "--steps", "4",
+                "--warmup", "1", "--out", str(out)], timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out, proc
+
+
+def test_scale_rows_are_consistent_and_fp16_halves_the_bytes(scale_result):
+    out, proc = scale_result
+    rows = {(r["world_size"], r["compression"]): r for r in json.loads((out / "scale.json").read_text())["rows"]}
+    assert set(rows) == {(1, "fp16"), (2, "fp16"), (1, "none"), (2, "none")}
+    params = sum(p.numel() for p in create_model("resnet18", 1000).parameters())  # synthetic: 1000 classes
+    assert rows[(2, "none")]["allreduce_bytes_per_step"] == 4 * params  # every gradient, FP32, once per step
+    assert rows[(2, "fp16")]["allreduce_bytes_per_step"] == 2 * params  # FP16 compression halves it
+    for (n, compression), r in rows.items():
+        single = rows[(1, compression)]["images_per_sec"]
+        assert r["efficiency"] == pytest.approx(r["images_per_sec"] / (n * single))
+        assert 0 < r["efficiency"] <= 1.15  # at most 1 + noise
+        assert 0 <= r["allreduce_time_per_step_s"] < r["step_time_s"] or n == 1
+    assert (out / "scale.png").read_bytes()[:4] == b"\x89PNG"
+    assert "| 2 | fp16 |" in proc.stdout
+
+
+def test_report_takes_the_single_gpu_speed_from_scale_json(scale_result, tmp_path):
+    out, _ = scale_result
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "scale.json").write_text((out / "scale.json").read_text())
+    record = {"epoch": 1, "train_loss": 1.0, "train_top1": 0.5, "val_loss": 1.0, "val_top1": 0.8, "val_top5": 0.95,
+              "lr": 0.1, "epoch_time_s": 2.0, "train_time_s": 1.0, "images_per_sec": 100.0, "samples_seen": 100,
+              "wall_time_s": 2.0, "world_size": 2}
+    (run_dir / "metrics.jsonl").write_text(json.dumps(record) + "\n")
+    proc = run([HYBRIDTRAIN, "report", str(run_dir)])
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((run_dir / "report.json").read_text())
+    s1 = json.loads((out / "scale.json").read_text())["rows"][0]["images_per_sec"]
+    assert report["single_gpu_speed"] == s1 and "scale.json" in report["single_gpu_speed_source"]
+    assert report["scaling_efficiency"] == pytest.approx(100.0 / (2 * s1))
+
+
+def test_timeline_parsing_takes_the_union_of_fused_allreduces(tmp_path):
+    path = tmp_path / "timeline.json"
+    events = [{"ph": "B", "name": "NEGOTIATE_ALLREDUCE", "ts": 0, "pid": 1}, {"ph": "E", "ts": 5, "pid": 1},
+              {"ph": "B", "name": "ALLREDUCE", "ts": 10, "pid": 1}, {"ph": "B", "name": "ALLREDUCE", "ts": 12, "pid": 2},
+              {"ph": "B", "name": "MEMCPY_IN_FUSION_BUFFER", "ts": 13, "pid": 1}, {"ph": "E", "ts": 14, "pid": 1},
+              {"ph": "E", "ts": 20, "pid": 1, "args": {"dtype": "float16", "shape": "[10, 3]"}},
+              {"ph": "E", "ts": 25, "pid": 2, "args": {"dtype": "float32", "shape": "[7]"}},
+              {"ph": "B", "name": "ALLREDUCE", "ts": 40, "pid": 1}]  # cut off mid-write, as Horovod leaves it
+    path.write_text("[\n" + ",\n".join(json.dumps(e) for e in events) + ",")
+    intervals = allreduce_intervals(read_timeline(str(path)))
+    assert intervals == [(10, 20, 60), (12, 25, 28)]
+    assert busy_time_us(intervals) == 15  # [10, 25]
+    with pytest.raises(UserError, match="wrote no timeline"):
+        read_timeline(str(tmp_path / "missing.json"))
+
+
+def test_scale_refuses_more_ranks_than_slots():
+    assert_one_error_line(run([HYBRIDTRAIN, "scale", "--np", str(os.cpu_count() + 1)]), "slots")
+
+
+def test_predict_prints_the_table_checks_the_paper_and_plots(tmp_path):
+    png = tmp_path / "p.png"
+    proc = run([HYBRIDTRAIN, "predict", "--nodes", "1,3", "--overlap", "0", "--inter-latency", "0", "--intra-latency", "0",
+                "--out", str(png)])
+    assert proc.returncode == 0, proc.stderr
+    ring = ring_allreduce_time(24, RESNET50_PARAMETERS * 2, 5e9, 0.0)  # 2(N-1)/N * bytes / B
+    assert abs(ring - 2 * 23 / 24 * RESNET50_PARAMETERS * 2 / 5e9) < 1e-12
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("| 3 | 24 |"))
+    assert row.split("|")[4].strip() == f"{1000 * ring:.1f}"
+    assert "cluster 1, 24 V100, mixed precision" in proc.stdout and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_predict_calibrates_on_scale_points_and_reports_the_error(tmp_path):
+    params = 1_000_000
+    points = [(n, 0.1 + 2 * (n - 1) * 1e-4 + 2 * (n - 1) / n * params * 2 / 1e9) for n in (1, 2, 4)]
+    scale = tmp_path / "scale.json"
+    scale.write_text(json.dumps({"rows": [{"world_size": n, "compression": "fp16", "step_time_s": t} for n, t in points]}))
+    proc = run([HYBRIDTRAIN, "predict", "--params", str(params), "--calibrate", str(scale), "--out",
+                str(tmp_path / "p.png")])
+    assert proc.returncode == 0, proc.stderr
+    assert "compute 100.0 ms/step, effective latency 100.0 us, effective bandwidth 1.000 GB/s" in proc.stdout
+    two = tmp_path / "two.json"
+    two.write_text(json.dumps({"rows": [{"world_size": n, "compression": "fp16", "step_time_s": t}
+                                        for n, t in points[:2]]}))
+    assert_one_error_line(run([HYBRIDTRAIN, "predict", "--calibrate", str(two)]), "three or more distinct")
