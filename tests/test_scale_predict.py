@@ -34,7 +34,7 @@ def test_scale_rows_are_consistent_and_fp16_halves_the_bytes(scale_result):
     for (n, compression), r in rows.items():
         single = rows[(1, compression)]["images_per_sec"]
         assert r["efficiency"] == pytest.approx(r["images_per_sec"] / (n * single))
-        assert 0 < r["efficiency"] <= 1.15  # at most 1 + noise
+        assert 0 < r["efficiency"] <= 1.25  # at most 1 + noise (4 timed steps)
         assert 0 <= r["allreduce_time_per_step_s"] < r["step_time_s"] or n == 1
     assert (out / "scale.png").read_bytes()[:4] == b"\x89PNG"
     assert "| 2 | fp16 |" in proc.stdout
