@@ -520,3 +520,32 @@ def test_apptainer_definition():
     assert header["Bootstrap"] in ("docker-daemon", "docker") and "hybridtrain" in header["From"]
     assert "--nv" in text and re.search(r"--bind \S+:/data", text)
     assert re.search(r"^%runscript", text, re.M)
+
+
+PAPER_RECIPES = {  # config -> (ranks it is written for, global batch, lr x N), from seed 001 section 3.1
+    "resnet50_cluster1_v100.yaml": (24, 6144, 2.4),
+    "resnet50_cluster2_p40.yaml": (24, 3072, 2.4),
+    "resnet50_h100.yaml": (8, 2048, 0.8),
+}
+
+
+@pytest.mark.parametrize("name", sorted(os.listdir(ROOT / "configs")))
+def test_every_config_validates(name):
+    from hybridtrain.config import load_config
+    cfg = load_config(str(ROOT / "configs" / name))
+    assert cfg.optim.name == "hybrid", "hybrid is the default in every recipe"
+    if name in PAPER_RECIPES:
+        ranks, global_batch, scaled_lr = PAPER_RECIPES[name]
+        assert cfg.train.batch_size * ranks == global_batch
+        assert cfg.optim.lr * ranks == pytest.approx(scaled_lr)
+        assert (cfg.report.top1_target, cfg.report.top5_target) == (0.75, 0.93)
+        assert cfg.model.arch == "resnet50" and cfg.optim.adabound_epochs == 10 and cfg.optim.kappa == 0.9
+        assert cfg.horovod.compression == "fp16" and cfg.train.epochs == 90
+
+
+def test_paper_cluster_configs_follow_the_paper_precision():
+    from hybridtrain.config import load_config
+    cluster1 = load_config(str(ROOT / "configs" / "resnet50_cluster1_v100.yaml"))
+    cluster2 = load_config(str(ROOT / "configs" / "resnet50_cluster2_p40.yaml"))
+    assert (cluster1.precision.mode, cluster1.precision.compute_dtype) == ("mixed", "fp16")
+    assert cluster2.precision.mode == "fp32" and cluster2.horovod.compression == "fp16"
