@@ -31,13 +31,14 @@ run() { "$@" >>"$LOG" 2>&1; }
 # the registry's torchvision cannot load its compiled ops with ("operator torchvision::nms does not exist").
 registry_pip() { env -u PIP_FIND_LINKS PIP_CONFIG_FILE=/dev/null "$VENV/bin/python" -m pip "$@"; }
 
-# Optional (HYBRIDTRAIN_SYSTEM_PACKAGES=1, root on Debian/Ubuntu): the compiler, cmake 3, OpenMPI and shellcheck.
+# Optional (HYBRIDTRAIN_SYSTEM_PACKAGES=1, root on Debian/Ubuntu): the compiler, cmake 3, OpenMPI, shellcheck,
+# and iproute2 + openssh for the two-host test (horovodrun over ssh between network namespaces).
 install_system_packages() {
   [ "${HYBRIDTRAIN_SYSTEM_PACKAGES:-0}" = 1 ] || return 0
   if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
     step "skipping system packages (needs root and apt-get)"; return 0
   fi
-  local -a wanted=(g++ cmake libopenmpi-dev openmpi-bin shellcheck python3-venv)
+  local -a wanted=(g++ cmake libopenmpi-dev openmpi-bin shellcheck python3-venv iproute2 openssh-server openssh-client)
   local -a missing=()
   local p
   for p in "${wanted[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
