@@ -245,6 +245,15 @@ def test_missing_config_and_hostfile(script, hostfile, config, tmp_path):
     assert_one_error(run([*launcher(script), "--hosts", "a:1", "-np"]), "-np needs a value")
 
 
+def test_missing_ssh_key_and_unreachable_host_are_one_line_without_a_hang(config, tmp_path):
+    proc = run([*launcher("horovodrun.sh"), "--hosts", "node1:1", "-np", "1", "--config", config,
+                "--ssh-identity-file", tmp_path / "no_key", "--dry-run"])
+    assert_one_error(proc, "ssh key not found")
+    proc = run([*launcher("horovodrun.sh"), "--hosts", "nosuchhost.invalid:1", "-np", "1", "--config", config],
+               timeout=60)  # the name cannot resolve: ssh fails at once; a silent host would take 10 s
+    assert_one_error(proc, "cannot reach nosuchhost.invalid over ssh")
+
+
 def test_local_and_slurm_errors(config, tmp_path):
     assert_one_error(run([*launcher("local.sh"), "-np", "0", "--config", config, "--dry-run"]), "positive integer")
     assert_one_error(run([*launcher("local.sh"), "-np", "2", "--config", tmp_path / "nope.yaml", "--dry-run"]),
