@@ -98,7 +98,7 @@ def test_run_dir_holds_config_report_and_summary(gloo_run):
     for key in ("world_size", "epochs", "final_top1", "final_top5", "best_top1", "total_time_s", "images_per_sec",
                 "config"):
         assert key in report
-    assert "| val top-1 (final)" in proc.stdout
+    assert "| val top-1 (final / best)" in proc.stdout and "| actual average single-GPU training time" in proc.stdout
     rank1_lines = [line for line in proc.stdout.splitlines() if line.startswith("[1]<stdout>")]
     assert rank1_lines == [], "rank 1 must stay quiet"
 
