@@ -147,3 +147,37 @@ def test_file_lists_folder_without_lists_is_one_line(small_digits, tmp_path, wri
 def test_dali_gpu_without_a_gpu_is_one_line_under_horovodrun(small_digits, tmp_path, write_config):
     cfg = write_config(tiny_config(small_digits, str(tmp_path / "run"), data={"backend": "dali_gpu"}))
     assert_one_error_line(horovodrun(2, ["train", "--config", cfg], timeout=300), "needs a CUDA GPU", "dali_cpu")
+
+
+@pytest.fixture(scope="module")
+def venv_without_dali(tmp_path_factory):
+    """A real environment without DALI: a fresh venv whose site-packages links every package of ours except
+    nvidia.dali (nothing is faked: ``import nvidia.dali`` genuinely fails there)."""
+    import site
+    import subprocess
+    import venv
+    root = tmp_path_factory.mktemp("nodali")
+    venv.EnvBuilder(with_pip=False, symlinks=True).create(root)
+    ours = next(p for p in site.getsitepackages() if p.endswith("site-packages"))
+    target = next(root.glob("lib/python*/site-packages"))
+    for entry in os.listdir(ours):
+        if entry.startswith("nvidia_dali"):
+            continue
+        if entry == "nvidia":
+            (target / "nvidia").mkdir()
+            for sub in os.listdir(os.path.join(ours, "nvidia")):
+                if sub != "dali":
+                    os.symlink(os.path.join(ours, "nvidia", sub), target / "nvidia" / sub)
+            continue
+        os.symlink(os.path.join(ours, entry), target / entry)
+    python = str(root / "bin" / "python")
+    assert subprocess.run([python, "-c", "import nvidia.dali"], capture_output=True).returncode != 0
+    assert subprocess.run([python, "-c", "import torch, horovod.torch, hybridtrain"], capture_output=True).returncode == 0
+    return python
+
+
+@pytest.mark.parametrize("backend", ["dali_cpu", "dali_gpu"])
+def test_dali_selected_but_not_installed_is_one_line(backend, venv_without_dali, small_digits, tmp_path, write_config):
+    cfg = write_config(tiny_config(small_digits, str(tmp_path / "run"), data={"backend": backend}))
+    proc = run([venv_without_dali, "-m", "hybridtrain.cli", "train", "--config", cfg])
+    assert_one_error_line(proc, "needs NVIDIA DALI, which is not installed", "pip install nvidia-dali", "torchvision")
