@@ -12,7 +12,7 @@
 #   check_np NP / check_config FILE / check_posint NAME VALUE / check_port PORT
 #   slurm_hostfile SLOTS        stdin: one host per line (scontrol show hostnames); stdout: "host slots=SLOTS"
 #   print_cmd ARGS...           "+ cmd arg ..." on stdout, quoted so it can be pasted into a shell
-#   run_cmd ARGS...             print_cmd, then exec unless DRY_RUN=1
+#   run_cmd ARGS...             print_cmd, then exec unless DRY_RUN=1 (after the function named by BEFORE_EXEC)
 
 LAUNCH_HOSTS=()   # "host:slots", in the order given
 LAUNCH_WHERE=()   # where each host was given (for duplicate messages)
@@ -171,5 +171,6 @@ run_cmd() {
   print_cmd "$@"
   [ "$DRY_RUN" != 1 ] || exit 0
   command -v "$1" >/dev/null || die "$1 not found on PATH: activate the environment (source .venv/bin/activate) or run ./install.sh"
+  if [ -n "${BEFORE_EXEC:-}" ]; then "$BEFORE_EXEC"; fi
   exec "$@"
 }

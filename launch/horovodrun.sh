@@ -74,5 +74,5 @@ if [ -n "$identity" ]; then cmd+=(--ssh-identity-file "$identity"); fi
 cmd+=(--start-timeout "$start_timeout")
 if [ -n "$nics" ]; then cmd+=(--network-interfaces "$nics"); fi
 cmd+=(hybridtrain train --config "$config" "${trainer_args[@]}")
-if [ "$DRY_RUN" != 1 ]; then check_ssh_reachable; fi
+BEFORE_EXEC=check_ssh_reachable
 run_cmd "${cmd[@]}"

@@ -250,8 +250,10 @@ def test_missing_ssh_key_and_unreachable_host_are_one_line_without_a_hang(config
                 "--ssh-identity-file", tmp_path / "no_key", "--dry-run"])
     assert_one_error(proc, "ssh key not found")
     proc = run([*launcher("horovodrun.sh"), "--hosts", "nosuchhost.invalid:1", "-np", "1", "--config", config],
-               timeout=60)  # the name cannot resolve: ssh fails at once; a silent host would take 10 s
-    assert_one_error(proc, "cannot reach nosuchhost.invalid over ssh")
+               env=clean_env(PATH=f"{VENV_BIN}:/usr/bin:/bin"), timeout=60)  # unresolvable: ssh fails at once
+    assert proc.stdout.startswith("+ horovodrun ")  # the command is printed first, then checked before exec
+    assert_one_error(subprocess.CompletedProcess(proc.args, proc.returncode, "", proc.stderr),
+                     "cannot reach nosuchhost.invalid over ssh")
 
 
 def test_local_and_slurm_errors(config, tmp_path):

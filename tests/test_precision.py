@@ -199,7 +199,7 @@ def test_checkpoint_carries_the_scaler_and_resume_is_exact(tiny_digits, tmp_path
 
 @pytest.mark.parametrize("sets, needle", [
     (["precision.mode=fp8"], "precision.mode must be one of"),
-    (["precision.mode=fp16_pure", "optim.name=hybrid"], "needs FP32 state"),
+    (["precision.mode=fp16_pure", "optim.name=hybrid", "optim.adabound_epochs=1"], "needs FP32 state"),
     (["precision.mode=layered", "precision.layers.layer5=fp16"], "names stage 'layer5'"),
     (["precision.layers.fc=int8"], "must be fp32, fp16 or bf16"),
     (["model.bn_swap=true"], "zero_init_last_bn: false"),
