@@ -1,23 +1,33 @@
-"""``hybridtrain bench``: training-step throughput and peak memory of one model on synthetic data.
+"""``hybridtrain bench``: the trainer's own training step on synthetic data, in one process, without Horovod.
 
-One process, no Horovod and no input pipeline: a fixed random batch already on the device, then the
-trainer's own step (``training.train_step``: forward in the precision policy, FP32 loss, loss scaling,
-SGD update). ``warmup`` steps are untimed (cudnn autotuning, allocator growth); the next ``steps`` are
-timed, with the device synchronised before the clock stops.
+Each row builds the recipe's model, optimizer (with its schedule applied every step, as in training),
+precision policy and loss scaler, puts one random batch on the device (the ``synthetic`` backend), runs
+``warmup`` untimed steps (cudnn autotuning, allocator growth), then times ``steps`` steps one by one with the
+device synchronised, and reports img/s, median and p90 step time and peak memory.
+
+``--baseline`` also runs, in the same process and with the same batch, precision and layout, the plain loop
+a PyTorch user would write: torchvision's ResNet, ``torch.optim.SGD`` (momentum, weight decay), autocast with
+a ``GradScaler`` for FP16. The ratio trainer ÷ baseline is the trainer's overhead (or gain). ``--profile DIR``
+writes a torch profiler trace of a few trainer steps.
 """
 from __future__ import annotations
 
+import os
+import statistics
 import time
 
 import torch
 from tqdm import tqdm
 
-from .config import config_from_dict
+from .config import load_config
 from .distributed import cores_per_rank
 from .errors import UserError
 from .models import create_model
+from .optim import create_optimizer
 from .precision import check_hardware, create_scaler, peak_memory_mb, prepare_model, reset_peak_memory, resolve_policy
 from .training import Precision, train_step
+
+STEPS_PER_EPOCH = 100  # what the optimizer's schedule assumes; the bench runs inside the first epoch(s)
 
 
 def bench_device() -> torch.device:
@@ -29,56 +39,147 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure_precision(arch: str, batch_size: int, image_size: int, mode: str, compute_dtype: str, steps: int,
-                      warmup: int, channels_last: bool) -> dict:
-    optim = "goyal" if mode == "fp16_pure" else "hybrid"
-    cfg = config_from_dict({"precision": {"mode": mode, "compute_dtype": compute_dtype}, "optim": {"name": optim}})
+def precision_sets(spec: str) -> list[str]:
+    """``mixed-bf16`` -> the config overrides it stands for."""
+    mode, _, dtype = spec.partition("-")
+    sets = [f"precision.mode={mode}"] + ([f"precision.compute_dtype={dtype}"] if dtype else [])
+    if mode == "fp16_pure":
+        sets += ["optim.name=goyal", "model.residual_bn_scale=0.25"]  # FP16 state: no AdaBound (docs/precision.md)
+    return sets
+
+
+def timed_steps(step, steps: int, warmup: int, device: torch.device, label: str) -> list[float]:
+    """Seconds per step after ``warmup`` untimed ones."""
+    for _ in tqdm(range(warmup), desc=f"{label} warmup", unit="step", leave=False):
+        step()
+    synchronize(device)
+    reset_peak_memory(device)
+    times = []
+    for _ in tqdm(range(steps), desc=label, unit="step", leave=False):
+        start = time.perf_counter()
+        step()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def summarise(label: str, cfg, times: list[float], device: torch.device, skipped: int = 0) -> dict:
+    b = cfg.train.batch_size
+    ordered = sorted(times)
+    return {"loop": label, "arch": cfg.model.arch, "precision": cfg.precision.mode + (
+                f"-{cfg.precision.compute_dtype}" if cfg.precision.mode == "mixed" else ""),
+            "optimizer": cfg.optim.name if label == "trainer" else "sgd", "batch_size": b,
+            "image_size": cfg.data.crop_size, "channels_last": cfg.data.channels_last, "device": str(device),
+            "images_per_sec": b * len(times) / sum(times), "median_ms": 1000 * statistics.median(times),
+            "p90_ms": 1000 * ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))],
+            "peak_memory_mb": peak_memory_mb(device), "skipped_steps": skipped}
+
+
+def synthetic_batch(cfg, device: torch.device, dtype: torch.dtype, classes: int):
+    generator = torch.Generator().manual_seed(cfg.seed)
+    size, b = cfg.data.crop_size, cfg.train.batch_size
+    memory_format = torch.channels_last if cfg.data.channels_last else torch.contiguous_format
+    images = torch.randn(b, 3, size, size, generator=generator).to(device, dtype)
+    labels = torch.randint(classes, (b,), generator=generator).to(device)
+    return images.contiguous(memory_format=memory_format), labels
+
+
+def trainer_row(cfg, steps: int, warmup: int, profile_dir: str | None) -> dict:
     device = bench_device()
     policy = resolve_policy(cfg.precision)
     check_hardware(policy, device)
-    model = prepare_model(create_model(arch, 1000, seed=0).to(device), policy)
-    memory_format = torch.channels_last if channels_last else torch.contiguous_format
-    model = model.to(memory_format=memory_format)
-    images = torch.randn(batch_size, 3, image_size, image_size, device=device).to(policy.input_dtype)
-    images = images.contiguous(memory_format=memory_format)
-    labels = torch.randint(1000, (batch_size,), device=device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    classes = cfg.model.num_classes or 1000
+    model = create_model(cfg.model.arch, classes, cfg.model.variant, cfg.model.small_input_stem,
+                         cfg.model.zero_init_last_bn, seed=cfg.seed, residual_bn_scale=cfg.model.residual_bn_scale,
+                         bn_swap=cfg.model.bn_swap).to(device)
+    model = prepare_model(model, policy)
+    if cfg.data.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    bundle = create_optimizer(model, cfg, 1, STEPS_PER_EPOCH)
     precision = Precision(policy, create_scaler(cfg.precision, policy))
-    label = mode if mode not in ("mixed",) else f"mixed-{compute_dtype}"
-    for _ in tqdm(range(warmup), desc=f"{label} warmup", unit="step", leave=False):
-        train_step(model, optimizer, precision, images, labels)
-    synchronize(device)
-    reset_peak_memory(device)
-    start = time.perf_counter()
-    for _ in tqdm(range(steps), desc=label, unit="step", leave=False):
-        train_step(model, optimizer, precision, images, labels)
-    synchronize(device)
-    elapsed = time.perf_counter() - start
-    return {"arch": arch, "precision": label, "batch_size": batch_size, "image_size": image_size,
-            "channels_last": channels_last, "device": str(device), "images_per_sec": steps * batch_size / elapsed,
-            "ms_per_step": 1000 * elapsed / steps, "peak_memory_mb": peak_memory_mb(device),
-            "skipped_steps": precision.scaler.skipped_steps}
+    images, labels = synthetic_batch(cfg, device, policy.input_dtype, classes)
+    counter = {"step": 0}
+
+    def step():
+        bundle.apply_schedule(counter["step"])
+        train_step(model, bundle.optimizer, precision, images, labels)
+        counter["step"] += 1
+
+    times = timed_steps(step, steps, warmup, device, "trainer")
+    if profile_dir:
+        write_profile(step, device, profile_dir)
+    return summarise("trainer", cfg, times, device, precision.scaler.skipped_steps)
 
 
-def bench(arch: str, batch_sizes: list[int], image_size: int, precisions: list[str], steps: int, warmup: int,
-          channels_last: bool, threads: int) -> list[dict]:
-    if min(batch_sizes + [image_size, steps]) < 1 or warmup < 0:
-        raise UserError("--batch-size, --image-size and --steps must be >= 1 and --warmup >= 0")
+def baseline_row(cfg, steps: int, warmup: int) -> dict:
+    """The plain loop: torchvision ResNet, SGD, autocast + GradScaler, the same batch and precision."""
+    import torchvision
+    device = bench_device()
+    policy = resolve_policy(cfg.precision)
+    classes = cfg.model.num_classes or 1000
+    model = getattr(torchvision.models, cfg.model.arch)(num_classes=classes).to(device, policy.param_dtype)
+    if cfg.data.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.optim.lr, momentum=cfg.optim.momentum,
+                                weight_decay=cfg.optim.weight_decay)
+    autocast = policy.autocast_dtype or next(iter(policy.stage_dtypes.values()), None)
+    # GradScaler cannot unscale FP16 parameters' gradients: the fp16_pure baseline runs unscaled
+    scaler = torch.amp.GradScaler(device.type, enabled=policy.loss_scaling != "none" and
+                                  policy.param_dtype == torch.float32)
+    images, labels = synthetic_batch(cfg, device, policy.input_dtype, classes)
+
+    def step():
+        with torch.autocast(device.type, dtype=autocast or torch.float32, enabled=autocast is not None):
+            loss = torch.nn.functional.cross_entropy(model(images).float(), labels)
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+
+    return summarise("baseline", cfg, timed_steps(step, steps, warmup, device, "baseline"), device)
+
+
+def write_profile(step, device: torch.device, out_dir: str, steps: int = 3) -> str:
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    os.makedirs(out_dir, exist_ok=True)
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        synchronize(device)
+    path = os.path.join(out_dir, "trace.json")
+    prof.export_chrome_trace(path)
+    return path
+
+
+def bench(config: str | None, overrides: list[str], precisions: list[str], batch_sizes: list[int], steps: int,
+          warmup: int, baseline: bool, profile_dir: str | None, threads: int) -> list[dict]:
+    if steps < 1 or warmup < 0:
+        raise UserError("--steps must be >= 1 and --warmup >= 0")
     torch.set_num_threads(threads or cores_per_rank(1))
     if torch.cuda.is_available():
         torch.backends.cudnn.benchmark = True
     rows = []
-    for batch in batch_sizes:
-        for spec in precisions:
-            mode, _, dtype = spec.partition("-")
-            rows.append(measure_precision(arch, batch, image_size, mode, dtype or "fp16", steps, warmup, channels_last))
+    for batch in batch_sizes or [None]:
+        for spec in precisions or [None]:
+            sets = list(overrides) + (precision_sets(spec) if spec else []) + (
+                [f"train.batch_size={batch}"] if batch else [])
+            cfg = load_config(config, sets)
+            rows.append(trainer_row(cfg, steps, warmup, profile_dir))
+            if baseline:
+                rows.append(baseline_row(cfg, steps, warmup))
+                rows[-1]["trainer_over_baseline"] = rows[-2]["images_per_sec"] / rows[-1]["images_per_sec"]
     return rows
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = ["| arch | precision | batch | image | channels_last | device | images/s | ms/step | peak MiB | "
-             "skipped |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    lines += [f"| {r['arch']} | {r['precision']} | {r['batch_size']} | {r['image_size']} | {r['channels_last']} | "
-              f"{r['device']} | {r['images_per_sec']:.1f} | {r['ms_per_step']:.1f} | {r['peak_memory_mb']:.0f} | "
-              f"{r['skipped_steps']} |" for r in rows]
+    lines = ["| loop | arch | optimizer | precision | batch | image | channels_last | device | images/s | "
+             "median ms | p90 ms | peak MiB | skipped | trainer ÷ baseline |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        ratio = f"{r['trainer_over_baseline']:.3f}" if "trainer_over_baseline" in r else ""
+        lines.append(f"| {r['loop']} | {r['arch']} | {r['optimizer']} | {r['precision']} | {r['batch_size']} | "
+                     f"{r['image_size']} | {r['channels_last']} | {r['device']} | {r['images_per_sec']:.1f} | "
+                     f"{r['median_ms']:.1f} | {r['p90_ms']:.1f} | {r['peak_memory_mb']:.0f} | {r['skipped_steps']} | "
+                     f"{ratio} |")
     return "\n".join(lines)

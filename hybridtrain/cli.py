@@ -7,6 +7,8 @@ import sys
 
 from .errors import UserError
 
+BENCH_PRECISIONS = ("fp64", "fp32", "mixed-fp16", "mixed-bf16", "layered", "fp16_pure")
+
 
 def cmd_train(args) -> int:
     from .config import load_config
@@ -70,8 +72,12 @@ def cmd_check_data(args) -> int:
 def cmd_bench(args) -> int:
     import json
     from .bench import bench, format_table
-    rows = bench(args.arch, args.batch_size or [32], args.image_size, args.precision or ["fp32"], args.steps,
-                 args.warmup, args.channels_last, args.threads)
+    sets = list(args.set)
+    sets += [f"model.arch={args.arch}"] if args.arch else []
+    sets += [f"data.crop_size={args.image_size}"] if args.image_size else []
+    sets += ["data.channels_last=true"] if args.channels_last else []
+    rows = bench(args.config, sets, args.precision or [], args.batch_size or [], args.steps, args.warmup,
+                 args.baseline, args.profile, args.threads)
     print(format_table(rows))
     if args.json:
         with open(args.json, "w") as fh:
@@ -113,7 +119,7 @@ def cmd_report(args) -> int:
 def cmd_scale(args) -> int:
     from .scale import format_table, parse_compressions, parse_counts, run_scale
     rows = run_scale(args.config, args.set, parse_counts(args.np), parse_compressions(args.compression), args.steps,
-                     args.warmup, args.out)
+                     args.warmup, args.out, args.oversubscribe)
     print(format_table(rows))
     print(f"scale.json and scale.png written to {args.out}")
     return 0
@@ -181,17 +187,21 @@ def build_parser() -> argparse.ArgumentParser:
                        help="write DIR/train.txt and DIR/val.txt listing the readable images (for data.file_lists)")
     check.set_defaults(func=cmd_check_data)
 
-    step = sub.add_parser("bench", help="training-step images/s and peak memory per precision, synthetic data")
-    step.add_argument("--arch", default="resnet50", choices=["resnet18", "resnet34", "resnet50", "resnet101",
-                                                              "resnet152"], help="model (default resnet50)")
-    step.add_argument("--precision", action="append", metavar="MODE",
-                      choices=["fp64", "fp32", "mixed-fp16", "mixed-bf16", "layered", "fp16_pure"],
-                      help="fp64, fp32, mixed-fp16, mixed-bf16, layered or fp16_pure (repeatable; default fp32)")
-    step.add_argument("--batch-size", type=int, action="append", help="per-device batch (repeatable; default 32)")
-    step.add_argument("--image-size", type=int, default=224, help="square input size (default 224)")
+    step = sub.add_parser("bench", help="the trainer's training step on synthetic data: img/s, step time, memory; "
+                                         "--baseline compares a plain PyTorch loop")
+    step.add_argument("--config", help="recipe (default: the built-in defaults, ResNet-50 at batch 256, 224 px)")
+    step.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    step.add_argument("--arch", choices=["resnet18", "resnet34", "resnet50", "resnet101", "resnet152"],
+                      help="model.arch")
+    step.add_argument("--precision", action="append", metavar="MODE", choices=list(BENCH_PRECISIONS),
+                      help=f"{', '.join(BENCH_PRECISIONS)} (repeatable; default: the recipe's)")
+    step.add_argument("--batch-size", type=int, action="append", help="per-device batch (repeatable)")
+    step.add_argument("--image-size", type=int, help="data.crop_size, the square input")
+    step.add_argument("--channels-last", action="store_true", help="NHWC memory layout for model and input")
     step.add_argument("--steps", type=int, default=20, help="timed steps (default 20)")
     step.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
-    step.add_argument("--channels-last", action="store_true", help="NHWC memory layout for model and input")
+    step.add_argument("--baseline", action="store_true", help="also time a plain torchvision + SGD + AMP loop")
+    step.add_argument("--profile", metavar="DIR", help="write a torch profiler trace of 3 trainer steps here")
     step.add_argument("--threads", type=int, default=0, help="CPU threads (default 0 = all cores)")
     step.add_argument("--json", help="also write the rows to this JSON file")
     step.set_defaults(func=cmd_bench)
@@ -236,6 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
     scale.add_argument("--steps", type=int, default=20, help="timed steps (default 20)")
     scale.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
     scale.add_argument("--out", default="runs/scale", help="where scale.json, scale.png and timelines go")
+    scale.add_argument("--oversubscribe", action="store_true",
+                       help="allow more ranks than cores (for calibrating predict on a small machine)")
     scale.set_defaults(func=cmd_scale)
 
     from .predict_cli import add_predict_arguments

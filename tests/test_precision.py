@@ -210,15 +210,24 @@ def test_bad_precision_settings_are_one_line(sets, needle, tiny_digits, tmp_path
     assert_one_error_line(run([HYBRIDTRAIN, "train", "--config", cfg, *args]), needle)
 
 
-def test_bench_prints_images_per_second_and_peak_memory_per_precision(tmp_path):
+def test_bench_runs_every_precision_and_the_baseline_prints_a_ratio(tmp_path):
     out = tmp_path / "bench.json"
-    proc = run([HYBRIDTRAIN, "bench", "--arch", "resnet18", "--precision", "fp32", "--precision", "mixed-bf16",
-                "--batch-size", "4", "--image-size", "32", "--steps", "2", "--warmup", "1", "--json", str(out)])
+    args = [HYBRIDTRAIN, "bench", "--config", "configs/demo.yaml", "--batch-size", "4", "--image-size", "32",
+            "--steps", "2", "--warmup", "1", "--json", str(out), "--baseline", "--profile", str(tmp_path / "prof")]
+    for mode in ("fp64", "fp32", "mixed-fp16", "mixed-bf16", "layered", "fp16_pure"):
+        args += ["--precision", mode]
+    proc = run(args, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())
-    assert [r["precision"] for r in rows] == ["fp32", "mixed-bf16"]
-    assert all(r["images_per_sec"] > 0 and r["peak_memory_mb"] > 0 for r in rows)
-    assert "| resnet18 | mixed-bf16 | 4 | 32 |" in proc.stdout
+    trainer = [r for r in rows if r["loop"] == "trainer"]
+    assert [r["precision"] for r in trainer] == ["fp64", "fp32", "mixed-fp16", "mixed-bf16", "layered", "fp16_pure"]
+    assert [r["optimizer"] for r in trainer] == ["hybrid"] * 5 + ["goyal"]
+    for t, b in zip(rows[::2], rows[1::2]):
+        assert (t["loop"], b["loop"]) == ("trainer", "baseline")
+        assert b["trainer_over_baseline"] == pytest.approx(t["images_per_sec"] / b["images_per_sec"])
+        assert t["median_ms"] <= t["p90_ms"] and t["peak_memory_mb"] > 0
+    assert "| trainer | resnet18 | hybrid | mixed-bf16 | 4 | 32 |" in proc.stdout
+    assert (tmp_path / "prof" / "trace.json").stat().st_size > 0
 
 
 def test_precision_and_layered_experiment_rows():
