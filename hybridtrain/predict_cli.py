@@ -12,6 +12,7 @@ from dataclasses import replace
 
 from . import predict
 from .errors import UserError
+from .scale import parse_counts
 
 GB = 1e9
 
@@ -35,16 +36,6 @@ def add_predict_arguments(p) -> None:
     p.add_argument("--images-per-epoch", type=int, default=predict.IMAGENET_TRAIN_IMAGES, help="default ImageNet")
     p.add_argument("--calibrate", metavar="SCALE_JSON", help="fit the ring model to a hybridtrain scale result")
     p.add_argument("--out", default="predict.png", help="efficiency against GPU count (PNG)")
-
-
-def parse_nodes(text: str) -> list[int]:
-    try:
-        nodes = sorted({int(x) for x in text.split(",") if x.strip()})
-    except ValueError:
-        raise UserError(f"--nodes must be comma-separated node counts, got '{text}'") from None
-    if not nodes or nodes[0] < 1:
-        raise UserError(f"--nodes must list counts >= 1, got '{text}'")
-    return nodes
 
 
 def spec_from(args, overlap: float) -> predict.ClusterSpec:
@@ -102,7 +93,7 @@ def run_predict(args) -> None:
     check = predict.paper_cluster_check()
     overlap = check.overlap if args.overlap is None else args.overlap
     spec = spec_from(args, overlap)
-    nodes = parse_nodes(args.nodes)
+    nodes = parse_counts(args.nodes, "--nodes")
     if args.convergence_epoch < 1 or args.images_per_epoch < 1:
         raise UserError("--convergence-epoch and --images-per-epoch must be >= 1")
     table, curve = prediction_table(spec, nodes, args.convergence_epoch, args.images_per_epoch)

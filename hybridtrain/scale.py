@@ -114,13 +114,14 @@ def busy_time_us(intervals: list[tuple[float, float, int]]) -> float:
 
 # ----------------------------------------------------------------------------- the driver
 
-def parse_counts(text: str) -> list[int]:
+def parse_counts(text: str, option: str = "--np") -> list[int]:
+    """'1,2,4' -> [1, 2, 4] (sorted, distinct, each >= 1), or one error line naming ``option``."""
     try:
         counts = sorted({int(x) for x in text.split(",") if x.strip()})
     except ValueError:
-        raise UserError(f"--np must be comma-separated rank counts such as 1,2; got '{text}'") from None
+        raise UserError(f"{option} must be comma-separated counts such as 1,2; got '{text}'") from None
     if not counts or counts[0] < 1:
-        raise UserError(f"--np must list rank counts >= 1, got '{text}'")
+        raise UserError(f"{option} must list counts >= 1, got '{text}'")
     return counts
 
 
