@@ -189,6 +189,7 @@ class Calibration:
     bandwidth: float  # bandwidth / (1 - overlap)
     rms_relative_error: float  # of the fitted step times against the measured ones
     max_relative_error: float
+    latency_fixed: bool = False  # True when the latency had to be fixed at 0 (see calibrate)
 
 
 def calibrate(measured_points: Sequence[tuple[int, float]], gradient_bytes: float) -> Calibration:
@@ -196,8 +197,11 @@ def calibrate(measured_points: Sequence[tuple[int, float]], gradient_bytes: floa
 
     The ring model has one effective link, so points taken partly inside one node and partly across
     nodes see two different links; that mismatch shows up as calibration error, not as a hidden fix.
-    Needs at least three distinct GPU counts. Raises ValueError when the fitted per-byte cost is not
-    positive (the points show no growth of step time with N, so no bandwidth can be read from them).
+    Needs at least three distinct GPU counts. When the three-parameter fit puts all growth into the
+    latency and leaves a per-byte cost <= 0 (a small machine whose compute itself slows down as ranks share
+    cores grows faster than any ring term), the latency is fixed at 0 and the bandwidth fitted alone
+    (``latency_fixed``). Raises ValueError when even that per-byte cost is not positive (the points show
+    no growth of step time with N, so no bandwidth can be read from them).
     """
     if not (math.isfinite(gradient_bytes) and gradient_bytes > 0):
         raise ValueError(f"gradient_bytes must be positive, got {gradient_bytes!r}")
@@ -213,6 +217,10 @@ def calibrate(measured_points: Sequence[tuple[int, float]], gradient_bytes: floa
         [np.ones_like(counts), 2 * (counts - 1), 2 * (counts - 1) / counts * gradient_bytes]
     )  # columns: c, a, 1/B
     (compute, latency, seconds_per_byte), *_ = np.linalg.lstsq(design, steps, rcond=None)
+    latency_fixed = seconds_per_byte <= 0
+    if latency_fixed:  # step(N) = c + 2(N-1)/N * bytes / B
+        (compute, seconds_per_byte), *_ = np.linalg.lstsq(design[:, [0, 2]], steps, rcond=None)
+        latency = 0.0
     if seconds_per_byte <= 0:
         raise ValueError("fitted per-byte cost is not positive: the points show no communication growth with N")
     relative = design @ np.array([compute, latency, seconds_per_byte]) / steps - 1.0
@@ -222,6 +230,7 @@ def calibrate(measured_points: Sequence[tuple[int, float]], gradient_bytes: floa
         bandwidth=float(1.0 / seconds_per_byte),
         rms_relative_error=float(np.sqrt(np.mean(relative**2))),
         max_relative_error=float(np.max(np.abs(relative))),
+        latency_fixed=bool(latency_fixed),
     )
 
 

@@ -84,8 +84,9 @@ def calibration_text(path: str, gradient_bytes: float) -> str:
         fit = predict.calibrate(points, gradient_bytes)
     except ValueError as exc:
         raise UserError(f"cannot calibrate on {path}: {exc}") from None
+    fixed = " (fixed at 0: the free fit left no positive per-byte cost)" if fit.latency_fixed else ""
     return (f"Calibrated on {path}: compute {1000 * fit.compute_time:.1f} ms/step, effective latency "
-            f"{1e6 * fit.latency:.1f} us, effective bandwidth {fit.bandwidth / GB:.3f} GB/s; step-time error "
+            f"{1e6 * fit.latency:.1f} us{fixed}, effective bandwidth {fit.bandwidth / GB:.3f} GB/s; step-time error "
             f"RMS {100 * fit.rms_relative_error:.1f}%, max {100 * fit.max_relative_error:.1f}%")
 
 

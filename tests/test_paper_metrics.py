@@ -3,6 +3,7 @@
 Tests named ``test_paper_inconsistent_*`` assert that a figure in the paper does NOT add up, by how
 much, and why; docs/paper_arithmetic.md lists the same findings.
 """
+import numpy as np
 import pytest
 
 from hybridtrain import predict
@@ -325,6 +326,17 @@ def test_calibration_reports_error_on_points_the_model_cannot_fit():
     points = [(1, 0.166), (2, 0.170), (4, 0.171), (8, 0.175), (16, 0.190), (24, 0.185)]
     fit = predict.calibrate(points, GRADIENT_FP16)
     assert 0 < fit.rms_relative_error <= fit.max_relative_error
+
+
+def test_calibration_fixes_the_latency_when_growth_outruns_the_ring_model():
+    # Hand-made: compute 0.1 s, step growth faster than 2(N-1)/N would allow, as on an oversubscribed CPU.
+    points = [(1, 0.136), (2, 0.2585), (3, 0.6695)]
+    fit = predict.calibrate(points, 46.76e6)
+    assert fit.latency_fixed and fit.latency == 0.0
+    x = np.array([2 * (n - 1) / n * 46.76e6 for n, _ in points])  # plain least squares of t = c + x / B
+    slope, intercept = np.polyfit(x, [t for _, t in points], 1)
+    assert fit.bandwidth == pytest.approx(1 / slope) and fit.compute_time == pytest.approx(intercept)
+    assert fit.max_relative_error > 0.1  # the model does not fit such a machine, and says so
 
 
 def test_calibration_rejects_underdetermined_or_flat_points():
