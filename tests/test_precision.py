@@ -242,3 +242,14 @@ def test_precision_and_layered_experiment_rows():
     assert list(rows) == [f"{k} stage(s) fp16" for k in range(5)]
     assert rows["2 stage(s) fp16"][1:] == ["precision.layers.layer1=fp16", "precision.layers.layer2=fp16",
                                            "precision.layers.layer3=fp32", "precision.layers.layer4=fp32"]
+
+
+def test_fp16_communication_with_a_predivide_factor_trains_on_two_ranks(tiny_digits, tmp_path, write_config):
+    run_dir = str(tmp_path / "run")
+    cfg = precision_config(tiny_digits, run_dir, "fp32")
+    cfg["horovod"] = {"compression": "fp16", "gradient_predivide_factor": 2.0}
+    proc = horovodrun(2, ["train", "--config", write_config(cfg)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (record,) = read_metrics(run_dir)
+    assert record["train_loss"] == record["train_loss"] and record["skipped_steps"] == 0
+    assert len(set(json.load(open(os.path.join(run_dir, "report.json")))["rank_digests"])) == 1
