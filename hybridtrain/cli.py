@@ -279,7 +279,8 @@ def run_guarded(action) -> int:
         from .distributed import is_peer_failure, launcher_rank
         if not is_peer_failure(exc):
             raise
-        print(f"hybridtrain: rank {launcher_rank()} stopped because another rank failed (its error line says why)",
+        print(f"hybridtrain: rank {launcher_rank()} stopped because another rank failed or was killed (its error "
+              f"line, if any, says why); checkpoints are intact: rerun the same command with --resume",
               file=sys.stderr, flush=True)
         return 3
     except KeyboardInterrupt:

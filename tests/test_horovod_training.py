@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from conftest import HOROVODRUN, HYBRIDTRAIN, env_with_venv, horovodrun, read_metrics, run, tiny_config
+from conftest import HOROVODRUN, HYBRIDTRAIN, env_with_venv, horovodrun, rank_output, read_metrics, run, tiny_config
 from hybridtrain.data.folder import scan_split
 from hybridtrain.data.torchvision_loader import val_transform
 from hybridtrain.models import create_model
@@ -143,3 +143,47 @@ def test_interrupted_and_resumed_run_matches_uninterrupted(small_digits, tmp_pat
     assert digest_of_file(os.path.join(broken_dir, "final_model.pt")) == \
         digest_of_file(os.path.join(straight_dir, "final_model.pt"))
     assert [r["epoch"] for r in read_metrics(broken_dir)] == [1, 2, 3]
+
+
+def rank_pids(config_path: str, rank: int) -> list[int]:
+    """PIDs of the trainer processes of ``rank`` running ``config_path`` (from /proc)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmdline = open(f"/proc/{entry}/cmdline", "rb").read().decode(errors="replace")
+            environ = open(f"/proc/{entry}/environ", "rb").read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if config_path in cmdline and "train" in cmdline and f"HOROVOD_RANK={rank}" in environ:
+            pids.append(int(entry))
+    return pids
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc to find the ranks")
+def test_a_killed_rank_ends_the_whole_job_quickly_with_a_resume_line(small_digits, tmp_path, write_config):
+    run_dir = str(tmp_path / "run")
+    cfg = write_config(tiny_config(small_digits, run_dir, train={"epochs": 20}))
+    proc = subprocess.Popen([HOROVODRUN, "--gloo", "-np", "2", "-H", "localhost:2", HYBRIDTRAIN, "train", "--config",
+                             cfg], env=env_with_venv(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while not os.path.exists(os.path.join(run_dir, "checkpoint-epoch0001.pt")) and time.time() < deadline:
+            time.sleep(0.1)
+        victims = rank_pids(cfg, 1)
+        assert victims, "rank 1 not found"
+        killed_at = time.time()
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
+        output, _ = proc.communicate(timeout=120)
+        ended_after = time.time() - killed_at
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0 and ended_after < 60, f"the job took {ended_after:.0f} s to end"
+    assert "stopped because another rank failed or was killed" in output and "--resume" in output
+    assert "Traceback" not in rank_output(output)
+    time.sleep(1)
+    assert rank_pids(cfg, 0) == [] and rank_pids(cfg, 1) == [], "a rank was left behind"

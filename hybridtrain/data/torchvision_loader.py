@@ -100,10 +100,26 @@ class EpochBatches:
         return len(self.batches_for_epoch(self.epoch))
 
 
+def die_with_the_rank(worker_id: int) -> None:
+    """Worker init: the kernel kills this worker when the rank that spawned it dies (Linux PR_SET_PDEATHSIG).
+
+    A rank killed with SIGKILL cannot stop its workers; left alive they would keep horovodrun's output pipe
+    open, and horovodrun would wait on them forever instead of ending the job.
+    """
+    import ctypes
+    import signal
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: no such guard
+        pass
+
+
 def _loader(dataset, batch_sampler, cfg, workers: int) -> DataLoader:
+    # spawn, not fork (unsafe after Horovod's threads start) nor forkserver (its server outlives a killed rank):
+    # spawned workers are the rank's own children, so die_with_the_rank applies
     return DataLoader(dataset, batch_sampler=batch_sampler, num_workers=workers,
-                      collate_fn=Collate(cfg.data.channels_last), multiprocessing_context="forkserver",
-                      persistent_workers=True, prefetch_factor=cfg.data.prefetch)
+                      collate_fn=Collate(cfg.data.channels_last), multiprocessing_context="spawn",
+                      persistent_workers=True, prefetch_factor=cfg.data.prefetch, worker_init_fn=die_with_the_rank)
 
 
 def create_train_loader(images: ImageList, cfg, rank: int, world_size: int, workers: int) -> DataLoader:
