@@ -56,6 +56,17 @@ take_host_option() {
   esac
 }
 
+# host_options_help: the usage lines of the options take_host_option handles (one wording for every launcher).
+host_options_help() {
+  cat <<'HELP'
+  --hostfile FILE      one host per line: "host slots=N" or "host:N"; '#' comments and blank lines allowed
+  --hosts LIST         the same inline: h1:4,h2:4
+  -np N                total ranks (at most the total slots)
+  --config FILE        hybridtrain recipe (YAML)
+  --ssh-port PORT      sshd port on every host (default $HYBRIDTRAIN_SSH_PORT if set, else ssh's own)
+HELP
+}
+
 # check_host_options: validate what take_host_option collected (hosts, -np against the slots, config).
 check_host_options() {
   select_hosts "$hostfile" "$hosts"

@@ -13,11 +13,7 @@ usage: launch/horovodrun.sh (--hostfile FILE | --hosts h1:N,h2:N) -np N --config
                             [--ssh-identity-file KEY] [--start-timeout SEC] [--network-interfaces NICS]
                             [--dry-run] [-- TRAINER_ARGS...]
 
-  --hostfile FILE      one host per line: "host slots=N" or "host:N"; '#' comments and blank lines allowed
-  --hosts LIST         the same inline: h1:4,h2:4
-  -np N                total ranks (at most the total slots)
-  --config FILE        hybridtrain recipe (YAML)
-  --ssh-port PORT      sshd port on every host (default \$HYBRIDTRAIN_SSH_PORT if set, else ssh's own)
+$(host_options_help)
   --ssh-identity-file KEY
                        private key for ssh to the hosts (checked to exist)
   --start-timeout SEC  bound on ssh checks and the rendezvous: horovodrun --start-timeout (default 120)

@@ -17,18 +17,14 @@ usage: launch/mpirun.sh (--hostfile FILE | --hosts h1:N,h2:N) -np N --config FIL
                         [--bind-to WHAT] [--map-by WHAT] [--export VAR]... [--mpi-arg ARG]... [--allow-root]
                         [--dry-run] [-- TRAINER_ARGS...]
 
-  --hostfile FILE   one host per line: "host slots=N" or "host:N"; '#' comments and blank lines allowed
-  --hosts LIST      the same inline: h1:4,h2:4
-  -np N             total ranks (at most the total slots)
-  --config FILE     hybridtrain recipe (YAML)
-  --ssh-port PORT   sshd port on every host (default \$HYBRIDTRAIN_SSH_PORT if set, else ssh's own)
-  --bind-to WHAT    mpirun --bind-to (default socket; 'none' lets the OS place threads)
-  --map-by WHAT     mpirun --map-by (default socket)
-  --export VAR      forward VAR too (repeatable); always forwarded when set: ${FORWARD_VARS[*]} ${FORWARD_PREFIXES[*]/%/*}
-  --mpi-arg ARG     one more mpirun argument, e.g. --mpi-arg=--mca --mpi-arg=btl_tcp_if_include --mpi-arg=eth0
-  --allow-root      add --allow-run-as-root (containers running as root)
-  --dry-run         print the command, do not run it
-  -- ARGS           passed to 'hybridtrain train'
+$(host_options_help)
+  --bind-to WHAT       mpirun --bind-to (default socket; 'none' lets the OS place threads)
+  --map-by WHAT        mpirun --map-by (default socket)
+  --export VAR         forward VAR too (repeatable); always forwarded when set: ${FORWARD_VARS[*]} ${FORWARD_PREFIXES[*]/%/*}
+  --mpi-arg ARG        one more mpirun argument, e.g. --mpi-arg=--mca --mpi-arg=btl_tcp_if_include --mpi-arg=eth0
+  --allow-root         add --allow-run-as-root (containers running as root)
+  --dry-run            print the command, do not run it
+  -- ARGS              passed to 'hybridtrain train'
 
 Runs: mpirun -np N -H HOSTS --bind-to WHAT --map-by WHAT [-x VAR]... hybridtrain train --config FILE ARGS
 USAGE
