@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,16 @@ def launcher_rank() -> int:
         if os.environ.get(var, "").isdigit():
             return int(os.environ[var])
     return 0
+
+
+def venv_tool(name: str) -> str:
+    """The path of a console tool (horovodrun, hybridtrain) of this Python's environment, else from PATH."""
+    import shutil
+    bin_dir = os.path.dirname(sys.executable)
+    found = shutil.which(name, path=bin_dir + os.pathsep + os.environ.get("PATH", ""))
+    if not found:
+        raise UserError(f"{name} is not on PATH: run ./install.sh and use .venv/bin")
+    return found
 
 
 def is_peer_failure(exc: BaseException) -> bool:

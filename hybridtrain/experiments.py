@@ -9,13 +9,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
-import sys
 
 from .config import load_config
+from .distributed import venv_tool
 from .errors import UserError
 from .metrics import convergence_epoch
+from .reporting import load_run
 
 
 def optimizer_rows(cfg) -> list[tuple[str, list[str]]]:
@@ -72,11 +72,7 @@ EXPERIMENTS = {"optimizers": optimizer_rows, "warmup-epochs": warmup_epoch_rows,
 
 
 def launch_row(config: str, overrides: list[str], run_dir: str, ranks: int) -> None:
-    bin_dir = os.path.dirname(sys.executable)
-    horovodrun = shutil.which("horovodrun", path=bin_dir + os.pathsep + os.environ.get("PATH", ""))
-    hybridtrain = shutil.which("hybridtrain", path=bin_dir + os.pathsep + os.environ.get("PATH", ""))
-    if not horovodrun or not hybridtrain:
-        raise UserError("horovodrun or hybridtrain is not on PATH: run ./install.sh and use .venv/bin")
+    horovodrun, hybridtrain = venv_tool("horovodrun"), venv_tool("hybridtrain")
     sets = [arg for o in overrides + [f"run_dir={run_dir}", "train.progress=false"] for arg in ("--set", o)]
     cmd = [horovodrun, "--gloo", "-np", str(ranks), "-H", f"localhost:{ranks}", hybridtrain, "train",
            "--config", config, *sets]
@@ -88,8 +84,7 @@ def launch_row(config: str, overrides: list[str], run_dir: str, ranks: int) -> N
 
 
 def summarise_row(name: str, run_dir: str, target: float) -> dict:
-    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
-        history = [json.loads(line) for line in fh if line.strip()]
+    _, history = load_run(run_dir)
     top1 = [r["val_top1"] for r in history]
     return {"row": name, "final_top1": top1[-1], "best_top1": max(top1),
             "epochs_to_target": convergence_epoch(top1, target), "target": target,

@@ -151,8 +151,10 @@ class LossScaler:
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if not grads:
             return True
-        torch._foreach_mul_(grads, 1.0 / self.scale)
-        return bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
+        found_inf = torch.zeros(1, device=grads[0].device)
+        inv_scale = torch.full((1,), 1.0 / self.scale, device=grads[0].device)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)  # one multi-tensor pass
+        return not bool(found_inf)  # the step's one host sync: every rank must know whether to skip
 
     def update(self, finite: bool) -> None:
         """Dynamic: S <- S/2 on overflow, S <- 2S after ``growth_interval`` clean steps in a row."""

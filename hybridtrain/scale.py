@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
 
 import numpy as np
 
+from .distributed import venv_tool
 from .errors import UserError
 
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
@@ -137,10 +137,7 @@ def available_slots() -> int:
 
 
 def launch(config: str, overrides: list[str], n: int, compression: str, steps: int, warmup: int, out: str) -> dict:
-    bin_dir = os.path.dirname(sys.executable)
-    horovodrun = shutil.which("horovodrun", path=bin_dir + os.pathsep + os.environ.get("PATH", ""))
-    if not horovodrun:
-        raise UserError("horovodrun is not on PATH: run ./install.sh and use .venv/bin")
+    horovodrun = venv_tool("horovodrun")
     tag = f"np{n}-{compression}"
     record_path, timeline = os.path.join(out, f"{tag}.json"), os.path.join(out, f"{tag}.timeline.json")
     for stale in (record_path, timeline):
