@@ -22,7 +22,7 @@ from tqdm import tqdm
 from .config import load_config
 from .distributed import cores_per_rank
 from .errors import UserError
-from .models import create_model
+from .models import model_from_config
 from .optim import create_optimizer
 from .precision import check_hardware, create_scaler, peak_memory_mb, prepare_model, reset_peak_memory, resolve_policy
 from .training import Precision, train_step
@@ -89,9 +89,7 @@ def trainer_row(cfg, steps: int, warmup: int, profile_dir: str | None) -> dict:
     policy = resolve_policy(cfg.precision)
     check_hardware(policy, device)
     classes = cfg.model.num_classes or 1000
-    model = create_model(cfg.model.arch, classes, cfg.model.variant, cfg.model.small_input_stem,
-                         cfg.model.zero_init_last_bn, seed=cfg.seed, residual_bn_scale=cfg.model.residual_bn_scale,
-                         bn_swap=cfg.model.bn_swap).to(device)
+    model = model_from_config(cfg.model, classes, seed=cfg.seed).to(device)
     model = prepare_model(model, policy)
     if cfg.data.channels_last:
         model = model.to(memory_format=torch.channels_last)

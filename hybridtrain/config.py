@@ -64,12 +64,20 @@ class ModelConfig:
     residual_bn_scale: float = number(1.0, lo=0.0, hi=1.0, lo_open=True,
                                       doc="multiply every BN output inside residual blocks by this (seed 002: 0.25)")
     bn_swap: bool = plain(False, "seed 002's BN swap in the last BN of each block: y = gamma*(x_hat + shortcut) + beta")
+    conv_init: str = choice("kaiming", ["kaiming", "xavier", "gaussian"],
+                            "convolution init: kaiming N(0, 2/fan_in) (the paper), xavier N(0, 2/(fan_in+fan_out)), "
+                            "or gaussian N(0, gaussian_std^2) (Table 3.5)")
+    gaussian_std: float = number(1.0, lo=0.0, lo_open=True, doc="conv_init=gaussian: the standard deviation "
+                                                                "(the paper's Table 3.5: 1)")
 
 
 @dataclass
 class TrainConfig:
     epochs: int = number(90, lo=1, doc="training epochs")
-    batch_size: int = number(256, lo=1, doc="per-rank (per-GPU) batch size; global = batch_size x ranks")
+    batch_size: int = number(256, lo=1, doc="per-rank (per-GPU) batch size; global = batch_size x ranks x "
+                                            "accumulation_steps")
+    accumulation_steps: int = number(1, lo=1, doc="forward/backward passes per optimizer step, one all-reduce per "
+                                                  "step (the paper's future work, 4)")
     threads: int = number(0, lo=0, doc="torch threads per rank; 0 = cores / local ranks")
     keep_checkpoints: int = number(3, lo=1, doc="how many epoch checkpoints to keep")
     progress: bool = plain(True, "progress bar on rank 0")
@@ -126,8 +134,17 @@ class HorovodConfig:
 
 @dataclass
 class BNConfig:
-    stats: str = choice("last_iteration", ["last_iteration"],
-                        "running statistics: those of the last training iteration (paper 2.2.3)")
+    stats: str = choice("last_iteration", ["last_iteration", "moving_average"],
+                        "running statistics: those of the last training iteration (paper 2.2.3), or a moving average")
+    momentum: float = number(0.1, lo=0.0, hi=1.0, lo_open=True,
+                             doc="moving_average: running = (1 - momentum) * running + momentum * batch")
+    combine: str = choice("mean", ["mean", "pooled"],
+                          "how ranks' running statistics are averaged before validation and checkpoints: mean of "
+                          "means and of variances (the paper), or the exact pooled variance")
+    sync: bool = plain(False, "cross-rank BN statistics every iteration (hvd.SyncBatchNorm on GPUs)")
+    per_rank_batch: str = choice("fixed", ["fixed", "random"],
+                                 "fixed per-rank batch (the paper), or a random split of each global batch over "
+                                 "the ranks, with the gradient weighted to equal the global-batch gradient")
 
 
 @dataclass
@@ -297,6 +314,7 @@ def validate(cfg: Config) -> Config:
         raise UserError(f"config error: optim.warmup_epochs ({cfg.optim.warmup_epochs}) must be smaller "
                         f"than train.epochs ({cfg.train.epochs})")
     validate_precision(cfg)
+    validate_bn(cfg)
     if cfg.data.backend == "synthetic" and cfg.data.file_lists:
         raise UserError("config error: data.file_lists names real images but data.backend is synthetic: "
                         "unset one of them")
@@ -316,6 +334,15 @@ def validate_precision(cfg: Config) -> None:
         raise UserError(f"config error: precision.mode=fp16_pure keeps optimizer state in FP16, but optim.name="
                         f"{cfg.optim.name} needs FP32 state (AdaBound's squared gradients): use optim.name=goyal "
                         f"or sgd, or precision.mode=mixed")
+
+
+def validate_bn(cfg: Config) -> None:
+    if cfg.bn.sync and cfg.model.bn_swap:
+        raise UserError("config error: bn.sync cannot be combined with model.bn_swap (the swapped BN computes its "
+                        "statistics itself): switch one of them off")
+    if cfg.bn.per_rank_batch == "random" and cfg.data.backend != "torchvision":
+        raise UserError(f"config error: bn.per_rank_batch=random needs data.backend=torchvision (data.backend="
+                        f"{cfg.data.backend} delivers fixed batches): switch the backend or use per_rank_batch=fixed")
 
 
 def save_config(cfg: Config, path: str) -> None:

@@ -130,12 +130,15 @@ def compression(name: str):
     return {"fp16": hvd.Compression.fp16, "none": hvd.Compression.none}[name]
 
 
-def distributed_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module, horovod_cfg):
-    """Horovod's averaging all-reduce, FP16-compressed by default, with the configured pre-divide factor."""
+def distributed_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module, horovod_cfg,
+                          backward_passes_per_step: int = 1):
+    """Horovod's averaging all-reduce, FP16-compressed by default, with the configured pre-divide factor;
+    gradients of ``backward_passes_per_step`` passes accumulate locally before one all-reduce."""
     hvd = import_horovod()
     return hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                     compression=compression(horovod_cfg.compression), op=hvd.Average,
-                                    gradient_predivide_factor=horovod_cfg.gradient_predivide_factor)
+                                    gradient_predivide_factor=horovod_cfg.gradient_predivide_factor,
+                                    backward_passes_per_step=backward_passes_per_step)
 
 
 def barrier() -> None:

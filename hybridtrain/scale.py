@@ -32,7 +32,7 @@ def worker(config: str, overrides: list[str], compression: str, steps: int, warm
 
     from . import distributed
     from .config import load_config
-    from .models import create_model
+    from .models import model_from_config
     from .precision import create_scaler, prepare_model, resolve_policy
     from .training import Precision, train_step
 
@@ -40,8 +40,7 @@ def worker(config: str, overrides: list[str], compression: str, steps: int, warm
     topo = distributed.init(threads=1)
     policy = resolve_policy(cfg.precision)
     classes = cfg.model.num_classes or 1000
-    model = prepare_model(create_model(cfg.model.arch, classes, cfg.model.variant, cfg.model.small_input_stem,
-                                       seed=cfg.seed).to(topo.device), policy)
+    model = prepare_model(model_from_config(cfg.model, classes, seed=cfg.seed).to(topo.device), policy)
     distributed.broadcast_model(model)
     optimizer = distributed.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
                                                   model, cfg.horovod)

@@ -12,10 +12,11 @@ from . import checkpoint, distributed, reporting
 from .config import Config, save_config
 from .data.loaders import create_loaders
 from .errors import UserError
-from .models import create_model
+from .batchnorm import average_running_statistics, configure_batch_norm
+from .models import model_from_config
 from .optim import create_optimizer
 from .precision import check_hardware, create_scaler, peak_memory_mb, prepare_model, reset_peak_memory, resolve_policy
-from .training import Precision, average_bn_statistics, evaluate, train_one_epoch, use_last_iteration_statistics
+from .training import Precision, evaluate, train_one_epoch
 
 
 class ProgressBar:
@@ -100,22 +101,24 @@ def run_training(cfg: Config, resume: bool = False) -> dict | None:
     policy = resolve_policy(cfg.precision)
     check_hardware(policy, topo.device)
     data = create_loaders(cfg, topo)
-    m = cfg.model
-    model = create_model(m.arch, data.num_classes, m.variant, m.small_input_stem, m.zero_init_last_bn, seed=cfg.seed,
-                         residual_bn_scale=m.residual_bn_scale, bn_swap=m.bn_swap).to(topo.device)
-    model = prepare_model(model, policy)
+    model = model_from_config(cfg.model, data.num_classes, seed=cfg.seed).to(topo.device)
+    model = prepare_model(configure_batch_norm(model, cfg.bn, topo.device), policy)
     precision = Precision(policy, create_scaler(cfg.precision, policy))
     if cfg.data.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    use_last_iteration_statistics(model)
-    steps = data.steps_per_epoch
-    bundle = create_optimizer(model, cfg, topo.size, steps)
+    k = cfg.train.accumulation_steps
+    updates = data.steps_per_epoch // k
+    if updates == 0:
+        raise UserError(f"train.accumulation_steps={k} is more than the {data.steps_per_epoch} batches per epoch: "
+                        f"lower it, or train.batch_size")
+    # N of lr*N and of the bounds counts per-rank batches per update: ranks x accumulation steps (global batch / b)
+    bundle = create_optimizer(model, cfg, topo.size * k, updates)
     bundle.on_phase_change = lambda step, s: log(topo, f"hybridtrain: switching to {s['phase']} at step {step} "
-                                                       f"(epoch {step // steps + 1}), lr {s['lr']:.4g}")
+                                                       f"(epoch {step // updates + 1}), lr {s['lr']:.4g}")
     metrics_path = os.path.join(cfg.run_dir, "metrics.jsonl")
     start_epoch, history, elapsed_before = 0, [], 0.0
     # Wrap first: Horovod rebuilds the optimizer from its param_groups, so state loaded before would be lost.
-    bundle.optimizer = distributed.distributed_optimizer(bundle.optimizer, model, cfg.horovod)
+    bundle.optimizer = distributed.distributed_optimizer(bundle.optimizer, model, cfg.horovod, k)
     if resume:
         state = resume_state(cfg, topo)
         model.load_state_dict(state["model"])  # copies into the parameters wherever they live
@@ -133,20 +136,21 @@ def run_training(cfg: Config, resume: bool = False) -> dict | None:
         history = truncate_metrics(metrics_path, start_epoch)
     if data.skipped_files:
         log(topo, f"hybridtrain: skipping {len(data.skipped_files)} non-image file(s), e.g. {data.skipped_files[0]}")
+    dropped = data.dropped_per_epoch + (data.steps_per_epoch - updates * k) * topo.size * cfg.train.batch_size
     log(topo, f"hybridtrain: {topo.size} rank(s), {cfg.data.backend} input, {data.train_images} train / "
-              f"{data.val_images} val images, {data.num_classes} classes, {steps} steps/epoch, global batch "
-              f"{topo.size * cfg.train.batch_size}"
-              + (f", {data.dropped_per_epoch} image(s) dropped per epoch" if data.dropped_per_epoch else ""))
+              f"{data.val_images} val images, {data.num_classes} classes, {updates} steps/epoch, global batch "
+              f"{topo.size * cfg.train.batch_size * k}" + (f" ({k} accumulated passes per step)" if k > 1 else "")
+              + (f", {dropped} image(s) dropped per epoch" if dropped else ""))
     run_start = time.perf_counter() - elapsed_before
     board = tensorboard_writer(cfg) if topo.is_root else None
     for epoch in range(start_epoch, cfg.train.epochs):
         epoch_start = time.perf_counter()
-        bar = ProgressBar(steps, epoch, cfg.train.epochs, topo.size) if topo.is_root and cfg.train.progress else None
+        bar = ProgressBar(updates * k, epoch, cfg.train.epochs, topo.size) if topo.is_root and cfg.train.progress else None
         reset_peak_memory(topo.device)
-        result = train_one_epoch(model, bundle, precision, data.train, epoch, steps, bar)
+        result = train_one_epoch(model, bundle, precision, data.train, epoch, updates, cfg.train.batch_size, k, bar)
         if bar:
             bar.close()
-        average_bn_statistics(model)
+        average_running_statistics(model, cfg.bn.combine)
         ev = evaluate(model, data.val, policy, tag=str(epoch))
         peak_mb = distributed.allgather_floats([peak_memory_mb(topo.device)], f"peak_memory.{epoch}")
         record = {"epoch": epoch + 1, "train_loss": result.train_loss, "train_top1": result.train_top1,

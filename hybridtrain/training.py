@@ -1,4 +1,4 @@
-"""One training epoch and one evaluation pass, plus the paper's BatchNorm statistics handling."""
+"""One training epoch (with gradient accumulation and per-rank loss weights) and one evaluation pass."""
 from __future__ import annotations
 
 import time
@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from . import distributed
 from .data.check import CLEAN_LIST_HINT
@@ -39,25 +38,6 @@ class EvalResult:
     count: int
 
 
-def batch_norms(model: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
-    return [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-
-
-def use_last_iteration_statistics(model: nn.Module) -> None:
-    """momentum = 1: running stats := the current batch's stats, i.e. those of the last iteration (paper 2.2.3)."""
-    for bn in batch_norms(model):
-        bn.momentum = 1.0
-
-
-@torch.no_grad()
-def average_bn_statistics(model: nn.Module) -> None:
-    """Running mean/var averaged over all ranks in FP32 by one all-reduce; afterwards identical on every rank."""
-    bns = batch_norms(model)
-    buffers = [b for bn in bns for b in (bn.running_mean, bn.running_var)]
-    for buf, avg in zip(buffers, distributed.allreduce_mean_fp32(buffers, "bn_statistics")):
-        buf.copy_(avg.view_as(buf).to(buf.dtype))  # mean_r over ranks, in FP32 (paper 2.2.3)
-
-
 def classification_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     """Softmax cross-entropy in FP32 (FP64 in fp64 mode) whatever the compute dtype (paper 2.2.2, item 2)."""
     return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), labels, reduction=reduction)
@@ -79,29 +59,51 @@ def readable(batch, device: torch.device, dtype: torch.dtype) -> tuple[torch.Ten
     return images.to(device, dtype, non_blocking=True), labels.to(device, non_blocking=True)
 
 
-def train_step(model, optimizer, precision: Precision, images, labels) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward (in the policy's precision), FP32 loss, scaled backward, all-reduce, step unless it overflowed."""
+def micro_batch_weight(samples: int, batch_size: int, accumulation_steps: int) -> float:
+    """w = n / (b k): Horovod's average over N ranks of k weighted per-pass mean losses is then the mean loss
+    of the global batch, (1/N) sum_r sum_j w_rj L_rj = (1/(k N b)) sum_{r,j} n_rj L_rj. It is 1 for fixed
+    batches without accumulation, 1/k with accumulation, and n_r/b for random per-rank batches."""
+    return samples / (batch_size * accumulation_steps)
+
+
+def backward_pass(model, precision: Precision, images, labels, weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward (in the policy's precision), FP32 loss, scaled and weighted backward; gradients accumulate."""
     with forward_context(precision.policy, images.device):
         logits = model(images)
     loss = classification_loss(logits, labels)
-    optimizer.zero_grad()
-    precision.scaler.backward(loss)
-    precision.scaler.step(optimizer)
+    precision.scaler.backward(loss * weight if weight != 1.0 else loss)
     return loss.detach(), logits.detach()
 
 
-def train_one_epoch(model, bundle, precision: Precision, loader, epoch: int, steps_per_epoch: int,
-                    progress=None) -> EpochResult:
+def train_step(model, optimizer, precision: Precision, images, labels) -> tuple[torch.Tensor, torch.Tensor]:
+    """One pass, one update: backward, all-reduce, step unless the gradients overflowed."""
+    optimizer.zero_grad()
+    loss, logits = backward_pass(model, precision, images, labels)
+    precision.scaler.step(optimizer)
+    return loss, logits
+
+
+def train_one_epoch(model, bundle, precision: Precision, loader, epoch: int, updates_per_epoch: int,
+                    batch_size: int, accumulation_steps: int = 1, progress=None) -> EpochResult:
+    """``updates_per_epoch`` optimizer steps of ``accumulation_steps`` passes each; one all-reduce per step
+    (Horovod's backward_passes_per_step). Left-over batches that cannot fill a step are not trained on."""
     model.train()
     loader.batch_sampler.set_epoch(epoch)
     device = next(model.parameters()).device
     loss_sum, correct, seen = (torch.zeros((), dtype=torch.float64, device=device) for _ in range(3))
     skipped_before = precision.scaler.skipped_steps
+    k, passes = accumulation_steps, updates_per_epoch * accumulation_steps
     start = time.perf_counter()
     for i, batch in enumerate(loader):
+        if i == passes:
+            break
         images, labels = readable(batch, device, precision.policy.input_dtype)
-        bundle.apply_schedule(epoch * steps_per_epoch + i)
-        loss, logits = train_step(model, bundle.optimizer, precision, images, labels)
+        if i % k == 0:
+            bundle.apply_schedule(epoch * updates_per_epoch + i // k)
+            bundle.optimizer.zero_grad()
+        loss, logits = backward_pass(model, precision, images, labels, micro_batch_weight(labels.numel(), batch_size, k))
+        if (i + 1) % k == 0:
+            precision.scaler.step(bundle.optimizer)
         loss_sum += loss * labels.numel()
         correct += topk_correct(logits, labels, ks=(1,))[0]
         seen += labels.numel()

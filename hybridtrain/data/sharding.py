@@ -8,12 +8,21 @@ remainder that does not fill a global batch (fewer than one global batch) is lef
 reported; the permutation changes every epoch, so no sample is left out for good. The DALI backend
 follows the same policy.
 
+Random per-rank batches (``bn.per_rank_batch: random``, Table 3.4's ablation): each global batch is the same
+``world_size * batch_size`` entries, but split at random cut points (the same on every rank, seeded by
+(seed, epoch, step)) into parts of at least two samples (a BN layer needs more than one value per channel);
+the trainer weights each rank's loss by n_r / b so the update equals the global-batch update.
+
 Validation: contiguous shards whose sizes differ by at most one. Validation runs no collective per step,
 so ranks may run different step counts; every image is counted exactly once and no padding is needed.
 """
 from __future__ import annotations
 
 import numpy as np
+
+from ..errors import UserError
+
+MIN_RANDOM_SHARE = 2  # samples per rank and step when the split is random
 
 
 def epoch_permutation(num_samples: int, seed: int, epoch: int) -> np.ndarray:
@@ -25,14 +34,35 @@ def split_sizes(total: int, parts: int) -> list[int]:
     return [base + (1 if r < extra else 0) for r in range(parts)]
 
 
+def random_split_sizes(global_batch: int, world_size: int, seed: int, epoch: int, step: int) -> list[int]:
+    """A uniformly random split of the global batch into ``world_size`` parts of at least MIN_RANDOM_SHARE:
+    the same on every rank, a pure function of (seed, epoch, step)."""
+    spare = global_batch - MIN_RANDOM_SHARE * world_size
+    if spare < 0:
+        raise UserError(f"bn.per_rank_batch=random needs a global batch of at least {MIN_RANDOM_SHARE} per rank "
+                        f"({MIN_RANDOM_SHARE * world_size} on {world_size} ranks), got {global_batch}: raise "
+                        f"train.batch_size to {MIN_RANDOM_SHARE} or more")
+    rng = np.random.default_rng([seed, epoch, step, 1])
+    cuts = np.sort(rng.choice(spare + world_size - 1, world_size - 1, replace=False))  # stars and bars
+    extra = np.diff(np.concatenate([[-1], cuts, [spare + world_size - 1]])) - 1
+    return (extra + MIN_RANDOM_SHARE).tolist()
+
+
 def train_batches(num_samples: int, rank: int, world_size: int, batch_size: int, seed: int,
-                  epoch: int, shuffle: bool = True) -> list[list[int]]:
+                  epoch: int, shuffle: bool = True, random_split: bool = False) -> list[list[int]]:
     """This rank's batches (lists of sample indices) for one epoch."""
     order = epoch_permutation(num_samples, seed, epoch) if shuffle else np.arange(num_samples)
     global_batch = world_size * batch_size
     full_steps = num_samples // global_batch
-    starts = (step * global_batch + rank * batch_size for step in range(full_steps))
-    return [order[start:start + batch_size].tolist() for start in starts]
+    if not random_split:
+        starts = (step * global_batch + rank * batch_size for step in range(full_steps))
+        return [order[start:start + batch_size].tolist() for start in starts]
+    batches = []
+    for step in range(full_steps):
+        sizes = random_split_sizes(global_batch, world_size, seed, epoch, step)
+        start = step * global_batch + sum(sizes[:rank])
+        batches.append(order[start:start + sizes[rank]].tolist())
+    return batches
 
 
 def dropped_per_epoch(num_samples: int, world_size: int, batch_size: int) -> int:

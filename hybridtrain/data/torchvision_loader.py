@@ -127,7 +127,9 @@ def create_train_loader(images: ImageList, cfg, rank: int, world_size: int, work
     d = cfg.data
     dataset = ImageListDataset(images, train_transform(d.crop_size, d.min_crop_area, d.hflip), cfg.seed)
     n, b = len(images), cfg.train.batch_size
-    sampler = EpochBatches(lambda epoch: sharding.train_batches(n, rank, world_size, b, cfg.seed, epoch))
+    random_split = cfg.bn.per_rank_batch == "random"
+    sampler = EpochBatches(lambda epoch: sharding.train_batches(n, rank, world_size, b, cfg.seed, epoch,
+                                                                random_split=random_split))
     return _loader(dataset, sampler, cfg, workers)
 
 

@@ -1,4 +1,4 @@
 """Model zoo: ResNets with torchvision-compatible names and the paper's initialisation."""
-from .resnet import STAGES, ResNet, create_model, kaiming_fan_in_std
+from .resnet import STAGES, ResNet, create_model, kaiming_fan_in_std, model_from_config, xavier_std
 
-__all__ = ["STAGES", "ResNet", "create_model", "kaiming_fan_in_std"]
+__all__ = ["STAGES", "ResNet", "create_model", "kaiming_fan_in_std", "model_from_config", "xavier_std"]

@@ -5,6 +5,8 @@ A state_dict saved from these models loads into ``torchvision.models.resnetXX`` 
 
 Initialisation follows the paper (seed 001, 2.2.3):
 - convolutions: N(0, std) with std = sqrt(2 / fan_in), fan_in = k * k * C_in (torchvision uses fan_out);
+  Table 3.5's alternatives: Xavier (Glorot normal, std = sqrt(2 / (fan_in + fan_out)), fan_out = k * k * C_out)
+  and N(0, 1) (``gaussian``, with a configurable std);
 - BN: gamma = 1, beta = 0, except gamma = 0 in the last BN of every residual block (``zero_init_last_bn``);
 - FC (not specified by the paper): weight N(0, 0.01^2), bias 0, as Goyal et al. (2017).
 
@@ -154,16 +156,38 @@ class ResNet(nn.Module):
         return self.fc(torch.flatten(self.avgpool(x), 1))
 
 
+def conv_fans(conv: nn.Conv2d) -> tuple[int, int]:
+    """(fan_in, fan_out) = (k*k*C_in/groups, k*k*C_out/groups)."""
+    area = conv.kernel_size[0] * conv.kernel_size[1]
+    return conv.in_channels // conv.groups * area, conv.out_channels // conv.groups * area
+
+
 def kaiming_fan_in_std(conv: nn.Conv2d) -> float:
-    fan_in = conv.in_channels // conv.groups * conv.kernel_size[0] * conv.kernel_size[1]
-    return math.sqrt(2.0 / fan_in)  # std = sqrt(2 / fan_in), fan_in = k*k*C_in (paper 2.2.3)
+    return math.sqrt(2.0 / conv_fans(conv)[0])  # std = sqrt(2 / fan_in), fan_in = k*k*C_in (paper 2.2.3)
+
+
+def xavier_std(conv: nn.Conv2d) -> float:
+    fan_in, fan_out = conv_fans(conv)
+    return math.sqrt(2.0 / (fan_in + fan_out))  # Glorot normal: std = sqrt(2 / (fan_in + fan_out))
+
+
+CONV_INITS = ("kaiming", "xavier", "gaussian")
+
+
+def conv_init_std(conv: nn.Conv2d, conv_init: str, gaussian_std: float) -> float:
+    if conv_init == "kaiming":
+        return kaiming_fan_in_std(conv)
+    if conv_init == "xavier":
+        return xavier_std(conv)
+    return gaussian_std  # Table 3.5's "Gauss initialization": N(0, 1)
 
 
 @torch.no_grad()
-def initialise(model: ResNet, zero_init_last_bn: bool = True) -> None:
+def initialise(model: ResNet, zero_init_last_bn: bool = True, conv_init: str = "kaiming",
+               gaussian_std: float = 1.0) -> None:
     for m in model.modules():
         if isinstance(m, nn.Conv2d):
-            m.weight.normal_(0.0, kaiming_fan_in_std(m))
+            m.weight.normal_(0.0, conv_init_std(m, conv_init, gaussian_std))
         elif isinstance(m, nn.BatchNorm2d):
             m.weight.fill_(1.0)
             m.bias.zero_()
@@ -177,9 +201,11 @@ def initialise(model: ResNet, zero_init_last_bn: bool = True) -> None:
 
 def create_model(arch: str, num_classes: int, variant: str = "v1.5", small_input_stem: bool = False,
                  zero_init_last_bn: bool = True, seed: int | None = None, residual_bn_scale: float = 1.0,
-                 bn_swap: bool = False) -> ResNet:
+                 bn_swap: bool = False, conv_init: str = "kaiming", gaussian_std: float = 1.0) -> ResNet:
     if arch not in LAYOUTS:
         raise UserError(f"unknown model.arch '{arch}': choose one of {', '.join(LAYOUTS)}")
+    if conv_init not in CONV_INITS:
+        raise UserError(f"unknown model.conv_init '{conv_init}': choose one of {', '.join(CONV_INITS)}")
     if bn_swap and zero_init_last_bn:
         raise UserError("model.bn_swap multiplies the shortcut by the last BN's gamma, which zero_init_last_bn sets "
                         "to 0: set model.zero_init_last_bn: false")
@@ -189,7 +215,14 @@ def create_model(arch: str, num_classes: int, variant: str = "v1.5", small_input
     if seed is not None:
         torch.manual_seed(seed)
     model = ResNet(block, layers, num_classes, small_input_stem, stride_in_1x1=(variant == "v1"))
-    initialise(model, zero_init_last_bn)
+    initialise(model, zero_init_last_bn, conv_init, gaussian_std)
     for block in model.residual_blocks():
         block.bn_scale, block.bn_swap = residual_bn_scale, bn_swap
     return model
+
+
+def model_from_config(m, num_classes: int, seed: int | None = None) -> ResNet:
+    """``create_model`` with every option of the config's ``model`` section."""
+    return create_model(m.arch, num_classes, m.variant, m.small_input_stem, m.zero_init_last_bn, seed=seed,
+                        residual_bn_scale=m.residual_bn_scale, bn_swap=m.bn_swap, conv_init=m.conv_init,
+                        gaussian_std=m.gaussian_std)
