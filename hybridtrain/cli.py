@@ -218,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--warmup", type=int, default=5, help="untimed batches first (default 5)")
     bench.set_defaults(func=cmd_bench_data)
 
-    exp = sub.add_parser("experiment", help="run a named comparison on Horovod ranks (optimizers, warmup-epochs, lars, precision, layered)")
+    exp = sub.add_parser("experiment", help="run a named comparison on Horovod ranks (optimizers, warmup-epochs, lars, precision, layered, bn, init, gamma)")
     exp.add_argument("name", help="optimizers (paper Fig 3.1), warmup-epochs (Fig 3.2), lars (LARS defaults), "
                                   "precision (seed 003, Fig 3.3) or layered (seed 000)")
     exp.add_argument("--config", default="configs/demo.yaml", help="base recipe (default configs/demo.yaml)")

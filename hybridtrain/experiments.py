@@ -67,8 +67,29 @@ def layered_rows(cfg) -> list[tuple[str, list[str]]]:
     return rows
 
 
+def bn_rows(cfg) -> list[tuple[str, list[str]]]:
+    """Seed 001's Table 3.4, top to bottom: (random batch, cross-rank, moving average) ... (fixed, per-rank,
+    last iteration), the paper's strategy."""
+    return [("random, cross-rank, moving avg", ["bn.per_rank_batch=random", "bn.sync=true", "bn.stats=moving_average"]),
+            ("fixed, cross-rank, moving avg", ["bn.per_rank_batch=fixed", "bn.sync=true", "bn.stats=moving_average"]),
+            ("fixed, per-rank, moving avg", ["bn.per_rank_batch=fixed", "bn.sync=false", "bn.stats=moving_average"]),
+            ("fixed, per-rank, last iteration", ["bn.per_rank_batch=fixed", "bn.sync=false",
+                                                 "bn.stats=last_iteration"])]
+
+
+def init_rows(cfg) -> list[tuple[str, list[str]]]:
+    """Seed 001's Table 3.5: Kaiming (fan_in), Xavier and N(0, 1) convolution weights."""
+    return [(name, [f"model.conv_init={name}"]) for name in ("kaiming", "xavier", "gaussian")]
+
+
+def gamma_rows(cfg) -> list[tuple[str, list[str]]]:
+    """Seed 001's Table 3.6: gamma = 0 or 1 in the last BN of every residual block."""
+    return [("gamma=0", ["model.zero_init_last_bn=true"]), ("gamma=1", ["model.zero_init_last_bn=false"])]
+
+
 EXPERIMENTS = {"optimizers": optimizer_rows, "warmup-epochs": warmup_epoch_rows, "lars": lars_rows,
-               "precision": precision_rows, "layered": layered_rows}
+               "precision": precision_rows, "layered": layered_rows, "bn": bn_rows, "init": init_rows,
+               "gamma": gamma_rows}
 
 
 def launch_row(config: str, overrides: list[str], run_dir: str, ranks: int) -> None:
