@@ -220,7 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     exp = sub.add_parser("experiment", help="run a named comparison on Horovod ranks (optimizers, warmup-epochs, lars, precision, layered, bn, init, gamma)")
     exp.add_argument("name", help="optimizers (paper Fig 3.1), warmup-epochs (Fig 3.2), lars (LARS defaults), "
-                                  "precision (seed 003, Fig 3.3) or layered (seed 000)")
+                                  "precision (seed 003, Fig 3.3), layered (seed 000), bn (Table 3.4), init "
+                                  "(Table 3.5) or gamma (Table 3.6)")
     exp.add_argument("--config", default="configs/demo.yaml", help="base recipe (default configs/demo.yaml)")
     exp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for every row")
     exp.add_argument("--out", default="runs/experiments", help="where tables, JSON and PNGs go")
