@@ -98,7 +98,8 @@ def test_cpu_cross_rank_bn_on_one_rank_is_plain_batch_norm():
 
 def test_sync_bn_trains_on_two_ranks_with_identical_buffers(small_digits, tmp_path, write_config):
     cfg = write_config(tiny_config(small_digits, str(tmp_path / "run"), train={"epochs": 1},
-                                   optim={"name": "sgd"}, bn={"sync": True, "stats": "moving_average", "per_rank_batch": "random"}))
+                                   optim={"name": "sgd"},
+                                   bn={"sync": True, "stats": "moving_average", "per_rank_batch": "random"}))
     proc = horovodrun(2, ["train", "--config", cfg])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "run" / "report.json").read_text())
