@@ -76,12 +76,30 @@ def cmd_bench(args) -> int:
     sets += [f"model.arch={args.arch}"] if args.arch else []
     sets += [f"data.crop_size={args.image_size}"] if args.image_size else []
     sets += ["data.channels_last=true"] if args.channels_last else []
+    if args.find_max_batch:
+        return cmd_find_max_batch(args, sets)
     rows = bench(args.config, sets, args.precision or [], args.batch_size or [], args.steps, args.warmup,
                  args.baseline, args.profile, args.threads)
     print(format_table(rows))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=1)
+    return 0
+
+
+def cmd_find_max_batch(args, sets: list[str]) -> int:
+    import torch
+    from .bench import precision_sets
+    from .config import load_config
+    from .max_batch import explain_cpu, find_max_batch, format_trials
+    if not torch.cuda.is_available():
+        return explain_cpu()
+    for spec in args.precision or [None]:
+        precision = precision_sets(spec) if spec else []
+        start = args.start_batch or load_config(args.config, sets + precision).train.batch_size
+        trials = find_max_batch(lambda b: load_config(args.config, sets + precision + [f"train.batch_size={b}"]),
+                                start, args.memory_margin, args.batch_granularity, args.steps, args.warmup)
+        print(f"\nprecision {spec or 'of the recipe'}: " + format_trials(trials, torch.cuda.get_device_name()))
     return 0
 
 
@@ -204,6 +222,15 @@ def build_parser() -> argparse.ArgumentParser:
     step.add_argument("--profile", metavar="DIR", help="write a torch profiler trace of 3 trainer steps here")
     step.add_argument("--threads", type=int, default=0, help="CPU threads (default 0 = all cores)")
     step.add_argument("--json", help="also write the rows to this JSON file")
+    step.add_argument("--find-max-batch", action="store_true",
+                      help="GPU only: the largest per-GPU batch that fits (doubling, then bisection), with its "
+                           "images/s and peak memory per trial")
+    step.add_argument("--memory-margin", type=float, default=0.05,
+                      help="--find-max-batch: leave this fraction of GPU memory free (default 0.05)")
+    step.add_argument("--start-batch", type=int, default=0,
+                      help="--find-max-batch: first batch tried (default: the recipe's train.batch_size)")
+    step.add_argument("--batch-granularity", type=int, default=8,
+                      help="--find-max-batch: bisect down to multiples of this (default 8)")
     step.set_defaults(func=cmd_bench)
 
     bench = sub.add_parser("bench-data", help="input pipeline alone: images/s per backend and thread count")
