@@ -51,7 +51,7 @@ def configure_batch_norm(model: nn.Module, bn_cfg, device: torch.device) -> nn.M
         model = convert_to_cross_rank(model, device)
     for bn in batch_norms(model):
         bn.momentum = running_momentum(bn_cfg)
-        if bn_cfg.combine == "pooled":
+        if bn_cfg.combine == "pooled" and not bn_cfg.sync:  # synced statistics are global: the mean keeps them
             bn.register_forward_pre_hook(record_count)
     return model
 
