@@ -13,6 +13,8 @@ BENCH_PRECISIONS = ("fp64", "fp32", "mixed-fp16", "mixed-bf16", "layered", "fp16
 def cmd_train(args) -> int:
     from .config import load_config
     from .train import run_training
+    if args.resume not in (None, "required", "auto"):
+        raise UserError(f"--resume takes no value or 'auto', got '{args.resume}': e.g. --resume auto")
     cfg = load_config(args.config, args.set)
     run_training(cfg, resume=args.resume)
     return 0
@@ -168,7 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", required=True, help="recipe YAML, e.g. configs/demo.yaml")
     train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config key, e.g. --set train.epochs=5 (repeatable)")
-    train.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint in run_dir")
+    train.add_argument("--resume", nargs="?", const="required", metavar="auto",
+                       help="continue from the newest valid checkpoint in run_dir; '--resume auto' starts fresh "
+                            "when there is none (for job scripts that requeue themselves)")
     train.set_defaults(func=cmd_train)
 
     prep = sub.add_parser("prepare-data", help="write a dataset in the ImageNet folder layout")

@@ -81,6 +81,7 @@ class TrainConfig:
     threads: int = number(0, lo=0, doc="torch threads per rank; 0 = cores / local ranks")
     keep_checkpoints: int = number(3, lo=1, doc="how many epoch checkpoints to keep")
     progress: bool = plain(True, "progress bar on rank 0")
+    deterministic: bool = plain(False, "deterministic algorithms only: bitwise-repeatable runs and exact resumes")
 
 
 @dataclass

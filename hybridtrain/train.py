@@ -1,10 +1,12 @@
 """``hybridtrain train``: set up Horovod, data, model and optimizer; run epochs; checkpoint; report."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -12,11 +14,12 @@ from . import checkpoint, distributed, reporting
 from .config import Config, save_config
 from .data.loaders import create_loaders
 from .errors import UserError
-from .batchnorm import average_running_statistics, configure_batch_norm
+from .batchnorm import average_running_statistics, batch_norms, configure_batch_norm
 from .models import model_from_config
 from .optim import create_optimizer
 from .precision import check_hardware, create_scaler, peak_memory_mb, prepare_model, reset_peak_memory, resolve_policy
-from .training import Precision, evaluate, train_one_epoch
+from .preemption import PreemptionWatch
+from .training import EpochProgress, Precision, evaluate, train_one_epoch
 
 
 class ProgressBar:
@@ -43,15 +46,20 @@ def log(topo, message: str) -> None:
         print(message, flush=True)
 
 
-def resume_state(cfg: Config, topo) -> dict | None:
-    """Rank 0 reads the newest valid checkpoint (weights_only) and broadcasts it to every rank."""
+def resume_state(cfg: Config, topo, required: bool = True) -> dict | None:
+    """Rank 0 reads the newest valid checkpoint (weights_only) and broadcasts it to every rank; None when
+    there is none and it is not ``required`` (``--resume auto``)."""
     state = None
     if topo.is_root:
         try:
-            state = checkpoint.load_latest(cfg.run_dir)
+            state = checkpoint.load_latest(cfg.run_dir) if required or checkpoint.list_checkpoints(cfg.run_dir) \
+                else {"none": True}
         except UserError as exc:
             state = {"error": str(exc)}  # every rank raises it, nobody waits on a dead rank 0
     state = distributed.broadcast_object(state, "resume_state")
+    if "none" in state:
+        log(topo, f"hybridtrain: --resume auto: no checkpoint in {cfg.run_dir}, starting fresh")
+        return None
     if "error" in state:
         raise UserError(state["error"])
     if state.get("config_fingerprint") != cfg.fingerprint():
@@ -96,14 +104,27 @@ def write_scalars(board, record: dict) -> None:
     board.flush()
 
 
-def run_training(cfg: Config, resume: bool = False) -> dict | None:
+@dataclass
+class Trainer:
+    """Everything one rank trains with."""
+    topo: object
+    data: object
+    model: torch.nn.Module
+    precision: Precision
+    bundle: object
+    updates: int  # optimizer steps per epoch
+    k: int  # accumulation steps
+
+
+def build_trainer(cfg: Config) -> Trainer:
     topo = distributed.init(cfg.train.threads)
+    if cfg.train.deterministic:
+        use_deterministic_algorithms()
     policy = resolve_policy(cfg.precision)
     check_hardware(policy, topo.device)
     data = create_loaders(cfg, topo)
     model = model_from_config(cfg.model, data.num_classes, seed=cfg.seed).to(topo.device)
     model = prepare_model(configure_batch_norm(model, cfg.bn, topo.device), policy)
-    precision = Precision(policy, create_scaler(cfg.precision, policy))
     if cfg.data.channels_last:
         model = model.to(memory_format=torch.channels_last)
     k = cfg.train.accumulation_steps
@@ -115,73 +136,157 @@ def run_training(cfg: Config, resume: bool = False) -> dict | None:
     bundle = create_optimizer(model, cfg, topo.size * k, updates)
     bundle.on_phase_change = lambda step, s: log(topo, f"hybridtrain: switching to {s['phase']} at step {step} "
                                                        f"(epoch {step // updates + 1}), lr {s['lr']:.4g}")
-    metrics_path = os.path.join(cfg.run_dir, "metrics.jsonl")
-    start_epoch, history, elapsed_before = 0, [], 0.0
     # Wrap first: Horovod rebuilds the optimizer from its param_groups, so state loaded before would be lost.
     bundle.optimizer = distributed.distributed_optimizer(bundle.optimizer, model, cfg.horovod, k)
-    if resume:
-        state = resume_state(cfg, topo)
-        model.load_state_dict(state["model"])  # copies into the parameters wherever they live
-        bundle.optimizer.load_state_dict(state["optimizer"])
-        if "scaler" in state:
-            precision.scaler.load_state_dict(state["scaler"])
+    return Trainer(topo, data, model, Precision(policy, create_scaler(cfg.precision, policy)), bundle, updates, k)
+
+
+def use_deterministic_algorithms() -> None:
+    """train.deterministic: bitwise-repeatable runs (and exact resumes) at some cost in speed."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+
+
+def restore(t: Trainer, state: dict) -> EpochProgress | None:
+    """Load a checkpoint into the trainer; a mid-epoch one also gives this rank's place in its epoch."""
+    t.model.load_state_dict(state["model"])  # copies into the parameters wherever they live
+    t.bundle.optimizer.load_state_dict(state["optimizer"])
+    if "scaler" in state:
+        t.precision.scaler.load_state_dict(state["scaler"])
+    partial = state.get("partial")
+    if not partial:
+        return None
+    if len(partial["ranks"]) != t.topo.size:
+        raise UserError(f"the newest checkpoint stopped mid-epoch on {len(partial['ranks'])} ranks: resume it on "
+                        f"{len(partial['ranks'])} ranks (this job has {t.topo.size})")
+    mine = partial["ranks"][t.topo.rank]
+    load_bn_buffers(t.model, mine["bn_buffers"])  # this rank's own, as before the stop (not the average)
+    return EpochProgress(**mine["progress"])
+
+
+def bn_buffer_list(model) -> list[torch.Tensor]:
+    return [buf.detach().cpu().clone() for bn in batch_norms(model) for buf in (bn.running_mean, bn.running_var)]
+
+
+@torch.no_grad()
+def load_bn_buffers(model, buffers: list[torch.Tensor]) -> None:
+    own = [buf for bn in batch_norms(model) for buf in (bn.running_mean, bn.running_var)]
+    for buf, saved in zip(own, buffers, strict=True):
+        buf.copy_(saved)
+
+
+def checkpoint_state(cfg: Config, t: Trainer, completed_epoch: int, elapsed_s: float) -> dict:
+    return {"model": t.model.state_dict(), "optimizer": t.bundle.optimizer.state_dict(),
+            "scaler": t.precision.scaler.state_dict(), "epoch": completed_epoch,
+            "config": cfg.to_dict(), "config_fingerprint": cfg.fingerprint(), "elapsed_s": elapsed_s}
+
+
+def save_stopped_epoch(cfg: Config, t: Trainer, epoch: int, stopped: EpochProgress, elapsed_s: float) -> None:
+    """A preempted epoch's checkpoint: the averaged model, plus every rank's own BN buffers and progress."""
+    mine = {"bn_buffers": bn_buffer_list(t.model), "progress": dataclasses.asdict(stopped)}
+    ranks = distributed.import_horovod().allgather_object(mine, name="stopped_epoch")
+    average_running_statistics(t.model, cfg.bn.combine)  # the checkpoint's model is the averaged one
+    if t.topo.is_root:
+        state = checkpoint_state(cfg, t, epoch - 1, elapsed_s)
+        state["partial"] = {"epoch": epoch, "ranks": ranks}
+        path = checkpoint.save_checkpoint(state, cfg.run_dir, epoch + 1, cfg.train.keep_checkpoints,
+                                          step=stopped.passes // t.k)
+        log(t.topo, f"hybridtrain: stopped on SIGTERM after step {stopped.passes // t.k} of epoch {epoch + 1}; "
+                    f"resumable from {path}: rerun the same command with --resume auto")
+    distributed.barrier()
+
+
+def run_training(cfg: Config, resume: str | None = None) -> dict | None:
+    """Train; ``resume``: None (fresh), "required" (a checkpoint must exist) or "auto" (if one exists)."""
+    t = build_trainer(cfg)
+    topo, data = t.topo, t.data
+    metrics_path = os.path.join(cfg.run_dir, "metrics.jsonl")
+    start_epoch, history, elapsed_before, progress = 0, [], 0.0, None
+    state = resume_state(cfg, topo, required=resume == "required") if resume else None
+    if state:
+        progress = restore(t, state)
         start_epoch, elapsed_before = state["epoch"] + 1, state.get("elapsed_s", 0.0)
-        log(topo, f"hybridtrain: resumed from epoch {state['epoch'] + 1} in {cfg.run_dir}")
+        where = f"step {progress.passes // t.k} of epoch {start_epoch + 1}" if progress else f"epoch {start_epoch}"
+        log(topo, f"hybridtrain: resumed after {where} in {cfg.run_dir}")
     else:
-        distributed.broadcast_model(model)
-        bundle.optimizer.load_state_dict(distributed.broadcast_object(bundle.optimizer.state_dict(), "optim_init"))
+        distributed.broadcast_model(t.model)
+        t.bundle.optimizer.load_state_dict(distributed.broadcast_object(t.bundle.optimizer.state_dict(), "optim_init"))
     if topo.is_root:
         os.makedirs(cfg.run_dir, exist_ok=True)
         save_config(cfg, os.path.join(cfg.run_dir, "config.yaml"))
         history = truncate_metrics(metrics_path, start_epoch)
-    if data.skipped_files:
-        log(topo, f"hybridtrain: skipping {len(data.skipped_files)} non-image file(s), e.g. {data.skipped_files[0]}")
-    dropped = data.dropped_per_epoch + (data.steps_per_epoch - updates * k) * topo.size * cfg.train.batch_size
-    log(topo, f"hybridtrain: {topo.size} rank(s), {cfg.data.backend} input, {data.train_images} train / "
-              f"{data.val_images} val images, {data.num_classes} classes, {updates} steps/epoch, global batch "
-              f"{topo.size * cfg.train.batch_size * k}" + (f" ({k} accumulated passes per step)" if k > 1 else "")
-              + (f", {dropped} image(s) dropped per epoch" if dropped else ""))
+    log_setup(cfg, t)
     run_start = time.perf_counter() - elapsed_before
     board = tensorboard_writer(cfg) if topo.is_root else None
+    watch = PreemptionWatch()
     for epoch in range(start_epoch, cfg.train.epochs):
         epoch_start = time.perf_counter()
-        bar = ProgressBar(updates * k, epoch, cfg.train.epochs, topo.size) if topo.is_root and cfg.train.progress else None
+        bar = ProgressBar(t.updates * t.k, epoch, cfg.train.epochs, topo.size) \
+            if topo.is_root and cfg.train.progress else None
         reset_peak_memory(topo.device)
-        result = train_one_epoch(model, bundle, precision, data.train, epoch, updates, cfg.train.batch_size, k, bar)
+        result = train_one_epoch(t.model, t.bundle, t.precision, data.train, epoch, t.updates, cfg.train.batch_size,
+                                 t.k, bar, resume=progress if epoch == start_epoch else None,
+                                 stop_after_step=watch.after_step)
         if bar:
             bar.close()
-        average_running_statistics(model, cfg.bn.combine)
-        ev = evaluate(model, data.val, policy, tag=str(epoch))
-        peak_mb = distributed.allgather_floats([peak_memory_mb(topo.device)], f"peak_memory.{epoch}")
-        record = {"epoch": epoch + 1, "train_loss": result.train_loss, "train_top1": result.train_top1,
-                  "val_loss": ev.loss, "val_top1": ev.top1,
-                  "val_top5": ev.top5, "lr": bundle.optimizer.param_groups[0]["lr"],
-                  "epoch_time_s": time.perf_counter() - epoch_start,
-                  "train_time_s": result.train_time_s,
-                  "images_per_sec": result.samples_seen / result.train_time_s, "samples_seen": result.samples_seen,
-                  "val_count": ev.count, "wall_time_s": time.perf_counter() - run_start,
-                  "loss_scale": precision.scaler.scale, "skipped_steps": result.skipped_steps,
-                  "peak_memory_mb": max(peak_mb), "peak_memory_mb_per_rank": peak_mb, "world_size": topo.size}
+        if result.stopped:
+            watch.close()
+            save_stopped_epoch(cfg, t, epoch, result.stopped, time.perf_counter() - run_start)
+            return None
+        average_running_statistics(t.model, cfg.bn.combine)
+        record = epoch_record(t, epoch, result, evaluate(t.model, data.val, t.precision.policy, tag=str(epoch)),
+                              epoch_start, run_start)
         if topo.is_root:
             append_metrics(metrics_path, record)
             history.append(record)
             if board:
                 write_scalars(board, record)
-            state = {"model": model.state_dict(), "optimizer": bundle.optimizer.state_dict(),
-                     "scaler": precision.scaler.state_dict(), "epoch": epoch,
-                     "config": cfg.to_dict(), "config_fingerprint": cfg.fingerprint(),
-                     "elapsed_s": time.perf_counter() - run_start}
-            checkpoint.save_checkpoint(state, cfg.run_dir, epoch + 1, cfg.train.keep_checkpoints)
+            checkpoint.save_checkpoint(checkpoint_state(cfg, t, epoch, time.perf_counter() - run_start),
+                                       cfg.run_dir, epoch + 1, cfg.train.keep_checkpoints)
             log(topo, reporting.epoch_line(record, cfg.train.epochs))
-    digests = distributed.gather_digests(model.state_dict(), bundle.optimizer.state_dict())
-    if not topo.is_root:
+        if epoch + 1 < cfg.train.epochs and watch.agreed_now():
+            watch.close()
+            log(topo, f"hybridtrain: stopped on SIGTERM after epoch {epoch + 1}; resumable from its checkpoint: "
+                      f"rerun the same command with --resume auto")
+            return None
+    watch.close()
+    return finish(cfg, t, board)
+
+
+def log_setup(cfg: Config, t: Trainer) -> None:
+    data, topo, k = t.data, t.topo, t.k
+    if data.skipped_files:
+        log(topo, f"hybridtrain: skipping {len(data.skipped_files)} non-image file(s), e.g. {data.skipped_files[0]}")
+    dropped = data.dropped_per_epoch + (data.steps_per_epoch - t.updates * k) * topo.size * cfg.train.batch_size
+    log(topo, f"hybridtrain: {topo.size} rank(s), {cfg.data.backend} input, {data.train_images} train / "
+              f"{data.val_images} val images, {data.num_classes} classes, {t.updates} steps/epoch, global batch "
+              f"{topo.size * cfg.train.batch_size * k}" + (f" ({k} accumulated passes per step)" if k > 1 else "")
+              + (f", {dropped} image(s) dropped per epoch" if dropped else ""))
+
+
+def epoch_record(t: Trainer, epoch: int, result, ev, epoch_start: float, run_start: float) -> dict:
+    peak_mb = distributed.allgather_floats([peak_memory_mb(t.topo.device)], f"peak_memory.{epoch}")
+    return {"epoch": epoch + 1, "train_loss": result.train_loss, "train_top1": result.train_top1,
+            "val_loss": ev.loss, "val_top1": ev.top1, "val_top5": ev.top5,
+            "lr": t.bundle.optimizer.param_groups[0]["lr"], "epoch_time_s": time.perf_counter() - epoch_start,
+            "train_time_s": result.train_time_s, "images_per_sec": result.samples_seen / result.train_time_s,
+            "samples_seen": result.samples_seen, "val_count": ev.count, "wall_time_s": time.perf_counter() - run_start,
+            "loss_scale": t.precision.scaler.scale, "skipped_steps": result.skipped_steps,
+            "peak_memory_mb": max(peak_mb), "peak_memory_mb_per_rank": peak_mb, "world_size": t.topo.size}
+
+
+def finish(cfg: Config, t: Trainer, board) -> dict | None:
+    """Check that the ranks agree, write the final model and the report (rank 0)."""
+    digests = distributed.gather_digests(t.model.state_dict(), t.bundle.optimizer.state_dict())
+    if not t.topo.is_root:
         return None
     if len(set(digests)) != 1:
-        print("hybridtrain: warning: ranks ended with different parameters or optimizer state (see report.json rank_digests)",
-              file=sys.stderr)
-    torch.save(model.state_dict(), os.path.join(cfg.run_dir, "final_model.pt"))
+        print("hybridtrain: warning: ranks ended with different parameters or optimizer state (see report.json "
+              "rank_digests)", file=sys.stderr)
+    torch.save(t.model.state_dict(), os.path.join(cfg.run_dir, "final_model.pt"))
     if board:
         board.close()
-    report = reporting.report_run(cfg.run_dir, extra={"world_size": topo.size, "rank_digests": digests})
+    report = reporting.report_run(cfg.run_dir, extra={"world_size": t.topo.size, "rank_digests": digests})
     print(reporting.summary_table(report), flush=True)
     return report

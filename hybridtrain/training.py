@@ -22,12 +22,24 @@ class Precision:
 
 
 @dataclass
+class EpochProgress:
+    """Where a rank is inside an epoch: what a mid-epoch checkpoint keeps to continue exactly."""
+    passes: int = 0  # forward/backward passes done (whole optimizer steps only)
+    loss_sum: float = 0.0
+    correct: float = 0.0
+    seen: float = 0.0
+    train_time_s: float = 0.0
+    skipped_steps: int = 0
+
+
+@dataclass
 class EpochResult:
     train_loss: float
     train_top1: float  # on the augmented training batches, as the model was during each step
     samples_seen: int
     train_time_s: float
     skipped_steps: int  # optimizer steps skipped for overflowing gradients (the same on every rank)
+    stopped: EpochProgress | None = None  # set when a preemption stopped the epoch after a step
 
 
 @dataclass
@@ -84,19 +96,28 @@ def train_step(model, optimizer, precision: Precision, images, labels) -> tuple[
 
 
 def train_one_epoch(model, bundle, precision: Precision, loader, epoch: int, updates_per_epoch: int,
-                    batch_size: int, accumulation_steps: int = 1, progress=None) -> EpochResult:
+                    batch_size: int, accumulation_steps: int = 1, progress=None, resume: EpochProgress | None = None,
+                    stop_after_step=None) -> EpochResult:
     """``updates_per_epoch`` optimizer steps of ``accumulation_steps`` passes each; one all-reduce per step
-    (Horovod's backward_passes_per_step). Left-over batches that cannot fill a step are not trained on."""
+    (Horovod's backward_passes_per_step). Left-over batches that cannot fill a step are not trained on.
+
+    ``resume`` continues a stopped epoch: the batches it had done are drawn again and skipped, so the data
+    and the augmentation continue exactly. ``stop_after_step()`` is asked after every step, on every rank.
+    """
     model.train()
     loader.batch_sampler.set_epoch(epoch)
     device = next(model.parameters()).device
-    loss_sum, correct, seen = (torch.zeros((), dtype=torch.float64, device=device) for _ in range(3))
-    skipped_before = precision.scaler.skipped_steps
+    done = resume or EpochProgress()
+    loss_sum, correct, seen = (torch.tensor(v, dtype=torch.float64, device=device)
+                               for v in (done.loss_sum, done.correct, done.seen))
+    skipped_before = precision.scaler.skipped_steps - done.skipped_steps
     k, passes = accumulation_steps, updates_per_epoch * accumulation_steps
-    start = time.perf_counter()
+    start = time.perf_counter() - done.train_time_s
     for i, batch in enumerate(loader):
         if i == passes:
             break
+        if i < done.passes:
+            continue
         images, labels = readable(batch, device, precision.policy.input_dtype)
         if i % k == 0:
             bundle.apply_schedule(epoch * updates_per_epoch + i // k)
@@ -109,6 +130,10 @@ def train_one_epoch(model, bundle, precision: Precision, loader, epoch: int, upd
         seen += labels.numel()
         if progress is not None:
             progress.update(loss_sum, seen, i + 1)
+        if (i + 1) % k == 0 and i + 1 < passes and stop_after_step is not None and stop_after_step():
+            stopped = EpochProgress(i + 1, float(loss_sum), float(correct), float(seen), time.perf_counter() - start,
+                                    precision.scaler.skipped_steps - skipped_before)
+            return EpochResult(float("nan"), float("nan"), 0, stopped.train_time_s, stopped.skipped_steps, stopped)
     elapsed = time.perf_counter() - start
     totals = distributed.allreduce_sum(torch.stack([loss_sum, correct, seen]).cpu(), f"train_totals.{epoch}")
     return EpochResult(float(totals[0] / totals[2]), float(totals[1] / totals[2]), int(totals[2]), elapsed,

@@ -1,0 +1,53 @@
+"""Preemption: SIGTERM (what SLURM sends before a time limit) stops the run after a step, resumably.
+
+The signal handler only sets a flag. After every optimizer step, each rank starts an asynchronous Horovod
+sum of its flag and collects the previous step's sum. The collection does not wait: that all-reduce
+finished while the gradients were being reduced. So every rank learns of a SIGTERM on any rank at the
+same step, one step after it arrived, and all ranks stop after the same step. A rank that stopped alone
+would leave the others hanging in the next all-reduce. At epoch boundaries the check is a blocking sum.
+"""
+from __future__ import annotations
+
+import signal
+
+import torch
+
+from .distributed import import_horovod
+
+
+class PreemptionWatch:
+    def __init__(self):
+        self.requested = False
+        self.handle = None
+        self.steps = 0
+        self.previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self.requested = True
+
+    def after_step(self) -> bool:
+        """True on every rank at the same step once any rank got SIGTERM (no wait on the critical path)."""
+        hvd = import_horovod()
+        stop = self._collect()
+        self.steps += 1
+        self.handle = hvd.allreduce_async(torch.tensor([int(self.requested)]), op=hvd.Sum,
+                                          name=f"preemption.{self.steps}")
+        return stop
+
+    def agreed_now(self) -> bool:
+        """A blocking check: True on every rank when any rank has got SIGTERM by now."""
+        hvd = import_horovod()
+        earlier = self._collect()
+        return earlier or bool(hvd.allreduce(torch.tensor([int(self.requested)]), op=hvd.Sum,
+                                             name="preemption.now").item())
+
+    def _collect(self) -> bool:
+        if self.handle is None:
+            return False
+        total = import_horovod().synchronize(self.handle)
+        self.handle = None
+        return bool(total.item())
+
+    def close(self) -> None:
+        self._collect()
+        signal.signal(signal.SIGTERM, self.previous)
