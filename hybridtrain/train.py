@@ -118,8 +118,7 @@ def run_training(cfg: Config, resume: bool = False) -> dict | None:
     bundle.optimizer = distributed.distributed_optimizer(bundle.optimizer, model, cfg.horovod)
     if resume:
         state = resume_state(cfg, topo)
-        model.load_state_dict(state["model"])  # copies into the parameters wherever they live
-        bundle.optimizer.load_state_dict(state["optimizer"])
+        checkpoint.restore(state, model, bundle.optimizer)
         if "scaler" in state:
             precision.scaler.load_state_dict(state["scaler"])
         start_epoch, elapsed_before = state["epoch"] + 1, state.get("elapsed_s", 0.0)
