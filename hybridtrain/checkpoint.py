@@ -1,14 +1,22 @@
-"""Atomic, verified checkpoints: temp file + fsync + rename, keep the last K, safe loading.
+"""Verified checkpoints: SHA-256 sidecar, temp file + fsync + rename, keep the last K, safe loading.
 
-Loading uses ``torch.load(weights_only=True)``: a checkpoint can hold tensors and plain data only, so
-a planted pickle cannot run code. A file that fails to load is named and skipped for the previous one.
+On disk, ``checkpoint-epochNNNN.pt`` is a plain ``torch.save`` file whose state holds the config fingerprint,
+and ``checkpoint-epochNNNN.pt.sha256`` holds its SHA-256 as a ``sha256sum`` line (``sha256sum -c`` checks it).
+A save hashes the bytes as they are written to a temp file and fsyncs it, then writes and fsyncs the sidecar.
+Only then is the temp file renamed into place. Older checkpoints are pruned after the new one is durable.
+Loading checks the SHA-256 before anything is unpickled, then uses ``torch.load(weights_only=True)``:
+tensors and plain data only, so a planted pickle cannot run code. A checkpoint that fails either check is
+named and skipped for the previous one.
 """
 from __future__ import annotations
 
 import glob
+import hashlib
 import os
+import pickle
 import re
 import sys
+import warnings
 
 import torch
 
@@ -16,6 +24,12 @@ from .errors import UserError
 
 PATTERN = "checkpoint-epoch{epoch:04d}.pt"
 EPOCH_RE = re.compile(r"checkpoint-epoch(\d+)\.pt$")
+CHECKSUM_SUFFIX = ".sha256"
+SHA256SUM_LINE = re.compile(r"^([0-9a-f]{64}) [ *](.+)$")
+
+
+def checksum_path(path: str) -> str:
+    return path + CHECKSUM_SUFFIX
 
 
 def _fsync_dir(path: str) -> None:
@@ -26,18 +40,70 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+class HashingWriter:
+    """A file for ``torch.save`` that hashes what it writes and keeps the OSError of a failed write
+    (torch reports that only as an opaque RuntimeError)."""
+
+    def __init__(self, fh):
+        self.fh, self.sha256, self.error = fh, hashlib.sha256(), None
+
+    def write(self, data) -> int:
+        try:
+            written = self.fh.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+        self.sha256.update(data)
+        return written
+
+    def flush(self) -> None:
+        self.fh.flush()
+
+
+def _fsync(fh) -> None:
+    fh.flush()
+    os.fsync(fh.fileno())
+
+
+def _save_hashed(obj, path: str) -> str:
+    """torch.save ``obj`` to ``path`` and fsync it; returns the SHA-256 of the bytes written."""
+    with open(path, "wb") as fh:
+        writer = HashingWriter(fh)
+        try:
+            torch.save(obj, writer)
+        except RuntimeError:
+            if writer.error is not None:
+                raise writer.error from None
+            raise
+        _fsync(fh)
+    return writer.sha256.hexdigest()
+
+
+def _write_checksum(path: str, digest: str, tmp: str) -> None:
+    """``path.sha256`` as a sha256sum line, through ``tmp`` + fsync + rename."""
+    with open(tmp, "w") as fh:
+        fh.write(f"{digest}  {os.path.basename(path)}\n")
+        _fsync(fh)
+    os.replace(tmp, checksum_path(path))
+
+
 def atomic_save(obj, path: str) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
+    """Write ``obj`` to ``path`` and its SHA-256 to ``path.sha256``; ``path`` appears only once both are durable.
+
+    A failed write (full disk, file-size limit) removes the temp files and leaves an older checkpoint intact.
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    tmp, tmp_sum = f"{path}.tmp-{os.getpid()}", f"{checksum_path(path)}.tmp-{os.getpid()}"
     try:
-        with open(tmp, "wb") as fh:
-            torch.save(obj, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
+        digest = _save_hashed(obj, tmp)
+        _write_checksum(path, digest, tmp_sum)
+        _fsync_dir(directory)
         os.replace(tmp, path)
-        _fsync_dir(os.path.dirname(os.path.abspath(path)))
+        _fsync_dir(directory)
     except OSError as exc:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        for leftover in (tmp, tmp_sum):
+            if os.path.exists(leftover):
+                os.remove(leftover)
         raise UserError(f"could not write checkpoint {path} ({exc.strerror or exc}): free disk space or "
                         f"choose another run_dir; the previous checkpoint is intact", same_on_all_ranks=False) from None
 
@@ -51,20 +117,72 @@ def list_checkpoints(directory: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
+def _prune(directory: str, keep: int) -> None:
+    """Remove all but the newest ``keep`` checkpoints, their sidecars, orphaned sidecars and the temp files
+    a killed save left behind."""
+    for _, old in list_checkpoints(directory)[:-keep]:
+        os.remove(old)
+    for leftover in glob.glob(os.path.join(directory, "checkpoint-epoch*.tmp-*")):
+        os.remove(leftover)
+    for sidecar in glob.glob(os.path.join(directory, f"checkpoint-epoch*.pt{CHECKSUM_SUFFIX}")):
+        if not os.path.exists(sidecar[:-len(CHECKSUM_SUFFIX)]):
+            os.remove(sidecar)
+
+
 def save_checkpoint(state: dict, directory: str, epoch: int, keep: int) -> str:
     """Write the epoch's checkpoint, then prune old ones (only after the new one is durable)."""
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, PATTERN.format(epoch=epoch))
     atomic_save(state, path)
-    for _, old in list_checkpoints(directory)[:-keep]:
-        os.remove(old)
+    _prune(directory, keep)
     return path
 
 
+def file_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def verify_checksum(path: str) -> bool:
+    """True when ``path`` matches its sidecar, False when it has none; ValueError when it does not match."""
+    sidecar = checksum_path(path)
+    if not os.path.exists(sidecar):
+        return False
+    with open(sidecar, "rb") as fh:
+        m = SHA256SUM_LINE.match(fh.read(4096).decode(errors="replace").strip())
+    if not m:
+        raise ValueError(f"its checksum file {os.path.basename(sidecar)} is not a sha256sum line")
+    if file_sha256(path) != m.group(1):
+        raise ValueError(f"corrupted or truncated: its SHA-256 does not match {os.path.basename(sidecar)}")
+    return True
+
+
+def _refusal(exc: pickle.UnpicklingError) -> str:
+    """What weights_only refused, e.g. 'unsupported GLOBAL posix.system whose module posix is blocked'."""
+    detail = next((line.strip() for line in str(exc).splitlines()
+                   if line.strip().startswith(("Trying to load", "Unsupported"))), "")
+    detail = detail.removeprefix("Trying to load ").rstrip(".")
+    return (f"refused: it holds more than tensors and plain data ({detail[:160] or 'not a weights-only pickle'}); "
+            f"nothing in it was run")
+
+
 def load_checkpoint(path: str) -> dict:
+    """The verified, weights-only state of ``path``; ValueError saying why when it is unusable."""
+    if not verify_checksum(path):
+        print(f"hybridtrain: warning: {path} has no {os.path.basename(checksum_path(path))}: its integrity "
+              f"cannot be verified (copy the .sha256 file along with a checkpoint)", file=sys.stderr)
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # corrupt, truncated, or holding code: never executed
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # e.g. "Detected pickle protocol 4": the refusal below says enough
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        if "weights only" in str(exc).lower():
+            raise ValueError(_refusal(exc)) from None
+        raise ValueError(f"UnpicklingError: {str(exc).splitlines()[0][:160]}") from None
+    except Exception as exc:  # corrupt or truncated without a sidecar: never executed
         raise ValueError(f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}") from None
     if not isinstance(state, dict) or "model" not in state or "epoch" not in state:
         raise ValueError("not a hybridtrain checkpoint (missing 'model' or 'epoch')")
@@ -72,13 +190,48 @@ def load_checkpoint(path: str) -> dict:
 
 
 def load_latest(directory: str) -> dict:
-    """The newest checkpoint that loads; unreadable ones are named and skipped."""
+    """The newest checkpoint that verifies and loads; the others are named and skipped."""
     candidates = list_checkpoints(directory)
     if not candidates:
         raise UserError(f"--resume: no checkpoint in {directory}: run without --resume to start fresh")
-    for epoch, path in reversed(candidates):
+    reasons = []
+    for _, path in reversed(candidates):
         try:
             return load_checkpoint(path)
         except ValueError as exc:
-            print(f"hybridtrain: warning: skipping unreadable checkpoint {path} ({exc})", file=sys.stderr)
-    raise UserError(f"--resume: every checkpoint in {directory} is unreadable: start fresh without --resume")
+            reasons.append(f"{os.path.basename(path)} {exc}")
+            print(f"hybridtrain: warning: skipping checkpoint {path}: {exc}", file=sys.stderr)
+    raise UserError(f"--resume: no usable checkpoint in {directory} ({len(reasons)} skipped; newest: {reasons[0]}): "
+                    f"remove the bad ones and start fresh without --resume")
+
+
+def _model_mismatch(model: torch.nn.Module, saved: dict) -> str:
+    own = model.state_dict()
+    for key, tensor in saved.items():
+        if key in own and tuple(own[key].shape) != tuple(tensor.shape):
+            return f"{key} is {list(tensor.shape)} in the checkpoint but {list(own[key].shape)} in this model"
+    missing, extra = sorted(own.keys() - saved.keys()), sorted(saved.keys() - own.keys())
+    if missing:
+        return f"the checkpoint lacks {len(missing)} of this model's tensors, e.g. {missing[0]}"
+    if extra:
+        return f"the checkpoint has {len(extra)} tensors this model lacks, e.g. {extra[0]}"
+    return "the tensors differ"
+
+
+def restore(state: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Load a checkpoint's model and optimizer state; one error line when it was made for another model,
+    class count or optimizer."""
+    saved = state.get("config", {})
+    trained = (f"it was trained with model.arch={saved.get('model', {}).get('arch', '?')} and "
+               f"optim.name={saved.get('optim', {}).get('name', '?')}")
+    hint = "resume with the recipe and data it was trained with, or start fresh in another run_dir"
+    try:
+        model.load_state_dict(state["model"])  # copies into the parameters wherever they live
+    except RuntimeError:
+        raise UserError(f"--resume: the checkpoint of epoch {state['epoch'] + 1} does not fit this model: "
+                        f"{_model_mismatch(model, state['model'])}; {trained}: {hint}") from None
+    try:
+        optimizer.load_state_dict(state["optimizer"])
+    except (KeyError, ValueError, RuntimeError, IndexError, TypeError) as exc:
+        raise UserError(f"--resume: the checkpoint's optimizer state does not fit this optimizer "
+                        f"({type(exc).__name__}: {str(exc)[:80]}); {trained}: {hint}") from None

@@ -11,6 +11,7 @@ import torch
 from .errors import UserError
 
 RANK_ENV_VARS = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
+SIZE_ENV_VARS = ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")  # horovodrun, Open MPI, MPICH/Intel MPI
 
 
 def launcher_rank() -> int:
@@ -62,11 +63,46 @@ class Topology:
         return torch.device("cuda", self.local_rank) if torch.cuda.is_available() else torch.device("cpu")
 
 
+def launcher_size() -> int:
+    """The number of processes the launcher started (0 when none says so)."""
+    for var in SIZE_ENV_VARS:
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
+
+
+def check_controller(hvd) -> None:
+    """Refuse a HOROVOD_CONTROLLER that hvd.init() would abort the process on, without a message."""
+    wanted = os.environ.get("HOROVOD_CONTROLLER", "")
+    if not wanted:
+        return
+    name = wanted.lower()
+    if name not in ("mpi", "gloo"):
+        raise UserError(f"HOROVOD_CONTROLLER={wanted} is not a Horovod controller: set it to mpi or gloo, or unset it")
+    if name == "mpi" and not hvd.mpi_built():
+        raise UserError("HOROVOD_CONTROLLER=mpi but this Horovod was built without MPI: launch with horovodrun --gloo, "
+                        "or install Open MPI (mpicxx, mpirun) and rerun ./install.sh")
+    if name == "gloo" and not os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR"):
+        raise UserError("HOROVOD_CONTROLLER=gloo needs the rendezvous that horovodrun --gloo provides, and this "
+                        "process was not started by it: launch with horovodrun --gloo, or unset HOROVOD_CONTROLLER")
+
+
+def check_world_size(size: int) -> None:
+    """Each process alone in a 1-rank job although the launcher started N: the classic MPI mismatch."""
+    expected = launcher_size()
+    if expected and expected != size:
+        raise UserError(f"the launcher started {expected} processes but Horovod formed a {size}-rank job: the "
+                        f"mpirun on PATH is not the MPI Horovod was built with; use that MPI's mpirun, or launch "
+                        f"with horovodrun --gloo")
+
+
 def init(threads: int = 0) -> Topology:
     """hvd.init() and pin torch threads: ``threads`` or cores / local ranks."""
     hvd = import_horovod()
+    check_controller(hvd)
     hvd.init()
     topo = Topology(hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size())
+    check_world_size(topo.size)
     torch.set_num_threads(threads or cores_per_rank(topo.local_size))
     if torch.cuda.is_available():
         torch.cuda.set_device(topo.local_rank)

@@ -150,8 +150,7 @@ def use_deterministic_algorithms() -> None:
 
 def restore(t: Trainer, state: dict) -> EpochProgress | None:
     """Load a checkpoint into the trainer; a mid-epoch one also gives this rank's place in its epoch."""
-    t.model.load_state_dict(state["model"])  # copies into the parameters wherever they live
-    t.bundle.optimizer.load_state_dict(state["optimizer"])
+    checkpoint.restore(state, t.model, t.bundle.optimizer)
     if "scaler" in state:
         t.precision.scaler.load_state_dict(state["scaler"])
     partial = state.get("partial")

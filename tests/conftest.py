@@ -17,6 +17,36 @@ HOROVODRUN = os.path.join(BIN, "horovodrun")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: several real training runs (minutes); make test and .ci/run include "
+                                       "it, -m 'not slow' leaves it out")
+
+
+def venv_without(root, excluded: list[str]) -> str:
+    """A real venv whose site-packages links every entry of this one except ``excluded`` (paths relative to
+    site-packages, globs allowed, e.g. 'nvidia/dali'): importing those genuinely fails there. Returns its python."""
+    import fnmatch
+    import site
+    import venv
+    from pathlib import Path
+    venv.EnvBuilder(with_pip=False, symlinks=True).create(root)
+    ours = next(p for p in site.getsitepackages() if p.endswith("site-packages"))
+    target = next(Path(root).glob("lib/python*/site-packages"))
+
+    def link(rel: str) -> None:
+        for entry in os.listdir(os.path.join(ours, rel)):
+            path = os.path.join(rel, entry) if rel else entry
+            if any(fnmatch.fnmatch(path, pattern) for pattern in excluded):
+                continue
+            if any(pattern.startswith(path + "/") for pattern in excluded):
+                (target / path).mkdir()
+                link(path)
+            else:
+                os.symlink(os.path.join(ours, path), target / path)
+    link("")
+    return str(Path(root) / "bin" / "python")
+
+
 def env_with_venv() -> dict:
     env = dict(os.environ)
     env["PATH"] = BIN + os.pathsep + env.get("PATH", "")

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import (HOROVODRUN, HYBRIDTRAIN, REPO, assert_one_error_line, horovodrun, read_metrics, run,
-                      tiny_config)
+                      tiny_config, venv_without)
 from hybridtrain.config import config_from_dict
 from hybridtrain.data.loaders import create_loaders
 from hybridtrain.distributed import Topology
@@ -151,26 +151,9 @@ def test_dali_gpu_without_a_gpu_is_one_line_under_horovodrun(small_digits, tmp_p
 
 @pytest.fixture(scope="module")
 def venv_without_dali(tmp_path_factory):
-    """A real environment without DALI: a fresh venv whose site-packages links every package of ours except
-    nvidia.dali (nothing is faked: ``import nvidia.dali`` genuinely fails there)."""
-    import site
+    """A real environment without DALI (nothing is faked: ``import nvidia.dali`` genuinely fails there)."""
     import subprocess
-    import venv
-    root = tmp_path_factory.mktemp("nodali")
-    venv.EnvBuilder(with_pip=False, symlinks=True).create(root)
-    ours = next(p for p in site.getsitepackages() if p.endswith("site-packages"))
-    target = next(root.glob("lib/python*/site-packages"))
-    for entry in os.listdir(ours):
-        if entry.startswith("nvidia_dali"):
-            continue
-        if entry == "nvidia":
-            (target / "nvidia").mkdir()
-            for sub in os.listdir(os.path.join(ours, "nvidia")):
-                if sub != "dali":
-                    os.symlink(os.path.join(ours, "nvidia", sub), target / "nvidia" / sub)
-            continue
-        os.symlink(os.path.join(ours, entry), target / entry)
-    python = str(root / "bin" / "python")
+    python = venv_without(tmp_path_factory.mktemp("nodali"), ["nvidia_dali*", "nvidia/dali"])
     assert subprocess.run([python, "-c", "import nvidia.dali"], capture_output=True).returncode != 0
     assert subprocess.run([python, "-c", "import torch, horovod.torch, hybridtrain"], capture_output=True).returncode == 0
     return python
