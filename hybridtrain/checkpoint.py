@@ -23,7 +23,9 @@ import torch
 from .errors import UserError
 
 PATTERN = "checkpoint-epoch{epoch:04d}.pt"
-EPOCH_RE = re.compile(r"checkpoint-epoch(\d+)\.pt$")
+STOPPED_PATTERN = "checkpoint-epoch{epoch:04d}-step{step:06d}.pt"  # a preempted epoch, after ``step`` steps
+EPOCH_RE = re.compile(r"checkpoint-epoch(\d+)(?:-step(\d+))?\.pt$")
+WHOLE_EPOCH = 1 << 30  # sorts a finished epoch after every stopped checkpoint of the same epoch
 CHECKSUM_SUFFIX = ".sha256"
 SHA256SUM_LINE = re.compile(r"^([0-9a-f]{64}) [ *](.+)$")
 
@@ -108,12 +110,13 @@ def atomic_save(obj, path: str) -> None:
                         f"choose another run_dir; the previous checkpoint is intact", same_on_all_ranks=False) from None
 
 
-def list_checkpoints(directory: str) -> list[tuple[int, str]]:
+def list_checkpoints(directory: str) -> list[tuple[tuple[int, int], str]]:
+    """((epoch, step), path), oldest first; a finished epoch's step is WHOLE_EPOCH."""
     found = []
     for path in glob.glob(os.path.join(directory, "checkpoint-epoch*.pt")):
         m = EPOCH_RE.search(path)
         if m:
-            found.append((int(m.group(1)), path))
+            found.append(((int(m.group(1)), int(m.group(2)) if m.group(2) else WHOLE_EPOCH), path))
     return sorted(found)
 
 
@@ -129,10 +132,12 @@ def _prune(directory: str, keep: int) -> None:
             os.remove(sidecar)
 
 
-def save_checkpoint(state: dict, directory: str, epoch: int, keep: int) -> str:
-    """Write the epoch's checkpoint, then prune old ones (only after the new one is durable)."""
+def save_checkpoint(state: dict, directory: str, epoch: int, keep: int, step: int | None = None) -> str:
+    """Write the epoch's checkpoint (a stopped one when ``step`` is given), then prune old ones (only after
+    the new one is durable)."""
     os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, PATTERN.format(epoch=epoch))
+    name = PATTERN.format(epoch=epoch) if step is None else STOPPED_PATTERN.format(epoch=epoch, step=step)
+    path = os.path.join(directory, name)
     atomic_save(state, path)
     _prune(directory, keep)
     return path

@@ -198,6 +198,7 @@ def save_stopped_epoch(cfg: Config, t: Trainer, epoch: int, stopped: EpochProgre
 
 def run_training(cfg: Config, resume: str | None = None) -> dict | None:
     """Train; ``resume``: None (fresh), "required" (a checkpoint must exist) or "auto" (if one exists)."""
+    watch = PreemptionWatch()  # first: a SIGTERM during the setup also ends the run cleanly
     t = build_trainer(cfg)
     topo, data = t.topo, t.data
     metrics_path = os.path.join(cfg.run_dir, "metrics.jsonl")
@@ -218,7 +219,6 @@ def run_training(cfg: Config, resume: str | None = None) -> dict | None:
     log_setup(cfg, t)
     run_start = time.perf_counter() - elapsed_before
     board = tensorboard_writer(cfg) if topo.is_root else None
-    watch = PreemptionWatch()
     for epoch in range(start_epoch, cfg.train.epochs):
         epoch_start = time.perf_counter()
         bar = ProgressBar(t.updates * t.k, epoch, cfg.train.epochs, topo.size) \

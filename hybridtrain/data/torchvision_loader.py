@@ -104,10 +104,14 @@ def die_with_the_rank(worker_id: int) -> None:
     """Worker init: the kernel kills this worker when the rank that spawned it dies (Linux PR_SET_PDEATHSIG).
 
     A rank killed with SIGKILL cannot stop its workers; left alive they would keep horovodrun's output pipe
-    open, and horovodrun would wait on them forever instead of ending the job.
+    open, and horovodrun would wait on them forever instead of ending the job. SIGTERM and SIGINT are the
+    rank's to handle (preemption: finish the step, checkpoint): a scheduler that signals the whole process
+    group must not kill the workers under it.
     """
     import ctypes
     import signal
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
     except (OSError, AttributeError):  # not Linux: no such guard
