@@ -1,0 +1,131 @@
+"""Preemption and exact resume: SIGTERM mid-epoch in each optimizer phase and precision mode, then
+``--resume auto``, ends bitwise-identical to an uninterrupted run (train.deterministic, CPU)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+
+import pytest
+import yaml
+
+from conftest import HOROVODRUN, HYBRIDTRAIN, env_with_venv, horovodrun, rank_output, tiny_config
+from test_horovod_training import rank_pids
+
+PRECISIONS = {
+    "fp32": {"mode": "fp32"},
+    "fp64": {"mode": "fp64"},
+    "mixed-fp16": {"mode": "mixed", "compute_dtype": "fp16"},
+    "mixed-bf16": {"mode": "mixed", "compute_dtype": "bf16"},
+    "layered": {"mode": "layered"},
+    "fp16_pure": {"mode": "fp16_pure"},
+}
+
+
+def recipe(data: str, run_dir: str, precision: str) -> dict:
+    optim = {"name": "hybrid", "adabound_epochs": 1}  # epoch 1: AdaBound, epoch 2: LARS-SGD
+    if precision == "fp16_pure":  # FP16 optimizer state: no AdaBound (docs/precision.md)
+        optim = {"name": "goyal", "lr": 0.05, "warmup_epochs": 1}
+    return tiny_config(data, run_dir, train={"epochs": 2, "batch_size": 8, "deterministic": True},
+                       optim=optim, precision=PRECISIONS[precision])
+
+
+def file_digest(path) -> str:
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+def train_until_sigterm(config: str, ranks_to_signal: tuple[int, ...], resume: bool) -> subprocess.CompletedProcess:
+    """Start a 2-rank run, SIGTERM the given ranks once training has begun (as SLURM does before a time
+    limit), and wait for the job to end."""
+    cmd = [HOROVODRUN, "--gloo", "-np", "2", "-H", "localhost:2", HYBRIDTRAIN, "train", "--config", config]
+    proc = subprocess.Popen(cmd + (["--resume", "auto"] if resume else []), env=env_with_venv(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if "steps/epoch" in line:  # the setup line: the signal handlers are in place
+                for rank in ranks_to_signal:
+                    for pid in rank_pids(config, rank):
+                        os.kill(pid, signal.SIGTERM)
+                break
+        lines += proc.stdout.readlines()
+        proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(cmd, proc.returncode, "".join(lines), "")
+
+
+@pytest.fixture(scope="module")
+def straight_runs(small_digits, tmp_path_factory):
+    """One uninterrupted run per precision mode, made on first use."""
+    runs = {}
+
+    def get(precision: str):
+        if precision not in runs:
+            run_dir = tmp_path_factory.mktemp(f"straight-{precision}")
+            config = run_dir / "config-straight.yaml"
+            config.write_text(yaml.safe_dump(recipe(small_digits, str(run_dir), precision)))
+            done = horovodrun(2, ["train", "--config", str(config)])
+            assert done.returncode == 0, done.stdout[-3000:]
+            runs[precision] = run_dir
+        return runs[precision]
+    return get
+
+
+CASES = [(p, "first epoch") for p in PRECISIONS] + [("fp32", "second epoch"), ("mixed-fp16", "second epoch")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision,stop_in", CASES)
+def test_sigterm_mid_epoch_then_resume_auto_is_bitwise_exact(small_digits, tmp_path, write_config, straight_runs,
+                                                             precision, stop_in):
+    """First epoch: AdaBound (hybrid) or warmup (fp16_pure's goyal); second epoch: LARS-SGD. The second-epoch
+    case starts from the uninterrupted run's epoch-1 checkpoint, so the SIGTERM lands inside epoch 2."""
+    straight_dir, broken_dir = straight_runs(precision), tmp_path / "broken"
+    broken = write_config(recipe(small_digits, str(broken_dir), precision), "broken.yaml")
+    epoch = 1
+    if stop_in == "second epoch":
+        broken_dir.mkdir()
+        for name in ("checkpoint-epoch0001.pt", "checkpoint-epoch0001.pt.sha256", "metrics.jsonl"):
+            shutil.copy(straight_dir / name, broken_dir / name)
+        (broken_dir / "metrics.jsonl").write_text((straight_dir / "metrics.jsonl").read_text().splitlines()[0] + "\n")
+        epoch = 2
+    stopped = train_until_sigterm(broken, (1,) if epoch == 1 else (0, 1), resume=epoch == 2)
+    assert stopped.returncode == 0, stopped.stdout[-3000:]
+    assert "Traceback" not in rank_output(stopped.stdout)
+    line = next(x for x in stopped.stdout.splitlines() if "stopped on SIGTERM" in x)
+    assert "resumable" in line and "--resume auto" in line
+    assert f"of epoch {epoch};" in line, line  # mid-epoch, in the intended optimizer phase
+    assert not (broken_dir / "final_model.pt").exists()
+
+    resumed = horovodrun(2, ["train", "--config", broken, "--resume", "auto"])
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    assert "resumed after step" in resumed.stdout
+    assert file_digest(broken_dir / "final_model.pt") == file_digest(straight_dir / "final_model.pt"), line
+    report = json.loads((broken_dir / "report.json").read_text())
+    assert len(set(report["rank_digests"])) == 1
+    straight_metrics = [json.loads(x) for x in (straight_dir / "metrics.jsonl").read_text().splitlines()]
+    broken_metrics = [json.loads(x) for x in (broken_dir / "metrics.jsonl").read_text().splitlines()]
+    for a, b in zip(straight_metrics, broken_metrics, strict=True):
+        assert (a["train_loss"], a["val_top1"], a["samples_seen"]) == (b["train_loss"], b["val_top1"],
+                                                                        b["samples_seen"])
+
+
+def test_resume_auto_without_a_checkpoint_starts_fresh(small_digits, tmp_path, write_config):
+    cfg = write_config(tiny_config(small_digits, str(tmp_path / "run"),
+                                   train={"epochs": 1, "batch_size": 16}, optim={"name": "sgd"}))
+    proc = horovodrun(2, ["train", "--config", cfg, "--resume", "auto"])
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "no checkpoint in" in proc.stdout and "starting fresh" in proc.stdout
+    assert (tmp_path / "run" / "final_model.pt").exists()
+
+
+def test_a_bad_resume_value_is_one_line(tmp_path):
+    from conftest import assert_one_error_line, run
+    assert_one_error_line(run([HYBRIDTRAIN, "train", "--config", "configs/demo.yaml", "--resume", "latest"]),
+                          "--resume takes no value or 'auto'")
