@@ -56,6 +56,23 @@ def configure_batch_norm(model: nn.Module, bn_cfg, device: torch.device) -> nn.M
     return model
 
 
+class RunningStatsGuard:
+    """Every BN's running statistics as they were before a step, put back when the step is skipped: a batch with
+    a NaN must not poison them (with a moving average it would never wash out)."""
+
+    def __init__(self, model: nn.Module):
+        self.buffers = [buf for bn in batch_norms(model) for buf in (bn.running_mean, bn.running_var)]
+        self.saved = [buf.clone() for buf in self.buffers]
+
+    def save(self) -> None:
+        if self.buffers:
+            torch._foreach_copy_(self.saved, self.buffers)
+
+    def restore(self) -> None:
+        if self.buffers:
+            torch._foreach_copy_(self.buffers, self.saved)
+
+
 # ----------------------------------------------------------------------------- averaging over ranks
 
 @torch.no_grad()

@@ -123,7 +123,9 @@ class PrecisionConfig:
                                "auto = dynamic whenever FP16 computes, else none")
     loss_scale: float = number(65536.0, lo=0.0, lo_open=True, doc="static: the scale; dynamic: the initial scale")
     growth_interval: int = number(2000, lo=1, doc="dynamic: double the scale after this many clean steps")
-    max_consecutive_overflows: int = number(20, lo=1, doc="stop the run after this many skipped steps in a row")
+    max_consecutive_overflows: int = number(20, lo=1, doc="skip a step whose averaged gradients hold NaN or inf (FP16 "
+                                                             "overflow, or a NaN/inf loss on any rank); stop the run "
+                                                             "after this many skipped steps in a row")
 
 
 @dataclass

@@ -132,13 +132,13 @@ class LossScaler:
         (loss * self.scale if self.mode != "none" else loss).backward()
 
     def step(self, optimizer) -> bool:
-        """Synchronize (Horovod), unscale, step unless the gradients overflowed, update S; True if stepped."""
-        if self.mode == "none":
-            optimizer.step()
-            return True
+        """Synchronize (Horovod), unscale, step unless a gradient is not finite, update S; True if stepped.
+
+        The check runs in every mode: the gradients are averaged over the ranks, so a NaN or inf loss on any
+        rank makes every rank skip the same step, and no rank goes on alone."""
         synchronizing = hasattr(optimizer, "synchronize")
         if synchronizing:
-            optimizer.synchronize()  # the all-reduce of the scaled gradients
+            optimizer.synchronize()  # the all-reduce of the (scaled) gradients
         finite = self.unscale(optimizer)
         if finite:
             with optimizer.skip_synchronize() if synchronizing else contextlib.nullcontext():
@@ -147,7 +147,7 @@ class LossScaler:
         return finite
 
     def unscale(self, optimizer) -> bool:
-        """g <- g / S for every gradient; True when all are finite."""
+        """g <- g / S for every gradient (a check alone when S = 1); True when all are finite."""
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if not grads:
             return True
@@ -170,9 +170,11 @@ class LossScaler:
         if self.mode == "dynamic":
             self.scale = max(self.scale * 0.5, 2.0 ** -24)
         if self.consecutive_overflows >= self.max_overflows:
-            raise UserError(f"{self.consecutive_overflows} steps in a row overflowed (loss scale now {self.scale:g}): "
-                            f"the run is diverging; lower optim.lr, use precision.mode=mixed or fp32, or raise "
-                            f"precision.max_consecutive_overflows")
+            scale = f" (loss scale now {self.scale:g})" if self.mode != "none" else ""
+            raise UserError(f"{self.consecutive_overflows} steps in a row had a NaN or inf loss or gradient on some "
+                            f"rank{scale}: the run is diverging (or the data holds NaN); lower optim.lr, use "
+                            f"precision.mode=mixed or fp32, or raise precision.max_consecutive_overflows; the last "
+                            f"checkpoint is intact")
 
     def state_dict(self) -> dict:
         return {"scale": self.scale, "clean_steps": self.clean_steps,

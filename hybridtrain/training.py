@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from . import distributed
+from .batchnorm import RunningStatsGuard
 from .data.check import CLEAN_LIST_HINT
 from .data.torchvision_loader import UnreadableImage
 from .errors import UserError
@@ -112,6 +113,7 @@ def train_one_epoch(model, bundle, precision: Precision, loader, epoch: int, upd
                                for v in (done.loss_sum, done.correct, done.seen))
     skipped_before = precision.scaler.skipped_steps - done.skipped_steps
     k, passes = accumulation_steps, updates_per_epoch * accumulation_steps
+    bn_guard = RunningStatsGuard(model)
     start = time.perf_counter() - done.train_time_s
     for i, batch in enumerate(loader):
         if i == passes:
@@ -122,9 +124,10 @@ def train_one_epoch(model, bundle, precision: Precision, loader, epoch: int, upd
         if i % k == 0:
             bundle.apply_schedule(epoch * updates_per_epoch + i // k)
             bundle.optimizer.zero_grad()
+            bn_guard.save()
         loss, logits = backward_pass(model, precision, images, labels, micro_batch_weight(labels.numel(), batch_size, k))
-        if (i + 1) % k == 0:
-            precision.scaler.step(bundle.optimizer)
+        if (i + 1) % k == 0 and not precision.scaler.step(bundle.optimizer):
+            bn_guard.restore()
         loss_sum += loss * labels.numel()
         correct += topk_correct(logits, labels, ks=(1,))[0]
         seen += labels.numel()

@@ -124,7 +124,7 @@ def test_consecutive_overflows_stop_the_run_with_one_line():
     from hybridtrain.errors import UserError
     scaler = LossScaler("dynamic", 2.0 ** 16, 10, 3)
     scaler.update(False), scaler.update(False)
-    with pytest.raises(UserError, match="3 steps in a row overflowed"):
+    with pytest.raises(UserError, match="3 steps in a row had a NaN or inf loss or gradient"):
         scaler.update(False)
 
 
@@ -253,3 +253,19 @@ def test_fp16_communication_with_a_predivide_factor_trains_on_two_ranks(tiny_dig
     (record,) = read_metrics(run_dir)
     assert record["train_loss"] == record["train_loss"] and record["skipped_steps"] == 0
     assert len(set(json.load(open(os.path.join(run_dir, "report.json")))["rank_digests"])) == 1
+
+
+def test_a_nan_loss_on_one_rank_skips_the_step_on_every_rank_and_three_in_a_row_stop_all(tmp_path):
+    """FP32, no loss scaling: NaN in rank 1's data at steps 2, 5, 6, 7 (max_consecutive_overflows = 3)."""
+    script = os.path.join(REPO, "tests", "scripts", "nonfinite_loss.py")
+    proc = run([HOROVODRUN, "--gloo", "-np", "2", "-H", "localhost:2", sys.executable, script, str(tmp_path)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
+    assert [r["loss_finite"] for r in ranks[1]["records"]] == [True, True, False, True, True, False, False]
+    assert all(r["loss_finite"] for r in ranks[0]["records"])  # rank 0's own loss stayed finite
+    for rank in ranks:  # both ranks skip the same steps and hold the same parameters
+        assert [r["stepped"] for r in rank["records"]] == [True, True, False, True, True, False, False]
+        assert rank["records"][2]["digest"] == rank["records"][1]["digest"]
+    assert [r["digest"] for r in ranks[0]["records"]] == [r["digest"] for r in ranks[1]["records"]]
+    assert ranks[0]["stopped"]["step"] == ranks[1]["stopped"]["step"] == 7
+    assert "3 steps in a row had a NaN or inf loss" in ranks[0]["stopped"]["error"]
