@@ -148,6 +148,7 @@ def test_planted_malicious_pickle_alone_is_one_error_line(small_digits, tmp_path
     plant_malicious_checkpoint(planted, marker, with_checksum=False)
     proc = train(write_config(tiny_config(small_digits, str(run_dir))), "--resume")
     assert_one_error_line(proc, "no usable checkpoint", "checkpoint-epoch0001.pt", "refused", "start fresh")
+    assert f"warning: {planted} has no checkpoint-epoch0001.pt.sha256" in proc.stderr
     assert not os.path.exists(marker), "the planted checkpoint ran code"
 
 
