@@ -54,6 +54,9 @@ Host *
 CONF
 }
 
+# Sourced (the tests call user_key with a temporary HOME): the functions only.
+[ "${BASH_SOURCE[0]}" = "$0" ] || return 0
+
 if [ "${HYBRIDTRAIN_SSHD:-1}" != 0 ]; then
   if [ "$(id -u)" != 0 ]; then
     note "not root: sshd not started (set HYBRIDTRAIN_SSHD=0 to silence; multi-node needs root or an external sshd)"

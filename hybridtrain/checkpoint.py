@@ -223,6 +223,20 @@ def _model_mismatch(model: torch.nn.Module, saved: dict) -> str:
     return "the tensors differ"
 
 
+def _optimizer_mismatch(optimizer: torch.optim.Optimizer, saved: dict) -> str:
+    """Why the saved optimizer state cannot drive ``optimizer`` ('' when it can): load_state_dict would take
+    the saved hyperparameters as they are, and a missing one fails only at the first step."""
+    groups = saved.get("param_groups", [])
+    if len(groups) != len(optimizer.param_groups):
+        return f"{len(groups)} parameter groups in the checkpoint, {len(optimizer.param_groups)} here"
+    for own, theirs in zip(optimizer.param_groups, groups):
+        missing = sorted(set(own) - set(theirs))
+        if missing:
+            more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+            return f"its parameter groups lack {', '.join(missing[:3])}{more}"
+    return ""
+
+
 def restore(state: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Load a checkpoint's model and optimizer state; one error line when it was made for another model,
     class count or optimizer."""
@@ -235,8 +249,12 @@ def restore(state: dict, model: torch.nn.Module, optimizer: torch.optim.Optimize
     except RuntimeError:
         raise UserError(f"--resume: the checkpoint of epoch {state['epoch'] + 1} does not fit this model: "
                         f"{_model_mismatch(model, state['model'])}; {trained}: {hint}") from None
+    mismatch = _optimizer_mismatch(optimizer, state["optimizer"])
     try:
-        optimizer.load_state_dict(state["optimizer"])
+        if not mismatch:
+            optimizer.load_state_dict(state["optimizer"])
     except (KeyError, ValueError, RuntimeError, IndexError, TypeError) as exc:
-        raise UserError(f"--resume: the checkpoint's optimizer state does not fit this optimizer "
-                        f"({type(exc).__name__}: {str(exc)[:80]}); {trained}: {hint}") from None
+        mismatch = f"{type(exc).__name__}: {str(exc)[:80]}"
+    if mismatch:
+        raise UserError(f"--resume: the checkpoint's optimizer state does not fit this optimizer ({mismatch}); "
+                        f"{trained}: {hint}")

@@ -5,8 +5,9 @@
 - one `launch: error:` line (and a non-zero exit) for every kind of bad input;
 - the Slurm hostfile function on a fake `scontrol show hostnames` expansion;
 - two real launches (horovodrun and mpirun, 1 rank) that reach `hybridtrain train` with the trainer args;
-- the Dockerfiles: ./install.sh is the only recipe, versions agree with setup.py, no keys in the image,
-  plus a structural lint (hadolint when installed).
+- the Dockerfiles: ./install.sh is the only recipe, versions agree with setup.py, no keys in the image
+  (none copied, none generated at build time), plus a structural lint (hadolint when installed);
+- the entrypoint's key step, run for real with a temporary HOME: the mounted key, or one made at run time.
 """
 from __future__ import annotations
 
@@ -507,6 +508,71 @@ def test_no_private_keys_and_no_build_time_keygen():
     entry = (DOCKER / "entrypoint.sh").read_text()
     assert "ssh-keygen -A" in entry and "ssh-keygen -q -t ed25519" in entry and "/run/secrets/" in entry
     assert re.search(r'sshd -p "\$PORT"', entry) and entry.rstrip().endswith('exec "$@"')
+
+
+KEY_MATERIAL = re.compile(r"(^|/)(\.ssh|id_(rsa|dsa|ecdsa|ed25519)(\.pub)?|ssh_host_\w+|authorized_keys|known_hosts|"
+                          r"[^/]*\.(pem|key))$")
+
+
+@pytest.mark.parametrize("kind", DOCKERFILES)
+def test_images_copy_no_key_material(kind):
+    """Every file a COPY brings into the image: no key by name, no private key by content."""
+    copied = [ROOT / src for name, args in dockerfile_instructions(DOCKERFILES[kind]) if name == "COPY"
+              for src in args.split()[:-1]]
+    files = [f for src in copied for f in ([src] if src.is_file() else sorted(src.rglob("*"))) if f.is_file()]
+    assert files
+    for path in files:
+        rel = str(path.relative_to(ROOT))
+        assert not KEY_MATERIAL.search(rel), f"{DOCKERFILES[kind].name} copies {rel} into the image"
+        assert "PRIVATE KEY-----" not in path.read_text(errors="replace"), f"{rel} holds a private key"
+
+
+needs_ssh_keygen = pytest.mark.skipif(shutil.which("ssh-keygen") is None, reason="OpenSSH's ssh-keygen is not installed")
+
+
+def entrypoint_user_key(home: Path, key_mount: Path, authorized_mount: Path) -> subprocess.CompletedProcess:
+    """The entrypoint's key step for HOME=home, as at container start; sourcing it starts no sshd."""
+    env = clean_env(HOME=str(home), HYBRIDTRAIN_SSH_KEY=str(key_mount), HYBRIDTRAIN_AUTHORIZED_KEYS=str(authorized_mount))
+    proc = run(["bash", "-c", "source docker/entrypoint.sh && user_key"], env=env)
+    assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def public_key(line: str) -> list[str]:
+    return line.split()[:2]  # type and key, without the comment
+
+
+@needs_ssh_keygen
+def test_entrypoint_takes_the_user_key_from_the_mount_at_run_time(tmp_path):
+    mounts, home = tmp_path / "secrets", tmp_path / "home"
+    mounts.mkdir(), home.mkdir()
+    for name in ("hybridtrain_ssh_key", "other_node"):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(mounts / name)], check=True)
+    (mounts / "authorized").write_text((mounts / "other_node.pub").read_text())
+    for _ in range(2):  # a container restart adds nothing twice
+        entrypoint_user_key(home, mounts / "hybridtrain_ssh_key", mounts / "authorized")
+    ssh = home / ".ssh"
+    assert (ssh / "id_ed25519").read_bytes() == (mounts / "hybridtrain_ssh_key").read_bytes()
+    assert (ssh / "id_ed25519").stat().st_mode & 0o777 == 0o600 and ssh.stat().st_mode & 0o777 == 0o700
+    mounted_public = public_key((mounts / "hybridtrain_ssh_key.pub").read_text())
+    assert public_key((ssh / "id_ed25519.pub").read_text()) == mounted_public
+    authorized = [public_key(line) for line in (ssh / "authorized_keys").read_text().splitlines()]
+    assert authorized == [mounted_public, public_key((mounts / "other_node.pub").read_text())]
+
+
+@needs_ssh_keygen
+def test_entrypoint_generates_a_user_key_at_run_time_when_none_is_mounted(tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    first = entrypoint_user_key(home, tmp_path / "no_key", tmp_path / "no_authorized")
+    assert "generated a container-local one" in first.stderr
+    key = home / ".ssh" / "id_ed25519"
+    generated = key.read_bytes()
+    assert b"PRIVATE KEY-----" in generated
+    entrypoint_user_key(home, tmp_path / "no_key", tmp_path / "no_authorized")
+    assert key.read_bytes() == generated, "a restart keeps the container's key"
+    authorized = (home / ".ssh" / "authorized_keys").read_text().splitlines()
+    assert [public_key(line) for line in authorized] == [public_key((home / ".ssh" / "id_ed25519.pub").read_text())]
 
 
 def test_healthcheck_step_is_a_valid_demo_run():
