@@ -122,6 +122,14 @@ class HorovodConfig:
     compression: str = choice("fp16", ["fp16", "none"], "gradient all-reduce compression")
     gradient_predivide_factor: float = number(1.0, lo=1.0, doc="divide gradients by f before the sum and by "
                                                                "N/f after: keeps FP16 sums over many ranks finite")
+    fusion_threshold_mb: int = number(128, lo=0, doc="HOROVOD_FUSION_THRESHOLD in MiB: gradients ready together are "
+                                                     "all-reduced in one buffer up to this size; 0 = no fusion")
+    cycle_time_ms: float = number(1.0, lo=0.0, lo_open=True, doc="HOROVOD_CYCLE_TIME: ms between the background "
+                                                                   "thread's rounds of collecting ready tensors")
+    autotune: bool = plain(False, "HOROVOD_AUTOTUNE: Horovod tunes fusion threshold and cycle time while training "
+                                  "(Bayesian optimisation over the first steps)")
+    autotune_log: str = plain("", "HOROVOD_AUTOTUNE_LOG: CSV of every setting autotune tried, written by rank 0; "
+                                  "'' = none; needs autotune: true")
 
 
 @dataclass
@@ -297,6 +305,9 @@ def validate(cfg: Config) -> Config:
         raise UserError(f"config error: optim.warmup_epochs ({cfg.optim.warmup_epochs}) must be smaller "
                         f"than train.epochs ({cfg.train.epochs})")
     validate_precision(cfg)
+    if cfg.horovod.autotune_log and not cfg.horovod.autotune:
+        raise UserError("config error: horovod.autotune_log is set but horovod.autotune is false: set "
+                        "horovod.autotune: true, or unset autotune_log")
     if cfg.data.backend == "synthetic" and cfg.data.file_lists:
         raise UserError("config error: data.file_lists names real images but data.backend is synthetic: "
                         "unset one of them")

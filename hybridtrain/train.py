@@ -96,7 +96,7 @@ def write_scalars(board, record: dict) -> None:
 
 
 def run_training(cfg: Config, resume: bool = False) -> dict | None:
-    topo = distributed.init(cfg.train.threads)
+    topo = distributed.init(cfg.train.threads, cfg.horovod)
     policy = resolve_policy(cfg.precision)
     check_hardware(policy, topo.device)
     data = create_loaders(cfg, topo)
