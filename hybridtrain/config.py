@@ -73,6 +73,10 @@ class TrainConfig:
     threads: int = number(0, lo=0, doc="torch threads per rank; 0 = cores / local ranks")
     keep_checkpoints: int = number(3, lo=1, doc="how many epoch checkpoints to keep")
     progress: bool = plain(True, "progress bar on rank 0")
+    compile: bool = plain(False, "torch.compile the model for the training step (the first steps compile; needs "
+                                 "g++ on the CPU, a C compiler for Triton on the GPU)")
+    cuda_graphs: bool = plain(False, "replay forward, loss and backward from one CUDA graph captured on a static batch "
+                                     "(needs a GPU); the all-reduce and the optimizer step stay eager")
 
 
 @dataclass

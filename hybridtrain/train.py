@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from . import checkpoint, distributed, reporting
+from . import checkpoint, distributed, reporting, speed
 from .config import Config, save_config
 from .data.loaders import create_loaders
 from .errors import UserError
@@ -99,6 +99,7 @@ def run_training(cfg: Config, resume: bool = False) -> dict | None:
     topo = distributed.init(cfg.train.threads, cfg.horovod)
     policy = resolve_policy(cfg.precision)
     check_hardware(policy, topo.device)
+    speed.check_speedups(cfg.train, topo.device)
     data = create_loaders(cfg, topo)
     m = cfg.model
     model = create_model(m.arch, data.num_classes, m.variant, m.small_input_stem, m.zero_init_last_bn, seed=cfg.seed,
@@ -114,6 +115,7 @@ def run_training(cfg: Config, resume: bool = False) -> dict | None:
                                                        f"(epoch {step // steps + 1}), lr {s['lr']:.4g}")
     metrics_path = os.path.join(cfg.run_dir, "metrics.jsonl")
     start_epoch, history, elapsed_before = 0, [], 0.0
+    run_step = speed.build_train_step(model, cfg, precision)  # a CUDA graph is captured before Horovod's hooks exist
     # Wrap first: Horovod rebuilds the optimizer from its param_groups, so state loaded before would be lost.
     bundle.optimizer = distributed.distributed_optimizer(bundle.optimizer, model, cfg.horovod)
     if resume:
@@ -143,7 +145,7 @@ def run_training(cfg: Config, resume: bool = False) -> dict | None:
         epoch_start = time.perf_counter()
         bar = ProgressBar(steps, epoch, cfg.train.epochs, topo.size) if topo.is_root and cfg.train.progress else None
         reset_peak_memory(topo.device)
-        result = train_one_epoch(model, bundle, precision, data.train, epoch, steps, bar)
+        result = train_one_epoch(model, bundle, precision, data.train, epoch, steps, bar, run_step)
         if bar:
             bar.close()
         average_bn_statistics(model)

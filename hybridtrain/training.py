@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -91,7 +92,10 @@ def train_step(model, optimizer, precision: Precision, images, labels) -> tuple[
 
 
 def train_one_epoch(model, bundle, precision: Precision, loader, epoch: int, steps_per_epoch: int,
-                    progress=None) -> EpochResult:
+                    progress=None, run_step=None) -> EpochResult:
+    """``run_step(optimizer, precision, images, labels)``: the step (``speed.build_train_step``); default the eager
+    ``train_step`` of ``model``."""
+    run_step = run_step or partial(train_step, model)
     model.train()
     loader.batch_sampler.set_epoch(epoch)
     device = next(model.parameters()).device
@@ -101,7 +105,7 @@ def train_one_epoch(model, bundle, precision: Precision, loader, epoch: int, ste
     for i, batch in enumerate(loader):
         images, labels = readable(batch, device, precision.policy.input_dtype)
         bundle.apply_schedule(epoch * steps_per_epoch + i)
-        loss, logits = train_step(model, bundle.optimizer, precision, images, labels)
+        loss, logits = run_step(bundle.optimizer, precision, images, labels)
         loss_sum += loss * labels.numel()
         correct += topk_correct(logits, labels, ks=(1,))[0]
         seen += labels.numel()
