@@ -3,7 +3,10 @@
 Each row builds the recipe's model, optimizer (with its schedule applied every step, as in training),
 precision policy and loss scaler, puts one random batch on the device (the ``synthetic`` backend), runs
 ``warmup`` untimed steps (cudnn autotuning, allocator growth), then times ``steps`` steps one by one with the
-device synchronised, and reports img/s, median and p90 step time and peak memory.
+device synchronised, and reports img/s, median and p90 step time and peak memory. The step is the trainer's
+(``speed.build_train_step``): ``train.compile`` and ``train.cuda_graphs`` apply, and the row lists the
+optimizations in effect. One more step runs under ``syncs.count_host_syncs``: the host syncs per step (1: the
+skip decision on a non-finite gradient, which every rank must take together).
 
 ``--baseline`` also runs, in the same process and with the same batch, precision and layout, the plain loop
 a PyTorch user would write: torchvision's ResNet, ``torch.optim.SGD`` (momentum, weight decay), autocast with
@@ -25,7 +28,9 @@ from .errors import UserError
 from .models import model_from_config
 from .optim import create_optimizer
 from .precision import check_hardware, create_scaler, peak_memory_mb, prepare_model, reset_peak_memory, resolve_policy
-from .training import Precision, train_step
+from .speed import build_train_step, check_speedups
+from .syncs import count_host_syncs
+from .training import Precision
 
 STEPS_PER_EPOCH = 100  # what the optimizer's schedule assumes; the bench runs inside the first epoch(s)
 
@@ -63,16 +68,26 @@ def timed_steps(step, steps: int, warmup: int, device: torch.device, label: str)
     return times
 
 
-def summarise(label: str, cfg, times: list[float], device: torch.device, skipped: int = 0) -> dict:
+def optimizations(cfg, label: str) -> list[str]:
+    """The speed-ups in effect: the layout for both loops, compile and CUDA graphs for the trainer's."""
+    names = ["channels_last"] if cfg.data.channels_last else []
+    if label == "trainer":
+        names += [name for name, on in (("compile", cfg.train.compile), ("cuda_graphs", cfg.train.cuda_graphs)) if on]
+    return names
+
+
+def summarise(label: str, cfg, times: list[float], device: torch.device, skipped: int = 0,
+              host_syncs: int | None = None) -> dict:
     b = cfg.train.batch_size
     ordered = sorted(times)
     return {"loop": label, "arch": cfg.model.arch, "precision": cfg.precision.mode + (
                 f"-{cfg.precision.compute_dtype}" if cfg.precision.mode == "mixed" else ""),
             "optimizer": cfg.optim.name if label == "trainer" else "sgd", "batch_size": b,
-            "image_size": cfg.data.crop_size, "channels_last": cfg.data.channels_last, "device": str(device),
+            "image_size": cfg.data.crop_size, "channels_last": cfg.data.channels_last,
+            "optimizations": optimizations(cfg, label), "device": str(device),
             "images_per_sec": b * len(times) / sum(times), "median_ms": 1000 * statistics.median(times),
             "p90_ms": 1000 * ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))],
-            "peak_memory_mb": peak_memory_mb(device), "skipped_steps": skipped}
+            "peak_memory_mb": peak_memory_mb(device), "skipped_steps": skipped, "host_syncs_per_step": host_syncs}
 
 
 def synthetic_batch(cfg, device: torch.device, dtype: torch.dtype, classes: int):
@@ -88,6 +103,7 @@ def trainer_row(cfg, steps: int, warmup: int, profile_dir: str | None) -> dict:
     device = bench_device()
     policy = resolve_policy(cfg.precision)
     check_hardware(policy, device)
+    check_speedups(cfg.train, device)
     classes = cfg.model.num_classes or 1000
     model = model_from_config(cfg.model, classes, seed=cfg.seed).to(device)
     model = prepare_model(model, policy)
@@ -96,17 +112,19 @@ def trainer_row(cfg, steps: int, warmup: int, profile_dir: str | None) -> dict:
     bundle = create_optimizer(model, cfg, 1, STEPS_PER_EPOCH)
     precision = Precision(policy, create_scaler(cfg.precision, policy))
     images, labels = synthetic_batch(cfg, device, policy.input_dtype, classes)
+    run_step = build_train_step(model, cfg, precision, (images, labels))
     counter = {"step": 0}
 
     def step():
         bundle.apply_schedule(counter["step"])
-        train_step(model, bundle.optimizer, precision, images, labels)
+        run_step(bundle.optimizer, precision, images, labels)
         counter["step"] += 1
 
     times = timed_steps(step, steps, warmup, device, "trainer")
+    host_syncs = count_host_syncs(step, device)  # one more step, watched
     if profile_dir:
         write_profile(step, device, profile_dir)
-    return summarise("trainer", cfg, times, device, precision.scaler.skipped_steps)
+    return summarise("trainer", cfg, times, device, precision.scaler.skipped_steps, host_syncs)
 
 
 def baseline_row(cfg, steps: int, warmup: int) -> dict:
@@ -171,13 +189,14 @@ def bench(config: str | None, overrides: list[str], precisions: list[str], batch
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = ["| loop | arch | optimizer | precision | batch | image | channels_last | device | images/s | "
-             "median ms | p90 ms | peak MiB | skipped | trainer ÷ baseline |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| loop | arch | optimizer | precision | batch | image | optimizations | device | images/s | "
+             "median ms | p90 ms | peak MiB | skipped | host syncs/step | trainer ÷ baseline |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         ratio = f"{r['trainer_over_baseline']:.3f}" if "trainer_over_baseline" in r else ""
+        syncs = "" if r["host_syncs_per_step"] is None else r["host_syncs_per_step"]
         lines.append(f"| {r['loop']} | {r['arch']} | {r['optimizer']} | {r['precision']} | {r['batch_size']} | "
-                     f"{r['image_size']} | {r['channels_last']} | {r['device']} | {r['images_per_sec']:.1f} | "
-                     f"{r['median_ms']:.1f} | {r['p90_ms']:.1f} | {r['peak_memory_mb']:.0f} | {r['skipped_steps']} | "
-                     f"{ratio} |")
+                     f"{r['image_size']} | {', '.join(r['optimizations']) or 'none'} | {r['device']} | "
+                     f"{r['images_per_sec']:.1f} | {r['median_ms']:.1f} | {r['p90_ms']:.1f} | "
+                     f"{r['peak_memory_mb']:.0f} | {r['skipped_steps']} | {syncs} | {ratio} |")
     return "\n".join(lines)

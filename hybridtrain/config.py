@@ -82,6 +82,10 @@ class TrainConfig:
     keep_checkpoints: int = number(3, lo=1, doc="how many epoch checkpoints to keep")
     progress: bool = plain(True, "progress bar on rank 0")
     deterministic: bool = plain(False, "deterministic algorithms only: bitwise-repeatable runs and exact resumes")
+    compile: bool = plain(False, "torch.compile the model for the training step (the first steps compile; needs "
+                                 "g++ on the CPU, a C compiler for Triton on the GPU)")
+    cuda_graphs: bool = plain(False, "replay forward, loss and backward from one CUDA graph captured on a static batch "
+                                     "(needs a GPU); the all-reduce and the optimizer step stay eager")
 
 
 @dataclass
@@ -133,6 +137,14 @@ class HorovodConfig:
     compression: str = choice("fp16", ["fp16", "none"], "gradient all-reduce compression")
     gradient_predivide_factor: float = number(1.0, lo=1.0, doc="divide gradients by f before the sum and by "
                                                                "N/f after: keeps FP16 sums over many ranks finite")
+    fusion_threshold_mb: int = number(128, lo=0, doc="HOROVOD_FUSION_THRESHOLD in MiB: gradients ready together are "
+                                                     "all-reduced in one buffer up to this size; 0 = no fusion")
+    cycle_time_ms: float = number(1.0, lo=0.0, lo_open=True, doc="HOROVOD_CYCLE_TIME: ms between the background "
+                                                                   "thread's rounds of collecting ready tensors")
+    autotune: bool = plain(False, "HOROVOD_AUTOTUNE: Horovod tunes fusion threshold and cycle time while training "
+                                  "(Bayesian optimisation over the first steps)")
+    autotune_log: str = plain("", "HOROVOD_AUTOTUNE_LOG: CSV of every setting autotune tried, written by rank 0; "
+                                  "'' = none; needs autotune: true")
 
 
 @dataclass
@@ -318,6 +330,10 @@ def validate(cfg: Config) -> Config:
                         f"than train.epochs ({cfg.train.epochs})")
     validate_precision(cfg)
     validate_bn(cfg)
+    validate_cuda_graphs(cfg)
+    if cfg.horovod.autotune_log and not cfg.horovod.autotune:
+        raise UserError("config error: horovod.autotune_log is set but horovod.autotune is false: set "
+                        "horovod.autotune: true, or unset autotune_log")
     if cfg.data.backend == "synthetic" and cfg.data.file_lists:
         raise UserError("config error: data.file_lists names real images but data.backend is synthetic: "
                         "unset one of them")
@@ -337,6 +353,18 @@ def validate_precision(cfg: Config) -> None:
         raise UserError(f"config error: precision.mode=fp16_pure keeps optimizer state in FP16, but optim.name="
                         f"{cfg.optim.name} needs FP32 state (AdaBound's squared gradients): use optim.name=goyal "
                         f"or sgd, or precision.mode=mixed")
+
+
+def validate_cuda_graphs(cfg: Config) -> None:
+    """A graph replays one batch shape with no collective inside the forward pass and one pass per step."""
+    if not cfg.train.cuda_graphs:
+        return
+    clash = ("train.accumulation_steps > 1" if cfg.train.accumulation_steps > 1 else
+             "bn.per_rank_batch=random" if cfg.bn.per_rank_batch == "random" else
+             "bn.sync=true" if cfg.bn.sync else None)
+    if clash:
+        raise UserError(f"config error: train.cuda_graphs cannot replay a step with {clash} (one static batch, no "
+                        f"all-reduce in the forward pass): switch one of them off")
 
 
 def validate_bn(cfg: Config) -> None:

@@ -96,9 +96,41 @@ def check_world_size(size: int) -> None:
                         f"with horovodrun --gloo")
 
 
-def init(threads: int = 0) -> Topology:
-    """hvd.init() and pin torch threads: ``threads`` or cores / local ranks."""
+def horovod_environment(horovod_cfg) -> dict[str, str]:
+    """The HOROVOD_* variables that set the config's tuning knobs; hvd.init() reads them."""
+    env = {"HOROVOD_FUSION_THRESHOLD": str(horovod_cfg.fusion_threshold_mb * 2 ** 20),
+           "HOROVOD_CYCLE_TIME": f"{horovod_cfg.cycle_time_ms:g}",
+           "HOROVOD_AUTOTUNE": "1" if horovod_cfg.autotune else "0"}
+    if horovod_cfg.autotune_log:
+        env["HOROVOD_AUTOTUNE_LOG"] = os.path.abspath(horovod_cfg.autotune_log)
+    return env
+
+
+def same_setting(a: str, b: str) -> bool:
+    """'2.0' and '2' are the same cycle time."""
+    try:
+        return float(a) == float(b)
+    except ValueError:
+        return a == b
+
+
+def set_horovod_knobs(horovod_cfg) -> None:
+    """Export the config's knobs for hvd.init(). The config wins over a value the launcher set (e.g. horovodrun
+    --fusion-threshold-mb); rank 0 says so in one warning line per replaced variable."""
+    for name, value in horovod_environment(horovod_cfg).items():
+        previous = os.environ.get(name)
+        if previous is not None and not same_setting(previous, value) and launcher_rank() == 0:
+            print(f"hybridtrain: warning: {name}={previous} from the launcher is replaced by the config's {value}; "
+                  f"set the horovod.* key instead", file=sys.stderr, flush=True)
+        os.environ[name] = value
+
+
+def init(threads: int = 0, horovod_cfg=None) -> Topology:
+    """hvd.init() with the config's Horovod knobs (``horovod_cfg``; None leaves Horovod's own settings), and pin
+    torch threads: ``threads`` or cores / local ranks."""
     hvd = import_horovod()
+    if horovod_cfg is not None:
+        set_horovod_knobs(horovod_cfg)
     check_controller(hvd)
     hvd.init()
     topo = Topology(hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size())

@@ -127,9 +127,21 @@ class LossScaler:
         self.clean_steps = 0
         self.consecutive_overflows = 0
         self.skipped_steps = 0  # over the whole run
+        self.device_scale: torch.Tensor | None = None  # S on the loss's device, kept equal to self.scale
 
     def backward(self, loss: torch.Tensor) -> None:
-        (loss * self.scale if self.mode != "none" else loss).backward()
+        (loss * self.scale_on(loss.device) if self.mode != "none" else loss).backward()
+
+    def scale_on(self, device: torch.device) -> torch.Tensor:
+        """S as a device tensor updated in place, so a CUDA graph that captured ``loss * S`` replays the current S."""
+        if self.device_scale is None or self.device_scale.device != device:
+            self.device_scale = torch.full((), self.scale, dtype=torch.float32, device=device)
+        return self.device_scale
+
+    def set_scale(self, scale: float) -> None:
+        self.scale = scale
+        if self.device_scale is not None:
+            self.device_scale.fill_(scale)
 
     def step(self, optimizer) -> bool:
         """Synchronize (Horovod), unscale, step unless a gradient is not finite, update S; True if stepped.
@@ -162,13 +174,14 @@ class LossScaler:
             self.consecutive_overflows = 0
             self.clean_steps += 1
             if self.mode == "dynamic" and self.clean_steps >= self.growth_interval:
-                self.scale, self.clean_steps = self.scale * 2.0, 0
+                self.set_scale(self.scale * 2.0)
+                self.clean_steps = 0
             return
         self.skipped_steps += 1
         self.consecutive_overflows += 1
         self.clean_steps = 0
         if self.mode == "dynamic":
-            self.scale = max(self.scale * 0.5, 2.0 ** -24)
+            self.set_scale(max(self.scale * 0.5, 2.0 ** -24))
         if self.consecutive_overflows >= self.max_overflows:
             scale = f" (loss scale now {self.scale:g})" if self.mode != "none" else ""
             raise UserError(f"{self.consecutive_overflows} steps in a row had a NaN or inf loss or gradient on some "
@@ -181,7 +194,8 @@ class LossScaler:
                 "consecutive_overflows": self.consecutive_overflows, "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state: dict) -> None:
-        self.scale, self.clean_steps = float(state["scale"]), int(state["clean_steps"])
+        self.set_scale(float(state["scale"]))
+        self.clean_steps = int(state["clean_steps"])
         self.consecutive_overflows, self.skipped_steps = int(state["consecutive_overflows"]), int(state["skipped_steps"])
 
 

@@ -37,7 +37,7 @@ def worker(config: str, overrides: list[str], compression: str, steps: int, warm
     from .training import Precision, train_step
 
     cfg = load_config(config, overrides + [f"horovod.compression={compression}"])
-    topo = distributed.init(threads=1)
+    topo = distributed.init(threads=1, horovod_cfg=cfg.horovod)
     policy = resolve_policy(cfg.precision)
     classes = cfg.model.num_classes or 1000
     model = prepare_model(model_from_config(cfg.model, classes, seed=cfg.seed).to(topo.device), policy)
@@ -61,7 +61,9 @@ def worker(config: str, overrides: list[str], compression: str, steps: int, warm
         record = {"world_size": topo.size, "compression": compression, "steps": steps, "warmup": warmup,
                   "batch_per_rank": b, "step_time_s": elapsed / steps,
                   "images_per_sec": topo.size * b * steps / elapsed,
-                  "parameters": sum(p.numel() for p in model.parameters())}
+                  "parameters": sum(p.numel() for p in model.parameters()),
+                  "fusion_threshold_mb": cfg.horovod.fusion_threshold_mb, "cycle_time_ms": cfg.horovod.cycle_time_ms,
+                  "autotune": cfg.horovod.autotune}
         with open(out, "w") as fh:
             json.dump(record, fh)
 

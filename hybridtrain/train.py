@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import checkpoint, distributed, reporting
+from . import checkpoint, distributed, reporting, speed
 from .config import Config, save_config
 from .data.loaders import create_loaders
 from .errors import UserError
@@ -114,14 +114,16 @@ class Trainer:
     bundle: object
     updates: int  # optimizer steps per epoch
     k: int  # accumulation steps
+    passes: object  # forward and backward, eager, compiled or graphed (speed.build_passes)
 
 
 def build_trainer(cfg: Config) -> Trainer:
-    topo = distributed.init(cfg.train.threads)
+    topo = distributed.init(cfg.train.threads, cfg.horovod)
     if cfg.train.deterministic:
         use_deterministic_algorithms()
     policy = resolve_policy(cfg.precision)
     check_hardware(policy, topo.device)
+    speed.check_speedups(cfg.train, topo.device)
     data = create_loaders(cfg, topo)
     model = model_from_config(cfg.model, data.num_classes, seed=cfg.seed).to(topo.device)
     model = prepare_model(configure_batch_norm(model, cfg.bn, topo.device), policy)
@@ -136,9 +138,11 @@ def build_trainer(cfg: Config) -> Trainer:
     bundle = create_optimizer(model, cfg, topo.size * k, updates)
     bundle.on_phase_change = lambda step, s: log(topo, f"hybridtrain: switching to {s['phase']} at step {step} "
                                                        f"(epoch {step // updates + 1}), lr {s['lr']:.4g}")
+    precision = Precision(policy, create_scaler(cfg.precision, policy))
+    passes = speed.build_passes(model, cfg, precision)  # a CUDA graph is captured before Horovod's hooks exist
     # Wrap first: Horovod rebuilds the optimizer from its param_groups, so state loaded before would be lost.
     bundle.optimizer = distributed.distributed_optimizer(bundle.optimizer, model, cfg.horovod, k)
-    return Trainer(topo, data, model, Precision(policy, create_scaler(cfg.precision, policy)), bundle, updates, k)
+    return Trainer(topo, data, model, precision, bundle, updates, k, passes)
 
 
 def use_deterministic_algorithms() -> None:
@@ -226,7 +230,7 @@ def run_training(cfg: Config, resume: str | None = None) -> dict | None:
         reset_peak_memory(topo.device)
         result = train_one_epoch(t.model, t.bundle, t.precision, data.train, epoch, t.updates, cfg.train.batch_size,
                                  t.k, bar, resume=progress if epoch == start_epoch else None,
-                                 stop_after_step=watch.after_step)
+                                 stop_after_step=watch.after_step, passes=t.passes)
         if bar:
             bar.close()
         if result.stopped:

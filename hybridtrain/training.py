@@ -96,11 +96,23 @@ def train_step(model, optimizer, precision: Precision, images, labels) -> tuple[
     return loss, logits
 
 
+class EagerPasses:
+    """Forward and backward passes of ``model`` (compiled or not), run as written."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def backward_pass(self, precision: Precision, images, labels, weight: float = 1.0):
+        return backward_pass(self.model, precision, images, labels, weight)
+
+
 def train_one_epoch(model, bundle, precision: Precision, loader, epoch: int, updates_per_epoch: int,
                     batch_size: int, accumulation_steps: int = 1, progress=None, resume: EpochProgress | None = None,
-                    stop_after_step=None) -> EpochResult:
+                    stop_after_step=None, passes=None) -> EpochResult:
     """``updates_per_epoch`` optimizer steps of ``accumulation_steps`` passes each; one all-reduce per step
     (Horovod's backward_passes_per_step). Left-over batches that cannot fill a step are not trained on.
+    ``passes``: how forward and backward run (``speed.build_passes``: compiled, or replayed from a CUDA graph);
+    default ``model`` eagerly.
 
     ``resume`` continues a stopped epoch: the batches it had done are drawn again and skipped, so the data
     and the augmentation continue exactly. ``stop_after_step()`` is asked after every step, on every rank.
@@ -112,11 +124,12 @@ def train_one_epoch(model, bundle, precision: Precision, loader, epoch: int, upd
     loss_sum, correct, seen = (torch.tensor(v, dtype=torch.float64, device=device)
                                for v in (done.loss_sum, done.correct, done.seen))
     skipped_before = precision.scaler.skipped_steps - done.skipped_steps
-    k, passes = accumulation_steps, updates_per_epoch * accumulation_steps
+    passes = passes or EagerPasses(model)
+    k, total_passes = accumulation_steps, updates_per_epoch * accumulation_steps
     bn_guard = RunningStatsGuard(model)
     start = time.perf_counter() - done.train_time_s
     for i, batch in enumerate(loader):
-        if i == passes:
+        if i == total_passes:
             break
         if i < done.passes:
             continue
@@ -125,7 +138,7 @@ def train_one_epoch(model, bundle, precision: Precision, loader, epoch: int, upd
             bundle.apply_schedule(epoch * updates_per_epoch + i // k)
             bundle.optimizer.zero_grad()
             bn_guard.save()
-        loss, logits = backward_pass(model, precision, images, labels, micro_batch_weight(labels.numel(), batch_size, k))
+        loss, logits = passes.backward_pass(precision, images, labels, micro_batch_weight(labels.numel(), batch_size, k))
         if (i + 1) % k == 0 and not precision.scaler.step(bundle.optimizer):
             bn_guard.restore()
         loss_sum += loss * labels.numel()
@@ -133,7 +146,7 @@ def train_one_epoch(model, bundle, precision: Precision, loader, epoch: int, upd
         seen += labels.numel()
         if progress is not None:
             progress.update(loss_sum, seen, i + 1)
-        if (i + 1) % k == 0 and i + 1 < passes and stop_after_step is not None and stop_after_step():
+        if (i + 1) % k == 0 and i + 1 < total_passes and stop_after_step is not None and stop_after_step():
             stopped = EpochProgress(i + 1, float(loss_sum), float(correct), float(seen), time.perf_counter() - start,
                                     precision.scaler.skipped_steps - skipped_before)
             return EpochResult(float("nan"), float("nan"), 0, stopped.train_time_s, stopped.skipped_steps, stopped)

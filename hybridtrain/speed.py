@@ -1,0 +1,144 @@
+"""The opt-in speed-ups of the training step: ``train.compile`` and ``train.cuda_graphs``.
+
+``train.compile``: ``torch.compile`` (inductor, default mode) of the model for the training step only; the
+checkpoints, the optimizer, Horovod and evaluation keep the plain module, which shares its parameters, so the
+state-dict keys do not change and evaluation does not trigger a second compilation. The first steps compile.
+
+``train.cuda_graphs``: forward, FP32 loss and scaled backward are captured once in a CUDA graph on static
+input tensors and replayed every step, following PyTorch's whole-network recipe: a few warmup iterations on
+a side stream, the gradients set to None before capture so that the graph allocates them in its private
+pool, each batch copied into the static inputs before replay. The optimizer step is not captured; it runs
+eagerly after each replay (PyTorch's documented choice for AMP: "capture forward, loss, and backward but not
+the optimizer step"), because
+- the schedule sets lr, AdaBound's bounds and the phase as Python numbers every step, which a graph would
+  freeze at their capture values;
+- loss scaling decides on the host whether to skip the step (one read of the overflow flag);
+- Horovod's all-reduce runs on its background thread and cannot be captured.
+Under Horovod the graph is captured before ``DistributedOptimizer`` registers its gradient hooks, so no hook
+fires during a replay and ``synchronize()`` all-reduces every gradient after the backward (one fused
+all-reduce, no overlap with the backward). Horovod re-points each ``p.grad`` at its all-reduce output;
+``GraphedStep`` points them back at the graph's memory after every step.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from functools import partial
+
+import torch
+
+from .errors import UserError
+from .precision import forward_context
+from .training import EagerPasses, classification_loss, train_step
+
+
+def missing_compiler(device: torch.device) -> str | None:
+    """What torch.compile lacks to build kernels for ``device`` (None when it has it): inductor's CPU code needs
+    a C++ compiler ($CXX, else g++), Triton's GPU launchers a C compiler ($CC, else gcc or clang)."""
+    if device.type == "cuda":
+        names = [os.environ["CC"]] if os.environ.get("CC") else ["gcc", "clang"]
+        kind = "a C compiler for Triton ($CC, gcc or clang)"
+    else:
+        names = [os.environ.get("CXX") or "g++"]
+        kind = f"a C++ compiler for inductor's CPU code ({'$CXX=' + names[0] if os.environ.get('CXX') else 'g++'})"
+    return None if any(shutil.which(name) for name in names) else kind
+
+
+def check_speedups(train_cfg, device: torch.device) -> None:
+    """One error line, before anything is built, when the machine cannot do what train.* asks for."""
+    if train_cfg.cuda_graphs and device.type != "cuda":
+        raise UserError("train.cuda_graphs=true needs a CUDA GPU and this machine has none (torch.cuda.is_available() "
+                        "is False): set train.cuda_graphs=false")
+    lacking = missing_compiler(device) if train_cfg.compile else None
+    if lacking:
+        raise UserError(f"train.compile=true needs {lacking} and none is on PATH: install one (e.g. the g++ or gcc "
+                        f"package) or set train.compile=false")
+
+
+class GraphedStep:
+    """The training step with forward, loss and backward replayed from one CUDA graph (see the module doc).
+
+    Called like ``train_step`` without the model: ``step(optimizer, precision, images, labels)``, returning the
+    graph's static (loss, logits), valid until the next call.
+    """
+
+    WARMUP_ITERATIONS = 3  # on a side stream before capture (PyTorch's recipe; cudnn autotuning, lazy state)
+
+    def __init__(self, model, precision, static_images: torch.Tensor, static_labels: torch.Tensor):
+        self.static_images, self.static_labels = static_images, static_labels
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.graph = torch.cuda.CUDAGraph()
+        self._warm_up(model, precision)
+        self._drop_grads()  # the graph allocates the gradients from its pool: replays write them there
+        with torch.cuda.graph(self.graph):
+            self.static_loss, self.static_logits = self._forward_backward(model, precision)
+        self.static_grads = [p.grad.detach() for p in self.params]  # aliases that survive Horovod's grad.set_
+
+    def _forward_backward(self, model, precision) -> tuple[torch.Tensor, torch.Tensor]:
+        with forward_context(precision.policy, self.static_images.device):
+            logits = model(self.static_images)
+        loss = classification_loss(logits, self.static_labels)
+        precision.scaler.backward(loss)
+        return loss.detach(), logits.detach()
+
+    def _warm_up(self, model, precision) -> None:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(self.WARMUP_ITERATIONS):
+                self._drop_grads()
+                self._forward_backward(model, precision)
+        torch.cuda.current_stream().wait_stream(side)
+
+    def _drop_grads(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def backward_pass(self, precision, images: torch.Tensor, labels: torch.Tensor, weight: float = 1.0):
+        """Copy the batch in and replay forward, loss and backward; the gradients are the graph's (weight 1:
+        config validation keeps accumulation and random per-rank batches away from graphs)."""
+        if images.shape != self.static_images.shape:
+            raise UserError(f"train.cuda_graphs replays one batch shape {tuple(self.static_images.shape)} but got "
+                            f"{tuple(images.shape)}: keep every training batch full (train.batch_size) or set "
+                            f"train.cuda_graphs=false")
+        self.static_images.copy_(images, non_blocking=True)  # a no-op when the caller passes the static batch
+        self.static_labels.copy_(labels, non_blocking=True)
+        self.graph.replay()
+        for p, grad in zip(self.params, self.static_grads):  # undo zero_grad's None and Horovod's grad.set_
+            p.grad = grad
+        return self.static_loss, self.static_logits
+
+    def __call__(self, optimizer, precision, images: torch.Tensor, labels: torch.Tensor):
+        """One whole step, as ``train_step``."""
+        loss, logits = self.backward_pass(precision, images, labels)
+        precision.scaler.step(optimizer)  # eager: Horovod's all-reduce, unscale and skip decision, the update
+        return loss, logits
+
+
+def static_batch(cfg, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero images and labels of the training batch's shape, dtype and layout: the graph's inputs."""
+    b, size = cfg.train.batch_size, cfg.data.crop_size
+    memory_format = torch.channels_last if cfg.data.channels_last else torch.contiguous_format
+    images = torch.zeros(b, 3, size, size, dtype=dtype, device=device).contiguous(memory_format=memory_format)
+    return images, torch.zeros(b, dtype=torch.long, device=device)
+
+
+def build_passes(model, cfg, precision, batch: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """Forward and backward as train.compile and train.cuda_graphs ask: ``.backward_pass(precision, images,
+    labels, weight) -> (loss, logits)``.
+
+    Call it before Horovod wraps the optimizer (a graph must be captured without its hooks). ``batch``: the
+    static inputs to capture on; default zeros of the config's batch shape.
+    """
+    forward_model = torch.compile(model) if cfg.train.compile else model
+    if not cfg.train.cuda_graphs:
+        return EagerPasses(forward_model)
+    device = next(model.parameters()).device
+    images, labels = batch or static_batch(cfg, device, precision.policy.input_dtype)
+    return GraphedStep(forward_model, precision, images, labels)
+
+
+def build_train_step(model, cfg, precision, batch: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """``step(optimizer, precision, images, labels) -> (loss, logits)``: one whole step, for ``bench``."""
+    passes = build_passes(model, cfg, precision, batch)
+    return passes if isinstance(passes, GraphedStep) else partial(train_step, passes.model)

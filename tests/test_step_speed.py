@@ -1,0 +1,192 @@
+"""Issue 9, speed: Horovod's tuning knobs taking effect on real 2-rank jobs, torch.compile on the CPU, the CUDA
+graphs switch, and no host sync inside the training step."""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import pytest
+
+from conftest import HOROVODRUN, HYBRIDTRAIN, REPO, assert_one_error_line, env_with_venv, run
+
+KNOBS_SCRIPT = os.path.join(REPO, "tests", "scripts", "horovod_knobs.py")
+
+
+def torch_cuda_available() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+# ----------------------------------------------------------------------------- Horovod knobs
+
+def knobs_job(tmp_path, sets: list[str], launcher_flags: list[str] = ()) -> tuple[dict, list[str], str]:
+    """(rank 0's record, the timeline's event names, the job's output) of horovod_knobs.py on 2 ranks."""
+    out, timeline = tmp_path / "out.json", tmp_path / "timeline.json"
+    args = [a for s in sets for a in ("--set", s)]
+    proc = run([HOROVODRUN, "--gloo", "-np", "2", "-H", "localhost:2", "--timeline-filename", str(timeline),
+                *launcher_flags, sys.executable, KNOBS_SCRIPT, str(out), *args], timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    text = timeline.read_text().strip().rstrip(",")
+    events = json.loads(text if text.endswith("]") else text + "]")
+    return json.loads(out.read_text()), [e.get("name") for e in events], proc.stdout + proc.stderr
+
+
+def test_no_fusion_and_a_long_cycle_take_effect_over_the_launchers_flag(tmp_path):
+    record, names, output = knobs_job(tmp_path, ["horovod.fusion_threshold_mb=0", "horovod.cycle_time_ms=100"],
+                                      ["--cycle-time-ms", "2"])
+    assert "MEMCPY_IN_FUSION_BUFFER" not in names and names.count("ALLREDUCE") > 0  # every tensor on its own
+    assert statistics.median(record["round_s"]) >= 0.05  # each round waits for 100 ms cycles
+    assert record["env"]["HOROVOD_CYCLE_TIME"] == "100"
+    assert "HOROVOD_CYCLE_TIME=2.0 from the launcher is replaced by the config's 100" in output
+
+
+def test_default_knobs_fuse_and_cycle_fast(tmp_path):
+    record, names, _ = knobs_job(tmp_path, [])
+    assert "MEMCPY_IN_FUSION_BUFFER" in names  # the round's tensors share the fusion buffer
+    assert statistics.median(record["round_s"]) < 0.05
+
+
+def test_autotune_writes_its_log(tmp_path):
+    log = tmp_path / "autotune.csv"
+    knobs_job(tmp_path, ["horovod.autotune=true", f"horovod.autotune_log={log}"])
+    assert log.read_text().startswith("hierarchical_allreduce,")  # Horovod's tuner opened it: autotune is on
+
+
+def test_autotune_log_without_autotune_is_one_line(tmp_path):
+    from hybridtrain.config import load_config
+    from hybridtrain.errors import UserError
+    with pytest.raises(UserError, match="horovod.autotune_log is set but horovod.autotune is false"):
+        load_config(None, [f"horovod.autotune_log={tmp_path / 'a.csv'}"])
+
+
+# ----------------------------------------------------------------------------- the step, built as the trainer does
+
+SMALL = ["model.arch=resnet18", "model.num_classes=10", "train.batch_size=4", "data.crop_size=32"]
+
+
+def device():
+    import torch
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def built_step(sets: list[str], seed_step: int = 0):
+    """(step() running one scheduled training step, its model) for the config ``SMALL + sets``."""
+    import torch
+    from hybridtrain.bench import synthetic_batch
+    from hybridtrain.config import load_config
+    from hybridtrain.models import create_model
+    from hybridtrain.optim import create_optimizer
+    from hybridtrain.precision import create_scaler, prepare_model, resolve_policy
+    from hybridtrain.speed import build_train_step
+    from hybridtrain.training import Precision
+    cfg = load_config(None, SMALL + sets)
+    policy = resolve_policy(cfg.precision)
+    model = prepare_model(create_model("resnet18", 10, seed=0).to(device()), policy)
+    bundle = create_optimizer(model, cfg, 1, 10)
+    precision = Precision(policy, create_scaler(cfg.precision, policy))
+    images, labels = synthetic_batch(cfg, device(), policy.input_dtype, 10)
+    run_step = build_train_step(model, cfg, precision, (images, labels))
+    counter = {"step": seed_step}
+
+    def step():
+        bundle.apply_schedule(counter["step"])
+        counter["step"] += 1
+        loss, _ = run_step(bundle.optimizer, precision, images, labels)
+        return loss.detach().clone()
+
+    torch.manual_seed(0)
+    return step, model
+
+
+# ----------------------------------------------------------------------------- host syncs
+
+def test_the_guard_counts_host_reads():
+    import torch
+    from hybridtrain.syncs import count_host_syncs
+    t = torch.ones(3, device=device())
+    assert count_host_syncs(lambda: (t.sum().item(), bool(t.any()), float(t[0])), device()) == 3
+    assert count_host_syncs(lambda: torch.nonzero(t), device()) == 1
+    assert count_host_syncs(lambda: t * 2 + t.norm(), device()) == 0
+
+
+@pytest.mark.parametrize("sets", [
+    [],                                                        # hybrid, AdaBound phase
+    ["optim.adabound_epochs=1", "train.epochs=2"],             # hybrid, LARS-SGD phase from step 10
+    ["precision.mode=mixed", "precision.compute_dtype=bf16"],  # no loss scaling
+    ["optim.name=goyal"],                                      # torch.optim.SGD
+], ids=["adabound", "lars", "mixed-bf16", "goyal"])
+def test_the_step_reads_only_the_non_finite_flag(sets):
+    """One host read per step, the skip decision (a NaN/inf loss on any rank must skip the step on every rank);
+    the optimizers, LARS's trust ratios and the schedule read nothing."""
+    from hybridtrain.syncs import count_host_syncs
+    step, _ = built_step(sets, seed_step=10 if "optim.adabound_epochs=1" in sets else 0)
+    step()  # first step: the optimizer's state is created
+    assert count_host_syncs(step, device()) == 1
+
+
+def test_loss_scaling_reads_only_the_overflow_flag():
+    from hybridtrain.syncs import count_host_syncs
+    step, _ = built_step(["precision.mode=mixed", "precision.compute_dtype=fp16"])
+    step()
+    assert count_host_syncs(step, device()) == 1  # every rank must know whether to skip the step
+
+
+# ----------------------------------------------------------------------------- torch.compile
+
+@pytest.mark.parametrize("optimizer", ["hybrid", "goyal"])
+def test_compiled_steps_give_the_eager_losses(optimizer):
+    import torch
+    eager_step, eager_model = built_step([f"optim.name={optimizer}"])
+    compiled_step, compiled_model = built_step([f"optim.name={optimizer}", "train.compile=true"])
+    eager = torch.stack([eager_step() for _ in range(3)])
+    compiled = torch.stack([compiled_step() for _ in range(3)])
+    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)
+    if optimizer == "goyal":  # AdaBound's early steps are about alpha * sign(g): a rounding flips near-zero ones
+        for a, b in zip(compiled_model.parameters(), eager_model.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert list(compiled_model.state_dict()) == list(eager_model.state_dict())  # checkpoints keep their keys
+
+
+def test_bench_with_compile_runs_and_says_so(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = run([HYBRIDTRAIN, "bench", "--config", "configs/demo.yaml", "--batch-size", "4", "--image-size", "32",
+                "--set", "model.num_classes=10", "--set", "train.compile=true", "--steps", "2", "--warmup", "1",
+                "--json", str(out)], timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = json.loads(out.read_text())
+    assert row["optimizations"] == ["compile"] and row["host_syncs_per_step"] == 1 and row["images_per_sec"] > 0
+    assert "| 4 | 32 | compile |" in proc.stdout
+
+
+def test_compile_without_a_compiler_is_one_line():
+    env = env_with_venv()
+    env["CXX"] = env["CC"] = "/nonexistent/cc"
+    proc = subprocess.run([HYBRIDTRAIN, "bench", "--config", "configs/demo.yaml", "--set", "train.compile=true"],
+                          capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    assert_one_error_line(proc, "train.compile=true needs", "/nonexistent/cc", "set train.compile=false")
+
+
+# ----------------------------------------------------------------------------- CUDA graphs
+
+@pytest.mark.skipif(torch_cuda_available(), reason="the CPU refusal; the GPU runs the graph below")
+@pytest.mark.parametrize("command", ["bench", "train"])
+def test_cuda_graphs_without_a_gpu_is_one_line(command):
+    proc = run([HYBRIDTRAIN, command, "--config", "configs/demo.yaml", "--set", "train.cuda_graphs=true"], timeout=300)
+    assert_one_error_line(proc, "train.cuda_graphs=true needs a CUDA GPU", "set train.cuda_graphs=false")
+
+
+@pytest.mark.skipif(not torch_cuda_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("precision", [["precision.mode=fp32"], ["precision.mode=mixed", "precision.compute_dtype=fp16"]],
+                         ids=["fp32", "mixed-fp16"])
+def test_graphed_steps_give_the_eager_losses(precision):
+    import torch
+    eager_step, eager_model = built_step(precision)
+    graphed_step, graphed_model = built_step(precision + ["train.cuda_graphs=true"])
+    eager = torch.stack([eager_step() for _ in range(4)])
+    graphed = torch.stack([graphed_step() for _ in range(4)])
+    torch.testing.assert_close(graphed, eager, rtol=1e-3, atol=1e-4)
+    for a, b in zip(graphed_model.parameters(), eager_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
