@@ -5,7 +5,7 @@ import argparse
 import os
 import sys
 
-from .errors import UserError
+from .errors import PeerFailure, UserError
 
 BENCH_PRECISIONS = ("fp64", "fp32", "mixed-fp16", "mixed-bf16", "layered", "fp16_pure")
 
@@ -307,6 +307,10 @@ def run_guarded(action) -> int:
             prefix = "" if rank == 0 else f"rank {rank}: "
             print(f"hybridtrain: error: {prefix}{exc}", file=sys.stderr, flush=True)
         return 2
+    except PeerFailure as exc:
+        if exc.announce:
+            print(f"hybridtrain: {exc}", file=sys.stderr, flush=True)
+        return 3
     except RuntimeError as exc:
         from .distributed import is_peer_failure, launcher_rank
         if not is_peer_failure(exc):

@@ -145,6 +145,12 @@ class HorovodConfig:
                                   "(Bayesian optimisation over the first steps)")
     autotune_log: str = plain("", "HOROVOD_AUTOTUNE_LOG: CSV of every setting autotune tried, written by rank 0; "
                                   "'' = none; needs autotune: true")
+    stall_warning_s: int = number(60, lo=1, doc="HOROVOD_STALL_CHECK_TIME_SECONDS: warn, naming the missing ranks, "
+                                                "when some ranks wait this long for a tensor the others submitted")
+    stall_shutdown_s: int = number(600, lo=0, doc="HOROVOD_STALL_SHUTDOWN_TIME_SECONDS: end the job after such a "
+                                                  "stall (a hung rank); 0 = never (Horovod's default)")
+    gloo_timeout_s: int = number(60, lo=1, doc="HOROVOD_GLOO_TIMEOUT_SECONDS: how long Gloo waits for every rank "
+                                               "to connect at start")
 
 
 @dataclass
@@ -331,6 +337,11 @@ def validate(cfg: Config) -> Config:
     validate_precision(cfg)
     validate_bn(cfg)
     validate_cuda_graphs(cfg)
+    h = cfg.horovod
+    if 0 < h.stall_shutdown_s < h.stall_warning_s:
+        raise UserError(f"config error: horovod.stall_shutdown_s ({h.stall_shutdown_s}) is shorter than "
+                        f"horovod.stall_warning_s ({h.stall_warning_s}), and Horovod would then never shut down: "
+                        f"raise it, or set 0")
     if cfg.horovod.autotune_log and not cfg.horovod.autotune:
         raise UserError("config error: horovod.autotune_log is set but horovod.autotune is false: set "
                         "horovod.autotune: true, or unset autotune_log")

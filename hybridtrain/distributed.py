@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
 import sys
 from dataclasses import dataclass
 
 import torch
 
-from .errors import UserError
+from .errors import PeerFailure, UserError
 
 RANK_ENV_VARS = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
 SIZE_ENV_VARS = ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")  # horovodrun, Open MPI, MPICH/Intel MPI
@@ -32,6 +33,33 @@ def venv_tool(name: str) -> str:
     return found
 
 
+def process_alive(pid: int) -> bool:
+    """A running process (a zombie that its launcher has not reaped yet counts as dead)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def departed(topo) -> tuple[list[int], list[int]]:
+    """(ranks on this host whose process is gone, ranks on this host still alive), from ``topo.peers``."""
+    host = socket.gethostname()
+    local = [(rank, pid) for rank, (h, pid) in enumerate(topo.peers) if h == host]
+    return ([rank for rank, pid in local if not process_alive(pid)],
+            [rank for rank, pid in local if process_alive(pid)])
+
+
+def peer_failure(topo) -> PeerFailure:
+    """The one line a surviving rank prints: which rank died (when it ran on this host) and how to resume."""
+    gone, alive = departed(topo) if topo.peers else ([], [topo.rank])
+    who = (f"rank {', '.join(map(str, gone))} ({'its process is' if len(gone) == 1 else 'their processes are'} "
+           f"gone)" if gone else "a rank on another host")
+    return PeerFailure(f"the job stopped because {who} died or failed (its error line, if any, says why); "
+                       f"checkpoints are intact: rerun the same command with --resume auto",
+                       announce=topo.rank == min(alive, default=topo.rank))
+
+
 def is_peer_failure(exc: BaseException) -> bool:
     """True for the error Horovod raises on the surviving ranks after another rank failed or exited."""
     return type(exc).__name__ == "HorovodInternalError" or "Horovod has been shut down" in str(exc)
@@ -52,6 +80,7 @@ class Topology:
     size: int
     local_rank: int
     local_size: int
+    peers: tuple = ()  # (host, pid) of every rank, to name the one that died
 
     @property
     def is_root(self) -> bool:
@@ -100,7 +129,10 @@ def horovod_environment(horovod_cfg) -> dict[str, str]:
     """The HOROVOD_* variables that set the config's tuning knobs; hvd.init() reads them."""
     env = {"HOROVOD_FUSION_THRESHOLD": str(horovod_cfg.fusion_threshold_mb * 2 ** 20),
            "HOROVOD_CYCLE_TIME": f"{horovod_cfg.cycle_time_ms:g}",
-           "HOROVOD_AUTOTUNE": "1" if horovod_cfg.autotune else "0"}
+           "HOROVOD_AUTOTUNE": "1" if horovod_cfg.autotune else "0",
+           "HOROVOD_STALL_CHECK_TIME_SECONDS": str(horovod_cfg.stall_warning_s),
+           "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": str(horovod_cfg.stall_shutdown_s),
+           "HOROVOD_GLOO_TIMEOUT_SECONDS": str(horovod_cfg.gloo_timeout_s)}
     if horovod_cfg.autotune_log:
         env["HOROVOD_AUTOTUNE_LOG"] = os.path.abspath(horovod_cfg.autotune_log)
     return env
@@ -133,8 +165,9 @@ def init(threads: int = 0, horovod_cfg=None) -> Topology:
         set_horovod_knobs(horovod_cfg)
     check_controller(hvd)
     hvd.init()
-    topo = Topology(hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size())
-    check_world_size(topo.size)
+    check_world_size(hvd.size())
+    peers = tuple(hvd.allgather_object((socket.gethostname(), os.getpid()), name="peers"))
+    topo = Topology(hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), peers)
     torch.set_num_threads(threads or cores_per_rank(topo.local_size))
     if torch.cuda.is_available():
         torch.cuda.set_device(topo.local_rank)

@@ -11,3 +11,12 @@ class UserError(Exception):
     def __init__(self, message: str, same_on_all_ranks: bool = True):
         super().__init__(message)
         self.same_on_all_ranks = same_on_all_ranks
+
+
+class PeerFailure(Exception):
+    """Another rank died or failed; the message names it when this rank can tell (see distributed.departed).
+    ``announce``: this rank prints the line (the lowest surviving rank on its host)."""
+
+    def __init__(self, message: str, announce: bool = True):
+        super().__init__(message)
+        self.announce = announce

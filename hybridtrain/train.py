@@ -201,9 +201,19 @@ def save_stopped_epoch(cfg: Config, t: Trainer, epoch: int, stopped: EpochProgre
 
 
 def run_training(cfg: Config, resume: str | None = None) -> dict | None:
-    """Train; ``resume``: None (fresh), "required" (a checkpoint must exist) or "auto" (if one exists)."""
+    """Train; ``resume``: None (fresh), "required" (a checkpoint must exist) or "auto" (if one exists).
+    When another rank dies, this one raises PeerFailure naming it."""
     watch = PreemptionWatch()  # first: a SIGTERM during the setup also ends the run cleanly
     t = build_trainer(cfg)
+    try:
+        return train_epochs(cfg, t, watch, resume)
+    except RuntimeError as exc:
+        if distributed.is_peer_failure(exc):
+            raise distributed.peer_failure(t.topo) from None
+        raise
+
+
+def train_epochs(cfg: Config, t: Trainer, watch: PreemptionWatch, resume: str | None) -> dict | None:
     topo, data = t.topo, t.data
     metrics_path = os.path.join(cfg.run_dir, "metrics.jsonl")
     start_epoch, history, elapsed_before, progress = 0, [], 0.0, None
