@@ -42,7 +42,7 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-class HashingWriter:
+class _HashingWriter:
     """A file for ``torch.save`` that hashes what it writes and keeps the OSError of a failed write
     (torch reports that only as an opaque RuntimeError)."""
 
@@ -70,7 +70,7 @@ def _fsync(fh) -> None:
 def _save_hashed(obj, path: str) -> str:
     """torch.save ``obj`` to ``path`` and fsync it; returns the SHA-256 of the bytes written."""
     with open(path, "wb") as fh:
-        writer = HashingWriter(fh)
+        writer = _HashingWriter(fh)
         try:
             torch.save(obj, writer)
         except RuntimeError:
@@ -250,11 +250,11 @@ def restore(state: dict, model: torch.nn.Module, optimizer: torch.optim.Optimize
         raise UserError(f"--resume: the checkpoint of epoch {state['epoch'] + 1} does not fit this model: "
                         f"{_model_mismatch(model, state['model'])}; {trained}: {hint}") from None
     mismatch = _optimizer_mismatch(optimizer, state["optimizer"])
-    try:
-        if not mismatch:
+    if not mismatch:
+        try:
             optimizer.load_state_dict(state["optimizer"])
-    except (KeyError, ValueError, RuntimeError, IndexError, TypeError) as exc:
-        mismatch = f"{type(exc).__name__}: {str(exc)[:80]}"
+        except (KeyError, ValueError, RuntimeError, IndexError, TypeError) as exc:
+            mismatch = f"{type(exc).__name__}: {str(exc)[:80]}"
     if mismatch:
         raise UserError(f"--resume: the checkpoint's optimizer state does not fit this optimizer ({mismatch}); "
                         f"{trained}: {hint}")

@@ -15,7 +15,7 @@ from conftest import HYBRIDTRAIN, REPO, assert_one_error_line, env_with_venv, ho
 
 ROBUSTNESS_DOC = os.path.join(REPO, "docs", "robustness.md")
 AREAS = {"config", "data", "checkpoint", "command line", "environment"}
-needs_mpirun = pytest.mark.skipif(shutil.which("mpirun") is None, reason="no MPI installed (apt-get install openmpi-bin)")
+needs_mpirun = pytest.mark.skipif(shutil.which("mpirun") is None, reason="no MPI (apt-get install openmpi-bin)")
 
 
 def run_with_env(cmd: list[str], **extra_env: str) -> subprocess.CompletedProcess:
