@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -162,18 +163,23 @@ def rank_pids(config_path: str, rank: int) -> list[int]:
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc to find the ranks")
-def test_a_killed_rank_ends_the_whole_job_quickly_with_a_resume_line(small_digits, tmp_path, write_config):
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_a_killed_rank_ends_the_whole_job_quickly_naming_it(small_digits, tmp_path, write_config, ranks):
+    """SIGKILL one rank at a random moment of epoch 2: within 60 s every process is gone, and one line names
+    the dead rank and says how to resume."""
     run_dir = str(tmp_path / "run")
-    cfg = write_config(tiny_config(small_digits, run_dir, train={"epochs": 20}))
-    proc = subprocess.Popen([HOROVODRUN, "--gloo", "-np", "2", "-H", "localhost:2", HYBRIDTRAIN, "train", "--config",
-                             cfg], env=env_with_venv(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    cfg = write_config(tiny_config(small_digits, run_dir, train={"epochs": 20, "batch_size": 8}))
+    proc = subprocess.Popen([HOROVODRUN, "--gloo", "-np", str(ranks), "-H", f"localhost:{ranks}", HYBRIDTRAIN,
+                             "train", "--config", cfg], env=env_with_venv(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    victim = random.Random(ranks).randrange(1, ranks)
     try:
         deadline = time.time() + 300
         while not os.path.exists(os.path.join(run_dir, "checkpoint-epoch0001.pt")) and time.time() < deadline:
             time.sleep(0.1)
-        victims = rank_pids(cfg, 1)
-        assert victims, "rank 1 not found"
+        time.sleep(random.Random(ranks).uniform(0.0, 1.0))  # a random step
+        victims = rank_pids(cfg, victim)
+        assert victims, f"rank {victim} not found"
         killed_at = time.time()
         for pid in victims:
             os.kill(pid, signal.SIGKILL)
@@ -183,7 +189,9 @@ def test_a_killed_rank_ends_the_whole_job_quickly_with_a_resume_line(small_digit
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode != 0 and ended_after < 60, f"the job took {ended_after:.0f} s to end"
-    assert "stopped because another rank failed or was killed" in output and "--resume" in output
+    lines = [x for x in output.splitlines() if "the job stopped because" in x]
+    assert len(lines) == 1, output[-3000:]
+    assert f"rank {victim} (its process is gone) died" in lines[0] and "--resume auto" in lines[0]
     assert "Traceback" not in rank_output(output)
     time.sleep(1)
-    assert rank_pids(cfg, 0) == [] and rank_pids(cfg, 1) == [], "a rank was left behind"
+    assert all(rank_pids(cfg, r) == [] for r in range(ranks)), "a rank was left behind"
