@@ -69,12 +69,14 @@ def layered_rows(cfg) -> list[tuple[str, list[str]]]:
 
 def bn_rows(cfg) -> list[tuple[str, list[str]]]:
     """Seed 001's Table 3.4, top to bottom: (random batch, cross-rank, moving average) ... (fixed, per-rank,
-    last iteration), the paper's strategy."""
+    last iteration), the paper's strategy; then that strategy with the pooled variance (beyond the paper)."""
     return [("random, cross-rank, moving avg", ["bn.per_rank_batch=random", "bn.sync=true", "bn.stats=moving_average"]),
             ("fixed, cross-rank, moving avg", ["bn.per_rank_batch=fixed", "bn.sync=true", "bn.stats=moving_average"]),
             ("fixed, per-rank, moving avg", ["bn.per_rank_batch=fixed", "bn.sync=false", "bn.stats=moving_average"]),
             ("fixed, per-rank, last iteration", ["bn.per_rank_batch=fixed", "bn.sync=false",
-                                                 "bn.stats=last_iteration"])]
+                                                 "bn.stats=last_iteration"]),
+            ("fixed, per-rank, last iteration, pooled", ["bn.per_rank_batch=fixed", "bn.sync=false",
+                                                         "bn.stats=last_iteration", "bn.combine=pooled"])]
 
 
 def init_rows(cfg) -> list[tuple[str, list[str]]]:
