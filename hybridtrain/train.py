@@ -222,7 +222,7 @@ def train_epochs(cfg: Config, t: Trainer, watch: PreemptionWatch, resume: str | 
         progress = restore(t, state)
         start_epoch, elapsed_before = state["epoch"] + 1, state.get("elapsed_s", 0.0)
         where = f"step {progress.passes // t.k} of epoch {start_epoch + 1}" if progress else f"epoch {start_epoch}"
-        log(topo, f"hybridtrain: resumed after {where} in {cfg.run_dir}")
+        log(topo, f"hybridtrain: resumed from {where} in {cfg.run_dir}")
     else:
         distributed.broadcast_model(t.model)
         t.bundle.optimizer.load_state_dict(distributed.broadcast_object(t.bundle.optimizer.state_dict(), "optim_init"))

@@ -105,7 +105,7 @@ def test_sigterm_mid_epoch_then_resume_auto_is_bitwise_exact(small_digits, tmp_p
 
     resumed = horovodrun(2, ["train", "--config", broken, "--resume", "auto"])
     assert resumed.returncode == 0, resumed.stdout[-3000:]
-    assert "resumed after step" in resumed.stdout
+    assert "resumed from step" in resumed.stdout
     assert file_digest(broken_dir / "final_model.pt") == file_digest(straight_dir / "final_model.pt"), line
     report = json.loads((broken_dir / "report.json").read_text())
     assert len(set(report["rank_digests"])) == 1
