@@ -137,6 +137,7 @@ class HorovodConfig:
     compression: str = choice("fp16", ["fp16", "none"], "gradient all-reduce compression")
     gradient_predivide_factor: float = number(1.0, lo=1.0, doc="divide gradients by f before the sum and by "
                                                                "N/f after: keeps FP16 sums over many ranks finite")
+    # fusion_threshold_mb and cycle_time_ms: defaults chosen with hybridtrain scale (docs/benchmarks.md)
     fusion_threshold_mb: int = number(128, lo=0, doc="HOROVOD_FUSION_THRESHOLD in MiB: gradients ready together are "
                                                      "all-reduced in one buffer up to this size; 0 = no fusion")
     cycle_time_ms: float = number(1.0, lo=0.0, lo_open=True, doc="HOROVOD_CYCLE_TIME: ms between the background "

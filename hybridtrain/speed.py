@@ -33,15 +33,15 @@ from .training import EagerPasses, classification_loss, train_step
 
 
 def missing_compiler(device: torch.device) -> str | None:
-    """What torch.compile lacks to build kernels for ``device`` (None when it has it): inductor's CPU code needs
-    a C++ compiler ($CXX, else g++), Triton's GPU launchers a C compiler ($CC, else gcc or clang)."""
+    """The compiler torch.compile lacks for ``device``, in words; None when one is on PATH. Inductor's CPU kernels
+    need a C++ compiler ($CXX, else g++); Triton's GPU launchers a C compiler ($CC, else gcc or clang)."""
     if device.type == "cuda":
         names = [os.environ["CC"]] if os.environ.get("CC") else ["gcc", "clang"]
-        kind = "a C compiler for Triton ($CC, gcc or clang)"
+        wanted = f"a C compiler for Triton ({' or '.join(names)})"
     else:
         names = [os.environ.get("CXX") or "g++"]
-        kind = f"a C++ compiler for inductor's CPU code ({'$CXX=' + names[0] if os.environ.get('CXX') else 'g++'})"
-    return None if any(shutil.which(name) for name in names) else kind
+        wanted = f"a C++ compiler for inductor's CPU kernels ({names[0]})"
+    return None if any(shutil.which(name) for name in names) else wanted
 
 
 def check_speedups(train_cfg, device: torch.device) -> None:
@@ -67,10 +67,10 @@ class GraphedStep:
     def __init__(self, model, precision, static_images: torch.Tensor, static_labels: torch.Tensor):
         self.static_images, self.static_labels = static_images, static_labels
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.graph = torch.cuda.CUDAGraph()
+        self.graph, self.capture_stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
         self._warm_up(model, precision)
         self._drop_grads()  # the graph allocates the gradients from its pool: replays write them there
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph, stream=self.capture_stream):  # the warmup's stream: its handles exist
             self.static_loss, self.static_logits = self._forward_backward(model, precision)
         self.static_grads = [p.grad.detach() for p in self.params]  # aliases that survive Horovod's grad.set_
 
@@ -82,13 +82,13 @@ class GraphedStep:
         return loss.detach(), logits.detach()
 
     def _warm_up(self, model, precision) -> None:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        """A few eager iterations on the side stream the capture will use, off the default stream."""
+        self.capture_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.capture_stream):
             for _ in range(self.WARMUP_ITERATIONS):
                 self._drop_grads()
                 self._forward_backward(model, precision)
-        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.current_stream().wait_stream(self.capture_stream)
 
     def _drop_grads(self) -> None:
         for p in self.params:
