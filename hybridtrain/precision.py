@@ -159,10 +159,14 @@ class LossScaler:
         return finite
 
     def unscale(self, optimizer) -> bool:
-        """g <- g / S for every gradient (a check alone when S = 1); True when all are finite."""
+        """g <- g / S for every gradient; True when all are finite. Unscaled (S = 1), only the optimizer's last
+        gradient is checked, the classifier's bias: a NaN or inf loss on any rank reaches it, and the check
+        then costs nothing next to the step."""
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if not grads:
             return True
+        if self.mode == "none":
+            grads = grads[-1:]
         found_inf = torch.zeros(1, device=grads[0].device)
         inv_scale = torch.full((1,), 1.0 / self.scale, device=grads[0].device)
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)  # one multi-tensor pass
