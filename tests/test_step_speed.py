@@ -127,7 +127,7 @@ def test_the_step_reads_only_the_non_finite_flag(sets):
     assert count_host_syncs(step, device()) == 1
 
 
-def test_loss_scaling_reads_only_the_overflow_flag():
+def test_loss_scaling_is_the_one_host_sync_in_the_step():
     from hybridtrain.syncs import count_host_syncs
     step, _ = built_step(["precision.mode=mixed", "precision.compute_dtype=fp16"])
     step()
