@@ -7,6 +7,8 @@ augmented images as an uninterrupted one. An unreadable image turns its batch in
 """
 from __future__ import annotations
 
+import atexit
+
 from dataclasses import dataclass
 
 import torch
@@ -116,6 +118,19 @@ def die_with_the_rank(worker_id: int) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
     except (OSError, AttributeError):  # not Linux: no such guard
         pass
+
+
+def kill_workers_at_exit() -> None:
+    """Workers ignore SIGTERM (above), so multiprocessing's own exit handler, which terminates its children
+    with SIGTERM and then joins them, would wait forever: kill them first. atexit runs the handlers in
+    reverse order, and this one is registered after multiprocessing's."""
+    import multiprocessing
+    for child in multiprocessing.active_children():
+        child.kill()
+        child.join(timeout=5)
+
+
+atexit.register(kill_workers_at_exit)
 
 
 def _loader(dataset, batch_sampler, cfg, workers: int) -> DataLoader:
