@@ -19,7 +19,6 @@ class PreemptionWatch:
     def __init__(self):
         self.requested = False
         self.handle = None
-        self.steps = 0
         self.previous = signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def _on_sigterm(self, signum, frame) -> None:
@@ -29,9 +28,9 @@ class PreemptionWatch:
         """True on every rank at the same step once any rank got SIGTERM (no wait on the critical path)."""
         hvd = import_horovod()
         stop = self._collect()
-        self.steps += 1
-        self.handle = hvd.allreduce_async(torch.tensor([int(self.requested)]), op=hvd.Sum,
-                                          name=f"preemption.{self.steps}")
+        # one name for every step (the previous one has completed): Horovod's response cache then skips the
+        # negotiation of this tensor after the first step
+        self.handle = hvd.allreduce_async(torch.tensor([int(self.requested)]), op=hvd.Sum, name="preemption")
         return stop
 
     def agreed_now(self) -> bool:
