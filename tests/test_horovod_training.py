@@ -125,7 +125,8 @@ def test_interrupted_and_resumed_run_matches_uninterrupted(small_digits, tmp_pat
     broken = write_config(tiny_config(small_digits, broken_dir, train=epochs), "broken.yaml")
     assert horovodrun(2, ["train", "--config", straight]).returncode == 0
 
-    # Kill the whole job as soon as epoch 1's checkpoint is durable.
+    # Kill horovodrun as soon as epoch 1's checkpoint is durable. Its helper processes then send the ranks
+    # SIGTERM, which they may still answer with a stopped-epoch checkpoint: either way the resume is exact.
     proc = subprocess.Popen([HOROVODRUN, "--gloo", "-np", "2", "-H", "localhost:2", HYBRIDTRAIN, "train", "--config",
                              broken], env=env_with_venv(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
@@ -140,7 +141,7 @@ def test_interrupted_and_resumed_run_matches_uninterrupted(small_digits, tmp_pat
 
     resumed = horovodrun(2, ["train", "--config", broken, "--resume"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from epoch" in resumed.stdout
+    assert "resumed from epoch 1 " in resumed.stdout or "resumed from step" in resumed.stdout
     assert digest_of_file(os.path.join(broken_dir, "final_model.pt")) == \
         digest_of_file(os.path.join(straight_dir, "final_model.pt"))
     assert [r["epoch"] for r in read_metrics(broken_dir)] == [1, 2, 3]
