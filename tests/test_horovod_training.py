@@ -141,7 +141,7 @@ def test_interrupted_and_resumed_run_matches_uninterrupted(small_digits, tmp_pat
 
     resumed = horovodrun(2, ["train", "--config", broken, "--resume"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from epoch 1 " in resumed.stdout or "resumed from step" in resumed.stdout
+    assert "resumed from " in resumed.stdout
     assert digest_of_file(os.path.join(broken_dir, "final_model.pt")) == \
         digest_of_file(os.path.join(straight_dir, "final_model.pt"))
     assert [r["epoch"] for r in read_metrics(broken_dir)] == [1, 2, 3]
