@@ -33,6 +33,11 @@ def batch_norms(model: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
     return [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
 
 
+def running_buffers(model: nn.Module) -> list[torch.Tensor]:
+    """Every BN's running mean and running variance, in module order."""
+    return [buf for bn in batch_norms(model) for buf in (bn.running_mean, bn.running_var)]
+
+
 def running_momentum(bn_cfg) -> float:
     """PyTorch's convention, running = (1 - m) running + m batch: m = 1 keeps the last iteration's statistics."""
     return 1.0 if bn_cfg.stats == "last_iteration" else bn_cfg.momentum
@@ -61,7 +66,7 @@ class RunningStatsGuard:
     a NaN must not poison them (with a moving average it would never wash out)."""
 
     def __init__(self, model: nn.Module):
-        self.buffers = [buf for bn in batch_norms(model) for buf in (bn.running_mean, bn.running_var)]
+        self.buffers = running_buffers(model)
         self.saved = [buf.clone() for buf in self.buffers]
 
     def save(self) -> None:

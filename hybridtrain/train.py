@@ -14,7 +14,7 @@ from . import checkpoint, distributed, reporting, speed
 from .config import Config, save_config
 from .data.loaders import create_loaders
 from .errors import UserError
-from .batchnorm import average_running_statistics, batch_norms, configure_batch_norm
+from .batchnorm import average_running_statistics, configure_batch_norm, running_buffers
 from .models import model_from_config
 from .optim import create_optimizer
 from .precision import check_hardware, create_scaler, peak_memory_mb, prepare_model, reset_peak_memory, resolve_policy
@@ -168,14 +168,9 @@ def restore(t: Trainer, state: dict) -> EpochProgress | None:
     return EpochProgress(**mine["progress"])
 
 
-def bn_buffer_list(model) -> list[torch.Tensor]:
-    return [buf.detach().cpu().clone() for bn in batch_norms(model) for buf in (bn.running_mean, bn.running_var)]
-
-
 @torch.no_grad()
 def load_bn_buffers(model, buffers: list[torch.Tensor]) -> None:
-    own = [buf for bn in batch_norms(model) for buf in (bn.running_mean, bn.running_var)]
-    for buf, saved in zip(own, buffers, strict=True):
+    for buf, saved in zip(running_buffers(model), buffers, strict=True):
         buf.copy_(saved)
 
 
@@ -187,7 +182,7 @@ def checkpoint_state(cfg: Config, t: Trainer, completed_epoch: int, elapsed_s: f
 
 def save_stopped_epoch(cfg: Config, t: Trainer, epoch: int, stopped: EpochProgress, elapsed_s: float) -> None:
     """A preempted epoch's checkpoint: the averaged model, plus every rank's own BN buffers and progress."""
-    mine = {"bn_buffers": bn_buffer_list(t.model), "progress": dataclasses.asdict(stopped)}
+    mine = {"bn_buffers": [buf.detach().cpu().clone() for buf in running_buffers(t.model)], "progress": dataclasses.asdict(stopped)}
     ranks = distributed.import_horovod().allgather_object(mine, name="stopped_epoch")
     average_running_statistics(t.model, cfg.bn.combine)  # the checkpoint's model is the averaged one
     if t.topo.is_root:

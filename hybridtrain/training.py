@@ -139,14 +139,15 @@ def train_one_epoch(model, bundle, precision: Precision, loader, epoch: int, upd
             bundle.optimizer.zero_grad()
             bn_guard.save()
         loss, logits = passes.backward_pass(precision, images, labels, micro_batch_weight(labels.numel(), batch_size, k))
-        if (i + 1) % k == 0 and not precision.scaler.step(bundle.optimizer):
+        step_ends = (i + 1) % k == 0
+        if step_ends and not precision.scaler.step(bundle.optimizer):
             bn_guard.restore()
         loss_sum += loss * labels.numel()
         correct += topk_correct(logits, labels, ks=(1,))[0]
         seen += labels.numel()
         if progress is not None:
             progress.update(loss_sum, seen, i + 1)
-        if (i + 1) % k == 0 and i + 1 < total_passes and stop_after_step is not None and stop_after_step():
+        if step_ends and i + 1 < total_passes and stop_after_step is not None and stop_after_step():
             stopped = EpochProgress(i + 1, float(loss_sum), float(correct), float(seen), time.perf_counter() - start,
                                     precision.scaler.skipped_steps - skipped_before)
             return EpochResult(float("nan"), float("nan"), 0, stopped.train_time_s, stopped.skipped_steps, stopped)
