@@ -71,6 +71,24 @@ def test_batches_follow_the_configured_layout_and_dtype(backend, channels_last, 
     assert data.num_classes == (1000 if backend == "synthetic" else 10)
 
 
+def test_a_sigterm_to_a_starting_worker_does_not_kill_it(small_digits):
+    """SLURM signals the whole process group. A worker still importing torch (before its init can ignore
+    SIGTERM) must survive it: the rank handles preemption, and a dead worker would fail the rank."""
+    import multiprocessing
+    import signal
+    cfg = config_from_dict({"data": {"path": small_digits, "backend": "torchvision", "crop_size": 32,
+                                     "val_resize": 32, "workers": 2}, "train": {"batch_size": 8}})
+    loader = create_loaders(cfg, Topology(0, 1, 0, 1)).train
+    before = {p.pid for p in multiprocessing.active_children()}
+    batches = iter(loader)
+    workers = [p for p in multiprocessing.active_children() if p.pid not in before]
+    assert len(workers) == 2
+    for worker in workers:
+        os.kill(worker.pid, signal.SIGTERM)  # long before the spawned worker has imported torch
+    assert sum(len(indices) for _, _, indices in batches) == len(loader) * 8
+    assert all(worker.is_alive() for worker in workers)
+
+
 def plant_truncated_jpeg(data: str) -> str:
     victim_dir = os.path.join(data, "train", "4")
     victim = os.path.join(victim_dir, sorted(os.listdir(victim_dir))[0])

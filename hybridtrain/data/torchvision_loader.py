@@ -8,7 +8,12 @@ augmented images as an uninterrupted one. An unreadable image turns its batch in
 from __future__ import annotations
 
 import atexit
-
+import hashlib
+import multiprocessing
+import os
+import shlex
+import sys
+import tempfile
 from dataclasses import dataclass
 
 import torch
@@ -108,7 +113,8 @@ def die_with_the_rank(worker_id: int) -> None:
     A rank killed with SIGKILL cannot stop its workers; left alive they would keep horovodrun's output pipe
     open, and horovodrun would wait on them forever instead of ending the job. SIGTERM and SIGINT are the
     rank's to handle (preemption: finish the step, checkpoint): a scheduler that signals the whole process
-    group must not kill the workers under it.
+    group must not kill the workers under it. Until this runs, the wrapper of :func:`spawn_context` keeps
+    them ignored.
     """
     import ctypes
     import signal
@@ -133,11 +139,33 @@ def kill_workers_at_exit() -> None:
 atexit.register(kill_workers_at_exit)
 
 
+def spawn_context():
+    """The spawn context, with each child started by a tiny /bin/sh wrapper that ignores SIGTERM and SIGINT and
+    then execs this Python: an ignored signal stays ignored across exec.
+
+    A spawned worker imports torch for seconds before ``die_with_the_rank`` runs; a scheduler's SIGTERM to the
+    process group in that window would kill it and fail the rank. (A blocked signal mask would not do: Python
+    clears it in the child.) The rank's only spawned children are its loader workers."""
+    python = shlex.quote(sys.executable)
+    script = f"#!/bin/sh\ntrap '' TERM INT\nexec {python} \"$@\"\n"
+    digest = hashlib.sha256(script.encode()).hexdigest()[:16]
+    path = os.path.join(tempfile.gettempdir(), f"hybridtrain-worker-{os.getuid()}-{digest}")
+    if not os.path.exists(path):
+        staging = f"{path}.{os.getpid()}"
+        with open(staging, "w") as fh:
+            fh.write(script)
+        os.chmod(staging, 0o755)
+        os.replace(staging, path)  # atomic: ranks on one host may race here
+    context = multiprocessing.get_context("spawn")
+    context.set_executable(path)
+    return context
+
+
 def _loader(dataset, batch_sampler, cfg, workers: int) -> DataLoader:
     # spawn, not fork (unsafe after Horovod's threads start) nor forkserver (its server outlives a killed rank):
     # spawned workers are the rank's own children, so die_with_the_rank applies
     return DataLoader(dataset, batch_sampler=batch_sampler, num_workers=workers,
-                      collate_fn=Collate(cfg.data.channels_last), multiprocessing_context="spawn",
+                      collate_fn=Collate(cfg.data.channels_last), multiprocessing_context=spawn_context(),
                       persistent_workers=True, prefetch_factor=cfg.data.prefetch, worker_init_fn=die_with_the_rank)
 
 
