@@ -16,7 +16,11 @@ def cmd_train(args) -> int:
     if args.resume not in (None, "required", "auto"):
         raise UserError(f"--resume takes no value or 'auto', got '{args.resume}': e.g. --resume auto")
     cfg = load_config(args.config, args.set)
-    run_training(cfg, resume=args.resume)
+    if args.elastic:
+        from .elastic import run_elastic
+        run_elastic(cfg, resume=args.resume)
+    else:
+        run_training(cfg, resume=args.resume)
     return 0
 
 
@@ -173,6 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", nargs="?", const="required", metavar="auto",
                        help="continue from the newest valid checkpoint in run_dir; '--resume auto' starts fresh "
                             "when there is none (for job scripts that requeue themselves)")
+    train.add_argument("--elastic", action="store_true",
+                       help="Horovod elastic training: ranks may leave and join (horovodrun --min-np/--max-np "
+                            "--host-discovery-script; docs/elastic.md)")
     train.set_defaults(func=cmd_train)
 
     prep = sub.add_parser("prepare-data", help="write a dataset in the ImageNet folder layout")

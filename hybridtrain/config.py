@@ -170,6 +170,14 @@ class BNConfig:
 
 
 @dataclass
+class ElasticConfig:
+    commit_steps: int = number(20, lo=1, doc="train --elastic: commit the training state in memory every N optimizer "
+                                              "steps; a failed rank costs at most N steps, a resize waits up to N")
+    audit_samples: bool = plain(False, "train --elastic: each rank writes the sample indices of every committed step "
+                                       "to run_dir/samples/, to check that no sample is repeated or skipped")
+
+
+@dataclass
 class ReportConfig:
     top1_target: float = number(0.75, lo=0.0, hi=1.0, lo_open=True, doc="convergence: val top-1 target (paper: 0.75)")
     top5_target: float = number(0.93, lo=0.0, hi=1.0, lo_open=True, doc="val top-5 target (paper: 0.93)")
@@ -187,6 +195,7 @@ class Config:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     horovod: HorovodConfig = field(default_factory=HorovodConfig)
     bn: BNConfig = field(default_factory=BNConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
 
     def to_dict(self) -> dict:

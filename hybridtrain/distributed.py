@@ -146,10 +146,18 @@ def same_setting(a: str, b: str) -> bool:
         return a == b
 
 
-def set_horovod_knobs(horovod_cfg) -> None:
+# Horovod's own defaults (since 0.21). Under elastic training, hvd.init() after a resize crashes (SIGSEGV,
+# Horovod 0.28.1) when both of these variables are set, so they are exported there only when they differ.
+HOROVOD_DEFAULTS = {"HOROVOD_FUSION_THRESHOLD": str(128 * 2 ** 20), "HOROVOD_CYCLE_TIME": "1"}
+
+
+def set_horovod_knobs(horovod_cfg, elastic: bool = False) -> None:
     """Export the config's knobs for hvd.init(). The config wins over a value the launcher set (e.g. horovodrun
     --fusion-threshold-mb); rank 0 says so in one warning line per replaced variable."""
     for name, value in horovod_environment(horovod_cfg).items():
+        if elastic and HOROVOD_DEFAULTS.get(name) is not None and same_setting(HOROVOD_DEFAULTS[name], value):
+            os.environ.pop(name, None)
+            continue
         previous = os.environ.get(name)
         if previous is not None and not same_setting(previous, value) and launcher_rank() == 0:
             print(f"hybridtrain: warning: {name}={previous} from the launcher is replaced by the config's {value}; "
@@ -157,16 +165,25 @@ def set_horovod_knobs(horovod_cfg) -> None:
         os.environ[name] = value
 
 
-def init(threads: int = 0, horovod_cfg=None) -> Topology:
+def init(threads: int = 0, horovod_cfg=None, elastic: bool = False) -> Topology:
     """hvd.init() with the config's Horovod knobs (``horovod_cfg``; None leaves Horovod's own settings), and pin
-    torch threads: ``threads`` or cores / local ranks."""
+    torch threads: ``threads`` or cores / local ranks. ``elastic``: no collective here (a worker joining a
+    running elastic job must reach the state sync first), and the launcher's size is only the initial one."""
     hvd = import_horovod()
     if horovod_cfg is not None:
-        set_horovod_knobs(horovod_cfg)
+        set_horovod_knobs(horovod_cfg, elastic)
     check_controller(hvd)
     hvd.init()
+    if elastic:
+        return current_topology(threads)
     check_world_size(hvd.size())
     peers = tuple(hvd.allgather_object((socket.gethostname(), os.getpid()), name="peers"))
+    return current_topology(threads, peers)
+
+
+def current_topology(threads: int = 0, peers: tuple = ()) -> Topology:
+    """This rank's place in the job Horovod formed last, with torch's threads and device set for it."""
+    hvd = import_horovod()
     topo = Topology(hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), peers)
     torch.set_num_threads(threads or cores_per_rank(topo.local_size))
     if torch.cuda.is_available():

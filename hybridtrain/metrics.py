@@ -126,6 +126,15 @@ def actual_average_single_gpu_time(actual_training_time: float, world_size: int)
     return actual_training_time * world_size  # single-GPU time = actual training time * N
 
 
+def varying_ranks_single_gpu_time(epoch_ends: list[float], world_sizes: list[int]) -> float:
+    """The same criterion when elastic training changed N between epochs: sum_e (t_e - t_(e-1)) * N_e, with
+    t_0 = 0 and N_e the ranks at the end of epoch e (a mid-epoch resize counts at the epoch's end)."""
+    for n in world_sizes:
+        _require_world_size(n)
+    starts = [0.0] + list(epoch_ends[:-1])
+    return sum((end - start) * n for start, end, n in zip(starts, epoch_ends, world_sizes, strict=True))
+
+
 def model_single_gpu_time(
     convergence_epoch: int, images_per_epoch: int, single_gpu_speed: float, efficiency: float
 ) -> float:

@@ -24,8 +24,9 @@ class PreemptionWatch:
     def _on_sigterm(self, signum, frame) -> None:
         self.requested = True
 
-    def after_step(self) -> bool:
-        """True on every rank at the same step once any rank got SIGTERM (no wait on the critical path)."""
+    def after_step(self, snapshot=None) -> bool:
+        """True on every rank at the same step once any rank got SIGTERM (no wait on the critical path).
+        ``snapshot``, the epoch's progress, is not needed here."""
         hvd = import_horovod()
         stop = self._collect()
         # one name for every step (the previous one has completed): Horovod's response cache then skips the

@@ -95,6 +95,9 @@ def run_figures(history: list[dict], world_size: int, top1_target: float, top5_t
         figures["actual_training_time_s"] = time.with_eval
         figures["actual_training_time_without_eval_s"] = time.without_eval
         figures["actual_avg_single_gpu_time_s"] = metrics.actual_average_single_gpu_time(time.with_eval, world_size)
+        sizes = [r.get("world_size", world_size) for r in history[:epoch]]
+        if len(set(sizes)) > 1:  # elastic: N changed on the way
+            figures["actual_avg_single_gpu_time_s"] = metrics.varying_ranks_single_gpu_time(ends[:epoch], sizes)
         if efficiency:
             modelled = metrics.model_single_gpu_time(epoch, figures["images_per_epoch"], single_gpu_speed, efficiency)
             figures["model_single_gpu_time_s"] = modelled

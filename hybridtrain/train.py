@@ -117,8 +117,8 @@ class Trainer:
     passes: object  # forward and backward, eager, compiled or graphed (speed.build_passes)
 
 
-def build_trainer(cfg: Config) -> Trainer:
-    topo = distributed.init(cfg.train.threads, cfg.horovod)
+def build_trainer(cfg: Config, elastic: bool = False) -> Trainer:
+    topo = distributed.init(cfg.train.threads, cfg.horovod, elastic)
     if cfg.train.deterministic:
         use_deterministic_algorithms()
     policy = resolve_policy(cfg.precision)
@@ -136,13 +136,14 @@ def build_trainer(cfg: Config) -> Trainer:
                         f"lower it, or train.batch_size")
     # N of lr*N and of the bounds counts per-rank batches per update: ranks x accumulation steps (global batch / b)
     bundle = create_optimizer(model, cfg, topo.size * k, updates)
-    bundle.on_phase_change = lambda step, s: log(topo, f"hybridtrain: switching to {s['phase']} at step {step} "
-                                                       f"(epoch {step // updates + 1}), lr {s['lr']:.4g}")
     precision = Precision(policy, create_scaler(cfg.precision, policy))
     passes = speed.build_passes(model, cfg, precision)  # a CUDA graph is captured before Horovod's hooks exist
     # Wrap first: Horovod rebuilds the optimizer from its param_groups, so state loaded before would be lost.
     bundle.optimizer = distributed.distributed_optimizer(bundle.optimizer, model, cfg.horovod, k)
-    return Trainer(topo, data, model, precision, bundle, updates, k, passes)
+    t = Trainer(topo, data, model, precision, bundle, updates, k, passes)
+    bundle.on_phase_change = lambda step, s: log(t.topo, f"hybridtrain: switching to {s['phase']} at step {step} "
+                                                         f"(epoch {step // t.updates + 1}), lr {s['lr']:.4g}")
+    return t
 
 
 def use_deterministic_algorithms() -> None:

@@ -108,34 +108,40 @@ class EagerPasses:
 
 def train_one_epoch(model, bundle, precision: Precision, loader, epoch: int, updates_per_epoch: int,
                     batch_size: int, accumulation_steps: int = 1, progress=None, resume: EpochProgress | None = None,
-                    stop_after_step=None, passes=None) -> EpochResult:
+                    stop_after_step=None, passes=None, start: int = 0, first_step: int = 0) -> EpochResult:
     """``updates_per_epoch`` optimizer steps of ``accumulation_steps`` passes each; one all-reduce per step
     (Horovod's backward_passes_per_step). Left-over batches that cannot fill a step are not trained on.
     ``passes``: how forward and backward run (``speed.build_passes``: compiled, or replayed from a CUDA graph);
     default ``model`` eagerly.
 
     ``resume`` continues a stopped epoch: the batches it had done are drawn again and skipped, so the data
-    and the augmentation continue exactly. ``stop_after_step()`` is asked after every step, on every rank.
+    and the augmentation continue exactly. ``stop_after_step(snapshot)`` is asked after every step, on every
+    rank; ``snapshot()`` gives this rank's EpochProgress (a host sync, so call it only when needed).
+
+    Elastic training runs an epoch in segments: ``start`` samples of the epoch's permutation were consumed
+    before this one, which begins at optimizer step ``first_step`` of the epoch (see ``elastic.py``).
     """
     model.train()
-    loader.batch_sampler.set_epoch(epoch)
+    if start:
+        loader.batch_sampler.set_epoch(epoch, start)
+    else:
+        loader.batch_sampler.set_epoch(epoch)
     device = next(model.parameters()).device
     done = resume or EpochProgress()
     loss_sum, correct, seen = (torch.tensor(v, dtype=torch.float64, device=device)
                                for v in (done.loss_sum, done.correct, done.seen))
     skipped_before = precision.scaler.skipped_steps - done.skipped_steps
     passes = passes or EagerPasses(model)
-    k, total_passes = accumulation_steps, updates_per_epoch * accumulation_steps
+    k = accumulation_steps
+    total_passes = min(updates_per_epoch - first_step, len(loader) // k) * k
     bn_guard = RunningStatsGuard(model)
-    start = time.perf_counter() - done.train_time_s
-    for i, batch in enumerate(loader):
-        if i == total_passes:
-            break
+    began = time.perf_counter() - done.train_time_s
+    for i, batch in zip(range(total_passes), loader):  # range first: no batch is drawn beyond the last pass
         if i < done.passes:
             continue
         images, labels = readable(batch, device, precision.policy.input_dtype)
         if i % k == 0:
-            bundle.apply_schedule(epoch * updates_per_epoch + i // k)
+            bundle.apply_schedule(epoch * updates_per_epoch + first_step + i // k)
             bundle.optimizer.zero_grad()
             bn_guard.save()
         loss, logits = passes.backward_pass(precision, images, labels, micro_batch_weight(labels.numel(), batch_size, k))
@@ -147,11 +153,13 @@ def train_one_epoch(model, bundle, precision: Precision, loader, epoch: int, upd
         seen += labels.numel()
         if progress is not None:
             progress.update(loss_sum, seen, i + 1)
-        if step_ends and i + 1 < total_passes and stop_after_step is not None and stop_after_step():
-            stopped = EpochProgress(i + 1, float(loss_sum), float(correct), float(seen), time.perf_counter() - start,
-                                    precision.scaler.skipped_steps - skipped_before)
+        def snapshot(passes=i + 1):
+            return EpochProgress(passes, float(loss_sum), float(correct), float(seen), time.perf_counter() - began,
+                                 precision.scaler.skipped_steps - skipped_before)
+        if step_ends and i + 1 < total_passes and stop_after_step is not None and stop_after_step(snapshot):
+            stopped = snapshot()
             return EpochResult(float("nan"), float("nan"), 0, stopped.train_time_s, stopped.skipped_steps, stopped)
-    elapsed = time.perf_counter() - start
+    elapsed = time.perf_counter() - began
     totals = distributed.allreduce_sum(torch.stack([loss_sum, correct, seen]).cpu(), f"train_totals.{epoch}")
     return EpochResult(float(totals[0] / totals[2]), float(totals[1] / totals[2]), int(totals[2]), elapsed,
                        precision.scaler.skipped_steps - skipped_before)

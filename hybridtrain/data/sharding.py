@@ -13,6 +13,11 @@ Random per-rank batches (``bn.per_rank_batch: random``, Table 3.4's ablation): e
 (seed, epoch, step)) into parts of at least two samples (a BN layer needs more than one value per channel);
 the trainer weights each rank's loss by n_r / b so the update equals the global-batch update.
 
+Elastic training (``train --elastic``) changes the number of ranks inside an epoch. The data position is then
+the number of samples of the epoch's permutation already consumed (``start``); the rest of the permutation is
+cut into global batches of the new ``world_size * batch_size``. So no sample is used twice or left out
+because of a resize; only the final remainder (fewer than one global batch) is left out, as always.
+
 Validation: contiguous shards whose sizes differ by at most one. Validation runs no collective per step,
 so ranks may run different step counts; every image is counted exactly once and no padding is needed.
 """
@@ -49,11 +54,12 @@ def random_split_sizes(global_batch: int, world_size: int, seed: int, epoch: int
 
 
 def train_batches(num_samples: int, rank: int, world_size: int, batch_size: int, seed: int,
-                  epoch: int, shuffle: bool = True, random_split: bool = False) -> list[list[int]]:
-    """This rank's batches (lists of sample indices) for one epoch."""
+                  epoch: int, shuffle: bool = True, random_split: bool = False, start: int = 0) -> list[list[int]]:
+    """This rank's batches (lists of sample indices) for one epoch, from entry ``start`` of its permutation on."""
     order = epoch_permutation(num_samples, seed, epoch) if shuffle else np.arange(num_samples)
+    order = order[start:]
     global_batch = world_size * batch_size
-    full_steps = num_samples // global_batch
+    full_steps = len(order) // global_batch
     if not random_split:
         starts = (step * global_batch + rank * batch_size for step in range(full_steps))
         return [order[start:start + batch_size].tolist() for start in starts]

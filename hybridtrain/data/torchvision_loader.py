@@ -93,18 +93,19 @@ class EpochBatches:
     """A batch sampler whose batches are a pure function of the epoch (see ``sharding``)."""
 
     def __init__(self, batches_for_epoch):
-        self.batches_for_epoch = batches_for_epoch
-        self.epoch = 0
+        self.batches_for_epoch = batches_for_epoch  # (epoch, start) -> batches
+        self.epoch, self.start = 0, 0
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """Draw ``epoch``'s batches from entry ``start`` of its permutation on (elastic training's resizes)."""
+        self.epoch, self.start = epoch, start
 
     def __iter__(self):
-        for batch in self.batches_for_epoch(self.epoch):
+        for batch in self.batches_for_epoch(self.epoch, self.start):
             yield [(i, self.epoch) for i in batch]
 
     def __len__(self) -> int:
-        return len(self.batches_for_epoch(self.epoch))
+        return len(self.batches_for_epoch(self.epoch, self.start))
 
 
 def die_with_the_rank(worker_id: int) -> None:
@@ -175,8 +176,8 @@ def create_train_loader(images: ImageList, cfg, rank: int, world_size: int, work
     dataset = ImageListDataset(images, train_transform(d.crop_size, d.min_crop_area, d.hflip), cfg.seed)
     n, b = len(images), cfg.train.batch_size
     random_split = cfg.bn.per_rank_batch == "random"
-    sampler = EpochBatches(lambda epoch: sharding.train_batches(n, rank, world_size, b, cfg.seed, epoch,
-                                                                random_split=random_split))
+    sampler = EpochBatches(lambda epoch, start: sharding.train_batches(n, rank, world_size, b, cfg.seed, epoch,
+                                                                       random_split=random_split, start=start))
     return _loader(dataset, sampler, cfg, workers)
 
 
@@ -186,5 +187,5 @@ def create_val_loader(images: ImageList, cfg, rank: int, world_size: int, worker
     dataset = ImageListDataset(images, val_transform(d.crop_size, d.val_resize), cfg.seed)
     shard = list(sharding.val_shard(len(images), rank, world_size))
     b = d.val_batch_size or cfg.train.batch_size
-    sampler = EpochBatches(lambda epoch: [shard[i:i + b] for i in range(0, len(shard), b)])
+    sampler = EpochBatches(lambda epoch, start: [shard[i:i + b] for i in range(0, len(shard), b)])
     return _loader(dataset, sampler, cfg, workers)

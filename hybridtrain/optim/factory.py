@@ -67,21 +67,14 @@ def adabound_schedule(step: int, o, world_size: int) -> dict:
     return {"lower_bound": lower, "upper_bound": upper}
 
 
-def create_optimizer(model: torch.nn.Module, cfg, world_size: int, iters_per_epoch: int) -> OptimizerBundle:
+def create_schedule(cfg, world_size: int, iters_per_epoch: int) -> Callable[[int], dict]:
+    """The per-step settings for N = ``world_size`` and ``iters_per_epoch`` steps per epoch. Elastic training
+    builds it anew when the number of ranks changes."""
     o = cfg.optim
-    groups = parameter_groups(model, o.weight_decay, o.decay_bn_and_bias)
     if o.name == "hybrid":
-        lars = o.lars != "none"
-        for group in groups:
-            group["lars"] = group["lars"] and lars
-        optimizer = HybridOptimizer(groups, lr=o.lr * world_size, alpha=o.alpha, betas=tuple(o.betas), eps=o.eps,
-                                    momentum=o.momentum, trust_coefficient=o.trust_coefficient,
-                                    lars_mode=o.lars if lars else "scale")
-        return OptimizerBundle(optimizer, partial(hybrid_schedule, o=o, world_size=world_size,
-                                                  iters_per_epoch=iters_per_epoch))
+        return partial(hybrid_schedule, o=o, world_size=world_size, iters_per_epoch=iters_per_epoch)
     if o.name == "adabound":
-        optimizer = LinearScalingAdaBound(groups, lr=o.alpha, betas=tuple(o.betas), eps=o.eps)
-        return OptimizerBundle(optimizer, partial(adabound_schedule, o=o, world_size=world_size))
+        return partial(adabound_schedule, o=o, world_size=world_size)
     common = dict(iters_per_epoch=iters_per_epoch, base_lr=o.lr, world_size=world_size,
                   total_epochs=cfg.train.epochs, milestones=o.milestones, decay_factor=o.decay_factor)
     if o.name == "goyal":
@@ -90,5 +83,22 @@ def create_optimizer(model: torch.nn.Module, cfg, world_size: int, iters_per_epo
         lr_at = partial(schedules.sgd_lr, **common)
     else:
         raise UserError(f"unknown optim.name '{o.name}': choose hybrid, adabound, goyal or sgd")
-    optimizer = torch.optim.SGD(groups, lr=lr_at(0), momentum=o.momentum)
-    return OptimizerBundle(optimizer, lambda step: {"lr": lr_at(step)})
+    return lambda step: {"lr": lr_at(step)}
+
+
+def create_optimizer(model: torch.nn.Module, cfg, world_size: int, iters_per_epoch: int) -> OptimizerBundle:
+    o = cfg.optim
+    schedule = create_schedule(cfg, world_size, iters_per_epoch)
+    groups = parameter_groups(model, o.weight_decay, o.decay_bn_and_bias)
+    if o.name == "hybrid":
+        lars = o.lars != "none"
+        for group in groups:
+            group["lars"] = group["lars"] and lars
+        optimizer = HybridOptimizer(groups, lr=o.lr * world_size, alpha=o.alpha, betas=tuple(o.betas), eps=o.eps,
+                                    momentum=o.momentum, trust_coefficient=o.trust_coefficient,
+                                    lars_mode=o.lars if lars else "scale")
+    elif o.name == "adabound":
+        optimizer = LinearScalingAdaBound(groups, lr=o.alpha, betas=tuple(o.betas), eps=o.eps)
+    else:
+        optimizer = torch.optim.SGD(groups, lr=schedule(0)["lr"], momentum=o.momentum)
+    return OptimizerBundle(optimizer, schedule)

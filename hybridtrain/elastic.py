@@ -1,0 +1,296 @@
+"""``hybridtrain train --elastic``: Horovod elastic training, where ranks may leave and join while training runs.
+
+Launch it under ``horovodrun -np N --min-np A --max-np B --host-discovery-script SCRIPT``. Every
+``elastic.commit_steps`` optimizer steps the ranks commit their state in memory: model (with BN buffers),
+optimizer (phase, moments, momentum), loss scaler, and the :class:`Position` (epoch, samples consumed, the
+epoch's running totals). When the discovery script adds or removes slots, every rank stops at the next
+commit, Horovod re-forms the job, the ranks rebuild what depends on their number, rank 0's state is
+broadcast, and training goes on. When a rank dies, the others roll back to the last commit instead.
+
+The policy on a resize (docs/elastic.md):
+- data: the epoch's permutation is kept; the samples already consumed stay consumed, and the rest is cut
+  into global batches of the new size (``sharding.train_batches(start=...)``). No sample is repeated or
+  skipped within an epoch.
+- schedule: N = current ranks x accumulation steps, so lr*N, the AdaBound bounds B_l, B_u and the
+  warmup follow the current rank count. The position in training is kept in epochs: the new steps per
+  epoch are those of the new N, and the step within the epoch is consumed samples / new global batch.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from . import checkpoint, distributed, reporting
+from .batchnorm import average_running_statistics
+from .config import Config, save_config
+from .data.loaders import create_loaders
+from .errors import UserError
+from .optim import create_schedule
+from .train import (ProgressBar, Trainer, append_metrics, build_trainer, checkpoint_state, epoch_record, finish, log,
+                    log_setup, resume_state, tensorboard_writer, truncate_metrics, write_scalars)
+from .training import EpochProgress, evaluate, train_one_epoch
+
+LAUNCH_HINT = ("horovodrun -np N --min-np A --max-np B --host-discovery-script SCRIPT hybridtrain train --elastic "
+               "--config FILE")
+
+
+def check_elastic(cfg: Config) -> None:
+    """What elastic training cannot do, each as one line, before any rank starts Horovod."""
+    if os.environ.get("HOROVOD_ELASTIC") != "1":
+        raise UserError(f"--elastic needs Horovod's elastic launcher, which this process was not started by: "
+                        f"run {LAUNCH_HINT}, or drop --elastic")
+    if cfg.data.backend != "torchvision":
+        raise UserError(f"--elastic re-shards the data when ranks change, which data.backend={cfg.data.backend} "
+                        f"cannot do yet: use data.backend=torchvision, or drop --elastic")
+    changed = [name for name, value in distributed.horovod_environment(cfg.horovod).items()
+               if name in distributed.HOROVOD_DEFAULTS and not distributed.same_setting(value, distributed.HOROVOD_DEFAULTS[name])]
+    if len(changed) == len(distributed.HOROVOD_DEFAULTS):
+        raise UserError("--elastic with both horovod.fusion_threshold_mb and horovod.cycle_time_ms changed crashes "
+                        "Horovod 0.28.1 when ranks change: keep one of them at its default (128, 1.0)")
+    if cfg.bn.per_rank_batch != "fixed":
+        raise UserError("--elastic keeps a fixed per-rank batch: set bn.per_rank_batch=fixed, or drop --elastic")
+
+
+@dataclass
+class Position:
+    """Where training is: the part of the elastic state that is not tensors (every rank has rank 0's)."""
+    epoch: int = 0
+    consumed: int = 0  # samples of this epoch's permutation used by committed steps, over all ranks
+    totals: list = field(default_factory=lambda: [0.0, 0.0, 0.0])  # this epoch's loss sum, correct, seen (global)
+    train_time_s: float = 0.0  # this epoch's training time so far
+    skipped_steps: int = 0  # this epoch's skipped (overflowing) steps so far
+    elapsed_s: float = 0.0  # run time so far
+    started: bool = False  # the run's start (fresh or resumed) is done
+
+
+def import_elastic_state():
+    distributed.import_horovod()
+    from horovod.common.elastic import State
+    return State
+
+
+class ElasticState(import_elastic_state()):
+    """Horovod's elastic state for one trainer: ``save`` (commit), ``restore`` (roll back), ``sync`` (rank 0's)."""
+
+    def __init__(self, trainer: Trainer, position: Position):
+        hvd = distributed.import_horovod()
+        super().__init__(bcast_object=hvd.broadcast_object, get_rank=hvd.rank)
+        self.trainer, self.position = trainer, position
+        self.save()
+
+    def _tensors_and_position(self) -> dict:
+        t = self.trainer
+        return {"optimizer": t.bundle.optimizer.state_dict(), "scaler": t.precision.scaler.state_dict(),
+                "position": dataclasses.asdict(self.position)}
+
+    def _load(self, saved: dict) -> None:
+        t = self.trainer
+        t.bundle.optimizer.load_state_dict(saved["optimizer"])  # also drops Horovod's pending all-reduces
+        t.precision.scaler.load_state_dict(saved["scaler"])
+        self.position = Position(**saved["position"])
+
+    def save(self) -> None:
+        self.saved = copy.deepcopy({"model": self.trainer.model.state_dict(), **self._tensors_and_position()})
+
+    def restore(self) -> None:
+        saved = copy.deepcopy(self.saved)
+        self.trainer.model.load_state_dict(saved["model"])
+        self._load(saved)
+
+    def sync(self) -> None:
+        hvd = distributed.import_horovod()
+        hvd.broadcast_parameters(self.trainer.model.state_dict(), root_rank=0)
+        self._load(hvd.broadcast_object(self._tensors_and_position(), root_rank=0, name="elastic_state"))
+        self.save()
+
+
+class SampleAudit:
+    """The sample indices of every batch this rank trained on; written at each commit, so only committed steps
+    appear (``elastic.audit_samples``). One JSON line per commit: epoch, ranks, rank, samples."""
+
+    def __init__(self, loader, path: str | None):
+        self.loader, self.path, self.pending = loader, path, []
+
+    @property
+    def batch_sampler(self):
+        return self.loader.batch_sampler
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self):
+        for batch in self.loader:
+            if self.path and isinstance(batch, tuple):
+                self.pending.extend(batch[2].tolist())
+            yield batch
+
+    def write(self, epoch: int, topo) -> None:
+        if not self.path:
+            return
+        with open(self.path, "a") as fh:
+            fh.write(json.dumps({"epoch": epoch + 1, "ranks": topo.size, "rank": topo.rank,
+                                 "samples": self.pending}) + "\n")
+        self.pending = []
+
+
+def audit_path(cfg: Config) -> str | None:
+    if not cfg.elastic.audit_samples:
+        return None
+    folder = os.path.join(cfg.run_dir, "samples")
+    os.makedirs(folder, exist_ok=True)
+    return os.path.join(folder, f"{socket.gethostname()}-{os.getpid()}.jsonl")
+
+
+def fit_to_ranks(cfg: Config, t: Trainer) -> None:
+    """What depends on the number of ranks, for the job Horovod formed last: loaders (shards), steps per epoch
+    and the schedule's N."""
+    t.topo = distributed.current_topology(cfg.train.threads)
+    t.data = create_loaders(cfg, t.topo)
+    t.updates = t.data.steps_per_epoch // t.k
+    if t.updates == 0:
+        raise UserError(f"train.accumulation_steps={t.k} is more than the {t.data.steps_per_epoch} batches per "
+                        f"epoch on {t.topo.size} ranks: lower it, or train.batch_size")
+    t.bundle.schedule = create_schedule(cfg, t.topo.size * t.k, t.updates)  # N = ranks x k, as at the start
+    t.data.train = SampleAudit(t.data.train, audit_path(cfg))
+
+
+def on_reset(cfg: Config, state: ElasticState) -> None:
+    t, before = state.trainer, state.trainer.topo.size
+    fit_to_ranks(cfg, t)
+    pos = state.position
+    log(t.topo, f"hybridtrain: elastic: {before} -> {t.topo.size} ranks in epoch {pos.epoch + 1} after "
+                f"{pos.consumed} of its samples; global batch {t.topo.size * cfg.train.batch_size * t.k}, "
+                f"{t.updates} steps/epoch, lr*N and the bounds with N={t.topo.size * t.k}")
+
+
+def start_run(cfg: Config, state: ElasticState, resume: str | None) -> None:
+    """Once per run, inside the elastic loop (its collectives must not meet a joining worker's state sync):
+    load the checkpoint, write the resolved config, cut the metrics to the resumed epochs."""
+    t, pos = state.trainer, state.position
+    loaded = resume_state(cfg, t.topo, required=resume == "required") if resume else None
+    if loaded:
+        restore_position(cfg, t, loaded, pos)
+        log(t.topo, f"hybridtrain: resumed from epoch {pos.epoch + 1}, sample {pos.consumed} of its permutation, "
+                    f"in {cfg.run_dir}")
+    if t.topo.is_root:
+        os.makedirs(cfg.run_dir, exist_ok=True)
+        save_config(cfg, os.path.join(cfg.run_dir, "config.yaml"))
+        truncate_metrics(os.path.join(cfg.run_dir, "metrics.jsonl"), pos.epoch)
+    pos.started = True
+
+
+def restore_position(cfg: Config, t: Trainer, loaded: dict, pos: Position) -> None:
+    """A checkpoint into the trainer and the position. A preempted static run's mid-epoch checkpoint resumes
+    on any number of ranks: its ranks' passes are turned into samples consumed."""
+    checkpoint.restore(loaded, t.model, t.bundle.optimizer)
+    t.precision.scaler.load_state_dict(loaded["scaler"])
+    pos.epoch, pos.elapsed_s = loaded["epoch"] + 1, loaded.get("elapsed_s", 0.0)
+    partial = loaded.get("partial")
+    if partial:
+        ranks = [r["progress"] for r in partial["ranks"]]
+        pos.consumed = ranks[0]["passes"] * len(ranks) * cfg.train.batch_size
+        pos.totals = [sum(r[key] for r in ranks) for key in ("loss_sum", "correct", "seen")]
+        pos.train_time_s = max(r["train_time_s"] for r in ranks)
+        pos.skipped_steps = ranks[0]["skipped_steps"]
+
+
+class Committer:
+    """The after-step hook: every ``every`` steps, fold this rank's progress into the position and commit."""
+
+    def __init__(self, state: ElasticState, every: int, batch_size: int, run_start: float):
+        self.state, self.every, self.batch_size, self.run_start = state, every, batch_size, run_start
+        self.segment_start, self.steps = state.position.consumed, 0
+
+    def after_step(self, snapshot) -> bool:
+        self.steps += 1
+        if self.steps % self.every == 0:
+            self.commit(snapshot())
+        return False  # elastic training never stops an epoch early
+
+    def commit(self, done: EpochProgress) -> None:
+        """Global totals (rank 0 carries the earlier segments' share), the data position, then Horovod's
+        commit, which raises HostsUpdatedInterrupt on every rank when the discovery script changed the hosts."""
+        state = self.state
+        t, pos = state.trainer, state.position
+        totals = distributed.allreduce_sum(torch.tensor([done.loss_sum, done.correct, done.seen],
+                                                        dtype=torch.float64), "elastic_totals")
+        pos.totals = totals.tolist()
+        pos.consumed = self.segment_start + done.passes * t.topo.size * self.batch_size
+        pos.train_time_s, pos.skipped_steps = done.train_time_s, done.skipped_steps
+        pos.elapsed_s = time.perf_counter() - self.run_start
+        t.data.train.write(pos.epoch, t.topo)
+        state.commit()
+
+
+def step_in_epoch(consumed: int, world_size: int, batch_size: int, accumulation_steps: int) -> int:
+    """The optimizer step of the epoch where a segment starts: consumed samples / the current global batch
+    (rounded down), so the schedule keeps its place in epochs when N changes."""
+    return consumed // (world_size * batch_size * accumulation_steps)
+
+
+def segment_base(pos: Position, topo) -> EpochProgress:
+    """The epoch's totals so far as this rank's starting point: rank 0 carries them (the epoch's sums are
+    all-reduced), every rank carries the time and the skipped steps."""
+    sums = pos.totals if topo.is_root else [0.0, 0.0, 0.0]
+    return EpochProgress(0, *sums, pos.train_time_s, pos.skipped_steps)
+
+
+def train_elastic(state: ElasticState, cfg: Config, resume: str | None) -> dict | None:
+    """The body that Horovod's elastic loop runs (again after every reset) until training is done."""
+    t = state.trainer
+    if not state.position.started:
+        start_run(cfg, state, resume)
+        state.commit()
+    log_setup(cfg, t)
+    run_start = time.perf_counter() - state.position.elapsed_s
+    board = tensorboard_writer(cfg) if t.topo.is_root else None
+    metrics_path = os.path.join(cfg.run_dir, "metrics.jsonl")
+    while state.position.epoch < cfg.train.epochs:
+        pos, b, epoch_start = state.position, cfg.train.batch_size, time.perf_counter()
+        committer = Committer(state, cfg.elastic.commit_steps, b, run_start)
+        bar = ProgressBar(t.updates * t.k, pos.epoch, cfg.train.epochs, t.topo.size) \
+            if t.topo.is_root and cfg.train.progress else None
+        result = train_one_epoch(t.model, t.bundle, t.precision, t.data.train, pos.epoch, t.updates, b, t.k, bar,
+                                 resume=segment_base(pos, t.topo), stop_after_step=committer.after_step,
+                                 passes=t.passes, start=pos.consumed,
+                                 first_step=step_in_epoch(pos.consumed, t.topo.size, b, t.k))
+        if bar:
+            bar.close()
+        average_running_statistics(t.model, cfg.bn.combine)
+        record = epoch_record(t, pos.epoch, result, evaluate(t.model, t.data.val, t.precision.policy,
+                                                             tag=str(pos.epoch)), epoch_start, run_start)
+        if t.topo.is_root:
+            truncate_metrics(metrics_path, pos.epoch)  # a rolled-back epoch end may have written it already
+            append_metrics(metrics_path, record)
+            if board:
+                write_scalars(board, record)
+            pos.elapsed_s = time.perf_counter() - run_start
+            checkpoint.save_checkpoint(save_state(cfg, state), cfg.run_dir, pos.epoch + 1, cfg.train.keep_checkpoints)
+            log(t.topo, reporting.epoch_line(record, cfg.train.epochs))
+        t.data.train.write(pos.epoch, t.topo)
+        state.position = Position(epoch=pos.epoch + 1, elapsed_s=time.perf_counter() - run_start, started=True)
+        state.commit()
+    return finish(cfg, t, board)
+
+
+def save_state(cfg: Config, state: ElasticState) -> dict:
+    """The same epoch checkpoint as a static run's: it resumes with or without --elastic, on any ranks."""
+    return checkpoint_state(cfg, state.trainer, state.position.epoch, state.position.elapsed_s)
+
+
+def run_elastic(cfg: Config, resume: str | None = None) -> dict | None:
+    """Train under Horovod elastic; ``resume`` as for ``run_training``."""
+    check_elastic(cfg)
+    hvd = distributed.import_horovod()
+    t = build_trainer(cfg, elastic=True)
+    t.data.train = SampleAudit(t.data.train, audit_path(cfg))
+    state = ElasticState(t, Position())
+    state.register_reset_callbacks([lambda: on_reset(cfg, state)])
+    return hvd.elastic.run(train_elastic)(state, cfg, resume)

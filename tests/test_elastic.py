@@ -1,0 +1,112 @@
+"""Elastic training (``train --elastic``): re-sharding on a resize, the schedule's policy, and a real
+3 -> 2 -> 3 ranks run under horovodrun's elastic mode, driven by a discovery script this test rewrites."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import subprocess
+
+import numpy as np
+import pytest
+
+from conftest import (HOROVODRUN, HYBRIDTRAIN, assert_one_error_line, env_with_venv, read_metrics, run,
+                      tiny_config)
+from hybridtrain.config import config_from_dict
+from hybridtrain.data import sharding
+from hybridtrain.elastic import step_in_epoch
+from hybridtrain.optim import create_schedule
+from hybridtrain.optim.bounds import adabound_bounds, bound_progress
+
+
+def test_a_resize_mid_epoch_neither_repeats_nor_skips_a_sample():
+    """3 ranks for 6 steps, then 2 ranks from the consumed offset: the ranks' batches, in step and rank order,
+    are the epoch's permutation (NumPy's, drawn here) up to the last full global batch."""
+    n, b, seed, epoch = 250, 8, 5, 3
+    order = np.random.default_rng([seed, epoch]).permutation(n)
+    first = [sharding.train_batches(n, r, 3, b, seed, epoch) for r in range(3)]
+    used = [i for step in range(6) for r in range(3) for i in first[r][step]]
+    consumed = 6 * 3 * b
+    second = [sharding.train_batches(n, r, 2, b, seed, epoch, start=consumed) for r in range(2)]
+    assert len(second[0]) == len(second[1]) == (n - consumed) // (2 * b)
+    used += [i for step in range(len(second[0])) for r in range(2) for i in second[r][step]]
+    assert used == order[:len(used)].tolist() and len(set(used)) == len(used)
+    assert n - len(used) < 2 * b  # only the final remainder is left out
+
+
+def test_the_schedule_follows_the_current_rank_count():
+    """lr*N and the AdaBound bounds with the ranks of the moment; the step within the epoch from the samples
+    consumed. Hand-worked: 240 samples, b=8: 10 steps/epoch on 3 ranks, 15 on 2."""
+    cfg = config_from_dict({"train": {"epochs": 4, "batch_size": 8},
+                            "optim": {"name": "hybrid", "adabound_epochs": 2, "lr": 0.1, "kappa": 0.9}})
+    assert step_in_epoch(144, 2, 8, 1) == 9  # 144 of 240 samples = 0.6 epoch = step 9 of 15
+    assert step_in_epoch(144, 3, 8, 1) == 6 and step_in_epoch(144, 2, 8, 2) == 4
+    three, two = create_schedule(cfg, 3, 10), create_schedule(cfg, 2, 15)
+    assert three(25)["lr"] == pytest.approx(0.1 * 3) and two(37)["lr"] == pytest.approx(0.1 * 2)  # epoch 3: lr*N
+    assert three(35)["lr"] == pytest.approx(0.3 * 0.9) and two(52)["lr"] == pytest.approx(0.2 * 0.9)  # kappa^1
+    # AdaBound phase, 0.7 of epoch 1 on either rank count: the paper's bounds with the N of the moment
+    for settings, ranks, steps in ((three(6), 3, 10), (two(10), 2, 15)):
+        t = bound_progress(7 if ranks == 3 else 11, steps, cfg.optim.bound_granularity)
+        assert (settings["lower_bound"], settings["upper_bound"]) == adabound_bounds(
+            t, 2, 0.1, ranks, cfg.optim.betas[1])
+    assert three(6)["upper_bound"] != two(10)["upper_bound"]
+
+
+@pytest.mark.parametrize("override,needle", [
+    ([], "needs Horovod's elastic launcher"),
+])
+def test_elastic_outside_the_elastic_launcher_is_one_line(small_digits, tmp_path, write_config, override, needle):
+    cfg = write_config(tiny_config(small_digits, str(tmp_path / "run")))
+    assert_one_error_line(run([HYBRIDTRAIN, "train", "--elastic", "--config", cfg, *override]), needle)
+
+
+def discovery_script(tmp_path, slots: int) -> tuple[str, str]:
+    hosts = tmp_path / "hosts"
+    hosts.write_text(f"localhost:{slots}\n")
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    script.chmod(0o755)
+    return str(script), str(hosts)
+
+
+@pytest.mark.slow
+def test_elastic_run_survives_3_to_2_to_3_ranks_and_covers_every_sample(small_digits, tmp_path, write_config):
+    run_dir = str(tmp_path / "run")
+    cfg = write_config(tiny_config(small_digits, run_dir, train={"epochs": 8, "batch_size": 8},
+                                   optim={"name": "hybrid", "adabound_epochs": 2},
+                                   elastic={"commit_steps": 2, "audit_samples": True}))
+    script, hosts = discovery_script(tmp_path, 3)
+    cmd = [HOROVODRUN, "--network-interface", "lo", "-np", "3", "--min-np", "2", "--max-np", "3",
+           "--host-discovery-script", script, HYBRIDTRAIN, "train", "--elastic", "--config", cfg]
+    proc = subprocess.Popen(cmd, env=env_with_venv(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if "epoch   1/8" in line:
+                open(hosts, "w").write("localhost:2\n")  # a rank leaves ...
+            if "elastic: 3 -> 2 ranks" in line:
+                open(hosts, "w").write("localhost:3\n")  # ... and one comes back
+        proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    output = "".join(lines)
+    assert proc.returncode == 0, output[-4000:]
+    assert "elastic: 3 -> 2 ranks" in output and "elastic: 2 -> 3 ranks" in output, output[-4000:]
+    records = read_metrics(run_dir)
+    assert [r["epoch"] for r in records] == list(range(1, 9))
+    assert {2, 3} <= {r["world_size"] for r in records}
+    assert records[-1]["val_top1"] > 0.5  # it went on learning
+    samples = {}
+    for path in glob.glob(os.path.join(run_dir, "samples", "*.jsonl")):
+        for line in open(path):
+            row = json.loads(line)
+            samples.setdefault(row["epoch"], []).extend(row["samples"])
+    assert sorted(samples) == list(range(1, 9))
+    for epoch, seen in samples.items():
+        assert len(seen) == len(set(seen)), f"epoch {epoch} repeated a sample"
+        assert sorted(seen) == list(range(240)), f"epoch {epoch} skipped a sample"  # 240 = 10 x 24 = 15 x 16
+    assert os.path.exists(os.path.join(run_dir, "final_model.pt"))
