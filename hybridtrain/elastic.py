@@ -31,6 +31,7 @@ from . import checkpoint, distributed, reporting
 from .batchnorm import average_running_statistics
 from .config import Config, save_config
 from .data.loaders import create_loaders
+from .data.torchvision_loader import close_loader
 from .errors import UserError
 from .optim import create_schedule
 from .train import (ProgressBar, Trainer, append_metrics, build_trainer, checkpoint_state, epoch_record, finish, log,
@@ -49,9 +50,8 @@ def check_elastic(cfg: Config) -> None:
     if cfg.data.backend != "torchvision":
         raise UserError(f"--elastic re-shards the data when ranks change, which data.backend={cfg.data.backend} "
                         f"cannot do yet: use data.backend=torchvision, or drop --elastic")
-    changed = [name for name, value in distributed.horovod_environment(cfg.horovod).items()
-               if name in distributed.HOROVOD_DEFAULTS and not distributed.same_setting(value, distributed.HOROVOD_DEFAULTS[name])]
-    if len(changed) == len(distributed.HOROVOD_DEFAULTS):
+    knobs = distributed.horovod_environment(cfg.horovod)
+    if not any(distributed.same_setting(knobs[name], default) for name, default in distributed.HOROVOD_DEFAULTS.items()):
         raise UserError("--elastic with both horovod.fusion_threshold_mb and horovod.cycle_time_ms changed crashes "
                         "Horovod 0.28.1 when ranks change: keep one of them at its default (128, 1.0)")
     if cfg.bn.per_rank_batch != "fixed":
@@ -152,6 +152,8 @@ def fit_to_ranks(cfg: Config, t: Trainer) -> None:
     """What depends on the number of ranks, for the job Horovod formed last: loaders (shards), steps per epoch
     and the schedule's N."""
     t.topo = distributed.current_topology(cfg.train.threads)
+    close_loader(t.data.train.loader)
+    close_loader(t.data.val)
     t.data = create_loaders(cfg, t.topo)
     t.updates = t.data.steps_per_epoch // t.k
     if t.updates == 0:

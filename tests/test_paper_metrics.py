@@ -18,6 +18,7 @@ from hybridtrain.metrics import (
     scaling_efficiency,
     scaling_efficiency_from_times,
     speedup,
+    varying_ranks_single_gpu_time,
 )
 from hybridtrain.predict import IMAGENET_TRAIN_IMAGES, RESNET50_PARAMETERS, ClusterSpec
 
@@ -81,6 +82,15 @@ def test_efficiency_from_times_matches_speed_form():
 )
 def test_actual_average_single_gpu_time_is_time_times_24(minutes, single_gpu_minutes):
     assert actual_average_single_gpu_time(minutes, 24) == single_gpu_minutes
+
+
+def test_single_gpu_time_with_a_changing_rank_count_sums_each_epochs_share():
+    """Elastic runs: epochs ending at 10, 25 and 30 min on 3, 2 and 3 ranks: 10*3 + 15*2 + 5*3 = 75 GPU-min,
+    which a constant N reduces to the paper's time * N."""
+    assert varying_ranks_single_gpu_time([10, 25, 30], [3, 2, 3]) == 75
+    assert varying_ranks_single_gpu_time([18], [24]) == actual_average_single_gpu_time(18, 24)
+    with pytest.raises(ValueError):
+        varying_ranks_single_gpu_time([10, 25], [3])
 
 
 # ---------------------------------------------------------------- Tables 3.7-3.9 against the throughput

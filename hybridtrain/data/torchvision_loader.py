@@ -12,6 +12,7 @@ import hashlib
 import multiprocessing
 import os
 import shlex
+import signal
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -118,7 +119,6 @@ def die_with_the_rank(worker_id: int) -> None:
     them ignored.
     """
     import ctypes
-    import signal
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
@@ -130,11 +130,21 @@ def die_with_the_rank(worker_id: int) -> None:
 def kill_workers_at_exit() -> None:
     """Workers ignore SIGTERM (above), so multiprocessing's own exit handler, which terminates its children
     with SIGTERM and then joins them, would wait forever: kill them first. atexit runs the handlers in
-    reverse order, and this one is registered after multiprocessing's."""
-    import multiprocessing
+    reverse order, and this one is registered after multiprocessing's. torch's SIGCHLD handler would raise
+    "worker killed" from inside this loop and leave the rest alive, so it is switched off first."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     for child in multiprocessing.active_children():
         child.kill()
         child.join(timeout=5)
+
+
+def close_loader(loader) -> None:
+    """Stop a loader's persistent workers now rather than when the garbage collector finds it (elastic
+    training replaces the loaders at every resize)."""
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+        iterator._shutdown_workers()
+        loader._iterator = None
 
 
 atexit.register(kill_workers_at_exit)
