@@ -89,6 +89,22 @@ def test_a_sigterm_to_a_starting_worker_does_not_kill_it(small_digits):
     assert all(worker.is_alive() for worker in workers)
 
 
+def test_the_worker_wrapper_replaces_a_planted_file_and_is_never_group_writable(tmp_path, monkeypatch):
+    """The /bin/sh wrapper that starts loader workers lives at a predictable name: a file planted there, or one
+    others may write, is replaced by the real wrapper before anything runs it."""
+    from hybridtrain.data.torchvision_loader import signal_proof_python
+    monkeypatch.setenv("HOME", str(tmp_path))
+    path = signal_proof_python()
+    assert path.startswith(str(tmp_path)) and "trap '' TERM INT" in open(path).read()
+    genuine = open(path).read()
+    with open(path, "w") as fh:
+        fh.write(f"#!/bin/sh\ntouch {tmp_path}/planted-code-ran\n")
+    assert signal_proof_python() == path and open(path).read() == genuine
+    os.chmod(path, 0o777)
+    assert signal_proof_python() == path and os.stat(path).st_mode & 0o022 == 0
+    assert not os.path.exists(tmp_path / "planted-code-ran")
+
+
 def plant_truncated_jpeg(data: str) -> str:
     victim_dir = os.path.join(data, "train", "4")
     victim = os.path.join(victim_dir, sorted(os.listdir(victim_dir))[0])

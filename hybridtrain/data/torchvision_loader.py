@@ -13,6 +13,7 @@ import multiprocessing
 import os
 import shlex
 import signal
+import stat
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -157,19 +158,44 @@ def spawn_context():
     A spawned worker imports torch for seconds before ``die_with_the_rank`` runs; a scheduler's SIGTERM to the
     process group in that window would kill it and fail the rank. (A blocked signal mask would not do: Python
     clears it in the child.) The rank's only spawned children are its loader workers."""
-    python = shlex.quote(sys.executable)
-    script = f"#!/bin/sh\ntrap '' TERM INT\nexec {python} \"$@\"\n"
-    digest = hashlib.sha256(script.encode()).hexdigest()[:16]
-    path = os.path.join(tempfile.gettempdir(), f"hybridtrain-worker-{os.getuid()}-{digest}")
-    if not os.path.exists(path):
-        staging = f"{path}.{os.getpid()}"
-        with open(staging, "w") as fh:
-            fh.write(script)
-        os.chmod(staging, 0o755)
-        os.replace(staging, path)  # atomic: ranks on one host may race here
     context = multiprocessing.get_context("spawn")
-    context.set_executable(path)
+    context.set_executable(signal_proof_python())
     return context
+
+
+def signal_proof_python() -> str:
+    """The wrapper, in the first folder where it can be kept safely and run: ~/.cache/hybridtrain, else the
+    temp folder (skipped when mounted noexec, as it often is on clusters). Without one, plain Python."""
+    script = f"#!/bin/sh\ntrap '' TERM INT\nexec {shlex.quote(sys.executable)} \"$@\"\n"
+    name = f"worker-python-{os.getuid()}-{hashlib.sha256(script.encode()).hexdigest()[:16]}"
+    for folder in (os.path.join(os.path.expanduser("~"), ".cache", "hybridtrain"), tempfile.gettempdir()):
+        path = os.path.join(folder, name)
+        try:
+            os.makedirs(folder, mode=0o700, exist_ok=True)
+            if os.statvfs(folder).f_flag & os.ST_NOEXEC:
+                continue
+            if not is_ours(path, script):
+                staging = f"{path}.{os.getpid()}"
+                with open(os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o755), "w") as fh:
+                    fh.write(script)
+                os.replace(staging, path)  # atomic: ranks on one host may race here
+            if is_ours(path, script):
+                return path
+        except OSError:
+            continue
+    return sys.executable
+
+
+def is_ours(path: str, script: str) -> bool:
+    """A file this user owns, that nobody else may write, holding exactly ``script``: anything else in a
+    shared folder such as /tmp could be someone's planted program, and is never run."""
+    try:
+        st = os.lstat(path)
+        with open(path) as fh:
+            content = fh.read()
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022 and content == script
 
 
 def _loader(dataset, batch_sampler, cfg, workers: int) -> DataLoader:
