@@ -27,7 +27,8 @@ from .distributed import cores_per_rank
 from .errors import UserError
 from .models import model_from_config
 from .optim import create_optimizer
-from .precision import check_hardware, create_scaler, peak_memory_mb, prepare_model, reset_peak_memory, resolve_policy
+from .precision import (check_hardware, create_scaler, memory_figures, prepare_model, reset_peak_memory, resolve_policy,
+                        set_fp32_math)
 from .speed import build_train_step, check_speedups
 from .syncs import count_host_syncs
 from .training import Precision
@@ -87,7 +88,7 @@ def summarise(label: str, cfg, times: list[float], device: torch.device, skipped
             "optimizations": optimizations(cfg, label), "device": str(device),
             "images_per_sec": b * len(times) / sum(times), "median_ms": 1000 * statistics.median(times),
             "p90_ms": 1000 * ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))],
-            "peak_memory_mb": peak_memory_mb(device), "skipped_steps": skipped, "host_syncs_per_step": host_syncs}
+            **memory_figures(device), "skipped_steps": skipped, "host_syncs_per_step": host_syncs}
 
 
 def synthetic_batch(cfg, device: torch.device, dtype: torch.dtype, classes: int):
@@ -181,6 +182,7 @@ def bench(config: str | None, overrides: list[str], precisions: list[str], batch
             sets = list(overrides) + (precision_sets(spec) if spec else []) + (
                 [f"train.batch_size={batch}"] if batch else [])
             cfg = load_config(config, sets)
+            set_fp32_math(cfg.precision.tf32)  # both loops alike
             rows.append(trainer_row(cfg, steps, warmup, profile_dir))
             if baseline:
                 rows.append(baseline_row(cfg, steps, warmup))
@@ -188,15 +190,20 @@ def bench(config: str | None, overrides: list[str], precisions: list[str], batch
     return rows
 
 
+def mebibytes(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
 def format_table(rows: list[dict]) -> str:
     lines = ["| loop | arch | optimizer | precision | batch | image | optimizations | device | images/s | "
-             "median ms | p90 ms | peak MiB | skipped | host syncs/step | trainer ÷ baseline |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "median ms | p90 ms | peak MiB | reserved MiB | skipped | host syncs/step | trainer ÷ baseline |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         ratio = f"{r['trainer_over_baseline']:.3f}" if "trainer_over_baseline" in r else ""
         syncs = "" if r["host_syncs_per_step"] is None else r["host_syncs_per_step"]
         lines.append(f"| {r['loop']} | {r['arch']} | {r['optimizer']} | {r['precision']} | {r['batch_size']} | "
                      f"{r['image_size']} | {', '.join(r['optimizations']) or 'none'} | {r['device']} | "
                      f"{r['images_per_sec']:.1f} | {r['median_ms']:.1f} | {r['p90_ms']:.1f} | "
-                     f"{r['peak_memory_mb']:.0f} | {r['skipped_steps']} | {syncs} | {ratio} |")
+                     f"{r['peak_memory_mb']:.0f} | {mebibytes(r['peak_memory_reserved_mb'])} | {r['skipped_steps']} | "
+                     f"{syncs} | {ratio} |")
     return "\n".join(lines)

@@ -5,7 +5,7 @@ import argparse
 import os
 import sys
 
-from .errors import PeerFailure, UserError
+from .errors import PeerFailure, UserError, unexpected_error_line, write_crash_log
 
 BENCH_PRECISIONS = ("fp64", "fp32", "mixed-fp16", "mixed-bf16", "layered", "fp16_pure")
 
@@ -16,6 +16,7 @@ def cmd_train(args) -> int:
     if args.resume not in (None, "required", "auto"):
         raise UserError(f"--resume takes no value or 'auto', got '{args.resume}': e.g. --resume auto")
     cfg = load_config(args.config, args.set)
+    args.crash_log_dir = cfg.run_dir  # where run_guarded writes a rank's traceback if a bug stops it
     if args.elastic:
         from .elastic import run_elastic
         run_elastic(cfg, resume=args.resume)
@@ -100,6 +101,7 @@ def cmd_find_max_batch(args, sets: list[str]) -> int:
     from .max_batch import explain_cpu, find_max_batch, format_trials
     if not torch.cuda.is_available():
         return explain_cpu()
+    torch.backends.cudnn.benchmark = True  # the kernels training will use
     for spec in args.precision or [None]:
         precision = precision_sets(spec) if spec else []
         start = args.start_batch or load_config(args.config, sets + precision).train.batch_size
@@ -163,6 +165,11 @@ def cmd_plot_schedule(args) -> int:
     cfg = load_config(args.config, args.set + ["optim.name=hybrid"])
     print(f"wrote {plot_schedule(cfg, args.ranks, args.iters_per_epoch, args.out)}")
     return 0
+
+
+def cmd_gpu_check(args) -> int:
+    from .perf.gpu_check import run_gpu_check
+    return run_gpu_check(args.out, args.wheelhouse, args.quick, args.venv, args.budget_s)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -300,11 +307,23 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--iters-per-epoch", type=int, default=100, help="iterations per epoch (default 100)")
     plot.add_argument("--out", default="schedule.png", help="PNG path")
     plot.set_defaults(func=cmd_plot_schedule)
+
+    gpu = sub.add_parser("gpu-check", help="the whole GPU path on this GPU machine: Horovod with NCCL, the GPU "
+                                           "tests, training per precision (eager, compiled, graphed), bench; one table")
+    gpu.add_argument("--out", required=True, help="folder for gpu_check.md/.json and one <row>.log per row")
+    gpu.add_argument("--wheelhouse", help="offline folder with horovod-0.28.1.tar.gz and the wheels it needs "
+                                          "(docs/benchmarks.md); builds Horovod with NCCL unless it already imports")
+    gpu.add_argument("--quick", action="store_true", help="compiled and graphed training in mixed-bf16 only")
+    gpu.add_argument("--venv", help="venv for the build (default ~/.cache/hybridtrain/gpu-venv)")
+    gpu.add_argument("--budget-s", type=float, default=510, help="time for the whole check, build included; rows "
+                                                                 "that cannot start in it fail (default 510)")
+    gpu.set_defaults(func=cmd_gpu_check)
     return parser
 
 
-def run_guarded(action) -> int:
-    """Run ``action()``; bad input becomes one error line (rank 0 only when every rank has it), exit 2."""
+def run_guarded(action, crash_log_dir=lambda: None) -> int:
+    """Run ``action()``; bad input becomes one error line (rank 0 only when every rank has it), exit 2; a bug
+    becomes one line naming the rank and the error, its traceback in a log under ``crash_log_dir()``, exit 1."""
     try:
         return action() or 0
     except UserError as exc:
@@ -321,7 +340,7 @@ def run_guarded(action) -> int:
     except RuntimeError as exc:
         from .distributed import is_peer_failure, launcher_rank
         if not is_peer_failure(exc):
-            raise
+            return report_bug(exc, crash_log_dir())
         print(f"hybridtrain: rank {launcher_rank()} stopped because another rank failed or was killed (its error "
               f"line, if any, says why); checkpoints are intact: rerun the same command with --resume",
               file=sys.stderr, flush=True)
@@ -329,11 +348,21 @@ def run_guarded(action) -> int:
     except KeyboardInterrupt:
         print("hybridtrain: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:
+        return report_bug(exc, crash_log_dir())
+
+
+def report_bug(exc: Exception, log_dir: str | None) -> int:
+    """A bug, not bad input: one line naming the rank and the error; the traceback goes to a log file."""
+    from .distributed import launcher_rank
+    rank = launcher_rank()
+    print(unexpected_error_line(exc, rank, write_crash_log(exc, rank, log_dir)), file=sys.stderr, flush=True)
+    return 1
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    return run_guarded(lambda: args.func(args))
+    return run_guarded(lambda: args.func(args), lambda: getattr(args, "crash_log_dir", None))
 
 
 if __name__ == "__main__":

@@ -86,6 +86,9 @@ class TrainConfig:
                                  "g++ on the CPU, a C compiler for Triton on the GPU)")
     cuda_graphs: bool = plain(False, "replay forward, loss and backward from one CUDA graph captured on a static batch "
                                      "(needs a GPU); the all-reduce and the optimizer step stay eager")
+    device: str = choice("auto", ["auto", "cuda", "cpu"],
+                         "auto: each rank's own GPU when CUDA works, else the CPU; cuda: a GPU or one error line "
+                         "saying why not; cpu: the CPU even on a GPU host")
 
 
 @dataclass
@@ -127,6 +130,8 @@ class PrecisionConfig:
                                "auto = dynamic whenever FP16 computes, else none")
     loss_scale: float = number(65536.0, lo=0.0, lo_open=True, doc="static: the scale; dynamic: the initial scale")
     growth_interval: int = number(2000, lo=1, doc="dynamic: double the scale after this many clean steps")
+    tf32: bool = plain(False, "let FP32 convolutions and matmuls use TF32 on Ampere and newer GPUs (faster, 10-bit "
+                              "mantissa); false keeps fp32 IEEE, so fp32 rows of a precision study are fp32")
     max_consecutive_overflows: int = number(20, lo=1, doc="skip a step whose averaged gradients hold NaN or inf (FP16 "
                                                              "overflow, or a NaN/inf loss on any rank); stop the run "
                                                              "after this many skipped steps in a row")
@@ -134,7 +139,9 @@ class PrecisionConfig:
 
 @dataclass
 class HorovodConfig:
-    compression: str = choice("fp16", ["fp16", "none"], "gradient all-reduce compression")
+    compression: str = choice("auto", ["auto", "fp16", "none"],
+                              "gradient all-reduce compression: fp16 (the paper; needs loss scaling), none, or auto "
+                              "= fp16 when the loss is scaled, else none")
     gradient_predivide_factor: float = number(1.0, lo=1.0, doc="divide gradients by f before the sum and by "
                                                                "N/f after: keeps FP16 sums over many ranks finite")
     # fusion_threshold_mb and cycle_time_ms: defaults chosen with hybridtrain scale (docs/benchmarks.md)
@@ -362,7 +369,7 @@ def validate(cfg: Config) -> Config:
 
 
 def validate_precision(cfg: Config) -> None:
-    from .precision import STAGES
+    from .precision import STAGES, gradient_compression, resolve_policy
     p = cfg.precision
     for stage, dtype in p.layers.items():
         if stage not in STAGES:
@@ -374,6 +381,7 @@ def validate_precision(cfg: Config) -> None:
         raise UserError(f"config error: precision.mode=fp16_pure keeps optimizer state in FP16, but optim.name="
                         f"{cfg.optim.name} needs FP32 state (AdaBound's squared gradients): use optim.name=goyal "
                         f"or sgd, or precision.mode=mixed")
+    gradient_compression(cfg.horovod.compression, resolve_policy(p))
 
 
 def validate_cuda_graphs(cfg: Config) -> None:

@@ -5,7 +5,7 @@ import hashlib
 import os
 import socket
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -80,16 +80,77 @@ class Topology:
     size: int
     local_rank: int
     local_size: int
-    peers: tuple = ()  # (host, pid) of every rank, to name the one that died
+    peers: tuple = ()  # (host, pid, GPU id) of every rank, to name the one that died and find shared GPUs
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # this rank's (select_device)
 
     @property
     def is_root(self) -> bool:
         return self.rank == 0
 
-    @property
-    def device(self) -> torch.device:
-        """This rank's GPU (the local rank's) when CUDA is available, else the CPU."""
-        return torch.device("cuda", self.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+
+# ----------------------------------------------------------------------------- rank -> device
+
+def cuda_unusable_reason() -> str:
+    """Why torch cannot use CUDA here, in words (for the one error line of train.device=cuda)."""
+    if torch.version.cuda is None:
+        return f"this torch ({torch.__version__}) is a CPU-only build: install a CUDA build of torch"
+    try:
+        torch.cuda.init()
+    except Exception as exc:  # the driver's own words: too old, not loaded, no device
+        return f"CUDA does not initialise ({str(exc).splitlines()[0]})"
+    if torch.cuda.device_count() == 0:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        return "no GPU is visible" + (f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else "")
+    return "torch.cuda.is_available() is False"
+
+
+def device_index(local_rank: int, visible: int) -> int:
+    """The GPU of a local rank among the ``visible`` ones: its own when each rank sees them all, the one it
+    sees when a launcher gave each rank one GPU (SLURM --gpus-per-task=1, per-rank CUDA_VISIBLE_DEVICES)."""
+    return local_rank % visible
+
+
+def select_device(wanted: str, local_rank: int) -> torch.device:
+    """``train.device``: auto (this rank's GPU when CUDA works, else the CPU), cuda (a GPU or one error line
+    saying why not) or cpu."""
+    if wanted == "cpu" or (wanted == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise UserError(f"train.device=cuda but CUDA is unusable: {cuda_unusable_reason()}; or set train.device=cpu")
+    return torch.device("cuda", device_index(local_rank, torch.cuda.device_count()))
+
+
+def gpu_id(device: torch.device) -> str:
+    """A GPU's identity across processes that see different CUDA_VISIBLE_DEVICES; '' for the CPU."""
+    if device.type != "cuda":
+        return ""
+    return str(getattr(torch.cuda.get_device_properties(device), "uuid", "")) or f"cuda:{device.index}"
+
+
+def shared_gpus(peers: tuple) -> list[list[int]]:
+    """The groups of ranks bound to one GPU of one host (peers: (host, pid, GPU id) per rank)."""
+    by_gpu: dict[tuple, list[int]] = {}
+    for rank, (host, _, gpu) in enumerate(peers):
+        if gpu:
+            by_gpu.setdefault((host, gpu), []).append(rank)
+    return [ranks for ranks in by_gpu.values() if len(ranks) > 1]
+
+
+def check_gpu_binding(peers: tuple, device: torch.device) -> None:
+    """One GPU per rank: NCCL refuses two ranks on one GPU, and they would fight for its memory anyway."""
+    groups = shared_gpus(peers)
+    if groups:
+        ranks = groups[0]
+        raise UserError(f"ranks {', '.join(map(str, ranks))} on host {peers[ranks[0]][0]} share one GPU "
+                        f"({torch.cuda.device_count()} visible to each): start at most one rank per GPU on each "
+                        f"host, give each rank its own GPU (CUDA_VISIBLE_DEVICES or --gpus-per-task=1), or set "
+                        f"train.device=cpu")
+    if device.type == "cuda":
+        hvd = import_horovod()
+        if not hvd.nccl_built():
+            raise UserError("this Horovod was built without NCCL, so GPU all-reduces would be staged through host "
+                            "memory (or refused): rebuild with HOROVOD_GPU_OPERATIONS=NCCL ./install.sh, or set "
+                            "train.device=cpu")
 
 
 def launcher_size() -> int:
@@ -165,46 +226,73 @@ def set_horovod_knobs(horovod_cfg, elastic: bool = False) -> None:
         os.environ[name] = value
 
 
-def init(threads: int = 0, horovod_cfg=None, elastic: bool = False) -> Topology:
-    """hvd.init() with the config's Horovod knobs (``horovod_cfg``; None leaves Horovod's own settings), and pin
-    torch threads: ``threads`` or cores / local ranks. ``elastic``: no collective here (a worker joining a
-    running elastic job must reach the state sync first), and the launcher's size is only the initial one."""
+def init(threads: int = 0, horovod_cfg=None, elastic: bool = False, device: str = "auto") -> Topology:
+    """hvd.init() with the config's Horovod knobs (``horovod_cfg``; None leaves Horovod's own settings), pin
+    torch threads (``threads``, or this rank's share of the cores) and bind the rank to its device
+    (``device``: train.device). ``elastic``: no collective here (a worker joining a running elastic job must
+    reach the state sync first), and the launcher's size is only the initial one."""
     hvd = import_horovod()
     if horovod_cfg is not None:
         set_horovod_knobs(horovod_cfg, elastic)
     check_controller(hvd)
     hvd.init()
     if elastic:
-        return current_topology(threads)
+        return current_topology(threads, device=device)
     check_world_size(hvd.size())
-    peers = tuple(hvd.allgather_object((socket.gethostname(), os.getpid()), name="peers"))
-    return current_topology(threads, peers)
+    chosen = select_device(device, hvd.local_rank())
+    peers = tuple(hvd.allgather_object((socket.gethostname(), os.getpid(), gpu_id(chosen)), name="peers"))
+    check_gpu_binding(peers, chosen)
+    return current_topology(threads, peers, device)
 
 
-def current_topology(threads: int = 0, peers: tuple = ()) -> Topology:
+def current_topology(threads: int = 0, peers: tuple = (), device: str = "auto") -> Topology:
     """This rank's place in the job Horovod formed last, with torch's threads and device set for it."""
     hvd = import_horovod()
-    topo = Topology(hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), peers)
+    chosen = select_device(device, hvd.local_rank())
+    topo = Topology(hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), peers, chosen)
     torch.set_num_threads(threads or cores_per_rank(topo.local_size))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(topo.local_rank)
+    if chosen.type == "cuda":
+        torch.cuda.set_device(chosen)
     return topo
 
 
 def cores_per_rank(local_size: int) -> int:
-    """This process's cores shared among the ranks on the node (at least 1)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores // max(1, local_size))
+    """This rank's share of the cores: its affinity as it is when a launcher already bound it to fewer than the
+    node's cores (srun --cpus-per-task, mpirun --bind-to), else the node's cores / local ranks (at least 1)."""
+    node = os.cpu_count() or 1
+    if not hasattr(os, "sched_getaffinity"):
+        return max(1, node // max(1, local_size))
+    mine = len(os.sched_getaffinity(0))
+    return mine if mine < node else max(1, mine // max(1, local_size))
 
 
 def broadcast_model(model: torch.nn.Module) -> None:
-    """Rank 0's parameters and buffers to every rank."""
+    """Rank 0's parameters and buffers to every rank, in place, whatever their memory layout (channels_last
+    included: each tensor goes through its dense view, so no copy is made)."""
     hvd = import_horovod()
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    views = {name: (t, *dense_view(t)) for name, t in model.state_dict().items()}
+    hvd.broadcast_parameters({name: view for name, (_, view, _) in views.items()}, root_rank=0)
+    with torch.no_grad():
+        for t, view, order in views.values():
+            if order == ():  # no dense view existed: the broadcast went to a copy
+                t.copy_(view)
+
+
+def on_cpu(obj):
+    """``obj`` with every tensor moved to the CPU (lists, tuples and dicts followed)."""
+    if torch.is_tensor(obj):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {key: on_cpu(value) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(on_cpu(item) for item in obj)
+    return obj
 
 
 def broadcast_object(obj, name: str):
-    return import_horovod().broadcast_object(obj, root_rank=0, name=name)
+    """Rank 0's ``obj`` on every rank, its tensors on the CPU: a CUDA tensor would be unpickled onto rank 0's GPU
+    on every rank (Horovod's broadcast_object loads without map_location)."""
+    return import_horovod().broadcast_object(on_cpu(obj), root_rank=0, name=name)
 
 
 def _tensors_in(obj):
@@ -243,18 +331,71 @@ def allreduce_mean_fp32(tensors: list[torch.Tensor], name: str) -> list[torch.Te
     return list(torch.split(flat, [t.numel() for t in tensors]))
 
 
-def compression(name: str):
-    hvd = import_horovod()
-    return {"fp16": hvd.Compression.fp16, "none": hvd.Compression.none}[name]
+# ----------------------------------------------------------------------------- gradient compression
+
+def dense_view(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...] | None]:
+    """(a view of ``t`` that is contiguous in the default sense, the permutation that made it), or (``t``,
+    None) when ``t`` is contiguous already. A channels_last (NHWC) tensor is dense in memory but not contiguous
+    as NCHW, which Horovod refuses; permuted to N,H,W,C it is contiguous and shares ``t``'s memory, and an
+    element-wise collective (all-reduce, broadcast) does not care about the order of the elements."""
+    if t.is_contiguous():
+        return t, None
+    order = tuple(sorted(range(t.dim()), key=lambda d: (-t.stride(d), -t.shape[d])))
+    view = t.permute(order)
+    if not view.is_contiguous():  # overlapping or gapped storage: no dense view exists
+        return t.contiguous(), ()
+    return view, order
+
+
+def undo_dense_view(t: torch.Tensor, order: tuple[int, ...] | None) -> torch.Tensor:
+    """The inverse of dense_view: the original shape with the original strides (``order`` () = a copy was made)."""
+    if not order:
+        return t
+    inverse = [0] * len(order)
+    for position, dim in enumerate(order):
+        inverse[dim] = position
+    return t.permute(inverse)
+
+
+class LayoutCompressor:
+    """Horovod's Compressor interface for any memory layout: the gradient is sent as its dense view, cast to
+    ``wire`` (None: its own dtype), and given back in its own dtype and strides, so the optimizer's multi-tensor
+    kernels keep matching strides. No layout copy: NHWC gradients stay NHWC (a cast is the only copy, as in
+    Horovod's own FP16 compressor)."""
+
+    wire: torch.dtype | None = None
+
+    @classmethod
+    def compress(cls, tensor: torch.Tensor):
+        view, order = dense_view(tensor)
+        if cls.wire is not None and tensor.is_floating_point() and tensor.dtype != cls.wire:
+            return view.to(cls.wire), (tensor.dtype, order)
+        return view, (None, order)
+
+    @classmethod
+    def decompress(cls, tensor: torch.Tensor, ctx):
+        dtype, order = ctx
+        return undo_dense_view(tensor.to(dtype) if dtype is not None else tensor, order)
+
+
+class NoCompression(LayoutCompressor):
+    wire = None
+
+
+class FP16Compression(LayoutCompressor):
+    wire = torch.float16
+
+
+COMPRESSORS = {"none": NoCompression, "fp16": FP16Compression}  # Horovod 0.28.1's torch ops have no bfloat16
 
 
 def distributed_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module, horovod_cfg,
-                          backward_passes_per_step: int = 1):
-    """Horovod's averaging all-reduce, FP16-compressed by default, with the configured pre-divide factor;
-    gradients of ``backward_passes_per_step`` passes accumulate locally before one all-reduce."""
+                          backward_passes_per_step: int = 1, compression: str = "none"):
+    """Horovod's averaging all-reduce with ``compression`` (resolved: precision.gradient_compression) and the configured
+    pre-divide factor; gradients of ``backward_passes_per_step`` passes accumulate locally before one all-reduce."""
     hvd = import_horovod()
     return hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                    compression=compression(horovod_cfg.compression), op=hvd.Average,
+                                    compression=COMPRESSORS[compression], op=hvd.Average,
                                     gradient_predivide_factor=horovod_cfg.gradient_predivide_factor,
                                     backward_passes_per_step=backward_passes_per_step)
 

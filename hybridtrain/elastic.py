@@ -36,7 +36,7 @@ from .errors import UserError
 from .optim import create_schedule
 from .train import (ProgressBar, Trainer, append_metrics, build_trainer, checkpoint_state, epoch_record, finish, log,
                     log_setup, resume_state, tensorboard_writer, truncate_metrics, write_scalars)
-from .training import EpochProgress, evaluate, train_one_epoch
+from .training import EpochProgress, evaluate, train_one_epoch, warmup_steps
 
 LAUNCH_HINT = ("horovodrun -np N --min-np A --max-np B --host-discovery-script SCRIPT hybridtrain train --elastic "
                "--config FILE")
@@ -105,9 +105,10 @@ class ElasticState(import_elastic_state()):
         self._load(saved)
 
     def sync(self) -> None:
-        hvd = distributed.import_horovod()
-        hvd.broadcast_parameters(self.trainer.model.state_dict(), root_rank=0)
-        self._load(hvd.broadcast_object(self._tensors_and_position(), root_rank=0, name="elastic_state"))
+        """Rank 0's model (any layout) and the rest of its state, through the CPU: each rank loads it onto its own
+        device, never onto rank 0's GPU."""
+        distributed.broadcast_model(self.trainer.model)
+        self._load(distributed.broadcast_object(self._tensors_and_position(), "elastic_state"))
         self.save()
 
 
@@ -151,7 +152,9 @@ def audit_path(cfg: Config) -> str | None:
 def fit_to_ranks(cfg: Config, t: Trainer) -> None:
     """What depends on the number of ranks, for the job Horovod formed last: loaders (shards), steps per epoch
     and the schedule's N."""
-    t.topo = distributed.current_topology(cfg.train.threads)
+    t.topo = distributed.current_topology(cfg.train.threads, device=cfg.train.device)
+    if next(t.model.parameters()).device != t.topo.device:  # a new local rank: its own GPU (the state follows at
+        t.model.to(t.topo.device)                           # the sync, which loads onto the parameters' device)
     close_loader(t.data.train.loader)
     close_loader(t.data.val)
     t.data = create_loaders(cfg, t.topo)
@@ -254,6 +257,7 @@ def train_elastic(state: ElasticState, cfg: Config, resume: str | None) -> dict 
     run_start = time.perf_counter() - state.position.elapsed_s
     board = tensorboard_writer(cfg) if t.topo.is_root else None
     metrics_path = os.path.join(cfg.run_dir, "metrics.jsonl")
+    first_epoch_of_process = True
     while state.position.epoch < cfg.train.epochs:
         pos, b, epoch_start = state.position, cfg.train.batch_size, time.perf_counter()
         committer = Committer(state, cfg.elastic.commit_steps, b, run_start)
@@ -262,7 +266,9 @@ def train_elastic(state: ElasticState, cfg: Config, resume: str | None) -> dict 
         result = train_one_epoch(t.model, t.bundle, t.precision, t.data.train, pos.epoch, t.updates, b, t.k, bar,
                                  resume=segment_base(pos, t.topo), stop_after_step=committer.after_step,
                                  passes=t.passes, start=pos.consumed,
-                                 first_step=step_in_epoch(pos.consumed, t.topo.size, b, t.k))
+                                 first_step=step_in_epoch(pos.consumed, t.topo.size, b, t.k),
+                                 warmup=warmup_steps(first_epoch_of_process, t.updates))
+        first_epoch_of_process = False
         if bar:
             bar.close()
         average_running_statistics(t.model, cfg.bn.combine)

@@ -64,8 +64,10 @@ def single_gpu_speed_of(run_dir: str, history: list[dict], world_size: int, give
 
 
 def run_speed(history: list[dict]) -> float:
-    """Global training images/s over the whole run."""
-    return sum(r["samples_seen"] for r in history) / sum(r["train_time_s"] for r in history)
+    """Global training images/s over the whole run, leaving out each process's warmup steps (compilation,
+    cuDNN autotuning; records of older versions have none)."""
+    samples = sum(r["samples_seen"] - r.get("warmup_samples", 0) for r in history)
+    return samples / sum(r["train_time_s"] - r.get("warmup_time_s", 0.0) for r in history)
 
 
 # ----------------------------------------------------------------------------- the figures

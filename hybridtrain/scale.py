@@ -33,7 +33,7 @@ def worker(config: str, overrides: list[str], compression: str, steps: int, warm
     from . import distributed
     from .config import load_config
     from .models import model_from_config
-    from .precision import create_scaler, prepare_model, resolve_policy
+    from .precision import create_scaler, gradient_compression, prepare_model, resolve_policy
     from .training import Precision, train_step
 
     cfg = load_config(config, overrides + [f"horovod.compression={compression}"])
@@ -43,7 +43,8 @@ def worker(config: str, overrides: list[str], compression: str, steps: int, warm
     model = prepare_model(model_from_config(cfg.model, classes, seed=cfg.seed).to(topo.device), policy)
     distributed.broadcast_model(model)
     optimizer = distributed.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
-                                                  model, cfg.horovod)
+                                                  model, cfg.horovod,
+                                                  compression=gradient_compression(compression, policy))
     precision = Precision(policy, create_scaler(cfg.precision, policy))
     generator = torch.Generator().manual_seed(topo.rank)
     b, size = cfg.train.batch_size, cfg.data.crop_size

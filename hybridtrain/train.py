@@ -17,9 +17,10 @@ from .errors import UserError
 from .batchnorm import average_running_statistics, configure_batch_norm, running_buffers
 from .models import model_from_config
 from .optim import create_optimizer
-from .precision import check_hardware, create_scaler, peak_memory_mb, prepare_model, reset_peak_memory, resolve_policy
+from .precision import (check_hardware, create_scaler, gradient_compression, memory_figures, prepare_model,
+                        reset_peak_memory, resolve_policy, set_fp32_math)
 from .preemption import PreemptionWatch
-from .training import EpochProgress, Precision, evaluate, train_one_epoch
+from .training import EpochProgress, Precision, evaluate, train_one_epoch, warmup_steps
 
 
 class ProgressBar:
@@ -115,13 +116,19 @@ class Trainer:
     updates: int  # optimizer steps per epoch
     k: int  # accumulation steps
     passes: object  # forward and backward, eager, compiled or graphed (speed.build_passes)
+    compression: str = "none"  # the gradient all-reduce's, resolved from horovod.compression
+    fp32_math: str = "ieee"  # FP32 convolutions and matmuls: ieee or tf32
 
 
 def build_trainer(cfg: Config, elastic: bool = False) -> Trainer:
-    topo = distributed.init(cfg.train.threads, cfg.horovod, elastic)
+    topo = distributed.init(cfg.train.threads, cfg.horovod, elastic, cfg.train.device)
     if cfg.train.deterministic:
         use_deterministic_algorithms()
+    else:
+        torch.backends.cudnn.benchmark = True  # fixed shapes: cuDNN picks the fastest kernels once
+    fp32_math = set_fp32_math(cfg.precision.tf32)
     policy = resolve_policy(cfg.precision)
+    compression = gradient_compression(cfg.horovod.compression, policy)
     check_hardware(policy, topo.device)
     speed.check_speedups(cfg.train, topo.device)
     data = create_loaders(cfg, topo)
@@ -139,8 +146,8 @@ def build_trainer(cfg: Config, elastic: bool = False) -> Trainer:
     precision = Precision(policy, create_scaler(cfg.precision, policy))
     passes = speed.build_passes(model, cfg, precision)  # a CUDA graph is captured before Horovod's hooks exist
     # Wrap first: Horovod rebuilds the optimizer from its param_groups, so state loaded before would be lost.
-    bundle.optimizer = distributed.distributed_optimizer(bundle.optimizer, model, cfg.horovod, k)
-    t = Trainer(topo, data, model, precision, bundle, updates, k, passes)
+    bundle.optimizer = distributed.distributed_optimizer(bundle.optimizer, model, cfg.horovod, k, compression)
+    t = Trainer(topo, data, model, precision, bundle, updates, k, passes, compression, fp32_math)
     bundle.on_phase_change = lambda step, s: log(t.topo, f"hybridtrain: switching to {s['phase']} at step {step} "
                                                          f"(epoch {step // t.updates + 1}), lr {s['lr']:.4g}")
     return t
@@ -236,7 +243,8 @@ def train_epochs(cfg: Config, t: Trainer, watch: PreemptionWatch, resume: str | 
         reset_peak_memory(topo.device)
         result = train_one_epoch(t.model, t.bundle, t.precision, data.train, epoch, t.updates, cfg.train.batch_size,
                                  t.k, bar, resume=progress if epoch == start_epoch else None,
-                                 stop_after_step=watch.after_step, passes=t.passes)
+                                 stop_after_step=watch.after_step, passes=t.passes,
+                                 warmup=warmup_steps(epoch == start_epoch, t.updates))
         if bar:
             bar.close()
         if result.stopped:
@@ -268,21 +276,36 @@ def log_setup(cfg: Config, t: Trainer) -> None:
     if data.skipped_files:
         log(topo, f"hybridtrain: skipping {len(data.skipped_files)} non-image file(s), e.g. {data.skipped_files[0]}")
     dropped = data.dropped_per_epoch + (data.steps_per_epoch - t.updates * k) * topo.size * cfg.train.batch_size
-    log(topo, f"hybridtrain: {topo.size} rank(s), {cfg.data.backend} input, {data.train_images} train / "
+    log(topo, f"hybridtrain: {topo.size} rank(s) on {device_name(topo.device)}, {cfg.data.backend} input, "
+              f"{'channels_last' if cfg.data.channels_last else 'NCHW'}, {t.precision.policy.mode} precision "
+              f"(fp32 math {t.fp32_math}), all-reduce compression {t.compression}")
+    log(topo, f"hybridtrain: {data.train_images} train / "
               f"{data.val_images} val images, {data.num_classes} classes, {t.updates} steps/epoch, global batch "
               f"{topo.size * cfg.train.batch_size * k}" + (f" ({k} accumulated passes per step)" if k > 1 else "")
               + (f", {dropped} image(s) dropped per epoch" if dropped else ""))
 
 
+def device_name(device: torch.device) -> str:
+    """'cuda:0 (NVIDIA H100 80GB HBM3)' or 'cpu'."""
+    return f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else str(device)
+
+
 def epoch_record(t: Trainer, epoch: int, result, ev, epoch_start: float, run_start: float) -> dict:
-    peak_mb = distributed.allgather_floats([peak_memory_mb(t.topo.device)], f"peak_memory.{epoch}")
+    memory = memory_figures(t.topo.device)
+    per_rank = distributed.allgather_floats([-1.0 if v is None else v for v in memory.values()], f"memory.{epoch}")
+    columns = {key: [v for v in per_rank[i::len(memory)] if v >= 0] for i, key in enumerate(memory)}
+    peak_mb = columns["peak_memory_mb"]
     return {"epoch": epoch + 1, "train_loss": result.train_loss, "train_top1": result.train_top1,
             "val_loss": ev.loss, "val_top1": ev.top1, "val_top5": ev.top5,
             "lr": t.bundle.optimizer.param_groups[0]["lr"], "epoch_time_s": time.perf_counter() - epoch_start,
             "train_time_s": result.train_time_s, "images_per_sec": result.samples_seen / result.train_time_s,
             "samples_seen": result.samples_seen, "val_count": ev.count, "wall_time_s": time.perf_counter() - run_start,
             "loss_scale": t.precision.scaler.scale, "skipped_steps": result.skipped_steps,
-            "peak_memory_mb": max(peak_mb), "peak_memory_mb_per_rank": peak_mb, "world_size": t.topo.size}
+            "peak_memory_mb": max(peak_mb), "peak_memory_mb_per_rank": peak_mb,
+            "peak_memory_reserved_mb": max(columns["peak_memory_reserved_mb"], default=None),
+            "device_memory_used_mb": max(columns["device_memory_used_mb"], default=None),
+            "warmup_time_s": result.warmup_time_s, "warmup_samples": result.warmup_samples,
+            "fp32_math": t.fp32_math, "compression": t.compression, "world_size": t.topo.size}
 
 
 def finish(cfg: Config, t: Trainer, board) -> dict | None:
@@ -293,7 +316,9 @@ def finish(cfg: Config, t: Trainer, board) -> dict | None:
     if len(set(digests)) != 1:
         print("hybridtrain: warning: ranks ended with different parameters or optimizer state (see report.json "
               "rank_digests)", file=sys.stderr)
-    torch.save(t.model.state_dict(), os.path.join(cfg.run_dir, "final_model.pt"))
+    # contiguous CPU tensors: loads anywhere without map_location, strictly into torchvision's ResNet
+    final = {name: tensor.detach().cpu().contiguous() for name, tensor in t.model.state_dict().items()}
+    torch.save(final, os.path.join(cfg.run_dir, "final_model.pt"))
     if board:
         board.close()
     report = reporting.report_run(cfg.run_dir, extra={"world_size": t.topo.size, "rank_digests": digests})

@@ -41,6 +41,8 @@ class EpochResult:
     train_time_s: float
     skipped_steps: int  # optimizer steps skipped for overflowing gradients (the same on every rank)
     stopped: EpochProgress | None = None  # set when a preemption stopped the epoch after a step
+    warmup_time_s: float = 0.0  # of train_time_s: the first steps of a process (compile, cuDNN autotuning)
+    warmup_samples: int = 0  # of samples_seen: those trained in warmup_time_s (over all ranks)
 
 
 @dataclass
@@ -106,9 +108,16 @@ class EagerPasses:
         return backward_pass(self.model, precision, images, labels, weight)
 
 
+def warmup_steps(first_epoch_of_process: bool, updates_per_epoch: int, steps: int = 3) -> int:
+    """The steps of an epoch timed apart as warmup: the first ``steps`` a process trains (torch.compile compiles
+    and cuDNN autotunes there), when the epoch has at least twice as many; else none."""
+    return steps if first_epoch_of_process and updates_per_epoch >= 2 * steps else 0
+
+
 def train_one_epoch(model, bundle, precision: Precision, loader, epoch: int, updates_per_epoch: int,
                     batch_size: int, accumulation_steps: int = 1, progress=None, resume: EpochProgress | None = None,
-                    stop_after_step=None, passes=None, start: int = 0, first_step: int = 0) -> EpochResult:
+                    stop_after_step=None, passes=None, start: int = 0, first_step: int = 0,
+                    warmup: int = 0) -> EpochResult:
     """``updates_per_epoch`` optimizer steps of ``accumulation_steps`` passes each; one all-reduce per step
     (Horovod's backward_passes_per_step). Left-over batches that cannot fill a step are not trained on.
     ``passes``: how forward and backward run (``speed.build_passes``: compiled, or replayed from a CUDA graph);
@@ -120,6 +129,9 @@ def train_one_epoch(model, bundle, precision: Precision, loader, epoch: int, upd
 
     Elastic training runs an epoch in segments: ``start`` samples of the epoch's permutation were consumed
     before this one, which begins at optimizer step ``first_step`` of the epoch (see ``elastic.py``).
+
+    ``warmup``: the first ``warmup`` steps run here are timed apart (warmup_time_s, warmup_samples), so that
+    steady speeds and S1 leave out compilation and autotuning; one device sync marks their end.
     """
     model.train()
     if start:
@@ -136,6 +148,8 @@ def train_one_epoch(model, bundle, precision: Precision, loader, epoch: int, upd
     total_passes = min(updates_per_epoch - first_step, len(loader) // k) * k
     bn_guard = RunningStatsGuard(model)
     began = time.perf_counter() - done.train_time_s
+    warmup_end = done.passes + warmup * k if warmup else -1
+    warmup_time, warmup_seen = 0.0, torch.zeros((), dtype=torch.float64, device=device)
     for i, batch in zip(range(total_passes), loader):  # range first: no batch is drawn beyond the last pass
         if i < done.passes:
             continue
@@ -151,6 +165,10 @@ def train_one_epoch(model, bundle, precision: Precision, loader, epoch: int, upd
         loss_sum += loss * labels.numel()
         correct += topk_correct(logits, labels, ks=(1,))[0]
         seen += labels.numel()
+        if i + 1 == warmup_end:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            warmup_time, warmup_seen = time.perf_counter() - began - done.train_time_s, seen - done.seen
         if progress is not None:
             progress.update(loss_sum, seen, i + 1)
         def snapshot(passes=i + 1):
@@ -160,9 +178,11 @@ def train_one_epoch(model, bundle, precision: Precision, loader, epoch: int, upd
             stopped = snapshot()
             return EpochResult(float("nan"), float("nan"), 0, stopped.train_time_s, stopped.skipped_steps, stopped)
     elapsed = time.perf_counter() - began
-    totals = distributed.allreduce_sum(torch.stack([loss_sum, correct, seen]).cpu(), f"train_totals.{epoch}")
+    totals = distributed.allreduce_sum(torch.stack([loss_sum, correct, seen, warmup_seen]).cpu(),
+                                       f"train_totals.{epoch}")
     return EpochResult(float(totals[0] / totals[2]), float(totals[1] / totals[2]), int(totals[2]), elapsed,
-                       precision.scaler.skipped_steps - skipped_before)
+                       precision.scaler.skipped_steps - skipped_before, warmup_time_s=warmup_time,
+                       warmup_samples=int(totals[3]))
 
 
 @torch.no_grad()

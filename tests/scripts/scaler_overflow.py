@@ -34,7 +34,7 @@ def main(out: str) -> None:
     model = create_model("resnet18", 10, seed=0)
     distributed.broadcast_model(model)
     optimizer = distributed.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model,
-                                                  cfg.horovod)
+                                                  cfg.horovod, compression="fp16")
     precision = Precision(resolve_policy(cfg.precision), LossScaler("dynamic", 1024.0, GROWTH, 5))
     step = {"now": 0}
 
