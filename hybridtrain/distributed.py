@@ -257,13 +257,16 @@ def current_topology(threads: int = 0, peers: tuple = (), device: str = "auto") 
 
 
 def cores_per_rank(local_size: int) -> int:
-    """This rank's share of the cores: its affinity as it is when a launcher already bound it to fewer than the
-    node's cores (srun --cpus-per-task, mpirun --bind-to), else the node's cores / local ranks (at least 1)."""
+    """This rank's share of the cores (see rank_cores)."""
     node = os.cpu_count() or 1
-    if not hasattr(os, "sched_getaffinity"):
-        return max(1, node // max(1, local_size))
-    mine = len(os.sched_getaffinity(0))
-    return mine if mine < node else max(1, mine // max(1, local_size))
+    mine = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else node
+    return rank_cores(mine, node, local_size)
+
+
+def rank_cores(affinity: int, node_cores: int, local_size: int) -> int:
+    """A rank's threads: its affinity as it is when a launcher already bound it to fewer than the node's cores
+    (srun --cpus-per-task=8: 8, not 8 / 8 ranks), else the node's cores over the local ranks (at least 1)."""
+    return affinity if affinity < node_cores else max(1, affinity // max(1, local_size))
 
 
 def broadcast_model(model: torch.nn.Module) -> None:

@@ -29,8 +29,9 @@ def recipe(data: str, run_dir: str, precision: str) -> dict:
     optim = {"name": "hybrid", "adabound_epochs": 1}  # epoch 1: AdaBound, epoch 2: LARS-SGD
     if precision == "fp16_pure":  # FP16 optimizer state: no AdaBound (docs/precision.md)
         optim = {"name": "goyal", "lr": 0.05, "warmup_epochs": 1}
+    # channels_last, as on GPUs: Horovod's broadcast and gradient hooks see NHWC tensors in every mode
     return tiny_config(data, run_dir, train={"epochs": 2, "batch_size": 8, "deterministic": True},
-                       optim=optim, precision=PRECISIONS[precision])
+                       optim=optim, precision=PRECISIONS[precision], data={"channels_last": True})
 
 
 def file_digest(path) -> str:
@@ -76,6 +77,28 @@ def straight_runs(small_digits, tmp_path_factory):
         return runs[precision]
     return get
 
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+def test_channels_last_trains_on_two_ranks_and_its_model_loads_strictly_into_torchvision(straight_runs, precision):
+    """NHWC under Horovod in every precision mode and both optimizer phases: equal digests on both ranks, and
+    final_model.pt holds contiguous CPU tensors that torchvision's ResNet-18 loads strictly."""
+    import torch
+    import torchvision
+    run_dir = straight_runs(precision)
+    report = json.loads((run_dir / "report.json").read_text())
+    assert len(report["rank_digests"]) == 2 and len(set(report["rank_digests"])) == 1
+    state = torch.load(run_dir / "final_model.pt", weights_only=True)
+    assert all(t.device.type == "cpu" and t.is_contiguous() for t in state.values())
+    model = torchvision.models.resnet18(num_classes=10)
+    model.load_state_dict(state, strict=True)
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["compression"] for r in records] == [EXPECTED_COMPRESSION[precision]] * 2
+
+
+# horovod.compression auto: fp16 where the loss is scaled (FP16 computes), none elsewhere
+EXPECTED_COMPRESSION = {"fp32": "none", "fp64": "none", "mixed-fp16": "fp16", "mixed-bf16": "none", "layered": "fp16",
+                        "fp16_pure": "fp16"}
 
 CASES = [(p, "first epoch") for p in PRECISIONS] + [("fp32", "second epoch"), ("mixed-fp16", "second epoch")]
 

@@ -1,0 +1,202 @@
+"""The GPU path, checked where the CPU can check it: NHWC tensors through Horovod's compressors and broadcast,
+rank -> device binding, the compression each precision mode gets, IEEE FP32, memory budgets, OOM forms, warmup
+left out of S1, and a bug in one rank reported in one line (real horovodrun ranks for the collectives)."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import HOROVODRUN, REPO, rank_output, run
+from hybridtrain import distributed
+from hybridtrain.config import load_config
+from hybridtrain.errors import UserError
+from hybridtrain.max_batch import is_out_of_memory, memory_budget_mb
+from hybridtrain.precision import gradient_compression, resolve_policy, set_fp32_math
+from hybridtrain.reporting import run_speed
+from hybridtrain.training import warmup_steps
+
+SCRIPT = os.path.join(REPO, "tests", "scripts", "channels_last_collectives.py")
+
+
+def nhwc(*shape: int, dtype=torch.float32) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(sum(shape))
+    return torch.randn(*shape, generator=generator, dtype=dtype).contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("shape", [(64, 64, 3, 3), (64, 3, 7, 7), (256, 64, 1, 1), (8, 3, 5, 4)])
+def test_the_dense_view_of_an_nhwc_tensor_shares_its_memory_and_is_contiguous(shape):
+    t = nhwc(*shape)
+    view, order = distributed.dense_view(t)
+    assert view.is_contiguous() and view.data_ptr() == t.data_ptr()
+    back = distributed.undo_dense_view(view, order)
+    assert back.shape == t.shape and back.stride() == t.stride() and back.data_ptr() == t.data_ptr()
+    # the view's element order is memory order: N, H, W, C for NHWC
+    expected = t.numpy().transpose(0, 2, 3, 1) if order else t.numpy()
+    np.testing.assert_array_equal(view.numpy().reshape(expected.shape), expected)
+
+
+def test_no_compression_hands_horovod_the_gradients_own_memory_and_gives_back_its_strides():
+    grad = nhwc(64, 64, 3, 3)
+    sent, ctx = distributed.NoCompression.compress(grad)
+    assert sent.is_contiguous() and sent.data_ptr() == grad.data_ptr()  # no layout copy
+    sent.mul_(2)  # what an in-place all-reduce does
+    back = distributed.NoCompression.decompress(sent, ctx)
+    assert back.stride() == grad.stride() and back.data_ptr() == grad.data_ptr()
+
+
+def test_fp16_compression_casts_once_and_returns_fp32_with_the_nhwc_strides():
+    grad = nhwc(64, 3, 7, 7) * 1e-3
+    sent, ctx = distributed.FP16Compression.compress(grad)
+    assert sent.dtype == torch.float16 and sent.is_contiguous()
+    back = distributed.FP16Compression.decompress(sent, ctx)
+    assert back.dtype == torch.float32 and back.stride() == grad.stride()
+    expected = grad.numpy().astype(np.float16).astype(np.float32)  # NumPy's own round-to-nearest FP16
+    np.testing.assert_array_equal(back.numpy(), expected)
+
+
+def test_a_contiguous_gradient_passes_through_untouched():
+    grad = torch.randn(1000, 512)
+    sent, ctx = distributed.NoCompression.compress(grad)
+    assert sent is grad and distributed.NoCompression.decompress(sent, ctx) is grad
+
+
+@pytest.mark.parametrize("mode,extra,expected", [
+    ("fp32", [], "none"),
+    ("fp32", ["precision.loss_scaling=dynamic"], "fp16"),  # the paper's P40 scheme: FP32 compute, FP16 wire
+    ("fp64", [], "none"),
+    ("mixed", ["precision.compute_dtype=fp16"], "fp16"),
+    ("mixed", ["precision.compute_dtype=bf16"], "none"),
+    ("layered", [], "fp16"),
+    ("fp16_pure", ["optim.name=goyal"], "fp16"),
+])
+def test_auto_compression_is_fp16_exactly_where_the_loss_is_scaled(mode, extra, expected):
+    cfg = load_config(None, [f"precision.mode={mode}", *extra])
+    assert gradient_compression("auto", resolve_policy(cfg.precision)) == expected
+
+
+@pytest.mark.parametrize("sets,needle", [
+    (["precision.mode=fp32", "horovod.compression=fp16"], "needs loss scaling"),
+    (["precision.mode=mixed", "precision.compute_dtype=bf16", "horovod.compression=fp16"], "needs loss scaling"),
+    (["precision.mode=fp64", "precision.loss_scaling=dynamic", "horovod.compression=fp16"], "fp64 gradients"),
+])
+def test_fp16_compression_of_unscaled_or_fp64_gradients_is_refused_in_one_line(sets, needle):
+    with pytest.raises(UserError, match=needle) as caught:
+        load_config(None, sets)
+    assert "\n" not in str(caught.value) and "horovod.compression" in str(caught.value)
+
+
+def test_every_recipe_sends_fp16_only_scaled_gradients():
+    for name in sorted(os.listdir(os.path.join(REPO, "configs"))):
+        cfg = load_config(os.path.join(REPO, "configs", name))
+        policy = resolve_policy(cfg.precision)
+        if gradient_compression(cfg.horovod.compression, policy) == "fp16":
+            assert policy.loss_scaling != "none", name
+
+
+def test_fp32_math_is_ieee_unless_tf32_is_asked_for():
+    try:
+        assert set_fp32_math(False) == "ieee"
+        assert torch.backends.cudnn.conv.fp32_precision == "ieee"
+        assert torch.backends.cuda.matmul.fp32_precision == "ieee"
+        assert set_fp32_math(True) == "tf32"
+        assert torch.backends.cudnn.conv.fp32_precision == "tf32"
+    finally:
+        set_fp32_math(False)
+
+
+@pytest.mark.parametrize("local_rank,visible,expected", [(0, 8, 0), (5, 8, 5), (5, 1, 0), (3, 2, 1)])
+def test_a_rank_takes_its_own_gpu_or_the_one_it_sees(local_rank, visible, expected):
+    assert distributed.device_index(local_rank, visible) == expected
+
+
+def test_ranks_sharing_one_gpu_are_found_per_host():
+    peers = (("a", 1, "GPU-1"), ("a", 2, "GPU-2"), ("b", 3, "GPU-1"), ("b", 4, "GPU-1"), ("c", 5, ""), ("c", 6, ""))
+    assert distributed.shared_gpus(peers) == [[2, 3]]  # host a's GPU-1 and host b's GPU-1 are different GPUs
+    assert distributed.shared_gpus(peers[:2]) == []
+
+
+@pytest.mark.parametrize("affinity,node,local_size,expected", [
+    (64, 64, 8, 8),  # all the node's cores, 8 ranks: a share each
+    (8, 64, 8, 8),   # srun --cpus-per-task=8 bound the rank already: all 8 are its own
+    (2, 2, 2, 1),
+    (1, 64, 8, 1),
+])
+def test_thread_counts_follow_the_ranks_own_affinity(affinity, node, local_size, expected):
+    assert distributed.rank_cores(affinity, node, local_size) == expected
+
+
+def test_device_cpu_stays_on_the_cpu():
+    assert distributed.select_device("cpu", 3) == torch.device("cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal when CUDA is unusable")
+def test_device_cuda_without_a_usable_gpu_is_one_line_saying_why():
+    with pytest.raises(UserError) as caught:
+        distributed.select_device("cuda", 0)
+    text = str(caught.value)
+    assert "CUDA is unusable" in text and "train.device=cpu" in text and "\n" not in text
+
+
+def test_the_max_batch_budget_keeps_the_margin_and_the_training_headroom():
+    assert memory_budget_mb(81559, 0.05) == pytest.approx(81559 * 0.95 - 3072)
+    assert memory_budget_mb(1000, 0.0, headroom_mb=100) == 900
+
+
+@pytest.mark.parametrize("message,oom", [
+    ("CUDA out of memory. Tried to allocate 2.00 GiB", True),
+    ("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`", True),
+    ("cuDNN error: CUDNN_STATUS_ALLOC_FAILED", True),
+    ("CUDA error: operation not permitted when stream is capturing", True),
+    ("Expected all tensors to be on the same device", False),
+])
+def test_every_form_of_a_gpu_allocation_failure_counts_as_out_of_memory(message, oom):
+    assert is_out_of_memory(RuntimeError(message)) is oom
+
+
+def test_a_process_first_epoch_keeps_its_warmup_apart_from_s1():
+    assert warmup_steps(True, 100) == 3 and warmup_steps(False, 100) == 0 and warmup_steps(True, 5) == 0
+    # 1,000 images in 10 s, of which 100 in the 6 s of compilation: 900 / 4 = 225 img/s, not 100
+    history = [{"samples_seen": 1000, "train_time_s": 10.0, "warmup_samples": 100, "warmup_time_s": 6.0},
+               {"samples_seen": 1000, "train_time_s": 4.0}]  # an older record: no warmup keys
+    assert run_speed(history) == pytest.approx(1900 / 8.0)
+
+
+def test_nhwc_broadcast_and_gradient_allreduce_on_two_ranks(tmp_path):
+    """Real ranks: broadcast_model and DistributedOptimizer's hooks on NHWC conv weights and gradients, with
+    each compressor; the averaged gradient equals NumPy's mean of both ranks' gradients."""
+    out = tmp_path / "out"
+    proc = run([HOROVODRUN, "--gloo", "-np", "2", "-H", "localhost:2", _python(), SCRIPT, str(out)], timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for name in ("none", "fp16"):
+        a, b = results[0][name], results[1][name]
+        assert a["grad_strides"] == a["param_strides"], "the gradient keeps the NHWC strides"
+        assert a["grad"] == b["grad"]
+        local = [np.array(x["local_grad"], dtype=np.float32) for x in (a, b)]
+        if name == "fp16":  # each rank's gradient rounded to FP16, summed in FP16, halved (exact for a power of 2)
+            mean = ((local[0].astype(np.float16) + local[1].astype(np.float16)) / np.float16(2)).astype(np.float32)
+        else:
+            mean = (local[0] + local[1]) / np.float32(2)
+        np.testing.assert_allclose(np.array(a["grad"], dtype=np.float32), mean, rtol=1e-6, atol=0)
+    assert results[0]["broadcast"] == results[1]["broadcast"]
+
+
+def _python() -> str:
+    import sys
+    return sys.executable
+
+
+def test_a_bug_in_one_rank_is_one_line_naming_it_with_the_traceback_in_a_log(tmp_path):
+    script = os.path.join(REPO, "tests", "scripts", "bug_in_one_rank.py")
+    proc = run([HOROVODRUN, "--gloo", "-np", "2", "-H", "localhost:2", _python(), script, str(tmp_path)], timeout=300)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    lines = [x for x in output.splitlines() if "unexpected" in x]
+    assert len(lines) == 1 and "rank 1: unexpected ZeroDivisionError" in lines[0], output[-3000:]
+    log = tmp_path / "logs" / "rank-1-error.log"
+    assert str(log) in lines[0] and "Traceback" in log.read_text() and "ZeroDivisionError" in log.read_text()
+    assert "Traceback" not in rank_output(output)
