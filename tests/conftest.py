@@ -47,10 +47,21 @@ def venv_without(root, excluded: list[str]) -> str:
     return str(Path(root) / "bin" / "python")
 
 
+def gpus_for_every_rank(ranks: int = 2) -> bool:
+    """True when this host has a GPU for each of the test launches' ranks (at most 2)."""
+    import torch
+    return torch.cuda.device_count() >= ranks
+
+
 def env_with_venv() -> dict:
+    """The venv first on PATH. On a host with fewer GPUs than the 2-rank tests need, every launched process is
+    pinned to the CPU (CUDA_VISIBLE_DEVICES=''): the tests are sized for the CPU, and two ranks on one GPU are
+    refused (train.device, NCCL)."""
     env = dict(os.environ)
     env["PATH"] = BIN + os.pathsep + env.get("PATH", "")
     env["PYTHONUNBUFFERED"] = "1"
+    if not gpus_for_every_rank():
+        env["CUDA_VISIBLE_DEVICES"] = ""
     return env
 
 
