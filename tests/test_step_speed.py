@@ -79,10 +79,11 @@ def built_step(sets: list[str], seed_step: int = 0):
     from hybridtrain.config import load_config
     from hybridtrain.models import create_model
     from hybridtrain.optim import create_optimizer
-    from hybridtrain.precision import create_scaler, prepare_model, resolve_policy
+    from hybridtrain.precision import create_scaler, prepare_model, resolve_policy, set_fp32_math
     from hybridtrain.speed import build_train_step
     from hybridtrain.training import Precision
     cfg = load_config(None, SMALL + sets)
+    set_fp32_math(cfg.precision.tf32)  # as the trainer: IEEE FP32, not TF32
     policy = resolve_policy(cfg.precision)
     model = prepare_model(create_model("resnet18", 10, seed=0).to(device()), policy)
     bundle = create_optimizer(model, cfg, 1, 10)
@@ -143,10 +144,15 @@ def test_compiled_steps_give_the_eager_losses(optimizer):
     compiled_step, compiled_model = built_step([f"optim.name={optimizer}", "train.compile=true"])
     eager = torch.stack([eager_step() for _ in range(3)])
     compiled = torch.stack([compiled_step() for _ in range(3)])
-    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)
+    # What "the same" means: the same FP32 sums in another order. On the CPU inductor's kernels keep the
+    # losses within 1e-4; on a GPU, Triton's fused kernels and cuDNN's algorithms sum in other orders, and the
+    # H100 gave 1.8e-4 after 3 steps, so 1e-3 there (a wrong gradient or a frozen schedule is off by far more).
+    rtol, atol = (1e-3, 1e-4) if device().type == "cuda" else (1e-4, 1e-5)
+    torch.testing.assert_close(compiled[0], eager[0], rtol=rtol / 10, atol=atol)  # same weights: one forward
+    torch.testing.assert_close(compiled, eager, rtol=rtol, atol=atol)
     if optimizer == "goyal":  # AdaBound's early steps are about alpha * sign(g): a rounding flips near-zero ones
         for a, b in zip(compiled_model.parameters(), eager_model.parameters()):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
     assert list(compiled_model.state_dict()) == list(eager_model.state_dict())  # checkpoints keep their keys
 
 
