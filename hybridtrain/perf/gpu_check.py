@@ -299,6 +299,8 @@ def run_row(row: Row, out: str, deadline: float, base_env: dict, say: Callable[[
     else:
         problem = judge(row, rc, log_path)
         row.status, row.detail = (FAIL, problem) if problem else (PASS, row.detail)
+    if row.kind == "train":
+        drop_weights(row.output)
     say(f"gpu-check: {row.name}: {row.status} in {row.seconds:.0f} s" + (f": {row.detail}" if row.detail else ""))
     return row
 
@@ -357,6 +359,14 @@ def read_train(row: Row) -> str:
     if not row.images_per_sec:
         return "no steady img/s"
     return ""
+
+
+def drop_weights(run_dir: str) -> None:
+    """Remove a checked run's checkpoints and final model (ResNet-50 with its optimizer state: hundreds of MiB per
+    row); metrics.jsonl, config.yaml and the report stay in OUT/runs/<row>."""
+    for name in os.listdir(run_dir) if os.path.isdir(run_dir) else []:
+        if name.endswith((".pt", ".pt.sha256")):
+            os.remove(os.path.join(run_dir, name))
 
 
 def read_bench(row: Row) -> str:
