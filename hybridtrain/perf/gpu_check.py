@@ -18,8 +18,8 @@ row failed. Rows run under one time budget (``--budget-s``, default 510 s, the b
 ends within 9 minutes; a row that cannot start inside it fails with ``not run: time budget spent`` and a
 second run (the build is reused) finishes it.
 
-Only the standard library is imported here: the bare machine's Python has no PyYAML, and torch is imported
-inside :func:`cuda_devices` only.
+Only the standard library is imported here (the bare machine's Python has no PyYAML), and this process never
+imports torch: :func:`cuda_devices` asks a child process.
 """
 from __future__ import annotations
 
@@ -133,21 +133,32 @@ def check_wheelhouse(path: str | None) -> str | None:
 
 
 def check_checkout(repo: str = REPO) -> None:
-    missing = [p for p in ("install.sh", RECIPE, "tests/test_step_speed.py") if not os.path.exists(os.path.join(repo, p))]
+    needed = ("install.sh", RECIPE, "tests/test_step_speed.py")
+    missing = [p for p in needed if not os.path.exists(os.path.join(repo, p))]
     if missing:
         raise UserError(f"gpu-check runs from a checkout of hybridtrain; {repo} has no {', '.join(missing)}: "
                         f"run it from the checkout (python -m hybridtrain gpu-check ...)")
 
 
-def cuda_devices() -> tuple[int, str]:
-    """(number of CUDA GPUs, the first one's name); a machine without one is a UserError."""
+CUDA_PROBE = ("import json, torch; ok = torch.cuda.is_available(); print(json.dumps("
+              "[torch.cuda.device_count() if ok else 0, torch.cuda.get_device_name(0) if ok else '']))")
+
+
+def cuda_devices(python: str = sys.executable) -> tuple[int, str]:
+    """(number of CUDA GPUs, the first one's name), asked in a child process: this one never holds a CUDA
+    context, which would count in every row's device memory. A machine without a GPU is a UserError."""
     try:
-        import torch
-    except ImportError as exc:
-        raise UserError(f"gpu-check needs torch in this Python ({sys.executable}): {exc}") from None
-    if not torch.cuda.is_available():
+        proc = subprocess.run([python, "-c", CUDA_PROBE], capture_output=True, text=True, timeout=180,
+                              stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise UserError(f"gpu-check could not ask torch for the GPUs with {python}: {exc}") from None
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+        raise UserError(f"gpu-check needs torch in this Python ({python}): {last}")
+    count, name = json.loads(proc.stdout.strip().splitlines()[-1])
+    if not count:
         raise UserError(NO_GPU)
-    return torch.cuda.device_count(), torch.cuda.get_device_name(0)
+    return count, name
 
 
 # ----------------------------------------------------------------------------- Horovod with NCCL
@@ -315,11 +326,20 @@ def judge(row: Row, rc: int, log_path: str) -> str:
         summary = last_line(log_path)
         row.detail = summary if "passed" in summary or "failed" in summary else ""
         problem = "" if rc == 0 else (row.detail or f"pytest exited {rc}")
-    else:
-        problem = ""
+    else:  # build: install.sh's own one-line error says what is missing
+        errors = [line for line in read_text(log_path).splitlines() if line.startswith("install: error:")]
+        problem = errors[-1][:300] if rc != 0 and errors else ""
     if rc != 0:
         return problem or f"exit status {rc} (see {os.path.basename(log_path)})"
     return problem
+
+
+def read_text(path: str) -> str:
+    try:
+        with open(path, errors="replace") as fh:
+            return fh.read()
+    except OSError:
+        return ""
 
 
 def read_metrics(run_dir: str) -> list[dict]:
@@ -337,7 +357,8 @@ def train_figures(records: list[dict]) -> dict:
     all epochs: allocated, reserved and device-wide (None when metrics.jsonl lacks the key)."""
     steady = records[1:] or records
     seconds = sum(r["train_time_s"] for r in steady)
-    return {"images_per_sec": sum(r["images_per_sec"] * r["train_time_s"] for r in steady) / seconds if seconds else None,
+    images = sum(r["images_per_sec"] * r["train_time_s"] for r in steady)
+    return {"images_per_sec": images / seconds if seconds else None,
             "peak_allocated_mb": max_of(records, "peak_memory_mb"),
             "peak_reserved_mb": max_of(records, "peak_memory_reserved_mb"),
             "device_used_mb": max_of(records, "device_memory_used_mb")}
@@ -391,7 +412,8 @@ def read_bench(row: Row) -> str:
 
 def fill_ratios(rows: list[Row]) -> list[Row]:
     """Each training row's img/s per GPU ÷ the plain loop's img/s of the same precision (from its bench row)."""
-    baselines = {r.precision: r.baseline_images_per_sec for r in rows if r.kind == "bench" and r.baseline_images_per_sec}
+    baselines = {r.precision: r.baseline_images_per_sec for r in rows
+                 if r.kind == "bench" and r.baseline_images_per_sec}
     for r in rows:
         if r.kind == "train" and r.images_per_sec and r.precision in baselines:
             r.ratio = r.images_per_sec / r.ranks / baselines[r.precision]
@@ -447,8 +469,10 @@ def run_gpu_check(out: str, wheelhouse: str | None = None, quick: bool = False, 
     base_env = dict(os.environ)
     here = os.path.dirname(sys.executable)
     venv = os.path.abspath(venv or default_venv())
+    say(f"gpu-check: {device} x {gpus}; output in {out}")
     if nccl_ready(here):
-        bin_dir, build = here, Row("build", "build", status=PASS, detail=f"skipped: horovod.torch with NCCL imports in {sys.executable}")
+        bin_dir, build = here, Row("build", "build", status=PASS,
+                                   detail=f"skipped: horovod.torch with NCCL imports in {sys.executable}")
     elif nccl_ready(os.path.join(venv, "bin")):
         bin_dir, build = os.path.join(venv, "bin"), Row("build", "build", status=PASS,
                                                         detail=f"skipped: {venv} has horovod.torch with NCCL")
@@ -458,12 +482,14 @@ def run_gpu_check(out: str, wheelhouse: str | None = None, quick: bool = False, 
         if build.status == PASS and not nccl_ready(bin_dir):
             build.status, build.detail = FAIL, f"install.sh ended but {bin_dir}/python has no horovod.torch with NCCL"
     meta["bin"] = bin_dir
-    say(f"gpu-check: {device} x {gpus}; Horovod with NCCL from {bin_dir}")
     rows = [build]
     if build.status == PASS:
+        say(f"gpu-check: Horovod with NCCL from {bin_dir}")
         base_env["PATH"] = bin_dir + os.pathsep + base_env.get("PATH", "")
         for row in build_rows(gpus, quick, out, bin_dir):
             rows.append(run_row(row, out, deadline, base_env, say))
+    else:
+        say("gpu-check: no Horovod with NCCL, so no other row can run")
     fill_ratios(rows)
     text = write_results(rows, out, meta)
     say(text)
