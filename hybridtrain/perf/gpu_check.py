@@ -28,6 +28,7 @@ import json
 import math
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -284,6 +285,8 @@ def run_row(row: Row, out: str, deadline: float, base_env: dict, say: Callable[[
             log.write(f"$ {shlex.join(row.argv)}\n{row.detail}\n")
         return row
     timeout = min(row.timeout_s, left)
+    if row.kind == "train" and os.path.isdir(row.output):
+        shutil.rmtree(row.output)  # this row's run directory from an earlier check: the trainer starts fresh
     env = {**base_env, "PYTHONUNBUFFERED": "1", **row.env}
     say(f"gpu-check: {row.name}: running (timeout {timeout:.0f} s, log {log_path})")
     start = time.monotonic()
