@@ -185,3 +185,15 @@ def test_a_row_runs_as_a_real_process_with_its_log_and_its_timeout(tmp_path):
     late = gc.Row("late", "tests", [sys.executable, "-c", "pass"], 30)
     gc.run_row(late, str(tmp_path), time.monotonic() + 5, dict(os.environ), lines.append)
     assert late.status == gc.FAIL and late.detail.startswith("not run: time budget spent")
+
+
+def test_a_training_row_starts_from_an_empty_run_directory_and_fails_without_metrics(tmp_path):
+    import sys
+    import time
+    run_dir = tmp_path / "runs" / "stale"
+    run_dir.mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text('{"epoch": 1}\n')  # an earlier check's: the trainer would refuse it
+    row = gc.Row("stale", "train", [sys.executable, "-c", "pass"], 30, output=str(run_dir))
+    gc.run_row(row, str(tmp_path), time.monotonic() + 60, dict(os.environ), lambda line: None)
+    assert not run_dir.exists()
+    assert row.status == gc.FAIL and row.detail == "no metrics.jsonl (FileNotFoundError)"
