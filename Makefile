@@ -9,7 +9,7 @@ install:
 
 demo: install
 	hybridtrain prepare-data digits --out data/digits
-	horovodrun -np 2 -H localhost:2 hybridtrain train --config configs/demo.yaml
+	horovodrun -np 2 -H localhost:2 hybridtrain train --config configs/demo.yaml --resume auto
 
 test: install
 	python -m pytest tests -q -rs

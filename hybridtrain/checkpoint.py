@@ -132,14 +132,35 @@ def _prune(directory: str, keep: int) -> None:
             os.remove(sidecar)
 
 
-def save_checkpoint(state: dict, directory: str, epoch: int, keep: int, step: int | None = None) -> str:
+def _prune_owned(owner, keep: int) -> None:
+    """Remove all but the newest ``keep`` of the checkpoints this run wrote (``owner``: rundir.RunDir); files
+    of other runs or of the user are never considered."""
+    ordered = sorted(owner.checkpoints(), key=lambda name: _order(EPOCH_RE.search(name)))
+    for name in ordered[:-keep]:
+        for path in (os.path.join(owner.path, name), checksum_path(os.path.join(owner.path, name))):
+            if os.path.exists(path):
+                os.remove(path)
+        owner.forget_checkpoint(name)
+
+
+def _order(match) -> tuple[int, int]:
+    return (int(match.group(1)), int(match.group(2)) if match.group(2) else WHOLE_EPOCH) if match else (0, 0)
+
+
+def save_checkpoint(state: dict, directory: str, epoch: int, keep: int, step: int | None = None,
+                    owner=None) -> str:
     """Write the epoch's checkpoint (a stopped one when ``step`` is given), then prune old ones (only after
-    the new one is durable)."""
+    the new one is durable): those ``owner`` (the run's rundir.RunDir) wrote, or without one every checkpoint
+    in ``directory``."""
     os.makedirs(directory, exist_ok=True)
     name = PATTERN.format(epoch=epoch) if step is None else STOPPED_PATTERN.format(epoch=epoch, step=step)
     path = os.path.join(directory, name)
     atomic_save(state, path)
-    _prune(directory, keep)
+    if owner is None:
+        _prune(directory, keep)
+    else:
+        owner.add_checkpoint(name)
+        _prune_owned(owner, keep)
     return path
 
 

@@ -19,9 +19,11 @@ def cmd_train(args) -> int:
     args.crash_log_dir = cfg.run_dir  # where run_guarded writes a rank's traceback if a bug stops it
     if args.elastic:
         from .elastic import run_elastic
+        if args.move_aside:
+            raise UserError("--move-aside is for static runs; with --elastic, give a new run_dir or --resume")
         run_elastic(cfg, resume=args.resume)
     else:
-        run_training(cfg, resume=args.resume)
+        run_training(cfg, resume=args.resume, move_aside=args.move_aside)
     return 0
 
 
@@ -184,6 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", nargs="?", const="required", metavar="auto",
                        help="continue from the newest valid checkpoint in run_dir; '--resume auto' starts fresh "
                             "when there is none (for job scripts that requeue themselves)")
+    train.add_argument("--move-aside", action="store_true",
+                       help="a fresh run into a run_dir that holds a previous run's files moves them into "
+                            "run_dir/previous-<time>/ (without it the run is refused)")
     train.add_argument("--elastic", action="store_true",
                        help="Horovod elastic training: ranks may leave and join (horovodrun --min-np/--max-np "
                             "--host-discovery-script; docs/elastic.md)")

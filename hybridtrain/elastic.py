@@ -27,16 +27,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import checkpoint, distributed, reporting
-from .batchnorm import average_running_statistics
+from . import checkpoint, distributed
 from .config import Config, save_config
 from .data.loaders import create_loaders
 from .data.torchvision_loader import close_loader
 from .errors import UserError
 from .optim import create_schedule
-from .train import (ProgressBar, Trainer, append_metrics, build_trainer, checkpoint_state, epoch_record, finish, log,
-                    log_setup, resume_state, tensorboard_writer, truncate_metrics, write_scalars)
-from .training import EpochProgress, evaluate, train_one_epoch, warmup_steps
+from .train import (ProgressBar, Trainer, build_trainer, checkpoint_state, end_epoch, finish, log, log_setup,
+                    resume_state, tensorboard_writer, truncate_metrics)
+from .training import EpochProgress, train_one_epoch, warmup_steps
 
 LAUNCH_HINT = ("horovodrun -np N --min-np A --max-np B --host-discovery-script SCRIPT hybridtrain train --elastic "
                "--config FILE")
@@ -271,33 +270,28 @@ def train_elastic(state: ElasticState, cfg: Config, resume: str | None) -> dict 
         first_epoch_of_process = False
         if bar:
             bar.close()
-        average_running_statistics(t.model, cfg.bn.combine)
-        record = epoch_record(t, pos.epoch, result, evaluate(t.model, t.data.val, t.precision.policy,
-                                                             tag=str(pos.epoch)), epoch_start, run_start)
-        if t.topo.is_root:
+        def save(record, pos=pos):
             truncate_metrics(metrics_path, pos.epoch)  # a rolled-back epoch end may have written it already
-            append_metrics(metrics_path, record)
-            if board:
-                write_scalars(board, record)
             pos.elapsed_s = time.perf_counter() - run_start
-            checkpoint.save_checkpoint(save_state(cfg, state), cfg.run_dir, pos.epoch + 1, cfg.train.keep_checkpoints)
-            log(t.topo, reporting.epoch_line(record, cfg.train.epochs))
+            checkpoint.save_checkpoint(save_state(cfg, state, record), cfg.run_dir, pos.epoch + 1,
+                                       cfg.train.keep_checkpoints)
+        end_epoch(cfg, t, pos.epoch, result, epoch_start, run_start, [], board, save)
         t.data.train.write(pos.epoch, t.topo)
         state.position = Position(epoch=pos.epoch + 1, elapsed_s=time.perf_counter() - run_start, started=True)
         state.commit()
     return finish(cfg, t, board)
 
 
-def save_state(cfg: Config, state: ElasticState) -> dict:
+def save_state(cfg: Config, state: ElasticState, record: dict | None = None) -> dict:
     """The same epoch checkpoint as a static run's: it resumes with or without --elastic, on any ranks."""
-    return checkpoint_state(cfg, state.trainer, state.position.epoch, state.position.elapsed_s)
+    return checkpoint_state(cfg, state.trainer, state.position.epoch, state.position.elapsed_s, record)
 
 
 def run_elastic(cfg: Config, resume: str | None = None) -> dict | None:
     """Train under Horovod elastic; ``resume`` as for ``run_training``."""
     check_elastic(cfg)
     hvd = distributed.import_horovod()
-    t = build_trainer(cfg, elastic=True)
+    t = build_trainer(cfg, distributed.init(cfg.train.threads, cfg.horovod, elastic=True, device=cfg.train.device))
     t.data.train = SampleAudit(t.data.train, audit_path(cfg))
     state = ElasticState(t, Position())
     state.register_reset_callbacks([lambda: on_reset(cfg, state)])

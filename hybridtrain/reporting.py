@@ -10,7 +10,9 @@ rank; the report says which, and leaves the efficiency blank when it has none.
 from __future__ import annotations
 
 import json
+import math
 import os
+import sys
 
 import yaml
 
@@ -31,21 +33,61 @@ def epoch_line(r: dict, epochs: int) -> str:
 
 # ----------------------------------------------------------------------------- reading a run
 
+# What a record needs to be reported at all, and what older versions' records may lack (reported as NaN)
+RECORD_REQUIRED = ("epoch", "val_top1")
+RECORD_FIGURES = ("train_loss", "train_top1", "val_loss", "val_top5", "lr", "epoch_time_s", "train_time_s",
+                  "images_per_sec", "samples_seen", "wall_time_s")
+
+
+def read_metrics(path: str) -> list[dict]:
+    """The records of a metrics.jsonl. A record cut short by a kill (the last line) is dropped with a warning;
+    a damaged line elsewhere is one error line."""
+    if not os.path.exists(path):
+        return []
+    with open(path, errors="replace") as fh:
+        lines = [line for line in fh.read().splitlines() if line.strip()]
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict) or any(key not in record for key in RECORD_REQUIRED):
+                raise ValueError(f"a record needs {', '.join(RECORD_REQUIRED)}")
+        except ValueError as exc:
+            if number == len(lines):
+                print(f"hybridtrain: warning: {path}: dropping its last line, which is cut short or damaged "
+                      f"({str(exc)[:80]}); a resumed run writes that epoch again", file=sys.stderr)
+                break
+            raise UserError(f"{path} line {number} is not a metrics record ({str(exc)[:80]}): remove that line "
+                            f"or restore the file") from None
+        records.append(record)
+    return records
+
+
 def load_run(run_dir: str) -> tuple[dict, list[dict]]:
     """The resolved config and the per-epoch records of a run directory."""
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
         raise UserError(f"{run_dir} has no metrics.jsonl: give the run_dir of a 'hybridtrain train' run")
-    with open(path) as fh:
-        history = [json.loads(line) for line in fh if line.strip()]
+    history = [{**{key: float("nan") for key in RECORD_FIGURES}, **r} for r in read_metrics(path)]  # older versions
     if not history:
-        raise UserError(f"{path} is empty: the run finished no epoch yet")
-    config_path = os.path.join(run_dir, "config.yaml")
-    config = {}
-    if os.path.isfile(config_path):
-        with open(config_path) as fh:
+        raise UserError(f"{path} has no complete record: the run finished no epoch yet")
+    return read_run_config(run_dir), history
+
+
+def read_run_config(run_dir: str) -> dict:
+    """The run's resolved config.yaml as a mapping ({} when absent); one line when it is damaged."""
+    path = os.path.join(run_dir, "config.yaml")
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, errors="replace") as fh:
             config = yaml.safe_load(fh) or {}
-    return config, history
+    except yaml.YAMLError:
+        config = None
+    if not isinstance(config, dict) or not isinstance(config.get("report", {}), dict):
+        raise UserError(f"{path} is damaged (not a YAML mapping of config sections): restore it, or delete it to "
+                        f"report with the default targets (or pass --top1-target/--top5-target)")
+    return config
 
 
 def single_gpu_speed_of(run_dir: str, history: list[dict], world_size: int, given: float | None) -> tuple:
@@ -58,7 +100,7 @@ def single_gpu_speed_of(run_dir: str, history: list[dict], world_size: int, give
             rows = [r for r in json.load(fh)["rows"] if r["world_size"] == 1]
         if rows:
             return rows[0]["images_per_sec"], "measured by hybridtrain scale (scale.json)"
-    if world_size == 1:
+    if world_size == 1 and math.isfinite(run_speed(history)):
         return run_speed(history), "this run (one rank)"
     return None, "unknown: pass --single-gpu-speed or run hybridtrain scale"
 
@@ -82,7 +124,8 @@ def run_figures(history: list[dict], world_size: int, top1_target: float, top5_t
     speed = run_speed(history)
     ends = [r["wall_time_s"] for r in history]
     evals = [max(0.0, r["epoch_time_s"] - r["train_time_s"]) for r in history]  # evaluation + BN averaging
-    efficiency = metrics.scaling_efficiency(speed, single_gpu_speed, world_size) if single_gpu_speed else None
+    efficiency = metrics.scaling_efficiency(speed, single_gpu_speed, world_size) \
+        if single_gpu_speed and math.isfinite(speed) else None  # records of older versions may lack the times
     figures = {"world_size": world_size, "epochs": len(history), "top1_target": top1_target,
                "top5_target": top5_target, "convergence_epoch": epoch, "convergence_epoch_top5": epoch5,
                "convergence_rate": metrics.convergence_rate(epoch) if epoch else None,
@@ -92,7 +135,7 @@ def run_figures(history: list[dict], world_size: int, top1_target: float, top5_t
                "scaling_efficiency": efficiency, "final_top1": top1[-1], "final_top5": top5[-1],
                "best_top1": max(top1), "images_per_sec": speed, "total_time_s": ends[-1],
                "images_per_epoch": history[-1]["samples_seen"]}
-    if epoch:
+    if epoch and all(math.isfinite(x) for x in ends[:epoch] + evals[:epoch]):  # older records may lack times
         time = metrics.actual_training_time(ends, epoch, evals)
         figures["actual_training_time_s"] = time.with_eval
         figures["actual_training_time_without_eval_s"] = time.without_eval

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import checkpoint, distributed, reporting, speed
+from . import checkpoint, distributed, reporting, rundir, speed
 from .config import Config, save_config
 from .data.loaders import create_loaders
 from .errors import UserError
@@ -24,22 +24,39 @@ from .training import EpochProgress, Precision, evaluate, train_one_epoch, warmu
 
 
 class ProgressBar:
-    """tqdm on rank 0 (loss, img/s, ETA); nothing elsewhere. Reads the device every ``every`` steps."""
+    """Rank 0's progress through an epoch: tqdm's bar (loss, img/s, ETA) on a terminal; elsewhere (horovodrun
+    and batch jobs pipe the output, where each bar update would pile up on one long line) a plain line every
+    ``interval_s`` seconds. Reads the device only when it shows something."""
 
-    def __init__(self, total: int, epoch: int, epochs: int, world_size: int, every: int = 5):
-        from tqdm import tqdm
-        self.bar = tqdm(total=total, desc=f"epoch {epoch + 1}/{epochs}", unit="step", leave=False,
-                        file=sys.stdout, dynamic_ncols=True)
-        self.world_size, self.every, self.start = world_size, every, time.perf_counter()
+    def __init__(self, total: int, epoch: int, epochs: int, world_size: int, every: int = 5,
+                 interval_s: float = 30.0):
+        self.total, self.label = total, f"epoch {epoch + 1}/{epochs}"
+        self.world_size, self.every, self.interval_s = world_size, every, interval_s
+        self.start = self.last_line = time.perf_counter()
+        self.bar = None
+        if sys.stdout.isatty():
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, desc=self.label, unit="step", leave=False, file=sys.stdout,
+                            dynamic_ncols=True)
 
     def update(self, loss_sum, seen, steps: int) -> None:
-        self.bar.update(1)
-        if steps % self.every == 0:
-            rate = float(seen) * self.world_size / (time.perf_counter() - self.start)
-            self.bar.set_postfix(loss=f"{float(loss_sum / seen):.4f}", img_s=f"{rate:.0f}")
+        now = time.perf_counter()
+        if self.bar is not None:
+            self.bar.update(1)
+            if steps % self.every == 0:
+                self.bar.set_postfix(loss=f"{float(loss_sum / seen):.4f}", img_s=f"{self.rate(seen, now):.0f}")
+        elif now - self.last_line >= self.interval_s and steps < self.total:
+            self.last_line = now
+            eta = (now - self.start) * (self.total - steps) / steps
+            print(f"hybridtrain: {self.label} step {steps}/{self.total} ({100 * steps / self.total:.0f}%)  "
+                  f"loss {float(loss_sum / seen):.4f}  {self.rate(seen, now):.0f} img/s  ETA {eta:.0f}s", flush=True)
+
+    def rate(self, seen, now: float) -> float:
+        return float(seen) * self.world_size / (now - self.start)
 
     def close(self) -> None:
-        self.bar.close()
+        if self.bar is not None:
+            self.bar.close()
 
 
 def log(topo, message: str) -> None:
@@ -74,14 +91,15 @@ def append_metrics(path: str, record: dict) -> None:
 
 
 def truncate_metrics(path: str, completed_epochs: int) -> list[dict]:
-    """Keep the records of the first ``completed_epochs`` epochs (a resumed run rewrites what came after)."""
+    """Keep the records of the first ``completed_epochs`` epochs (a resumed run rewrites what came after);
+    written to a temp file and renamed, so a kill leaves the old file or the new one."""
     if not os.path.exists(path):
         return []
-    with open(path) as fh:
-        records = [json.loads(line) for line in fh if line.strip()]
-    kept = [r for r in records if r["epoch"] <= completed_epochs]
-    with open(path, "w") as fh:
+    kept = [r for r in reporting.read_metrics(path) if r["epoch"] <= completed_epochs]
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as fh:
         fh.writelines(json.dumps(r) + "\n" for r in kept)
+    os.replace(tmp, path)
     return kept
 
 
@@ -120,8 +138,8 @@ class Trainer:
     fp32_math: str = "ieee"  # FP32 convolutions and matmuls: ieee or tf32
 
 
-def build_trainer(cfg: Config, elastic: bool = False) -> Trainer:
-    topo = distributed.init(cfg.train.threads, cfg.horovod, elastic, cfg.train.device)
+def build_trainer(cfg: Config, topo) -> Trainer:
+    """Everything a rank trains with, on the device ``topo`` (distributed.init) bound it to."""
     if cfg.train.deterministic:
         use_deterministic_algorithms()
     else:
@@ -182,10 +200,14 @@ def load_bn_buffers(model, buffers: list[torch.Tensor]) -> None:
         buf.copy_(saved)
 
 
-def checkpoint_state(cfg: Config, t: Trainer, completed_epoch: int, elapsed_s: float) -> dict:
+def checkpoint_state(cfg: Config, t: Trainer, completed_epoch: int, elapsed_s: float,
+                     pending_record: dict | None = None) -> dict:
+    """``pending_record``: the epoch's record before validation; a resume validates and records it if the run
+    stopped before its metrics line was written."""
     return {"model": t.model.state_dict(), "optimizer": t.bundle.optimizer.state_dict(),
             "scaler": t.precision.scaler.state_dict(), "epoch": completed_epoch,
-            "config": cfg.to_dict(), "config_fingerprint": cfg.fingerprint(), "elapsed_s": elapsed_s}
+            "config": cfg.to_dict(), "config_fingerprint": cfg.fingerprint(), "elapsed_s": elapsed_s,
+            **({"pending_record": pending_record} if pending_record else {})}
 
 
 def save_stopped_epoch(cfg: Config, t: Trainer, epoch: int, stopped: EpochProgress, elapsed_s: float) -> None:
@@ -203,20 +225,83 @@ def save_stopped_epoch(cfg: Config, t: Trainer, epoch: int, stopped: EpochProgre
     distributed.barrier()
 
 
-def run_training(cfg: Config, resume: str | None = None) -> dict | None:
-    """Train; ``resume``: None (fresh), "required" (a checkpoint must exist) or "auto" (if one exists).
+def claim_run_dir(cfg: Config, topo, resume: str | None, move_aside: bool) -> rundir.RunDir | None:
+    """Rank 0 locks run_dir and names the run (rundir.claim); its refusal reaches every rank as the same line."""
+    held, outcome = None, None
+    if topo.is_root:
+        try:
+            held, note = rundir.claim(cfg.run_dir, resume, move_aside)
+            outcome = {"note": note}
+        except UserError as exc:
+            outcome = {"error": str(exc)}
+    outcome = distributed.broadcast_object(outcome, "run_dir_claim")
+    if "error" in outcome:
+        raise UserError(outcome["error"])
+    if outcome["note"]:
+        log(topo, outcome["note"])
+    return held
+
+
+def run_training(cfg: Config, resume: str | None = None, move_aside: bool = False) -> dict | None:
+    """Train; ``resume``: None (fresh), "required" (a checkpoint must exist) or "auto" (if one exists);
+    ``move_aside``: a fresh run moves a previous run's files out of run_dir instead of refusing.
     When another rank dies, this one raises PeerFailure naming it."""
     watch = PreemptionWatch()  # first: a SIGTERM during the setup also ends the run cleanly
-    t = build_trainer(cfg)
+    topo = distributed.init(cfg.train.threads, cfg.horovod, device=cfg.train.device)
+    owner = claim_run_dir(cfg, topo, resume, move_aside)  # before the set-up: a refusal costs nothing
     try:
-        return train_epochs(cfg, t, watch, resume)
+        t = build_trainer(cfg, topo)
+        return train_epochs(cfg, t, watch, resume, owner)
     except RuntimeError as exc:
         if distributed.is_peer_failure(exc):
-            raise distributed.peer_failure(t.topo) from None
+            raise distributed.peer_failure(topo) from None
         raise
+    finally:
+        if owner:
+            owner.release()
 
 
-def train_epochs(cfg: Config, t: Trainer, watch: PreemptionWatch, resume: str | None) -> dict | None:
+def end_epoch(cfg: Config, t: Trainer, epoch: int, result, epoch_start: float, run_start: float, history: list,
+              board, save) -> dict:
+    """The one end-of-epoch path of the static and the elastic loop: BN statistics averaged over the ranks ->
+    the checkpoint (rank 0, ``save(record)``), so a failing validation loses no training -> validation -> the
+    record in metrics.jsonl, TensorBoard and the log."""
+    average_running_statistics(t.model, cfg.bn.combine)
+    record = training_record(t, epoch, result, epoch_start, run_start)
+    if t.topo.is_root:
+        save(record)
+    try:
+        ev = evaluate(t.model, t.data.val, t.precision.policy, tag=str(epoch))
+    except UserError as exc:
+        raise UserError(f"{exc} (epoch {epoch + 1}'s training is saved: fix the data, then rerun with --resume "
+                        f"auto)") from None
+    return record_epoch(cfg, t, with_validation(record, ev, epoch_start, run_start), history, board)
+
+
+def record_epoch(cfg: Config, t: Trainer, record: dict, history: list, board) -> dict:
+    if t.topo.is_root:
+        append_metrics(os.path.join(cfg.run_dir, "metrics.jsonl"), record)
+        history.append(record)
+        if board:
+            write_scalars(board, record)
+        log(t.topo, reporting.epoch_line(record, cfg.train.epochs))
+    return record
+
+
+def complete_pending_record(cfg: Config, t: Trainer, state: dict, history: list, board) -> None:
+    """A run that stopped between an epoch's checkpoint and its metrics line: validate now and write the line."""
+    pending = state.get("pending_record") if not state.get("partial") else None
+    missing = distributed.broadcast_object(bool(pending) and all(r["epoch"] != pending["epoch"] for r in history),
+                                           "pending_record")
+    if missing:
+        now = time.perf_counter()
+        ev = evaluate(t.model, t.data.val, t.precision.policy, tag=f"pending{pending['epoch']}")
+        record_epoch(cfg, t, with_validation(pending, ev, now - pending["epoch_time_s"], now - pending["wall_time_s"]),
+                     history, board)
+
+
+def train_epochs(cfg: Config, t: Trainer, watch: PreemptionWatch, resume: str | None,
+                 owner: rundir.RunDir | None = None) -> dict | None:
     topo, data = t.topo, t.data
     metrics_path = os.path.join(cfg.run_dir, "metrics.jsonl")
     start_epoch, history, elapsed_before, progress = 0, [], 0.0, None
@@ -236,6 +321,8 @@ def train_epochs(cfg: Config, t: Trainer, watch: PreemptionWatch, resume: str | 
     log_setup(cfg, t)
     run_start = time.perf_counter() - elapsed_before
     board = tensorboard_writer(cfg) if topo.is_root else None
+    if state:
+        complete_pending_record(cfg, t, state, history, board)
     for epoch in range(start_epoch, cfg.train.epochs):
         epoch_start = time.perf_counter()
         bar = ProgressBar(t.updates * t.k, epoch, cfg.train.epochs, topo.size) \
@@ -251,17 +338,10 @@ def train_epochs(cfg: Config, t: Trainer, watch: PreemptionWatch, resume: str | 
             watch.close()
             save_stopped_epoch(cfg, t, epoch, result.stopped, time.perf_counter() - run_start)
             return None
-        average_running_statistics(t.model, cfg.bn.combine)
-        record = epoch_record(t, epoch, result, evaluate(t.model, data.val, t.precision.policy, tag=str(epoch)),
-                              epoch_start, run_start)
-        if topo.is_root:
-            append_metrics(metrics_path, record)
-            history.append(record)
-            if board:
-                write_scalars(board, record)
-            checkpoint.save_checkpoint(checkpoint_state(cfg, t, epoch, time.perf_counter() - run_start),
-                                       cfg.run_dir, epoch + 1, cfg.train.keep_checkpoints)
-            log(topo, reporting.epoch_line(record, cfg.train.epochs))
+        def save(record, epoch=epoch):
+            checkpoint.save_checkpoint(checkpoint_state(cfg, t, epoch, time.perf_counter() - run_start, record),
+                                       cfg.run_dir, epoch + 1, cfg.train.keep_checkpoints, owner=owner)
+        end_epoch(cfg, t, epoch, result, epoch_start, run_start, history, board, save)
         if epoch + 1 < cfg.train.epochs and watch.agreed_now():
             watch.close()
             log(topo, f"hybridtrain: stopped on SIGTERM after epoch {epoch + 1}; resumable from its checkpoint: "
@@ -290,16 +370,22 @@ def device_name(device: torch.device) -> str:
     return f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else str(device)
 
 
-def epoch_record(t: Trainer, epoch: int, result, ev, epoch_start: float, run_start: float) -> dict:
+def with_validation(record: dict, ev, epoch_start: float, run_start: float) -> dict:
+    """The epoch's record with its validation figures, and the times that include validation."""
+    return {**record, "val_loss": ev.loss, "val_top1": ev.top1, "val_top5": ev.top5, "val_count": ev.count,
+            "epoch_time_s": time.perf_counter() - epoch_start, "wall_time_s": time.perf_counter() - run_start}
+
+
+def training_record(t: Trainer, epoch: int, result, epoch_start: float, run_start: float) -> dict:
+    """The epoch's record up to validation (the validation keys come from with_validation)."""
     memory = memory_figures(t.topo.device)
     per_rank = distributed.allgather_floats([-1.0 if v is None else v for v in memory.values()], f"memory.{epoch}")
     columns = {key: [v for v in per_rank[i::len(memory)] if v >= 0] for i, key in enumerate(memory)}
     peak_mb = columns["peak_memory_mb"]
     return {"epoch": epoch + 1, "train_loss": result.train_loss, "train_top1": result.train_top1,
-            "val_loss": ev.loss, "val_top1": ev.top1, "val_top5": ev.top5,
             "lr": t.bundle.optimizer.param_groups[0]["lr"], "epoch_time_s": time.perf_counter() - epoch_start,
             "train_time_s": result.train_time_s, "images_per_sec": result.samples_seen / result.train_time_s,
-            "samples_seen": result.samples_seen, "val_count": ev.count, "wall_time_s": time.perf_counter() - run_start,
+            "samples_seen": result.samples_seen, "wall_time_s": time.perf_counter() - run_start,
             "loss_scale": t.precision.scaler.scale, "skipped_steps": result.skipped_steps,
             "peak_memory_mb": max(peak_mb), "peak_memory_mb_per_rank": peak_mb,
             "peak_memory_reserved_mb": max(columns["peak_memory_reserved_mb"], default=None),

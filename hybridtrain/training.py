@@ -187,20 +187,41 @@ def train_one_epoch(model, bundle, precision: Precision, loader, epoch: int, upd
 
 @torch.no_grad()
 def evaluate(model, loader, policy: Policy, tag: str) -> EvalResult:
-    """Loss, top-1, top-5 over the whole validation set: per-rank sums, then one all-reduce of the sums."""
+    """Loss, top-1, top-5 over the whole validation set: per-rank sums, then one all-reduce of the sums.
+
+    A rank that cannot read a validation image stops reading but still joins the all-reduce, with a flag: every
+    rank then raises the same line naming that rank and the file (never a "dead peer" on the others)."""
     model.eval()
     device = next(model.parameters()).device
-    sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss, top1, top5, count
-    for batch in loader:
-        images, labels = readable(batch, device, policy.input_dtype)
+    sums = torch.zeros(5, dtype=torch.float64, device=device)  # loss, top1, top5, count, failed
+    failure = ""
+    batches = iter(loader)
+    while True:
+        try:
+            batch = next(batches, None)
+            if batch is None:
+                break
+            images, labels = readable(batch, device, policy.input_dtype)
+        except UserError as exc:
+            failure, sums[4] = str(exc), 1
+            break
         with forward_context(policy, device):
             logits = model(images)
         loss = classification_loss(logits, labels, reduction="sum")
         top1, top5 = topk_correct(logits, labels)
-        count = torch.tensor(labels.numel(), dtype=torch.float64, device=device)
-        sums += torch.stack([loss.double(), top1.double(), top5.double(), count])
+        sums[:3] += torch.stack([loss.double(), top1.double(), top5.double()])
+        sums[3] += labels.numel()  # a scalar argument: no host-to-device copy
     sums = distributed.allreduce_sum(sums.cpu(), f"eval_totals.{tag}")
+    if sums[4] > 0:
+        raise UserError(first_failure(failure, tag))
     count = int(sums[3])
     if count == 0:
         raise UserError("the validation set yielded no readable images: check data.path/val")
     return EvalResult(float(sums[0] / count), float(sums[1] / count), float(sums[2] / count), count)
+
+
+def first_failure(mine: str, tag: str) -> str:
+    """The lowest failing rank's line, on every rank (one allgather, made only when some rank failed)."""
+    failures = distributed.import_horovod().allgather_object(mine, name=f"eval_failure.{tag}")
+    rank, line = next((r, f) for r, f in enumerate(failures) if f)
+    return f"rank {rank}: {line}"

@@ -60,13 +60,12 @@ class ImageListDataset(Dataset):
     def __getitem__(self, key):
         index, epoch = key
         path, label = self.samples[index]
+        torch.manual_seed(sample_seed(self.seed, epoch, index))
         try:
             with Image.open(path) as img:
-                img = img.convert("RGB")
-        except (OSError, ValueError, SyntaxError) as exc:
-            return UnreadableImage(path, f"{type(exc).__name__}: {exc}")
-        torch.manual_seed(sample_seed(self.seed, epoch, index))
-        return self.transform(img), label, index
+                return self.transform(img.convert("RGB")), label, index
+        except Exception as exc:  # every decoder failure: OSError, SyntaxError, DecompressionBombError, ...
+            return UnreadableImage(path, f"{type(exc).__name__}: {str(exc)[:200]}")
 
 
 @dataclass

@@ -1,0 +1,166 @@
+"""A run owns its ``run_dir``: an exclusive lock while it trains, a marker naming the run, and a refusal to start
+fresh over another run's files.
+
+- ``run.json`` names the run (``run_id``) and lists the checkpoints it wrote; pruning removes only those.
+- ``.lock`` is held with ``flock`` by rank 0 for the whole run. The kernel drops it when the process dies, so
+  the lock of a killed run never needs cleaning up; the file's text names the holder for the error line.
+- A fresh run (no ``--resume``) into a folder holding a run's files (``RUN_FILES``) is refused in one line,
+  unless ``--move-aside`` moves those files into ``previous-<time>/`` inside the folder. Files of the user's
+  own are never touched.
+"""
+from __future__ import annotations
+
+import fcntl
+import glob
+import json
+import os
+import socket
+import time
+import uuid
+
+from .errors import UserError
+
+MARKER = "run.json"
+LOCK = ".lock"
+RUN_FILES = ("run.json", "metrics.jsonl", "config.yaml", "final_model.pt", "report.json", "report.md",
+             "checkpoint-epoch*", "tensorboard", "logs", "samples", "accuracy.png", "throughput.png", "lr.png")
+
+
+def run_files(run_dir: str) -> list[str]:
+    """The names in ``run_dir`` that a run writes, in the order of RUN_FILES (the telling ones first)."""
+    found: list[str] = []
+    for pattern in RUN_FILES:
+        for name in sorted(os.path.basename(p) for p in glob.glob(os.path.join(glob.escape(run_dir), pattern))):
+            if name not in found:
+                found.append(name)
+    return found
+
+
+def check_writable(run_dir: str) -> None:
+    """One line when ``run_dir`` cannot hold a run: empty, a file, or under a folder this user cannot write."""
+    if not run_dir.strip():
+        raise UserError("run_dir is empty: set it to a folder for checkpoints and metrics, e.g. --set run_dir=runs/x")
+    if os.path.exists(run_dir) and not os.path.isdir(run_dir):
+        raise UserError(f"run_dir {run_dir} is a file, not a folder: choose another run_dir")
+    parent = os.path.abspath(run_dir)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"run_dir {run_dir} cannot be written ({parent} is not a writable folder): choose a run_dir "
+                        f"you can write, or fix its permissions")
+
+
+class RunDir:
+    """rank 0's hold on a run folder; ``release()`` (or the process's end) lets the next run in."""
+
+    def __init__(self, path: str, fd: int, marker: dict):
+        self.path, self.fd, self.marker = path, fd, marker
+
+    @property
+    def run_id(self) -> str:
+        return self.marker["run_id"]
+
+    def add_checkpoint(self, name: str) -> None:
+        if name not in self.marker["checkpoints"]:
+            self.marker["checkpoints"].append(name)
+        self._write_marker()
+
+    def forget_checkpoint(self, name: str) -> None:
+        self.marker["checkpoints"] = [n for n in self.marker["checkpoints"] if n != name]
+        self._write_marker()
+
+    def checkpoints(self) -> list[str]:
+        return list(self.marker["checkpoints"])
+
+    def _write_marker(self) -> None:
+        write_json_atomically(os.path.join(self.path, MARKER), self.marker)
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def write_json_atomically(path: str, obj) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as fh:
+        json.dump(obj, fh, indent=1)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def lock(run_dir: str) -> int:
+    """Hold ``run_dir/.lock`` (an fd, kept until release or exit), or one line naming the run that holds it."""
+    path = os.path.join(run_dir, LOCK)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 200).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise UserError(f"run_dir {run_dir} is in use by another run ({holder}): wait for it to end, or choose "
+                        f"another run_dir") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"hybridtrain pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+    return fd
+
+
+def read_marker(run_dir: str) -> dict | None:
+    """``run.json``, or None when there is none; one line when it is damaged."""
+    path = os.path.join(run_dir, MARKER)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as fh:
+            marker = json.load(fh)
+        if not isinstance(marker.get("run_id"), str) or not isinstance(marker.get("checkpoints"), list):
+            raise ValueError("run_id or checkpoints missing")
+        return marker
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{path} is damaged ({exc}): move the run_dir aside and start a new run, or restore "
+                        f"run.json from a backup") from None
+
+
+def move_aside(run_dir: str, names: list[str]) -> str:
+    """Move a previous run's files into ``run_dir/previous-<time>/``; returns that folder."""
+    target = os.path.join(run_dir, time.strftime("previous-%Y%m%d-%H%M%S"))
+    while os.path.exists(target):
+        target += "x"
+    os.makedirs(target)
+    for name in names:
+        os.replace(os.path.join(run_dir, name), os.path.join(target, name))
+    return target
+
+
+def claim(run_dir: str, resume: str | None, move: bool = False) -> tuple[RunDir, str]:
+    """Lock ``run_dir`` for this run and name the run; (the hold, a line for the log or '').
+
+    Fresh (``resume`` None, or "auto" with no checkpoint): refused when the folder holds a run's files, unless
+    ``move``. Resumed: the run of ``run.json`` goes on; a folder of an older version without one is adopted
+    with the checkpoints it holds."""
+    check_writable(run_dir)
+    os.makedirs(run_dir, exist_ok=True)
+    fd = lock(run_dir)
+    try:
+        marker, note = read_marker(run_dir), ""
+        existing = [n for n in run_files(run_dir) if n != LOCK]
+        resuming = resume == "required" or (resume == "auto" and glob.glob(os.path.join(glob.escape(run_dir),
+                                                                                      "checkpoint-epoch*.pt")))
+        if not resuming and existing:
+            if not move:
+                raise UserError(f"run_dir {run_dir} holds another run's files ({', '.join(existing[:4])}"
+                                f"{', ...' if len(existing) > 4 else ''}): continue that run with --resume, choose "
+                                f"a new run_dir, or pass --move-aside to move its files into {run_dir}/previous-*/")
+            note = f"hybridtrain: moved the previous run's files to {move_aside(run_dir, existing)}"
+            marker = None
+        if marker is None or not resuming:
+            adopted = sorted(os.path.basename(p) for p in glob.glob(os.path.join(glob.escape(run_dir),
+                                                                                "checkpoint-epoch*.pt")))
+            marker = {"run_id": uuid.uuid4().hex, "created": time.time(), "checkpoints": adopted if resuming else []}
+        held = RunDir(run_dir, fd, marker)
+        held._write_marker()
+        return held, note
+    except BaseException:
+        os.close(fd)
+        raise
