@@ -1,37 +1,94 @@
 #!/usr/bin/env bash
 # One idempotent install step for hybridtrain: a virtual environment in .venv with torch, torchvision,
-# Horovod 0.28.1 (built from source with the C++17 fix, cached), DALI, mpi4py and hybridtrain itself.
+# Horovod 0.28.1 (built from source with the C++17 and GCC 13/14 fixes, cached), DALI, mpi4py and hybridtrain itself.
 #
-#   ./install.sh                   # CPU / Gloo (+ MPI when an MPI is installed)
-#   HOROVOD_GPU_OPERATIONS=NCCL ./install.sh   # GPU clusters: NCCL all-reduce
+#   ./install.sh                                 # CPU / Gloo (+ MPI when an MPI is installed)
+#   HOROVOD_GPU_OPERATIONS=NCCL ./install.sh     # GPU clusters: NCCL all-reduce
+#   HYBRIDTRAIN_WHEELHOUSE=DIR HYBRIDTRAIN_TORCH=system HOROVOD_GPU_OPERATIONS=NCCL ./install.sh
+#                                                # offline GPU node that already has its torch (NGC, site installs)
+#   ./install.sh --patch-horovod-source DIR      # only apply the Horovod source fixes to an unpacked sdist
 #
-# Environment knobs: HYBRIDTRAIN_VENV (default .venv), HYBRIDTRAIN_CACHE (default ~/.cache/hybridtrain),
-# HYBRIDTRAIN_SKIP_DALI=1, PYTHON (default python3), HOROVOD_GPU_OPERATIONS, CUDA_HOME.
+# Environment knobs:
+#   HYBRIDTRAIN_VENV (default .venv), HYBRIDTRAIN_CACHE (default ~/.cache/hybridtrain), PYTHON (default python3),
+#   HYBRIDTRAIN_SKIP_DALI=1, CXX (default g++), CUDA_HOME, HOROVOD_BUILD_CUDA_CC_LIST (e.g. 90 for H100/H200).
+#   HOROVOD_GPU_OPERATIONS=NCCL  Horovod's GPU collectives on NCCL. The CUDA toolkit is CUDA_HOME, else the nvcc
+#       on PATH, else /usr/local/cuda, else the nvidia-cuda-nvcc wheels matching torch's CUDA. NCCL is
+#       HOROVOD_NCCL_HOME/_INCLUDE/_LIB when set, else a system NCCL, else torch's own nvidia-nccl wheel.
+#   HYBRIDTRAIN_TORCH=pinned (default): torch 2.13.0 and torchvision 0.28.0 from the registry.
+#       HYBRIDTRAIN_TORCH=system: the venv is made with --system-site-packages and uses the torch (>= 2.1) and
+#       torchvision that $PYTHON already has, e.g. an NGC image's; no torch is installed.
+#   HYBRIDTRAIN_WHEELHOUSE=DIR  offline: every package comes from DIR (pip --no-index --find-links DIR), the
+#       Horovod source horovod-0.28.1.tar.gz too (unless $HYBRIDTRAIN_CACHE/sdist has it); pip is not upgraded.
+#   HYBRIDTRAIN_PIP_CONFIG=auto|site|clean  which pip configuration every pip call uses, the Horovod build's
+#       included (one rule for all steps). clean: no pip.conf and no PIP_FIND_LINKS, so the registry (or
+#       PIP_INDEX_URL / PIP_EXTRA_INDEX_URL from the environment); a machine-wide find-links folder may offer
+#       a CPU-only torch wheel that the registry's torchvision cannot load its ops with. site: pip.conf and
+#       PIP_* as they are, for a cluster mirror. auto (default): site when the pip configuration sets
+#       index-url (a mirror that replaces the registry), else clean. A wheelhouse overrides all three.
+#   DALI_CUDA_MAJOR  the DALI build, nvidia-dali-cuda${DALI_CUDA_MAJOR}: default from torch's CUDA (120, 130).
 # The full log is in $VENV/install.log; the console shows one line per step.
 set -euo pipefail
 
 TORCH_VERSION="2.13.0"
 TORCHVISION_VERSION="0.28.0"
 HOROVOD_VERSION="0.28.1"
-DALI_CUDA_MAJOR="${DALI_CUDA_MAJOR:-130}"
+HOROVOD_RUNTIME_REQS=(cloudpickle psutil pyyaml packaging "cffi>=1.4.0")
+# Everything Horovod's setup.py imports or asks for at build time (setup_requires has cffi, which setuptools
+# would otherwise fetch from the network in the middle of the build).
+HOROVOD_BUILD_REQS=("${HOROVOD_RUNTIME_REQS[@]}" wheel setuptools)
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 VENV="${HYBRIDTRAIN_VENV:-$ROOT/.venv}"
 CACHE="${HYBRIDTRAIN_CACHE:-$HOME/.cache/hybridtrain}"
 PYTHON="${PYTHON:-python3}"
-mkdir -p "$CACHE"
-LOG="$CACHE/install-$(date +%Y%m%d-%H%M%S)-$$.log"
+HVD_CXX="${CXX:-g++}"
+TORCH_MODE="${HYBRIDTRAIN_TORCH:-pinned}"
+WHEELHOUSE="${HYBRIDTRAIN_WHEELHOUSE:-}"
+LOG="/dev/null"
 STEP=0
+PIP_MODE=clean
+CMAKE_MAJOR=""
+CUDA_DIR=""      # the CUDA toolkit of a GPU build
+NCCL_DESC=""     # where its NCCL comes from
+NCCL_VERSION=""
+declare -a NCCL_FLAGS=()
 
 step() { STEP=$((STEP + 1)); printf '[install %d] %s\n' "$STEP" "$*"; echo "=== $*" >>"$LOG"; }
-fail() { printf 'install: error: %s\n' "$*" >&2; printf '  (full log: %s)\n' "$LOG" >&2; exit 1; }
+note() { printf '  %s\n' "$*"; echo "  $*" >>"$LOG"; }
+fail() {
+  printf 'install: error: %s\n' "$*" >&2
+  [ "$LOG" = /dev/null ] || printf '  (full log: %s)\n' "$LOG" >&2
+  exit 1
+}
 run() { "$@" >>"$LOG" 2>&1; }
+vpy() { "$VENV/bin/python" "$@"; }
+slug() { tr -cs 'A-Za-z0-9.+' '-' | sed -e 's/^-//' -e 's/-$//' | cut -c1-40; }
 
-# pip from a clean configuration: a machine-wide find-links folder may offer a CPU-only torch wheel that
-# the registry's torchvision cannot load its compiled ops with ("operator torchvision::nms does not exist").
-registry_pip() { env -u PIP_FIND_LINKS PIP_CONFIG_FILE=/dev/null "$VENV/bin/python" -m pip "$@"; }
+# pip, with the one configuration rule above (HYBRIDTRAIN_PIP_CONFIG); environment variables, so that pip's
+# own nested calls (build isolation) follow it too.
+vpip() {
+  case "$PIP_MODE" in
+    wheelhouse) env -u PIP_INDEX_URL -u PIP_EXTRA_INDEX_URL PIP_CONFIG_FILE=/dev/null PIP_NO_INDEX=1 \
+                  PIP_FIND_LINKS="$WHEELHOUSE" "$VENV/bin/python" -m pip "$@" ;;
+    site) "$VENV/bin/python" -m pip "$@" ;;
+    *) env -u PIP_FIND_LINKS PIP_CONFIG_FILE=/dev/null "$VENV/bin/python" -m pip "$@" ;;
+  esac
+}
 
-# Optional (HYBRIDTRAIN_SYSTEM_PACKAGES=1, root on Debian/Ubuntu): the compiler, cmake 3, OpenMPI, shellcheck,
+choose_pip_mode() {
+  if [ -n "$WHEELHOUSE" ]; then
+    [ -d "$WHEELHOUSE" ] || fail "HYBRIDTRAIN_WHEELHOUSE=$WHEELHOUSE is not a folder: make it with 'pip download' or 'pip wheel -w DIR' where the registry is reachable"
+    WHEELHOUSE="$(cd "$WHEELHOUSE" && pwd)"; PIP_MODE=wheelhouse; return
+  fi
+  case "${HYBRIDTRAIN_PIP_CONFIG:-auto}" in
+    site|clean) PIP_MODE="$HYBRIDTRAIN_PIP_CONFIG" ;;
+    auto) local cfg; cfg="$("$PYTHON" -m pip config list 2>/dev/null || true)"
+          if grep -qE '\.index-url=' <<<"$cfg"; then PIP_MODE=site; else PIP_MODE=clean; fi ;;
+    *) fail "HYBRIDTRAIN_PIP_CONFIG=${HYBRIDTRAIN_PIP_CONFIG}: use auto, site or clean" ;;
+  esac
+}
+
+# Optional (HYBRIDTRAIN_SYSTEM_PACKAGES=1, root on Debian/Ubuntu): the compiler, cmake, OpenMPI, shellcheck,
 # and iproute2 + openssh for the two-host test (horovodrun over ssh between network namespaces).
 install_system_packages() {
   [ "${HYBRIDTRAIN_SYSTEM_PACKAGES:-0}" = 1 ] || return 0
@@ -53,123 +110,387 @@ check_tools() {
   command -v "$PYTHON" >/dev/null || fail "python3 not found: install Python >= 3.9 (Debian: apt-get install python3 python3-venv python3-dev)"
   "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 9))' || fail "Python >= 3.9 is required, found $("$PYTHON" --version 2>&1)"
   "$PYTHON" -c 'import venv, ensurepip' 2>/dev/null || fail "Python's venv module is missing: apt-get install python3-venv"
-  command -v g++ >/dev/null || fail "no C++ compiler for the Horovod build: apt-get install g++ (or build-essential)"
-  command -v cmake >/dev/null || fail "cmake not found for the Horovod build: apt-get install cmake (3.13 to 3.x; cmake 4 rejects Gloo)"
-  local cmake_major
-  cmake_major="$(cmake --version | head -n1 | sed -E 's/[^0-9]*([0-9]+)\..*/\1/')"
-  [ "$cmake_major" -lt 4 ] || fail "cmake $(cmake --version | head -n1 | awk '{print $3}') is too new for Gloo's cmake_minimum_required: use cmake 3.x (Debian: apt-get install cmake; pip: 'cmake<4')"
+  command -v "$HVD_CXX" >/dev/null || fail "no C++ compiler ($HVD_CXX) for the Horovod build: apt-get install g++ (or build-essential), or set CXX"
+  command -v cmake >/dev/null || fail "cmake not found for the Horovod build: apt-get install cmake (>= 3.13), or pip install cmake"
+  local cmake_v
+  cmake_v="$(cmake --version | head -n1 | awk '{print $3}')"
+  CMAKE_MAJOR="${cmake_v%%.*}"
+  [ "$CMAKE_MAJOR" -ge 3 ] 2>/dev/null || fail "cmake $cmake_v is too old for Horovod: use cmake >= 3.13"
+  # CMake 4 refuses projects that declare cmake_minimum_required below 3.5, as Horovod's bundled Gloo does.
+  if [ "$CMAKE_MAJOR" -ge 4 ]; then
+    export CMAKE_POLICY_VERSION_MINIMUM="${CMAKE_POLICY_VERSION_MINIMUM:-3.5}"
+    note "cmake $cmake_v: building with CMAKE_POLICY_VERSION_MINIMUM=$CMAKE_POLICY_VERSION_MINIMUM (Gloo's old cmake minimum)"
+  fi
+  case "$TORCH_MODE" in pinned|system) ;; *) fail "HYBRIDTRAIN_TORCH=$TORCH_MODE: use pinned (default) or system" ;; esac
+  case "${HOROVOD_GPU_OPERATIONS:-}" in ""|NCCL|MPI) ;; *) fail "HOROVOD_GPU_OPERATIONS=$HOROVOD_GPU_OPERATIONS: use NCCL (or MPI, or leave it unset)" ;; esac
 }
 
 make_venv() {
-  if [ -x "$VENV/bin/python" ]; then step "virtual environment $VENV exists"; return; fi
-  step "creating virtual environment $VENV"
-  run "$PYTHON" -m venv "$VENV" || fail "could not create $VENV: see the log"
-  run registry_pip install --upgrade pip || fail "could not upgrade pip in $VENV"
+  local -a opts=()
+  [ "$TORCH_MODE" = system ] && opts=(--system-site-packages)
+  if [ -x "$VENV/bin/python" ]; then
+    if [ "$TORCH_MODE" = system ] && ! grep -qiE '^include-system-site-packages *= *true' "$VENV/pyvenv.cfg"; then
+      fail "HYBRIDTRAIN_TORCH=system needs a venv made with --system-site-packages and $VENV is not one: remove it, or set HYBRIDTRAIN_VENV to a new folder"
+    fi
+    step "virtual environment $VENV exists"; return
+  fi
+  step "creating virtual environment $VENV ${opts[*]}"
+  run "$PYTHON" -m venv "${opts[@]}" "$VENV" || fail "could not create $VENV: see the log"
+  [ "$PIP_MODE" = wheelhouse ] && return   # offline: the pip that ensurepip installed
+  run vpip install --upgrade pip || fail "could not upgrade pip in $VENV (no registry? use HYBRIDTRAIN_WHEELHOUSE=DIR)"
 }
 
+# pinned: exactly TORCH_VERSION / TORCHVISION_VERSION; system: any torch >= 2.1. Both: torchvision's ops load.
 torch_ok() {
-  "$VENV/bin/python" - <<EOF >>"$LOG" 2>&1
+  vpy - "$TORCH_MODE" "$TORCH_VERSION" "$TORCHVISION_VERSION" <<'EOF' >>"$LOG" 2>&1
+import sys
+mode, want_torch, want_tv = sys.argv[1:4]
 import torch, torchvision, torchvision.ops
-assert torch.__version__.split("+")[0] == "$TORCH_VERSION", torch.__version__
-assert torchvision.__version__.split("+")[0] == "$TORCHVISION_VERSION", torchvision.__version__
+t, tv = torch.__version__.split("+")[0], torchvision.__version__.split("+")[0]
+if mode == "pinned":
+    assert t == want_torch, torch.__version__
+    assert tv == want_tv, torchvision.__version__
+else:
+    assert tuple(int("".join(c for c in x if c.isdigit()) or 0) for x in t.split(".")[:2]) >= (2, 1), torch.__version__
 torchvision.ops.nms(torch.zeros(1, 4), torch.zeros(1), 0.5)
+print("torch", torch.__version__, "cuda", torch.version.cuda, "torchvision", torchvision.__version__, torch.__file__)
 EOF
 }
 
+torch_desc() { vpy -c 'import torch, torchvision; print(f"torch {torch.__version__} and torchvision {torchvision.__version__}")'; }
+torch_cuda() { vpy -c 'import torch; print(torch.version.cuda or "")'; }
+
 install_torch() {
+  if [ "$TORCH_MODE" = system ]; then
+    torch_ok || fail "HYBRIDTRAIN_TORCH=system: $PYTHON has no torch >= 2.1 whose torchvision ops load (see the log); install torch and torchvision for $PYTHON, or leave HYBRIDTRAIN_TORCH unset for torch $TORCH_VERSION"
+    step "using the installed $(torch_desc) (HYBRIDTRAIN_TORCH=system)"; return
+  fi
   if torch_ok; then step "torch $TORCH_VERSION and torchvision $TORCHVISION_VERSION already load their ops"; return; fi
-  step "installing torch $TORCH_VERSION and torchvision $TORCHVISION_VERSION from the registry (about 1 min)"
-  run registry_pip install "torch==$TORCH_VERSION" "torchvision==$TORCHVISION_VERSION" || fail "torch install failed: see the log"
+  step "installing torch $TORCH_VERSION and torchvision $TORCHVISION_VERSION ($PIP_MODE; about 1 min)"
+  run vpip install "torch==$TORCH_VERSION" "torchvision==$TORCHVISION_VERSION" || fail "torch install failed: see the log"
   torch_ok || fail "torchvision's compiled ops do not load with this torch: run 'pip uninstall -y torch torchvision' in $VENV and re-run"
 }
 
 detect_mpi() { command -v mpicxx >/dev/null && command -v mpirun >/dev/null; }
-detect_cuda() {
-  local home="${CUDA_HOME:-/usr/local/cuda}"
-  [ -x "$home/bin/nvcc" ] && echo "$home"
+mpi_id() {
+  detect_mpi || { echo nompi; return; }
+  echo "mpi-$(mpirun --version 2>&1 | grep -m1 -E '[0-9]+\.[0-9]+' | slug)"
+}
+compiler_id() {
+  local kind=gcc
+  case "$("$HVD_CXX" --version 2>/dev/null)" in *clang*) kind=clang ;; esac
+  echo "$kind$("$HVD_CXX" -dumpfullversion 2>/dev/null || "$HVD_CXX" -dumpversion)"
+}
+nvcc_release() { "$1/bin/nvcc" --version 2>/dev/null | grep -oE 'release [0-9]+\.[0-9]+' | awk '{print $2}'; }
+header_define() { sed -nE "s/^#define $2 +([0-9]+).*/\1/p" "$1" | head -n1; }
+nccl_header_version() {
+  local h="$1/nccl.h"
+  [ -f "$h" ] && echo "$(header_define "$h" NCCL_MAJOR).$(header_define "$h" NCCL_MINOR).$(header_define "$h" NCCL_PATCH)"
+}
+# site-packages folders the venv's python sees (the system ones too with HYBRIDTRAIN_TORCH=system).
+site_dirs() { vpy -c 'import site, sys; print("\n".join(p for p in sys.path if p.endswith("-packages")))'; }
+
+# A CUDA toolkit assembled from pip wheels (nvidia/cu13 for CUDA 13; nvidia/cuda_nvcc + cuda_runtime + ... for 12)
+# as one folder under $CACHE/build, with the lib*.so development links that the wheels leave out.
+cuda_from_wheels() {
+  local -a roots=()
+  local sp r sub e out
+  while read -r sp; do
+    for r in "$sp"/nvidia/cu1[0-9] "$sp"/nvidia/cuda_nvcc "$sp"/nvidia/cuda_runtime "$sp"/nvidia/cuda_cccl "$sp"/nvidia/cuda_crt "$sp"/nvidia/nvvm; do
+      [ -d "$r" ] && roots+=("$r")
+    done
+  done < <(site_dirs)
+  local nvcc=""
+  for r in "${roots[@]}"; do [ -x "$r/bin/nvcc" ] && nvcc="$r/bin/nvcc" && break; done
+  [ -n "$nvcc" ] || return 1
+  out="$CACHE/build/cuda-$(printf '%s\n' "${roots[@]}" | cksum | cut -d' ' -f1)"
+  rm -rf "$out"; mkdir -p "$out/lib"
+  for r in "${roots[@]}"; do
+    for sub in bin include nvvm lib; do
+      [ -d "$r/$sub" ] || continue
+      mkdir -p "$out/$sub"
+      for e in "$r/$sub"/*; do [ -e "$out/$sub/${e##*/}" ] || ln -s "$e" "$out/$sub/${e##*/}"; done
+    done
+  done
+  for e in "$out"/lib/lib*.so.[0-9]*; do
+    [ -e "$e" ] || continue
+    local base="${e##*/}"; base="${base%%.so.*}.so"
+    [ -e "$out/lib/$base" ] || ln -s "$e" "$out/lib/$base"
+  done
+  ln -sfn lib "$out/lib64"
+  echo "$out"
 }
 
+# The CUDA toolkit: CUDA_HOME, then the nvcc on PATH, then /usr/local/cuda, then nvidia-cuda-nvcc wheels already
+# installed. A CUDA build of torch makes Horovod's torch extension a CUDA one whenever a toolkit is found, so a
+# CPU-operations build uses it too.
+locate_cuda() {
+  local nvcc home
+  if [ -n "${CUDA_HOME:-}" ]; then
+    [ -x "$CUDA_HOME/bin/nvcc" ] || fail "CUDA_HOME=$CUDA_HOME has no bin/nvcc: point it at a CUDA toolkit, or unset it"
+    CUDA_DIR="$CUDA_HOME"; return 0
+  fi
+  if nvcc="$(command -v nvcc)"; then
+    home="$(dirname "$(dirname "$(readlink -f "$nvcc")")")"
+    if [ -f "$home/include/cuda_runtime.h" ]; then CUDA_DIR="$home"; return 0; fi
+  fi
+  if [ -x /usr/local/cuda/bin/nvcc ]; then CUDA_DIR=/usr/local/cuda; return 0; fi
+  CUDA_DIR="$(cuda_from_wheels)" || { CUDA_DIR=""; return 1; }
+}
+
+# For HOROVOD_GPU_OPERATIONS: a toolkit as above, else the nvidia-cuda-nvcc wheels that match torch's CUDA
+# (installed here, from the registry or the wheelhouse).
+find_cuda() {
+  local tcuda
+  locate_cuda && return 0
+  tcuda="$(torch_cuda)"
+  [ -n "$tcuda" ] || fail "HOROVOD_GPU_OPERATIONS=$HOROVOD_GPU_OPERATIONS needs a CUDA build of torch, and torch $(vpy -c 'import torch; print(torch.__version__)') has no CUDA"
+  local -a wheels
+  if [ "${tcuda%%.*}" -ge 13 ]; then
+    wheels=("nvidia-cuda-nvcc==$tcuda.*" "nvidia-cuda-runtime==$tcuda.*" "nvidia-cuda-cccl==$tcuda.*")
+  else
+    wheels=("nvidia-cuda-nvcc-cu${tcuda%%.*}==$tcuda.*" "nvidia-cuda-runtime-cu${tcuda%%.*}==$tcuda.*" "nvidia-cuda-cccl-cu${tcuda%%.*}==$tcuda.*")
+  fi
+  note "no CUDA toolkit (CUDA_HOME, nvcc on PATH, /usr/local/cuda): installing ${wheels[*]}"
+  { run vpip install "${wheels[@]}" && CUDA_DIR="$(cuda_from_wheels)"; } \
+    || fail "HOROVOD_GPU_OPERATIONS=$HOROVOD_GPU_OPERATIONS needs nvcc for CUDA $tcuda (torch's): set CUDA_HOME to a CUDA $tcuda toolkit, or provide the wheels ${wheels[*]} (registry or HYBRIDTRAIN_WHEELHOUSE)"
+}
+
+# NCCL for HOROVOD_GPU_OPERATIONS=NCCL: HOROVOD_NCCL_* as given; a system NCCL (linked shared when libnccl.so is
+# there, so that torch's NCCL and Horovod's are one library in the process); else torch's nvidia-nccl wheel,
+# which ships only libnccl.so.2: Horovod's FindNCCL wants libnccl.so, so a link to it is made in a private folder.
+find_nccl() {
+  local inc lib d sp
+  NCCL_FLAGS=()
+  if [ -n "${HOROVOD_NCCL_HOME:-}${HOROVOD_NCCL_INCLUDE:-}${HOROVOD_NCCL_LIB:-}" ]; then
+    inc="${HOROVOD_NCCL_INCLUDE:-${HOROVOD_NCCL_HOME:-}/include}"
+    NCCL_VERSION="$(nccl_header_version "$inc")" || fail "no nccl.h in $inc (HOROVOD_NCCL_HOME / HOROVOD_NCCL_INCLUDE)"
+    NCCL_DESC="NCCL $NCCL_VERSION as given by HOROVOD_NCCL_HOME/INCLUDE/LIB ($inc)"; return
+  fi
+  for inc in "$CUDA_DIR/include" /usr/include /usr/local/include; do
+    [ -f "$inc/nccl.h" ] || continue
+    for lib in "$CUDA_DIR/lib64" "$CUDA_DIR/lib" /usr/lib/x86_64-linux-gnu /usr/lib/aarch64-linux-gnu /usr/lib64 /usr/local/lib; do
+      if [ -e "$lib/libnccl.so" ]; then
+        NCCL_VERSION="$(nccl_header_version "$inc")"
+        NCCL_FLAGS=(HOROVOD_NCCL_INCLUDE="$inc" HOROVOD_NCCL_LIB="$lib" HOROVOD_NCCL_LINK=SHARED)
+        NCCL_DESC="system NCCL $NCCL_VERSION ($lib/libnccl.so, shared)"; return
+      elif [ -e "$lib/libnccl_static.a" ]; then
+        NCCL_VERSION="$(nccl_header_version "$inc")"
+        NCCL_FLAGS=(HOROVOD_NCCL_INCLUDE="$inc" HOROVOD_NCCL_LIB="$lib")
+        NCCL_DESC="system NCCL $NCCL_VERSION ($lib/libnccl_static.a, static)"; return
+      fi
+    done
+  done
+  while read -r sp; do
+    for d in "$sp/nvidia/nccl" "$sp"/nvidia/cu1[0-9]; do
+      if [ ! -f "$d/include/nccl.h" ] || [ ! -e "$d/lib/libnccl.so.2" ]; then continue; fi
+      NCCL_VERSION="$(nccl_header_version "$d/include")"
+      local priv
+      priv="$CACHE/build/nccl-$NCCL_VERSION-$(echo "$d" | cksum | cut -d' ' -f1)"
+      mkdir -p "$priv/lib"
+      ln -sfn "$d/lib/libnccl.so.2" "$priv/lib/libnccl.so.2"
+      ln -sfn libnccl.so.2 "$priv/lib/libnccl.so"
+      NCCL_FLAGS=(HOROVOD_NCCL_INCLUDE="$d/include" HOROVOD_NCCL_LIB="$priv/lib" HOROVOD_NCCL_LINK=SHARED)
+      NCCL_DESC="torch's NCCL wheel $NCCL_VERSION ($d, shared, libnccl.so link in $priv/lib)"; return
+    done
+  done < <(site_dirs)
+  fail "HOROVOD_GPU_OPERATIONS=NCCL but no NCCL was found (no nccl.h + libnccl.so in $CUDA_DIR or the system paths, no nvidia-nccl wheel beside torch): install libnccl-dev, or set HOROVOD_NCCL_HOME"
+}
+
+# For GPU builds: the toolkit and NCCL, found before anything is built, so that a missing piece is one line.
+prepare_gpu_build() {
+  local rel tcuda
+  tcuda="$(torch_cuda)"
+  if [ -z "${HOROVOD_GPU_OPERATIONS:-}" ]; then
+    if [ -n "$tcuda" ] && locate_cuda; then note "CUDA toolkit for torch's CUDA extension: $CUDA_DIR (nvcc $(nvcc_release "$CUDA_DIR"))"; fi
+    return 0
+  fi
+  find_cuda
+  rel="$(nvcc_release "$CUDA_DIR")"
+  [ -n "$rel" ] || fail "$CUDA_DIR/bin/nvcc does not run: see '$CUDA_DIR/bin/nvcc --version'"
+  note "CUDA toolkit: $CUDA_DIR (nvcc $rel; torch's CUDA ${tcuda:-none})"
+  [ -z "$tcuda" ] || [ "${tcuda%%.*}" = "${rel%%.*}" ] || note "warning: nvcc $rel and torch's CUDA $tcuda differ in their major version"
+  if [ "$HOROVOD_GPU_OPERATIONS" = NCCL ]; then find_nccl; note "NCCL: $NCCL_DESC"; fi
+}
+
+# The wheel is reused only where everything its binary depends on is the same.
 horovod_cache_key() {
-  local torch_v py_v mpi gpu
-  torch_v="$("$VENV/bin/python" -c 'import torch; print(torch.__version__)')"
-  py_v="$("$VENV/bin/python" -c 'import sys; print("cp%d%d" % sys.version_info[:2])')"
-  mpi=$(detect_mpi && echo mpi || echo nompi)
-  gpu="${HOROVOD_GPU_OPERATIONS:-cpuops}"
-  echo "horovod-${HOROVOD_VERSION}_torch-${torch_v}_${py_v}_${mpi}_${gpu}"
+  local torch_v py_v cuda
+  torch_v="$(vpy -c 'import torch; print(torch.__version__)')"
+  py_v="$(vpy -c 'import sys; print("cp%d%d" % sys.version_info[:2])')"
+  cuda=nocuda
+  [ -z "$CUDA_DIR" ] || cuda="cuda$(nvcc_release "$CUDA_DIR")${HOROVOD_BUILD_CUDA_CC_LIST:+-cc${HOROVOD_BUILD_CUDA_CC_LIST//,/.}}"
+  echo "horovod-${HOROVOD_VERSION}_torch-${torch_v}_${py_v}_$(mpi_id)_${HOROVOD_GPU_OPERATIONS:-cpuops}_${cuda}_nccl${NCCL_VERSION:-none}_$(compiler_id)_cmake${CMAKE_MAJOR}" | tr -c 'A-Za-z0-9._+\n-' '-'
 }
 
 # The smallest fix for Horovod 0.28.1 with PyTorch >= 2.1 (upstream horovod#3996, #3941): build as C++17.
 patch_cxx17() {
   local src="$1" f
   for f in "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt"; do
-    grep -q 'set(CMAKE_CXX_STANDARD 14)' "$f" || fail "unexpected Horovod source: no CMAKE_CXX_STANDARD 14 in $f"
+    if ! grep -q 'set(CMAKE_CXX_STANDARD 14)' "$f"; then
+      grep -q '^ *set(CMAKE_CXX_STANDARD 17)' "$f" || fail "unexpected Horovod source: no CMAKE_CXX_STANDARD 14 in $f"
+      continue   # patched already
+    fi
     sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' "$f"
     echo "  C++17 fix: $(grep -n 'CMAKE_CXX_STANDARD 17' "$f" | head -n1) in ${f#"$src"/}"
   done
 }
 
-build_horovod() {
-  local wheel_dir="$1" src_dir cuda_home
-  src_dir="$(mktemp -d)"
-  step "building Horovod $HOROVOD_VERSION from source (several minutes, cached in $wheel_dir)"
-  run registry_pip install psutil cloudpickle packaging pyyaml wheel setuptools \
-    || fail "could not install Horovod's build requirements"
-  run registry_pip download --no-deps --no-binary :all: "horovod==$HOROVOD_VERSION" -d "$src_dir" \
-    || fail "could not download the horovod==$HOROVOD_VERSION source distribution"
-  tar -xzf "$src_dir"/horovod-*.tar.gz -C "$src_dir"
-  patch_cxx17 "$src_dir/horovod-$HOROVOD_VERSION" | tee -a "$LOG"
-  local -a flags=(HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1
-                  MAKEFLAGS="-j$(nproc)")
-  if detect_mpi; then flags+=(HOROVOD_WITH_MPI=1); else flags+=(HOROVOD_WITHOUT_MPI=1); fi
-  if cuda_home="$(detect_cuda)"; then flags+=(CUDA_HOME="$cuda_home" HOROVOD_CUDA_HOME="$cuda_home"); fi
-  if [ -n "${HOROVOD_GPU_OPERATIONS:-}" ]; then
-    [ -n "$cuda_home" ] || fail "HOROVOD_GPU_OPERATIONS=$HOROVOD_GPU_OPERATIONS needs the CUDA toolkit: set CUDA_HOME"
-    flags+=(HOROVOD_GPU_OPERATIONS="$HOROVOD_GPU_OPERATIONS")
+# GCC 13/14 (libstdc++ 13+) no longer pull <string>, <cstdint> or <stdexcept> in through other standard headers,
+# and Horovod 0.28.1 relied on that (group_table.h: "'string' in namespace 'std' does not name a type";
+# common.h: std::logic_error; nvtx_op_range.h: int64_t; upstream horovod#3957 did the first two, unreleased).
+# Each include goes right after the header's include guard, and only where that header does not have it yet:
+# a second run changes nothing. Checked against libstdc++ 13's headers for every source of a CPU and an NCCL build.
+patch_gcc13() {
+  local src="$1" spec file inc
+  for spec in "horovod/common/group_table.h:cstdint string" "horovod/common/common.h:cstdint stdexcept string" \
+              "horovod/common/nvtx_op_range.h:cstdint"; do
+    file="$src/${spec%%:*}"
+    [ -f "$file" ] || fail "unexpected Horovod source: no ${spec%%:*} in $src"
+    for inc in ${spec#*:}; do
+      grep -q "^#include <$inc>" "$file" && continue
+      sed -i "0,/^#define HOROVOD_[A-Z0-9_]*_H *$/s//&\n#include <$inc>/" "$file"
+      grep -q "^#include <$inc>" "$file" || fail "could not add #include <$inc> to $file"
+      echo "  GCC 13 fix: #include <$inc> in ${spec%%:*}"
+    done
+  done
+}
+
+patch_horovod_source() { patch_cxx17 "$1"; patch_gcc13 "$1"; }
+
+# The Horovod source: $CACHE/sdist, else the wheelhouse, else the registry; kept in $CACHE/sdist.
+fetch_sdist() {
+  local sdist="$CACHE/sdist/horovod-$HOROVOD_VERSION.tar.gz"
+  mkdir -p "$CACHE/sdist"
+  if [ ! -s "$sdist" ]; then
+    if [ "$PIP_MODE" = wheelhouse ]; then
+      [ -s "$WHEELHOUSE/horovod-$HOROVOD_VERSION.tar.gz" ] || fail "offline: put horovod-$HOROVOD_VERSION.tar.gz in $WHEELHOUSE (pip download --no-deps --no-binary :all: horovod==$HOROVOD_VERSION -d $WHEELHOUSE)"
+      cp "$WHEELHOUSE/horovod-$HOROVOD_VERSION.tar.gz" "$sdist.tmp"
+    else
+      local tmp; tmp="$(mktemp -d)"
+      run vpip download --no-deps --no-binary :all: "horovod==$HOROVOD_VERSION" -d "$tmp" \
+        || fail "could not download the horovod==$HOROVOD_VERSION source distribution (offline: HYBRIDTRAIN_WHEELHOUSE=DIR with horovod-$HOROVOD_VERSION.tar.gz)"
+      mv "$tmp/horovod-$HOROVOD_VERSION.tar.gz" "$sdist.tmp"; rm -rf "$tmp"
+    fi
+    mv "$sdist.tmp" "$sdist"
   fi
-  echo "  build flags: ${flags[*]}" | tee -a "$LOG"
+  echo "$sdist"
+}
+
+build_horovod() {
+  local wheel_dir="$1" src_dir sdist
+  step "building Horovod $HOROVOD_VERSION from source (several minutes, cached in $wheel_dir)"
+  run vpip install "${HOROVOD_BUILD_REQS[@]}" || fail "could not install Horovod's build requirements ${HOROVOD_BUILD_REQS[*]}"
+  sdist="$(fetch_sdist)"
+  src_dir="$(mktemp -d)"
+  tar -xzf "$sdist" -C "$src_dir"
+  patch_horovod_source "$src_dir/horovod-$HOROVOD_VERSION" | tee -a "$LOG"
+  local -a flags=(HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1
+                  CXX="$HVD_CXX" MAKEFLAGS="-j$(nproc)")
+  if detect_mpi; then flags+=(HOROVOD_WITH_MPI=1); else flags+=(HOROVOD_WITHOUT_MPI=1); fi
+  # Horovod's build runs the first nvcc on PATH, so the chosen toolkit's goes first.
+  [ -z "$CUDA_DIR" ] || flags+=(CUDA_HOME="$CUDA_DIR" HOROVOD_CUDA_HOME="$CUDA_DIR" PATH="$CUDA_DIR/bin:$PATH")
+  [ -z "${HOROVOD_GPU_OPERATIONS:-}" ] || flags+=(HOROVOD_GPU_OPERATIONS="$HOROVOD_GPU_OPERATIONS" "${NCCL_FLAGS[@]}")
+  echo "  build flags: ${flags[*]}" | sed "s|PATH=[^ ]*|PATH=$CUDA_DIR/bin:\$PATH|" | tee -a "$LOG"
   mkdir -p "$wheel_dir"
-  (cd "$src_dir/horovod-$HOROVOD_VERSION" && env "${flags[@]}" "$VENV/bin/python" -m pip wheel --no-build-isolation \
-      --no-deps -w "$wheel_dir" .) >>"$LOG" 2>&1 || fail "Horovod build failed: $(grep -m1 -iE 'error:|fatal' "$LOG" | cut -c1-160)"
-  rm -rf "$src_dir"
+  (cd "$src_dir/horovod-$HOROVOD_VERSION" && export "${flags[@]}" && vpip wheel --no-build-isolation --no-deps -w "$wheel_dir.tmp" .) \
+    >>"$LOG" 2>&1 || { rm -rf "$wheel_dir.tmp"; fail "Horovod build failed: $(grep -m1 -iE 'error:|fatal' "$LOG" | cut -c1-160)"; }
+  mv "$wheel_dir.tmp"/horovod-*.whl "$wheel_dir"/ && rm -rf "$wheel_dir.tmp" "$src_dir"
 }
 
 install_horovod() {
+  prepare_gpu_build
   local key wheel_dir
   key="$(horovod_cache_key)"
   wheel_dir="$CACHE/wheels/$key"
   if ! ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then build_horovod "$wheel_dir"; fi
-  if "$VENV/bin/python" -c "import horovod.torch" >/dev/null 2>&1 && [ "$(cat "$VENV/.horovod-key" 2>/dev/null)" = "$key" ]; then
+  if vpy -c "import horovod.torch" >/dev/null 2>&1 && [ "$(cat "$VENV/.horovod-key" 2>/dev/null)" = "$key" ]; then
     step "Horovod $HOROVOD_VERSION ($key) already installed"; return
   fi
   step "installing Horovod $HOROVOD_VERSION from the cached wheel ($key)"
-  run registry_pip install psutil cloudpickle packaging pyyaml || fail "could not install Horovod's requirements"
-  run registry_pip install --no-deps --force-reinstall "$wheel_dir"/horovod-*.whl || fail "could not install the Horovod wheel"
+  run vpip install "${HOROVOD_RUNTIME_REQS[@]}" || fail "could not install Horovod's requirements ${HOROVOD_RUNTIME_REQS[*]}"
+  run vpip install --no-deps --force-reinstall "$wheel_dir"/horovod-*.whl || fail "could not install the Horovod wheel"
   echo "$key" >"$VENV/.horovod-key"
 }
 
+# hybridtrain's requirements for the given extras, less torch, torchvision and Horovod (installed above, and
+# with HYBRIDTRAIN_TORCH=system not the pinned ones) and less DALI (chosen below by CUDA major).
+hybridtrain_requirements() {
+  vpy - "$@" <<'EOF'
+import sys
+from importlib.metadata import requires
+try:
+    from packaging.requirements import Requirement
+except ImportError:
+    from pip._vendor.packaging.requirements import Requirement
+extras = sys.argv[1:] or [""]
+for line in requires("hybridtrain") or []:
+    r = Requirement(line)
+    name = r.name.lower()
+    if name in ("torch", "torchvision", "horovod") or name.startswith("nvidia-dali"):
+        continue
+    if r.marker is not None and not any(r.marker.evaluate({"extra": e}) for e in extras):
+        continue
+    print(f"{r.name}{r.specifier}")
+EOF
+}
+
+dali_cuda_major() {
+  if [ -n "${DALI_CUDA_MAJOR:-}" ]; then echo "$DALI_CUDA_MAJOR"; return; fi
+  local c; c="$(torch_cuda)"
+  if [ -n "$c" ]; then echo "${c%%.*}0"; else echo 130; fi   # CPU torch: DALI's CPU operators of the CUDA 13 build
+}
+
 install_rest() {
-  step "installing numpy, DALI, mpi4py and hybridtrain (editable)"
-  local -a extras=(dev)
-  if [ "${HYBRIDTRAIN_SKIP_DALI:-0}" != 1 ]; then extras+=(dali); fi
-  if detect_mpi; then extras+=(mpi); fi
-  local spec
-  spec="${ROOT}[$(IFS=,; echo "${extras[*]}")]"
-  run registry_pip install -e "$spec" || fail "could not install $spec: see the log"
+  local -a extras=(dev) reqs=()
+  detect_mpi && extras+=(mpi)
+  local dali=""
+  [ "${HYBRIDTRAIN_SKIP_DALI:-0}" = 1 ] || dali="nvidia-dali-cuda$(dali_cuda_major)>=1.30"
+  step "installing hybridtrain (editable) with ${extras[*]}${dali:+ and $dali}"
+  run vpip install --no-deps -e "$ROOT" || fail "could not install $ROOT: see the log"
+  mapfile -t reqs < <(hybridtrain_requirements "${extras[@]}")
+  [ ${#reqs[@]} -gt 0 ] || fail "could not read hybridtrain's requirements: see the log"
+  [ -z "$dali" ] || reqs+=("$dali")
+  run vpip install "${reqs[@]}" || fail "could not install ${reqs[*]}: see the log"
   torch_ok || fail "a dependency replaced torch or torchvision: see the log"
 }
 
 check_build() {
   step "horovodrun --check-build"
-  "$VENV/bin/horovodrun" --check-build >>"$LOG" 2>&1 || fail "horovodrun --check-build failed"
-  grep -A2 'Available Controllers' "$LOG" | tail -n 2 | tr -s ' \n' ' ' | sed 's/^/  controllers:/'; echo
+  local out
+  out="$("$VENV/bin/horovodrun" --check-build 2>&1)" || { echo "$out" >>"$LOG"; fail "horovodrun --check-build failed"; }
+  echo "$out" >>"$LOG"
+  note "controllers:$(grep -A2 'Available Controllers' <<<"$out" | tail -n 2 | tr -s ' \n' ' ')"
+  note "tensor operations:$(grep -A4 'Available Tensor Operations' <<<"$out" | tail -n 4 | tr -s ' \n' ' ')"
+  if [ "${HOROVOD_GPU_OPERATIONS:-}" = NCCL ] && ! grep -q '\[X\] NCCL' <<<"$out"; then
+    fail "HOROVOD_GPU_OPERATIONS=NCCL was asked for, but horovodrun --check-build shows no [X] NCCL: remove $CACHE/wheels/$(cat "$VENV/.horovod-key" 2>/dev/null) and re-run"
+  fi
   cp "$LOG" "$VENV/install.log"
   echo "install: ok ($VENV; log $VENV/install.log)"
 }
 
-install_system_packages
-check_tools
-make_venv
-install_torch
-install_horovod
-install_rest
-check_build
+main() {
+  mkdir -p "$CACHE"
+  LOG="$CACHE/install-$(date +%Y%m%d-%H%M%S)-$$.log"
+  : >"$LOG"
+  install_system_packages
+  check_tools
+  choose_pip_mode
+  [ "$PIP_MODE" = clean ] || note "pip: $PIP_MODE${WHEELHOUSE:+ ($WHEELHOUSE)}"
+  make_venv
+  install_torch
+  install_horovod
+  install_rest
+  check_build
+}
+
+# Sourced (". ./install.sh"), it only defines the functions above.
+if [ "${BASH_SOURCE[0]}" = "$0" ]; then
+  case "${1:-}" in
+    --patch-horovod-source)
+      [ -d "${2:-}" ] || fail "usage: $0 --patch-horovod-source DIR (an unpacked horovod-$HOROVOD_VERSION sdist)"
+      patch_horovod_source "$2" ;;
+    "") main ;;
+    *) fail "unknown argument $1 (usage: $0 [--patch-horovod-source DIR])" ;;
+  esac
+fi

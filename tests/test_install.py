@@ -1,0 +1,268 @@
+"""install.sh, run for real: the Horovod source fixes on the real 0.28.1 sdist, an offline install from a
+wheelhouse with the network really cut off, the one-line GPU-build refusals, and shellcheck."""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+INSTALL = REPO / "install.sh"
+HOROVOD_VERSION = "0.28.1"
+CACHE = Path(os.environ.get("HYBRIDTRAIN_CACHE", Path.home() / ".cache" / "hybridtrain"))
+SDIST = CACHE / "sdist" / f"horovod-{HOROVOD_VERSION}.tar.gz"
+VENV_PY = Path(sys.executable)
+
+
+def _bash(script: str, env: dict | None = None, timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _gcc_major() -> int:
+    try:
+        out = subprocess.run(["g++", "-dumpfullversion", "-dumpversion"], capture_output=True, text=True).stdout
+    except FileNotFoundError:
+        return 0
+    return int(out.split(".")[0]) if out.strip() else 0
+
+
+def _tree_digest(root: Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*")):
+        if p.is_file() and not p.is_symlink():
+            h.update(str(p.relative_to(root)).encode())
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def _unpack_sdist(dest: Path) -> Path:
+    if not SDIST.is_file():
+        pytest.skip(f"no Horovod sdist at {SDIST}: ./install.sh puts it there when it builds Horovod")
+    with tarfile.open(SDIST) as tar:
+        tar.extractall(dest)
+    return dest / f"horovod-{HOROVOD_VERSION}"
+
+
+HEADER_PROBE = '#include "horovod/common/group_table.h"\n#include "horovod/common/common.h"\nint main() { return 0; }\n'
+
+
+def _syntax_check(src: Path, tmp_path: Path) -> subprocess.CompletedProcess:
+    probe = tmp_path / "probe.cc"
+    probe.write_text(HEADER_PROBE)
+    return subprocess.run(["g++", "-std=c++17", "-fsyntax-only", f"-I{src}", str(probe)],
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++")
+def test_horovod_source_patch_is_idempotent_and_compiles(tmp_path):
+    src = _unpack_sdist(tmp_path)
+    first = subprocess.run([str(INSTALL), "--patch-horovod-source", str(src)], capture_output=True, text=True)
+    assert first.returncode == 0, first.stderr
+    assert "C++17 fix" in first.stdout and "GCC 13 fix: #include <string> in horovod/common/group_table.h" in first.stdout
+    digest = _tree_digest(src)
+    second = subprocess.run([str(INSTALL), "--patch-horovod-source", str(src)], capture_output=True, text=True)
+    assert second.returncode == 0, second.stderr
+    assert second.stdout == "", "a second run must change nothing"
+    assert _tree_digest(src) == digest
+    for rel, includes in {"horovod/common/group_table.h": ("cstdint", "string"),
+                          "horovod/common/common.h": ("cstdint", "stdexcept", "string"),
+                          "horovod/common/nvtx_op_range.h": ("cstdint",)}.items():
+        text = (src / rel).read_text()
+        for inc in includes:
+            assert text.count(f"#include <{inc}>") == 1, (rel, inc)
+    assert "set(CMAKE_CXX_STANDARD 14)" not in (src / "CMakeLists.txt").read_text()
+    result = _syntax_check(src, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.mark.skipif(_gcc_major() < 13, reason=f"the local g++ is GCC {_gcc_major()}: unpatched Horovod headers "
+                                                "only fail with GCC >= 13 (libstdc++ 13)")
+def test_unpatched_headers_fail_on_gcc13(tmp_path):
+    src = _unpack_sdist(tmp_path)
+    result = _syntax_check(src, tmp_path)
+    assert result.returncode != 0
+    assert "group_table.h" in result.stderr or "common.h" in result.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Offline install
+
+def _source_install(venv_dir: Path, body: str, env_extra: dict | None = None) -> str:
+    """Runs `body` with install.sh's functions sourced (nothing installed) for the venv `venv_dir`."""
+    env = dict(os.environ, HYBRIDTRAIN_VENV=str(venv_dir), **(env_extra or {}))
+    result = _bash(f". '{INSTALL}'; {body}", env=env)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def _cut_off_network() -> tuple[list[str], dict, str]:
+    """A command prefix that runs its command with no network at all: a new, empty network namespace
+    (`unshare -n` as root, `unshare -rn` as a user). Where namespaces are not allowed: proxies pointed at the
+    discard port 127.0.0.1:9 (and install.sh's wheelhouse mode passes --no-index)."""
+    for prefix in (["unshare", "-n"], ["unshare", "-rn"]):
+        if shutil.which(prefix[0]) and subprocess.run(prefix + ["true"], capture_output=True).returncode == 0:
+            return prefix, {}, "network namespace"
+    dead = "http://127.0.0.1:9"
+    return [], {"http_proxy": dead, "https_proxy": dead, "HTTP_PROXY": dead, "HTTPS_PROXY": dead,
+                "no_proxy": ""}, "dead proxies"
+
+
+def _link_torch_as_system(userbase: Path) -> None:
+    """Stands in for a torch preinstalled outside the venv (as on an NGC image): torch, torchvision and their
+    requirements, linked from this venv into a Python user site, which a --system-site-packages venv sees."""
+    site_dir = userbase / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
+    site_dir.mkdir(parents=True)
+    script = r"""
+import sys, re
+from importlib.metadata import distribution
+from pathlib import Path
+seen, todo, tops = set(), ["torch", "torchvision"], set()
+while todo:
+    name = re.split(r"[ ;<>=!~\[(]", todo.pop())[0].lower().replace("_", "-")
+    if not name or name in seen:
+        continue
+    seen.add(name)
+    try:
+        dist = distribution(name)
+    except Exception:
+        continue
+    todo += [r for r in (dist.requires or []) if "extra ==" not in r]
+    for f in dist.files or []:
+        if f.parts and f.parts[0] != ".." and not f.parts[0].endswith(".pth"):
+            tops.add(f.parts[0])
+print("\n".join(sorted(tops)))
+"""
+    out = subprocess.run([str(VENV_PY), "-c", script], capture_output=True, text=True, check=True).stdout
+    ours = Path(subprocess.run([str(VENV_PY), "-c", "import torch, os; print(os.path.dirname(os.path.dirname(torch.__file__)))"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+    for top in out.split():
+        if top in ("__pycache__", "bin") or not (ours / top).exists():
+            continue
+        (site_dir / top).symlink_to(ours / top)
+
+
+@pytest.mark.slow
+def test_offline_install_from_wheelhouse_with_system_torch(tmp_path):
+    """HYBRIDTRAIN_WHEELHOUSE + HYBRIDTRAIN_TORCH=system into a fresh HYBRIDTRAIN_VENV, run with the network cut
+    off (see _cut_off_network): the cached Horovod wheel is reused (its cache key matches this venv's), every
+    other package comes from a wheelhouse made beforehand, and `import horovod.torch, hybridtrain` works."""
+    project_venv = VENV_PY.parent.parent
+    key = _source_install(project_venv, "check_tools >/dev/null; CUDA_DIR=''; "
+                          "[ -z \"$(torch_cuda)\" ] || locate_cuda || true; horovod_cache_key").strip()
+    wheel_dir = CACHE / "wheels" / key
+    if not list(wheel_dir.glob("horovod-*.whl")):
+        pytest.skip(f"no cached Horovod wheel for {key}: run ./install.sh first (the test must not rebuild Horovod)")
+
+    # The wheelhouse, made while the network is there (kept beside the cache, so a second run is quick).
+    extras = "dev mpi" if shutil.which("mpirun") and shutil.which("mpicxx") else "dev"
+    reqs = _source_install(project_venv, f"hybridtrain_requirements {extras}").split()
+    reqs += ["cloudpickle", "psutil", "pyyaml", "packaging", "cffi>=1.4.0", "setuptools", "wheel"]
+    wheelhouse = CACHE / "test-wheelhouse"
+    wheelhouse.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k != "PIP_FIND_LINKS"}
+    env["PIP_CONFIG_FILE"] = os.devnull
+    made = subprocess.run([str(VENV_PY), "-m", "pip", "wheel", "-q", "-w", str(wheelhouse), *reqs],
+                          env=env, capture_output=True, text=True, timeout=900)
+    if made.returncode != 0:
+        pytest.skip(f"could not make the wheelhouse (no registry?): {made.stderr.strip()[-300:]}")
+
+    userbase = tmp_path / "userbase"
+    _link_torch_as_system(userbase)
+    base_python = subprocess.run([str(VENV_PY), "-c", "import sys; print(sys._base_executable)"],
+                                 capture_output=True, text=True, check=True).stdout.strip()
+    venv = tmp_path / "venv"
+    prefix, net_env, how = _cut_off_network()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_") and k not in ("CUDA_HOME",)}
+    env.update(net_env, HYBRIDTRAIN_WHEELHOUSE=str(wheelhouse), HYBRIDTRAIN_TORCH="system",
+               HYBRIDTRAIN_SKIP_DALI="1", HYBRIDTRAIN_VENV=str(venv), PYTHONUSERBASE=str(userbase),
+               PYTHON=base_python)
+    result = subprocess.run(prefix + [str(INSTALL)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, f"({how})\n{result.stdout}\n{result.stderr}"
+    assert "install: ok" in result.stdout
+    assert "HYBRIDTRAIN_TORCH=system" in result.stdout
+    assert "building Horovod" not in result.stdout, "the cached wheel must have been reused"
+    assert f"from the cached wheel ({key})" in result.stdout
+    log = (venv / "install.log").read_text()
+    assert not re.search(r"Downloading https?://|Looking in indexes", log), "pip looked at an index"
+    assert "include-system-site-packages = true" in (venv / "pyvenv.cfg").read_text()
+
+    check = subprocess.run(prefix + [str(venv / "bin" / "python"), "-c",
+                                     "import horovod.torch, hybridtrain, torch; "
+                                     "print(horovod.torch.__file__); print(hybridtrain.__file__); print(torch.__file__)"],
+                           env=env, capture_output=True, text=True, timeout=300)
+    assert check.returncode == 0, check.stderr
+    hvd_file, ht_file, torch_file = check.stdout.split()
+    assert hvd_file.startswith(str(venv)), hvd_file
+    assert ht_file.startswith(str(REPO / "hybridtrain")), ht_file
+    assert torch_file.startswith(str(userbase)), torch_file
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# HOROVOD_GPU_OPERATIONS=NCCL refuses with one line, before anything is built
+
+def _nccl_refusal(tmp_path: Path, extra: dict, prefix: list[str] | None = None) -> str:
+    """install.sh with HOROVOD_GPU_OPERATIONS=NCCL on this venv, offline (an empty wheelhouse, so that nothing
+    can be installed into it) and with a cache under tmp_path: returns its one error line."""
+    empty = tmp_path / "empty-wheelhouse"
+    empty.mkdir(exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_HOME", "HOROVOD_NCCL_HOME")}
+    env.update(HOROVOD_GPU_OPERATIONS="NCCL", HYBRIDTRAIN_VENV=str(VENV_PY.parent.parent),
+               HYBRIDTRAIN_CACHE=str(tmp_path / "cache"), HYBRIDTRAIN_WHEELHOUSE=str(empty), **extra)
+    result = subprocess.run((prefix or []) + [str(INSTALL)], cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode != 0, result.stdout
+    assert "building Horovod" not in result.stdout
+    errors = [line for line in result.stderr.splitlines() if line.startswith("install: error:")]
+    assert len(errors) == 1, result.stderr
+    return errors[0]
+
+
+def test_nccl_with_cuda_home_without_nvcc_fails_in_one_line(tmp_path):
+    empty = tmp_path / "no-cuda"
+    empty.mkdir()
+    line = _nccl_refusal(tmp_path, {"CUDA_HOME": str(empty)})
+    assert f"CUDA_HOME={empty} has no bin/nvcc" in line
+
+
+def test_nccl_without_nccl_fails_in_one_line(tmp_path):
+    empty = tmp_path / "no-nccl"
+    empty.mkdir()
+    line = _nccl_refusal(tmp_path, {"HOROVOD_NCCL_HOME": str(empty)})
+    # this machine may lack the CUDA toolkit, which is then what the line names
+    assert f"no nccl.h in {empty}/include" in line or "nvcc" in line, line
+
+
+def test_nccl_on_a_node_without_toolkit_names_the_wheels(tmp_path):
+    """A node with only the driver and torch's pip CUDA: no CUDA_HOME, no nvcc on PATH, no /usr/local/cuda
+    (hidden in a private mount namespace where this machine has one), and an empty wheelhouse."""
+    prefix: list[str] = []
+    hide = [p for p in ("/usr/local/cuda",) if os.path.exists(p)]
+    if hide:
+        target = os.path.realpath(hide[0])
+        mounts = " && ".join(f"mount --bind '{tmp_path}' '{target}'" for _ in [0])
+        if subprocess.run(["unshare", "-m", "sh", "-c", mounts], capture_output=True).returncode != 0:
+            pytest.skip("this machine has /usr/local/cuda and no mount namespace to hide it in")
+        prefix = ["unshare", "-m", "sh", "-c", mounts + ' && exec "$0" "$@"']
+    cuda = subprocess.run([str(VENV_PY), "-c", "import torch; print(torch.version.cuda or '')"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    path = ":".join(p for p in os.environ["PATH"].split(":")
+                    if not (Path(p) / "nvcc").exists())
+    line = _nccl_refusal(tmp_path, {"PATH": path}, prefix)
+    if cuda:
+        assert f"needs nvcc for CUDA {cuda}" in line and "nvidia-cuda-nvcc" in line, line
+    else:
+        assert "needs a CUDA build of torch" in line, line
+
+
+@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed")
+def test_shellcheck_install_sh():
+    result = subprocess.run(["shellcheck", str(INSTALL)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout
