@@ -9,7 +9,9 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import math
 import os
+import reprlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +25,17 @@ def choice(default, choices, doc=""):
 
 
 def number(default, lo=None, hi=None, lo_open=False, hi_open=False, doc=""):
+    """An int or float key in [lo, hi] (open ends with lo_open/hi_open). Floats are finite: NaN and +-inf are refused
+    for every key (no key gives infinity a meaning), so a bound left out means any finite value."""
     return field(default=default, metadata={"lo": lo, "hi": hi, "lo_open": lo_open, "hi_open": hi_open, "doc": doc})
+
+
+def numbers(default, lo=None, hi=None, lo_open=False, hi_open=False, length=None, increasing=False, doc=""):
+    """A list of finite numbers, each in [lo, hi] like ``number``; ``length``: exactly that many; ``increasing``:
+    strictly increasing."""
+    return field(default_factory=lambda: list(default),
+                 metadata={"items": {"lo": lo, "hi": hi, "lo_open": lo_open, "hi_open": hi_open},
+                           "length": length, "increasing": increasing, "doc": doc})
 
 
 def plain(default, doc=""):
@@ -34,6 +46,28 @@ def plain(default, doc=""):
 
 ARCHS = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152")
 
+# Every size, count and seed has an upper bound that the hardware makes sensible; past it a run ends in a traceback
+# or the OOM killer, not in a result. The error line states the range. One reason each:
+#   data.crop_size <= 1024            ResNet at 1024 px already needs 21x the activation memory of 224 px
+#   data.val_resize <= 2048           twice the largest crop; a larger resize only costs decode time
+#   data.workers <= 256               loader processes per rank; no host has that many cores per rank
+#   data.prefetch <= 32               batches held per worker: 32 x 154 MB (256 x 224 px FP32) is 4.9 GB already
+#   data.synthetic_images <= 1e8      78 ImageNet-1k epochs in one epoch
+#   train.batch_size, data.val_batch_size <= 65536   a 224-px FP32 batch of 65536 is 39 GB of input alone
+#   train.accumulation_steps <= 1024  at batch 64 that is 65536 images per rank per step, past every large-batch recipe
+#   train.epochs, optim.adabound_epochs, optim.warmup_epochs <= 10000   the paper trains 90; LR tables grow with them
+#   train.threads <= 1024             torch threads per rank; more than any host's cores only thrash
+#   train.keep_checkpoints <= 1000    ~300 MB per ResNet-50 checkpoint with optimizer state: 300 GB
+#   model.num_classes <= 100000       ImageNet-21k has 21841; a 2048 x 100000 FC layer is 819 MB of FP32 weights
+#   seed <= 1000000                   each image's augmentation seed packs (seed, epoch, index) into torch's 64 bits
+#   precision.loss_scale <= 2**24     FP16's largest value is 65504: a bigger scale overflows every gradient > 0.004
+#   precision.growth_interval <= 1e6, max_consecutive_overflows <= 1e5   longer than a 90-epoch ImageNet run's steps
+#   horovod.gradient_predivide_factor <= 1024   more than the ranks of any job underflows FP16 gradients
+#   horovod.fusion_threshold_mb <= 1024   allocated on every GPU; 1 GiB holds ResNet-152's 230 MB of gradients 4x
+#   horovod.cycle_time_ms <= 1000     each step waits up to one cycle per fused all-reduce
+#   horovod.stall_warning_s, stall_shutdown_s, gloo_timeout_s <= 86400   a day: longer is a hung job
+#   elastic.commit_steps <= 100000    a failed rank costs up to N steps: more than a 90-epoch run at global batch 2048
+
 
 @dataclass
 class DataConfig:
@@ -42,16 +76,18 @@ class DataConfig:
                           "input pipeline: torchvision (PIL workers), dali_cpu, dali_gpu (nvJPEG), synthetic")
     file_lists: str = plain("", "folder with the clean train.txt/val.txt of 'hybridtrain check-data --write-filelist'; "
                                 "'' = scan the class folders")
-    crop_size: int = number(224, lo=8, doc="training crop (RandomResizedCrop) and validation center crop, px")
-    val_resize: int = number(256, lo=8, doc="validation: resize the shorter side to this, then center-crop")
+    crop_size: int = number(224, lo=8, hi=1024, doc="training crop (RandomResizedCrop) and validation center crop, px")
+    val_resize: int = number(256, lo=8, hi=2048, doc="validation: resize the shorter side to this, then center-crop")
     min_crop_area: float = number(0.08, lo=0.0, hi=1.0, lo_open=True, doc="RandomResizedCrop area lower bound")
     hflip: bool = plain(True, "random horizontal flip with p=0.5 in training")
-    workers: int = number(0, lo=0, doc="per rank: DataLoader worker processes (torchvision) or DALI threads; "
-                                         "0 = cores / local ranks")
-    prefetch: int = number(2, lo=1, doc="batches prefetched per worker (torchvision) or DALI prefetch queue depth")
+    workers: int = number(0, lo=0, hi=256, doc="per rank: DataLoader worker processes (torchvision) or DALI "
+                                                 "threads; 0 = cores / local ranks")
+    prefetch: int = number(2, lo=1, hi=32,
+                           doc="batches prefetched per worker (torchvision) or DALI prefetch queue depth")
     channels_last: bool = plain(False, "NHWC (channels_last) memory layout for input batches and the model")
-    synthetic_images: int = number(12800, lo=1, doc="synthetic: training images per epoch over all ranks")
-    val_batch_size: int = number(0, lo=0, doc="validation batch per rank; 0 = train.batch_size")
+    synthetic_images: int = number(12800, lo=1, hi=100_000_000,
+                                   doc="synthetic: training images per epoch over all ranks")
+    val_batch_size: int = number(0, lo=0, hi=65536, doc="validation batch per rank; 0 = train.batch_size")
 
 
 @dataclass
@@ -59,7 +95,7 @@ class ModelConfig:
     arch: str = choice("resnet50", ARCHS, "network")
     variant: str = choice("v1.5", ["v1", "v1.5"], "where bottleneck blocks downsample: 1x1 conv (v1) or 3x3 conv (v1.5)")
     small_input_stem: bool = plain(False, "3x3 stride-1 stem without max-pool, for 32-64 px inputs")
-    num_classes: int = number(0, lo=0, doc="0 = number of class folders in the dataset")
+    num_classes: int = number(0, lo=0, hi=100_000, doc="0 = number of class folders in the dataset")
     zero_init_last_bn: bool = plain(True, "gamma = 0 in the last BN of every residual block (paper 2.2.3)")
     residual_bn_scale: float = number(1.0, lo=0.0, hi=1.0, lo_open=True,
                                       doc="multiply every BN output inside residual blocks by this (seed 002: 0.25)")
@@ -73,13 +109,14 @@ class ModelConfig:
 
 @dataclass
 class TrainConfig:
-    epochs: int = number(90, lo=1, doc="training epochs")
-    batch_size: int = number(256, lo=1, doc="per-rank (per-GPU) batch size; global = batch_size x ranks x "
-                                            "accumulation_steps")
-    accumulation_steps: int = number(1, lo=1, doc="forward/backward passes per optimizer step, one all-reduce per "
-                                                  "step (the paper's future work, 4)")
-    threads: int = number(0, lo=0, doc="torch threads per rank; 0 = cores / local ranks")
-    keep_checkpoints: int = number(3, lo=1, doc="how many epoch checkpoints to keep")
+    epochs: int = number(90, lo=1, hi=10_000, doc="training epochs")
+    batch_size: int = number(256, lo=1, hi=65536, doc="per-rank (per-GPU) batch size; global = batch_size x "
+                                                       "ranks x accumulation_steps")
+    accumulation_steps: int = number(1, lo=1, hi=1024,
+                                     doc="forward/backward passes per optimizer step, one all-reduce per "
+                                         "step (the paper's future work, 4)")
+    threads: int = number(0, lo=0, hi=1024, doc="torch threads per rank; 0 = cores / local ranks")
+    keep_checkpoints: int = number(3, lo=1, hi=1000, doc="how many epoch checkpoints to keep")
     progress: bool = plain(True, "progress bar on rank 0")
     deterministic: bool = plain(False, "deterministic algorithms only: bitwise-repeatable runs and exact resumes")
     compile: bool = plain(False, "torch.compile the model for the training step (the first steps compile; needs "
@@ -100,9 +137,9 @@ class OptimConfig:
     weight_decay: float = number(1e-4, lo=0.0, doc="L2 weight decay")
     decay_bn_and_bias: bool = plain(False, "apply weight decay and LARS to BN parameters and biases too")
     # hybrid / adabound
-    adabound_epochs: int = number(10, lo=0, lo_open=True, doc="hybrid: T, the AdaBound warmup epochs")
+    adabound_epochs: int = number(10, lo=0, hi=10_000, lo_open=True, doc="hybrid: T, the AdaBound warmup epochs")
     alpha: float = number(1e-3, lo=0.0, lo_open=True, doc="hybrid/adabound: Adam-phase learning rate alpha")
-    betas: list = plain([0.9, 0.999], "hybrid/adabound: (beta1, beta2)")
+    betas: list = numbers([0.9, 0.999], lo=0.0, hi=1.0, hi_open=True, length=2, doc="hybrid/adabound: (beta1, beta2)")
     eps: float = number(1e-8, lo=0.0, lo_open=True, doc="hybrid/adabound: epsilon")
     bound_granularity: str = choice("iteration", ["iteration", "epoch"],
                                     "hybrid: t in B_l(t), B_u(t) advances per iteration or per epoch")
@@ -113,8 +150,10 @@ class OptimConfig:
                                       doc="hybrid: LARS trust coefficient eta (chosen by experiment lars)")
     adabound_gamma: float = number(1e-3, lo=0.0, lo_open=True, doc="adabound: convergence speed gamma of the bounds")
     # goyal / sgd
-    warmup_epochs: float = number(5.0, lo=0.0, doc="goyal: gradual warmup from lr to lr x N over this many epochs")
-    milestones: list = plain([1 / 3, 2 / 3, 8 / 9], "goyal/sgd: step decay points as fractions of the run")
+    warmup_epochs: float = number(5.0, lo=0.0, hi=10_000.0,
+                                  doc="goyal: gradual warmup from lr to lr x N over this many epochs")
+    milestones: list = numbers([1 / 3, 2 / 3, 8 / 9], lo=0.0, hi=1.0, lo_open=True, hi_open=True, increasing=True,
+                               doc="goyal/sgd: step decay points as fractions of the run")
     decay_factor: float = number(0.1, lo=0.0, hi=1.0, lo_open=True, doc="goyal/sgd: step decay multiplier")
 
 
@@ -128,13 +167,15 @@ class PrecisionConfig:
                           "fc": "fp32"}, "layered: dtype (fp32, fp16 or bf16) per stage; seed 000's default")
     loss_scaling: str = choice("auto", ["auto", "dynamic", "static", "none"],
                                "auto = dynamic whenever FP16 computes, else none")
-    loss_scale: float = number(65536.0, lo=0.0, lo_open=True, doc="static: the scale; dynamic: the initial scale")
-    growth_interval: int = number(2000, lo=1, doc="dynamic: double the scale after this many clean steps")
+    loss_scale: float = number(65536.0, lo=0.0, hi=2.0 ** 24, lo_open=True,
+                               doc="static: the scale; dynamic: the initial scale")
+    growth_interval: int = number(2000, lo=1, hi=1_000_000, doc="dynamic: double the scale after this many clean steps")
     tf32: bool = plain(False, "let FP32 convolutions and matmuls use TF32 on Ampere and newer GPUs (faster, 10-bit "
                               "mantissa); false keeps fp32 IEEE, so fp32 rows of a precision study are fp32")
-    max_consecutive_overflows: int = number(20, lo=1, doc="skip a step whose averaged gradients hold NaN or inf (FP16 "
-                                                             "overflow, or a NaN/inf loss on any rank); stop the run "
-                                                             "after this many skipped steps in a row")
+    max_consecutive_overflows: int = number(20, lo=1, hi=100_000,
+                                            doc="skip a step whose averaged gradients hold NaN or inf (FP16 "
+                                                "overflow, or a NaN/inf loss on any rank); stop the run "
+                                                "after this many skipped steps in a row")
 
 
 @dataclass
@@ -142,23 +183,29 @@ class HorovodConfig:
     compression: str = choice("auto", ["auto", "fp16", "none"],
                               "gradient all-reduce compression: fp16 (the paper; needs loss scaling), none, or auto "
                               "= fp16 when the loss is scaled, else none")
-    gradient_predivide_factor: float = number(1.0, lo=1.0, doc="divide gradients by f before the sum and by "
-                                                               "N/f after: keeps FP16 sums over many ranks finite")
+    gradient_predivide_factor: float = number(1.0, lo=1.0, hi=1024.0,
+                                              doc="divide gradients by f before the sum and by N/f after: keeps "
+                                                  "FP16 sums over many ranks finite")
     # fusion_threshold_mb and cycle_time_ms: defaults chosen with hybridtrain scale (docs/benchmarks.md)
-    fusion_threshold_mb: int = number(128, lo=0, doc="HOROVOD_FUSION_THRESHOLD in MiB: gradients ready together are "
-                                                     "all-reduced in one buffer up to this size; 0 = no fusion")
-    cycle_time_ms: float = number(1.0, lo=0.0, lo_open=True, doc="HOROVOD_CYCLE_TIME: ms between the background "
-                                                                   "thread's rounds of collecting ready tensors")
+    fusion_threshold_mb: int = number(128, lo=0, hi=1024,
+                                      doc="HOROVOD_FUSION_THRESHOLD in MiB: gradients ready together are "
+                                          "all-reduced in one buffer up to this size; 0 = no fusion")
+    cycle_time_ms: float = number(1.0, lo=0.0, hi=1000.0, lo_open=True,
+                                  doc="HOROVOD_CYCLE_TIME: ms between the background "
+                                      "thread's rounds of collecting ready tensors")
     autotune: bool = plain(False, "HOROVOD_AUTOTUNE: Horovod tunes fusion threshold and cycle time while training "
                                   "(Bayesian optimisation over the first steps)")
     autotune_log: str = plain("", "HOROVOD_AUTOTUNE_LOG: CSV of every setting autotune tried, written by rank 0; "
                                   "'' = none; needs autotune: true")
-    stall_warning_s: int = number(60, lo=1, doc="HOROVOD_STALL_CHECK_TIME_SECONDS: warn, naming the missing ranks, "
-                                                "when some ranks wait this long for a tensor the others submitted")
-    stall_shutdown_s: int = number(600, lo=0, doc="HOROVOD_STALL_SHUTDOWN_TIME_SECONDS: end the job after such a "
-                                                  "stall (a hung rank); 0 = never (Horovod's default)")
-    gloo_timeout_s: int = number(60, lo=1, doc="HOROVOD_GLOO_TIMEOUT_SECONDS: how long Gloo waits for every rank "
-                                               "to connect at start")
+    stall_warning_s: int = number(60, lo=1, hi=86400,
+                                  doc="HOROVOD_STALL_CHECK_TIME_SECONDS: warn, naming the missing ranks, "
+                                      "when some ranks wait this long for a tensor the others submitted")
+    stall_shutdown_s: int = number(600, lo=0, hi=86400,
+                                   doc="HOROVOD_STALL_SHUTDOWN_TIME_SECONDS: end the job after such a "
+                                       "stall (a hung rank); 0 = never (Horovod's default)")
+    gloo_timeout_s: int = number(60, lo=1, hi=86400,
+                                 doc="HOROVOD_GLOO_TIMEOUT_SECONDS: how long Gloo waits for every rank "
+                                     "to connect at start")
 
 
 @dataclass
@@ -178,8 +225,9 @@ class BNConfig:
 
 @dataclass
 class ElasticConfig:
-    commit_steps: int = number(20, lo=1, doc="train --elastic: commit the training state in memory every N optimizer "
-                                              "steps; a failed rank costs at most N steps, a resize waits up to N")
+    commit_steps: int = number(20, lo=1, hi=100_000,
+                               doc="train --elastic: commit the training state in memory every N optimizer "
+                                   "steps; a failed rank costs at most N steps, a resize waits up to N")
     audit_samples: bool = plain(False, "train --elastic: each rank writes the sample indices of every committed step "
                                        "to run_dir/samples/, to check that no sample is repeated or skipped")
 
@@ -194,7 +242,7 @@ class ReportConfig:
 @dataclass
 class Config:
     run_dir: str = plain("runs/default", "where checkpoints, metrics and reports go")
-    seed: int = number(0, lo=0, doc="global seed")
+    seed: int = number(0, lo=0, hi=1_000_000, doc="global seed")
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -214,8 +262,18 @@ class Config:
 
 # ----------------------------------------------------------------------------- building from dicts
 
-def _suggest(key: str, allowed, prefix: str) -> str:
-    near = difflib.get_close_matches(key, list(allowed), n=1)
+_REPR = reprlib.Repr()
+_REPR.maxstring, _REPR.maxother, _REPR.maxlong, _REPR.maxlevel = 80, 80, 40, 3
+_REPR.maxlist = _REPR.maxdict = _REPR.maxtuple = _REPR.maxset = 6
+
+
+def show(value) -> str:
+    """A value for an error line: one line, at most ~100 characters, and cheap even for a YAML alias bomb."""
+    return _REPR.repr(value)
+
+
+def _suggest(key, allowed, prefix: str) -> str:
+    near = difflib.get_close_matches(str(key), list(allowed), n=1)
     return f" (did you mean '{prefix}{near[0]}'?)" if near else ""
 
 
@@ -230,29 +288,83 @@ def _coerce(value: Any, f: dataclasses.Field, dotted: str):
     expected = type(default)
     if expected is bool:
         if not isinstance(value, bool):
-            raise UserError(f"config error: {dotted} must be true or false, got {value!r}")
+            raise UserError(f"config error: {dotted} must be true or false, got {show(value)}")
     elif expected is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise UserError(f"config error: {dotted} must be an integer, got {value!r}")
+            raise UserError(f"config error: {dotted} must be an integer, got {show(value)}")
     elif expected is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise UserError(f"config error: {dotted} must be a number, got {value!r}")
-        value = float(value)
+        value = _as_float(value, meta, dotted)
     elif expected is str:
         if not isinstance(value, str):
-            raise UserError(f"config error: {dotted} must be a string, got {value!r}")
+            raise UserError(f"config error: {dotted} must be a string, got {show(value)}")
+        if "\0" in value:
+            raise UserError(f"config error: {dotted} holds a NUL character (\\0), which no path or name may hold: "
+                            f"remove it")
     elif expected is list:
         if not isinstance(value, list):
-            raise UserError(f"config error: {dotted} must be a list, got {value!r}")
+            raise UserError(f"config error: {dotted} must be a list, got {show(value)}")
+        if "items" in meta:
+            value = _check_numbers(value, meta, dotted)
     elif expected is dict:
         if not isinstance(value, dict):
-            raise UserError(f"config error: {dotted} must be a mapping, got {value!r}")
+            raise UserError(f"config error: {dotted} must be a mapping, got {show(value)}")
         value = {**default, **value}  # a partial mapping overrides only the keys it names
     if "choices" in meta and value not in meta["choices"]:
         allowed = ", ".join(str(c) for c in meta["choices"])
-        raise UserError(f"config error: {dotted} must be one of: {allowed}; got {value!r}")
+        raise UserError(f"config error: {dotted} must be one of: {allowed}; got {show(value)}")
     _check_range(value, meta, dotted)
     return value
+
+
+def _span(meta) -> str:
+    """The allowed range as the error line writes it, e.g. [1, 65536] or (0.0, inf)."""
+    lo, hi = meta.get("lo"), meta.get("hi")
+    left = "(" if meta.get("lo_open") or lo is None else "["
+    right = ")" if meta.get("hi_open") or hi is None else "]"
+    return f"{left}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}{right}"
+
+
+def _as_float(value, meta, dotted) -> float:
+    """A real, finite number as float: NaN and +-inf are refused for every key (none gives infinity a meaning)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        hint = ""
+        if isinstance(value, str) and "e" in value.lower() and "." not in value:
+            try:
+                float(value)
+                dotted_form = value.lower().replace("e", ".0e", 1)
+                hint = f" (YAML reads {value} as text: write it with a dot, e.g. {dotted_form})"
+            except ValueError:
+                pass
+        raise UserError(f"config error: {dotted} must be a number, got {show(value)}{hint}")
+    try:
+        number_ = float(value)
+    except OverflowError:  # an int beyond the float range, e.g. 10**400
+        number_ = math.inf if value > 0 else -math.inf
+    if not math.isfinite(number_):
+        raise UserError(f"config error: {dotted} must be a finite number in {_span(meta)}, got {show(value)} "
+                        f"(NaN and infinity are never allowed)")
+    return number_
+
+
+def _check_numbers(values: list, meta, dotted) -> list:
+    """A list of finite numbers, each in the declared range, of the declared length, increasing if declared."""
+    items = meta["items"]
+    length = meta.get("length")
+    increasing = "strictly increasing " if meta.get("increasing") else ""
+    what = (f"{'two' if length == 2 else length} {increasing}numbers" if length else
+            f"a {increasing}list of numbers") + f" in {_span(items)}"
+    wrong = f"config error: {dotted} must be {what}, got {show(values)}"
+    if length is not None and len(values) != length:
+        raise UserError(wrong)
+    out = []
+    for i, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise UserError(wrong)
+        out.append(_as_float(v, items, f"{dotted}[{i}]"))
+        _check_range(out[-1], items, f"{dotted}[{i}]")
+    if meta.get("increasing") and any(b <= a for a, b in zip(out, out[1:])):
+        raise UserError(wrong)
+    return out
 
 
 def _check_range(value, meta, dotted):
@@ -262,22 +374,21 @@ def _check_range(value, meta, dotted):
     too_low = lo is not None and (value <= lo if meta.get("lo_open") else value < lo)
     too_high = hi is not None and (value >= hi if meta.get("hi_open") else value > hi)
     if too_low or too_high:
-        left = "(" if meta.get("lo_open") else "["
-        right = ")" if meta.get("hi_open") else "]"
-        span = f"{left}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}{right}"
-        raise UserError(f"config error: {dotted} must be in {span}, got {value!r}")
+        raise UserError(f"config error: {dotted} must be in {_span(meta)}, got {show(value)}")
 
 
 def _build(cls, values: dict, prefix: str = ""):
     if not isinstance(values, dict):
-        raise UserError(f"config error: section '{prefix.rstrip('.') or 'top level'}' must be a mapping, got {values!r}")
+        raise UserError(f"config error: section '{prefix.rstrip('.') or 'top level'}' must be a mapping, got "
+                        f"{show(values)}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in values.items():
         dotted = f"{prefix}{key}"
         if key not in fields:
             allowed = ", ".join(fields)
-            raise UserError(f"config error: unknown key '{dotted}'{_suggest(key, fields, prefix)}; allowed here: {allowed}")
+            raise UserError(f"config error: unknown key '{show(dotted)[1:-1]}'{_suggest(key, fields, prefix)}; "
+                            f"allowed here: {allowed}")
         f = fields[key]
         default = _default(f)
         if dataclasses.is_dataclass(default):
@@ -287,14 +398,51 @@ def _build(cls, values: dict, prefix: str = ""):
     return cls(**kwargs)
 
 
+class DuplicateKey(yaml.YAMLError):
+    def __init__(self, key, line: int, first_line: int):
+        super().__init__(f"key {key!r} at line {line} repeats line {first_line}")
+        self.key, self.line, self.first_line = key, line, first_line
+
+
+class StrictLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key written twice in one mapping (at any depth), where PyYAML keeps the
+    last silently: a second ``train:`` section would replace the whole first one. Merge keys (``<<``) still
+    override as YAML says."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                try:
+                    if key in seen:
+                        raise DuplicateKey(key, line, seen[key])
+                    seen[key] = line
+                except TypeError:  # an unhashable key: the SafeLoader itself refuses it next
+                    continue
+        return super().construct_mapping(node, deep)
+
+
+def yaml_load(text_or_stream):
+    """YAML with duplicate keys refused (:class:`StrictLoader`)."""
+    return yaml.load(text_or_stream, Loader=StrictLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """``train.epochs=5`` -> (['train', 'epochs'], 5); the value is parsed as YAML."""
     if "=" not in text:
-        raise UserError(f"bad --set '{text}': write it as key.sub=value, e.g. --set train.epochs=5")
+        raise UserError(f"bad --set {show(text)}: write it as key.sub=value, e.g. --set train.epochs=5")
     key, raw = text.split("=", 1)
     try:
-        value = yaml.safe_load(raw) if raw != "" else ""
-    except yaml.YAMLError:
+        value = yaml_load(raw) if raw != "" else ""
+    except DuplicateKey as exc:
+        raise UserError(f"bad --set {show(text)}: key {show(exc.key)} appears twice in the value: keep one") from None
+    except RecursionError:
+        raise UserError(f"bad --set {show(key)}=...: the value nests too deeply: give a plain value") from None
+    except (yaml.YAMLError, ValueError):  # not YAML, or a date YAML cannot build (2020-13-45): the text itself
         value = raw
     return key.strip().split("."), value
 
@@ -302,9 +450,11 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 def _apply_override(tree: dict, path: list[str], value: Any) -> None:
     node = tree
     for part in path[:-1]:
-        node = node.setdefault(part, {})
+        if node.get(part) is None:  # absent, or an empty section in the file (``train:``)
+            node[part] = {}
+        node = node[part]
         if not isinstance(node, dict):
-            raise UserError(f"bad --set: '{'.'.join(path)}' goes through a value that is not a section")
+            raise UserError(f"bad --set: {show('.'.join(path))} goes through a value that is not a section")
     node[path[-1]] = value
 
 
@@ -312,25 +462,44 @@ def read_yaml(path: str) -> dict:
     if not os.path.isfile(path):
         raise UserError(f"config file not found: {path} (pass an existing YAML, e.g. --config configs/demo.yaml)")
     try:
-        with open(path) as fh:
-            data = yaml.safe_load(fh)
+        with open(path, encoding="utf-8") as fh:
+            data = yaml_load(fh)
+    except DuplicateKey as exc:
+        raise UserError(f"config file {path} line {exc.line}: key {show(exc.key)} appears twice in one section "
+                        f"(first at line {exc.first_line}), and YAML would keep only the second: merge them into "
+                        f"one") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
         raise UserError(f"config file {path} is not valid YAML{where}: fix its syntax") from None
+    except UnicodeDecodeError:
+        raise UserError(f"config file {path} is not UTF-8 text: give the recipe YAML, e.g. configs/demo.yaml") from None
+    except RecursionError:
+        raise UserError(f"config file {path} nests too deeply to be a recipe: fix it") from None
+    except ValueError as exc:  # a value PyYAML matches but cannot build, e.g. the date 2020-13-45
+        raise UserError(f"config file {path} holds a value YAML cannot read ({str(exc)[:80]}): quote it or fix "
+                        f"it") from None
+    except OSError as exc:
+        raise UserError(f"config file {path} cannot be read ({exc.strerror}): fix its permissions") from None
     if data is None:
-        return {}
+        raise UserError(f"config file {path} is empty (or holds only comments), so every key would keep its default: "
+                        f"write the recipe's sections in it (see configs/demo.yaml)")
     if not isinstance(data, dict):
         raise UserError(f"config file {path} must hold a mapping of sections, got {type(data).__name__}")
     return data
 
 
-def load_config(path: str | None = None, overrides: list[str] | None = None) -> Config:
+def load_config(path: str | None = None, overrides: list[str] | None = None, for_command: str | None = None) -> Config:
+    """The validated config of a recipe file (None: the defaults) and ``--set`` overrides. ``for_command``: also
+    check the path keys that command uses on this machine (:func:`check_paths`)."""
     tree = read_yaml(path) if path else {}
     for text in overrides or []:
         key_path, value = parse_override(text)
         _apply_override(tree, key_path, value)
-    return validate(_build(Config, tree))
+    cfg = validate(_build(Config, tree))
+    if for_command:
+        check_paths(cfg, for_command)
+    return cfg
 
 
 def config_from_dict(tree: dict) -> Config:
@@ -339,12 +508,6 @@ def config_from_dict(tree: dict) -> Config:
 
 def validate(cfg: Config) -> Config:
     """Cross-field checks that a single key cannot express."""
-    ms = cfg.optim.milestones
-    if not all(isinstance(m, (int, float)) and 0 < m < 1 for m in ms) or list(ms) != sorted(ms):
-        raise UserError(f"config error: optim.milestones must be increasing fractions in (0, 1), got {ms!r}")
-    betas = cfg.optim.betas
-    if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
-        raise UserError(f"config error: optim.betas must be two numbers in [0, 1), got {betas!r}")
     if cfg.optim.name == "hybrid" and cfg.optim.adabound_epochs >= cfg.train.epochs:
         raise UserError(f"config error: optim.adabound_epochs (T={cfg.optim.adabound_epochs}) must be in "
                         f"[1, train.epochs={cfg.train.epochs}): the SGD phase needs at least one epoch")
@@ -403,6 +566,89 @@ def validate_bn(cfg: Config) -> None:
     if cfg.bn.per_rank_batch == "random" and cfg.data.backend != "torchvision":
         raise UserError(f"config error: bn.per_rank_batch=random needs data.backend=torchvision (data.backend="
                         f"{cfg.data.backend} delivers fixed batches): switch the backend or use per_rank_batch=fixed")
+
+
+# ----------------------------------------------------------------------------- path keys on this machine
+
+# Which path keys each command uses: "data" (data.path, data.file_lists: read), "run_dir" (written),
+# "horovod" (horovod.autotune_log: written by Horovod's rank 0).
+PATH_USES = {"train": ("data", "run_dir", "horovod"), "experiment": ("data", "horovod"), "bench": ("horovod",),
+             "scale": ("horovod",), "plot-schedule": ()}
+
+
+def check_paths(cfg: Config, for_command: str) -> None:
+    """Check, in one place, that each path key ``for_command`` uses is the kind of thing it must be on this machine:
+    one line naming the key and a fix that works. data.path only where data is read (not for the synthetic backend)."""
+    uses = PATH_USES[for_command]
+    if "data" in uses and cfg.data.backend != "synthetic":
+        _check_data_path(cfg.data.path)
+        if cfg.data.file_lists:
+            _check_file_lists(cfg.data.file_lists, cfg.data.path)
+    if "run_dir" in uses:
+        check_run_dir(cfg.run_dir)
+    if "horovod" in uses and cfg.horovod.autotune_log:
+        _check_autotune_log(cfg.horovod.autotune_log)
+
+
+def _not_expanded(key: str, path: str) -> None:
+    """A leading '~' is the shell's: hybridtrain takes a path as written, so '~/x' would be a folder named '~'."""
+    if path.startswith("~") and not os.path.exists(path):
+        raise UserError(f"{key}={path} starts with '~', which only a shell expands: write the path without ~ (e.g. "
+                        f"{os.path.expanduser(path)}) or use $HOME in a --set on the command line")
+
+
+def _check_data_path(path: str) -> None:
+    if not path.strip():
+        raise UserError("data.path is empty: set it to the dataset folder holding train/<class>/*.jpg and "
+                        "val/<class>/*.jpg, e.g. --set data.path=data/digits")
+    _not_expanded("data.path", path)
+    if not os.path.exists(path):
+        raise UserError(f"data directory not found: {path} (set data.path, or create it with "
+                        f"'hybridtrain prepare-data digits --out {path}')")
+    if not os.path.isdir(path):
+        raise UserError(f"data.path={path} is a file, not a folder: set data.path to the dataset folder holding "
+                        f"train/<class>/*.jpg and val/<class>/*.jpg")
+    if not os.access(path, os.R_OK | os.X_OK):
+        raise UserError(f"data.path={path} cannot be read by this user: fix its permissions (chmod -R a+rX)")
+
+
+def _check_file_lists(folder: str, data_path: str) -> None:
+    _not_expanded("data.file_lists", folder)
+    fix = f"run 'hybridtrain check-data {data_path} --write-filelist {folder}'"
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise UserError(f"data.file_lists={folder} is a file, not a folder: give the folder holding train.txt and "
+                        f"val.txt, or {fix}")
+    for split in ("train", "val"):
+        if not os.path.isfile(os.path.join(folder, f"{split}.txt")):
+            raise UserError(f"data.file_lists={folder} has no {split}.txt: {fix}")
+
+
+def check_run_dir(run_dir: str) -> None:
+    """One line when ``run_dir`` cannot hold a run: empty, '~', a file, or under a folder this user cannot write."""
+    if not run_dir.strip():
+        raise UserError("run_dir is empty: set it to a folder for checkpoints and metrics, e.g. --set run_dir=runs/x")
+    _not_expanded("run_dir", run_dir)
+    if os.path.exists(run_dir) and not os.path.isdir(run_dir):
+        raise UserError(f"run_dir {run_dir} is a file, not a folder: choose another run_dir")
+    parent = os.path.abspath(run_dir)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"run_dir {run_dir} cannot be written ({parent} is not a writable folder): choose a run_dir "
+                        f"you can write, or fix its permissions")
+
+
+def _check_autotune_log(log: str) -> None:
+    _not_expanded("horovod.autotune_log", log)
+    if os.path.isdir(log):
+        raise UserError(f"horovod.autotune_log={log} is a folder: name a CSV file in it, e.g. "
+                        f"{os.path.join(log, 'autotune.csv')}")
+    folder = os.path.dirname(os.path.abspath(log))
+    if not os.path.isdir(folder):
+        raise UserError(f"horovod.autotune_log={log}: its folder {folder} does not exist: create it "
+                        f"(mkdir -p {folder}) or choose another path")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UserError(f"horovod.autotune_log={log}: its folder {folder} is not writable: choose another path")
 
 
 def save_config(cfg: Config, path: str) -> None:

@@ -211,7 +211,7 @@ def test_random_split_with_a_global_batch_below_two_per_rank_is_one_line(small_d
 
 
 @pytest.mark.parametrize("override,needle", [
-    ("train.accumulation_steps=0", "train.accumulation_steps must be in [1, inf]"),
+    ("train.accumulation_steps=0", "train.accumulation_steps must be in [1, 1024]"),
     ("model.conv_init=orthogonal", "model.conv_init must be one of: kaiming, xavier, gaussian"),
     ("bn.combine=median", "bn.combine must be one of"),
     ("data.backend=dali_cpu", "bn.per_rank_batch=random needs data.backend=torchvision")])

@@ -33,7 +33,7 @@ def test_demo_config_loads_with_public_keys():
 
 @pytest.mark.parametrize("override, needles", [
     ("train.epoch=5", ["unknown key 'train.epoch'", "did you mean 'train.epochs'"]),
-    ("train.batch_size=0", ["train.batch_size", "[1, inf]"]),
+    ("train.batch_size=0", ["train.batch_size", "[1, 65536]"]),
     ("train.batch_size=abc", ["train.batch_size must be an integer"]),
     ("model.arch=resnet9", ["model.arch must be one of", "resnet50"]),
     ("optim.lr=-1", ["optim.lr must be in (0"]),
