@@ -158,17 +158,23 @@ EOF
 }
 
 torch_desc() { vpy -c 'import torch, torchvision; print(f"torch {torch.__version__} and torchvision {torchvision.__version__}")'; }
-torch_cuda() { vpy -c 'import torch; print(torch.version.cuda or "")'; }
+# torch's version and CUDA version, read once (install_torch) or on demand (when the functions are sourced).
+TORCH_V=""
+TORCH_CUDA="-"
+read_torch() { read -r TORCH_V TORCH_CUDA < <(vpy -c 'import torch; print(torch.__version__, torch.version.cuda or "")') || true; }
+torch_version() { [ -n "$TORCH_V" ] || read_torch; echo "$TORCH_V"; }
+torch_cuda() { [ "$TORCH_CUDA" != "-" ] || read_torch; echo "$TORCH_CUDA"; }
 
 install_torch() {
   if [ "$TORCH_MODE" = system ]; then
     torch_ok || fail "HYBRIDTRAIN_TORCH=system: $PYTHON has no torch >= 2.1 whose torchvision ops load (see the log); install torch and torchvision for $PYTHON, or leave HYBRIDTRAIN_TORCH unset for torch $TORCH_VERSION"
-    step "using the installed $(torch_desc) (HYBRIDTRAIN_TORCH=system)"; return
+    step "using the installed $(torch_desc) (HYBRIDTRAIN_TORCH=system)"; read_torch; return
   fi
-  if torch_ok; then step "torch $TORCH_VERSION and torchvision $TORCHVISION_VERSION already load their ops"; return; fi
+  if torch_ok; then step "torch $TORCH_VERSION and torchvision $TORCHVISION_VERSION already load their ops"; read_torch; return; fi
   step "installing torch $TORCH_VERSION and torchvision $TORCHVISION_VERSION ($PIP_MODE; about 1 min)"
   run vpip install "torch==$TORCH_VERSION" "torchvision==$TORCHVISION_VERSION" || fail "torch install failed: see the log"
   torch_ok || fail "torchvision's compiled ops do not load with this torch: run 'pip uninstall -y torch torchvision' in $VENV and re-run"
+  read_torch
 }
 
 detect_mpi() { command -v mpicxx >/dev/null && command -v mpirun >/dev/null; }
@@ -244,7 +250,7 @@ find_cuda() {
   local tcuda
   locate_cuda && return 0
   tcuda="$(torch_cuda)"
-  [ -n "$tcuda" ] || fail "HOROVOD_GPU_OPERATIONS=$HOROVOD_GPU_OPERATIONS needs a CUDA build of torch, and torch $(vpy -c 'import torch; print(torch.__version__)') has no CUDA"
+  [ -n "$tcuda" ] || fail "HOROVOD_GPU_OPERATIONS=$HOROVOD_GPU_OPERATIONS needs a CUDA build of torch, and torch $(torch_version) has no CUDA"
   local -a wheels
   if [ "${tcuda%%.*}" -ge 13 ]; then
     wheels=("nvidia-cuda-nvcc==$tcuda.*" "nvidia-cuda-runtime==$tcuda.*" "nvidia-cuda-cccl==$tcuda.*")
@@ -316,7 +322,7 @@ prepare_gpu_build() {
 # The wheel is reused only where everything its binary depends on is the same.
 horovod_cache_key() {
   local torch_v py_v cuda
-  torch_v="$(vpy -c 'import torch; print(torch.__version__)')"
+  torch_v="$(torch_version)"
   py_v="$(vpy -c 'import sys; print("cp%d%d" % sys.version_info[:2])')"
   cuda=nocuda
   [ -z "$CUDA_DIR" ] || cuda="cuda$(nvcc_release "$CUDA_DIR")${HOROVOD_BUILD_CUDA_CC_LIST:+-cc${HOROVOD_BUILD_CUDA_CC_LIST//,/.}}"
@@ -461,7 +467,7 @@ check_build() {
   out="$("$VENV/bin/horovodrun" --check-build 2>&1)" || { echo "$out" >>"$LOG"; fail "horovodrun --check-build failed"; }
   echo "$out" >>"$LOG"
   note "controllers:$(grep -A2 'Available Controllers' <<<"$out" | tail -n 2 | tr -s ' \n' ' ')"
-  note "tensor operations:$(grep -A4 'Available Tensor Operations' <<<"$out" | tail -n 4 | tr -s ' \n' ' ')"
+  note "tensor operations:$(grep -A5 'Available Tensor Operations' <<<"$out" | tail -n 5 | tr -s ' \n' ' ')"
   if [ "${HOROVOD_GPU_OPERATIONS:-}" = NCCL ] && ! grep -q '\[X\] NCCL' <<<"$out"; then
     fail "HOROVOD_GPU_OPERATIONS=NCCL was asked for, but horovodrun --check-build shows no [X] NCCL: remove $CACHE/wheels/$(cat "$VENV/.horovod-key" 2>/dev/null) and re-run"
   fi
