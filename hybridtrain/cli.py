@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import re
 import sys
 
 from .errors import PeerFailure, UserError, unexpected_error_line, write_crash_log
@@ -15,7 +17,7 @@ def cmd_train(args) -> int:
     from .train import run_training
     if args.resume not in (None, "required", "auto"):
         raise UserError(f"--resume takes no value or 'auto', got '{args.resume}': e.g. --resume auto")
-    cfg = load_config(args.config, args.set)
+    cfg = load_config(args.config, args.set, for_command="train")
     args.crash_log_dir = cfg.run_dir  # where run_guarded writes a rank's traceback if a bug stops it
     if args.elastic:
         from .elastic import run_elastic
@@ -174,13 +176,113 @@ def cmd_gpu_check(args) -> int:
     return run_gpu_check(args.out, args.wheelhouse, args.quick, args.venv, args.budget_s)
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with bad input as one line, ``hybridtrain: error: <what is wrong>: see <command> --help``, exit 2
+    (instead of the usage block and a second line)."""
+
+    def error(self, message):
+        text = " ".join(str(message).split())  # one line whatever the input held (newlines, tabs, U+2028)
+        text = re.sub(r"^argument (\S+): (?:\1 )?(must .*)$", r"\1 \2", text)  # "--steps must be in [1, ..."
+        if len(text) > 300:
+            text = text[:297] + "..."
+        sys.stderr.write(f"hybridtrain: error: {text}: see {self.prog} --help\n")
+        sys.exit(2)
+
+
+def _number_text(x) -> str:
+    return str(int(x)) if float(x).is_integer() and abs(x) < 1e15 else repr(float(x))
+
+
+def _span(lo, hi, lo_open=False, hi_open=False) -> str:
+    return f"{'(' if lo_open else '['}{_number_text(lo)}, {_number_text(hi)}{')' if hi_open else ']'}"
+
+
+def bounded_int(lo: int, hi: int):
+    """argparse ``type=``: an integer in [lo, hi], or argparse's one error line naming the option and the range."""
+    def integer(text: str) -> int:
+        try:
+            value = int(text, 10)
+        except ValueError:  # not an integer, or more digits than Python converts
+            raise argparse.ArgumentTypeError(f"must be an integer in {_span(lo, hi)}, got {text[:40]!r}") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"must be in {_span(lo, hi)}, got {value}")
+        return value
+    integer.bounds = (lo, hi, False, False)
+    return integer
+
+
+def bounded_float(lo: float, hi: float, lo_open=False, hi_open=False, name="", rule=""):
+    """argparse ``type=``: a finite number in the range (NaN and inf refused); ``name`` starts the message,
+    ``rule`` replaces 'in <range>' in it."""
+    what = f"{name} must be" if name else "must be"
+    allowed = rule or f"in {_span(lo, hi, lo_open, hi_open)}"
+
+    def number(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{what} a number {allowed}, got {text[:40]!r}") from None
+        low = value <= lo if lo_open else value < lo
+        high = value >= hi if hi_open else value > hi
+        if not math.isfinite(value) or low or high:
+            raise argparse.ArgumentTypeError(f"{what} {allowed}, got {text[:40]!r}")
+        return value
+    number.bounds = (lo, hi, lo_open, hi_open)
+    return number
+
+
+def count_list(lo: int, hi: int):
+    """argparse ``type=``: comma-separated counts such as 1,2,4, each in [lo, hi]; returns the text unchanged."""
+    def counts(text: str) -> str:
+        parts = [x.strip() for x in text.split(",") if x.strip()]
+        if not parts or not all(x.isdigit() and len(x) < 10 and lo <= int(x) <= hi for x in parts):
+            raise argparse.ArgumentTypeError(f"must be comma-separated counts in {_span(lo, hi)} such as 1,2; "
+                                             f"got {text[:40]!r}")
+        return text
+    counts.bounds = (lo, hi, False, False)
+    counts.is_list = True
+    return counts
+
+
+def recipe_path(text: str) -> str:
+    """argparse ``type=`` of --config: a given path must not be empty (that would silently mean the defaults)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must name a recipe YAML, e.g. configs/demo.yaml; got ''")
+    return text
+
+
+# Bounds of every numeric option; a reason for each bound that is not the config key's own (hybridtrain/config.py)
+SEED = bounded_int(0, 2**32 - 1)          # numpy's legacy seed range; the generators here take any of them
+WORKERS = bounded_int(0, 256)             # processes; no host has more cores
+STEPS, WARMUP = bounded_int(1, 100_000), bounded_int(0, 100_000)  # a benchmark of 100k steps is hours already
+BATCH = bounded_int(1, 65536)             # train.batch_size's bound
+CROP = bounded_int(8, 1024)               # data.crop_size's bound
+RANKS = bounded_int(1, 4096)              # more ranks than any job of the paper (24 GPUs) by far
+FRACTION_TARGET = bounded_float(0, 1, lo_open=True)
+# predict's options (defined in predict_cli.add_predict_arguments): dest -> type
+PREDICT_TYPES = {
+    "single_gpu_speed": bounded_float(0, 1e6, lo_open=True),   # img/s of one GPU; an H100 does ~3000 on ResNet-50
+    "batch_per_gpu": BATCH,
+    "params": bounded_int(1, 10**12),                          # a trillion parameters
+    "gpus_per_node": bounded_int(1, 64),
+    "intra_bandwidth": bounded_float(0, 10_000, lo_open=True),  # GB/s; NVLink 5 is 1800
+    "inter_bandwidth": bounded_float(0, 10_000, lo_open=True),
+    "intra_latency": bounded_float(0, 1e6),                     # microseconds; a second is no network
+    "inter_latency": bounded_float(0, 1e6),
+    "overlap": bounded_float(0, 1),                             # a fraction of the all-reduce
+    "convergence_epoch": bounded_int(1, 10_000),                # train.epochs's bound
+    "images_per_epoch": bounded_int(1, 10**10),                 # 7800 ImageNet-1ks
+    "nodes": count_list(1, 100_000),
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hybridtrain", description=__doc__.splitlines()[0].replace("The ", "", 1))
+    parser = Parser(prog="hybridtrain", description=__doc__.splitlines()[0].replace("The ", "", 1))
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
     train = sub.add_parser("train", help="train a ResNet under horovodrun/mpirun (or alone as one rank)")
-    train.add_argument("--config", required=True, help="recipe YAML, e.g. configs/demo.yaml")
+    train.add_argument("--config", required=True, type=recipe_path, help="recipe YAML, e.g. configs/demo.yaml")
     train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config key, e.g. --set train.epochs=5 (repeatable)")
     train.add_argument("--resume", nargs="?", const="required", metavar="auto",
@@ -199,17 +301,20 @@ def build_parser() -> argparse.ArgumentParser:
     prep_sub.required = True
     digits = prep_sub.add_parser("digits", help="the handwritten digits embedded in scikit-learn (no network)")
     digits.add_argument("--out", required=True, help="target directory (created; refused if it holds other files)")
-    digits.add_argument("--val-fraction", type=float, default=0.2, help="stratified validation share (default 0.2)")
-    digits.add_argument("--seed", type=int, default=0, help="split seed (default 0)")
+    digits.add_argument("--val-fraction", type=bounded_float(0.01, 0.99), default=0.2,  # >= 2 of ~180 per class
+                        help="stratified validation share (default 0.2)")
+    digits.add_argument("--seed", type=SEED, default=0, help="split seed (default 0)")
     digits.set_defaults(func=cmd_prepare_digits)
     synth = prep_sub.add_parser("synthetic-imagenet", help="procedural JPEGs of ImageNet size, for pipeline benchmarks")
     synth.add_argument("--out", required=True, help="target directory")
-    synth.add_argument("--classes", type=int, default=100, help="number of classes (default 100)")
-    synth.add_argument("--train-per-class", type=int, default=100, help="training images per class (default 100)")
-    synth.add_argument("--val-per-class", type=int, default=20, help="validation images per class (default 20)")
+    synth.add_argument("--classes", type=bounded_int(1, 100_000), default=100, help="number of classes (default 100)")
+    synth.add_argument("--train-per-class", type=bounded_int(1, 10_000), default=100,  # ImageNet: at most 1300
+                       help="training images per class (default 100)")
+    synth.add_argument("--val-per-class", type=bounded_int(1, 10_000), default=20,
+                       help="validation images per class (default 20)")
     synth.add_argument("--size", default="500x375", help="typical WIDTHxHEIGHT; each image varies around it")
-    synth.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
-    synth.add_argument("--workers", type=int, default=0, help="processes (default 0 = all cores)")
+    synth.add_argument("--seed", type=SEED, default=0, help="generator seed (default 0)")
+    synth.add_argument("--workers", type=WORKERS, default=0, help="processes (default 0 = all cores)")
     synth.set_defaults(func=cmd_prepare_synthetic)
 
     reorg = sub.add_parser("reorganise-val", help="sort a flat ImageNet val folder into class folders")
@@ -222,7 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     check = sub.add_parser("check-data", help="decode every image in parallel; report corrupt and non-image files")
     check.add_argument("dir", help="dataset root holding train/ and val/")
-    check.add_argument("--workers", type=int, default=0, help="processes (default 0 = all cores)")
+    check.add_argument("--workers", type=WORKERS, default=0, help="processes (default 0 = all cores)")
     check.add_argument("--report", default="check-data.json", help="JSON report path (default check-data.json)")
     check.add_argument("--write-filelist", metavar="DIR",
                        help="write DIR/train.txt and DIR/val.txt listing the readable images (for data.file_lists)")
@@ -230,29 +335,30 @@ def build_parser() -> argparse.ArgumentParser:
 
     step = sub.add_parser("bench", help="the trainer's training step on synthetic data: img/s, step time, memory; "
                                          "--baseline compares a plain PyTorch loop")
-    step.add_argument("--config", help="recipe (default: the built-in defaults, ResNet-50 at batch 256, 224 px)")
+    step.add_argument("--config", type=recipe_path,
+                      help="recipe (default: the built-in defaults, ResNet-50 at batch 256, 224 px)")
     step.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     step.add_argument("--arch", choices=["resnet18", "resnet34", "resnet50", "resnet101", "resnet152"],
                       help="model.arch")
     step.add_argument("--precision", action="append", metavar="MODE", choices=list(BENCH_PRECISIONS),
                       help=f"{', '.join(BENCH_PRECISIONS)} (repeatable; default: the recipe's)")
-    step.add_argument("--batch-size", type=int, action="append", help="per-device batch (repeatable)")
-    step.add_argument("--image-size", type=int, help="data.crop_size, the square input")
+    step.add_argument("--batch-size", type=BATCH, action="append", help="per-device batch (repeatable)")
+    step.add_argument("--image-size", type=CROP, help="data.crop_size, the square input")
     step.add_argument("--channels-last", action="store_true", help="NHWC memory layout for model and input")
-    step.add_argument("--steps", type=int, default=20, help="timed steps (default 20)")
-    step.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
+    step.add_argument("--steps", type=STEPS, default=20, help="timed steps (default 20)")
+    step.add_argument("--warmup", type=WARMUP, default=5, help="untimed steps first (default 5)")
     step.add_argument("--baseline", action="store_true", help="also time a plain torchvision + SGD + AMP loop")
     step.add_argument("--profile", metavar="DIR", help="write a torch profiler trace of 3 trainer steps here")
-    step.add_argument("--threads", type=int, default=0, help="CPU threads (default 0 = all cores)")
+    step.add_argument("--threads", type=bounded_int(0, 1024), default=0, help="CPU threads (default 0 = all cores)")
     step.add_argument("--json", help="also write the rows to this JSON file")
     step.add_argument("--find-max-batch", action="store_true",
                       help="GPU only: the largest per-GPU batch that fits (doubling, then bisection), with its "
                            "images/s and peak memory per trial")
-    step.add_argument("--memory-margin", type=float, default=0.05,
+    step.add_argument("--memory-margin", type=bounded_float(0, 1, hi_open=True), default=0.05,
                       help="--find-max-batch: leave this fraction of GPU memory free (default 0.05)")
-    step.add_argument("--start-batch", type=int, default=0,
+    step.add_argument("--start-batch", type=bounded_int(0, 65536), default=0,
                       help="--find-max-batch: first batch tried (default: the recipe's train.batch_size)")
-    step.add_argument("--batch-granularity", type=int, default=8,
+    step.add_argument("--batch-granularity", type=bounded_int(1, 1024), default=8,
                       help="--find-max-batch: bisect down to multiples of this (default 8)")
     step.set_defaults(func=cmd_bench)
 
@@ -260,42 +366,48 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--backend", action="append", required=True,
                        choices=["torchvision", "dali_cpu", "dali_gpu"], help="backend (repeatable)")
     bench.add_argument("--data", required=True, help="dataset root, e.g. from prepare-data synthetic-imagenet")
-    bench.add_argument("--threads", type=int, action="append", default=[],
+    bench.add_argument("--threads", type=bounded_int(1, 256), action="append", default=[],
                        help="threads/workers to try (repeatable; default 1 and all cores)")
-    bench.add_argument("--batch-size", type=int, default=64, help="batch size (default 64)")
-    bench.add_argument("--crop", type=int, default=224, help="training crop in px (default 224)")
-    bench.add_argument("--steps", type=int, default=50, help="timed batches (default 50)")
-    bench.add_argument("--warmup", type=int, default=5, help="untimed batches first (default 5)")
+    bench.add_argument("--batch-size", type=BATCH, default=64, help="batch size (default 64)")
+    bench.add_argument("--crop", type=CROP, default=224, help="training crop in px (default 224)")
+    bench.add_argument("--steps", type=STEPS, default=50, help="timed batches (default 50)")
+    bench.add_argument("--warmup", type=WARMUP, default=5, help="untimed batches first (default 5)")
     bench.set_defaults(func=cmd_bench_data)
 
     exp = sub.add_parser("experiment", help="run a named comparison on Horovod ranks (optimizers, warmup-epochs, lars, precision, layered, bn, init, gamma)")
     exp.add_argument("name", help="optimizers (paper Fig 3.1), warmup-epochs (Fig 3.2), lars (LARS defaults), "
                                   "precision (seed 003, Fig 3.3), layered (seed 000), bn (Table 3.4), init "
                                   "(Table 3.5) or gamma (Table 3.6)")
-    exp.add_argument("--config", default="configs/demo.yaml", help="base recipe (default configs/demo.yaml)")
+    exp.add_argument("--config", default="configs/demo.yaml", type=recipe_path,
+                     help="base recipe (default configs/demo.yaml)")
     exp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for every row")
     exp.add_argument("--out", default="runs/experiments", help="where tables, JSON and PNGs go")
-    exp.add_argument("--ranks", type=int, default=2, help="Horovod ranks per row (default 2)")
-    exp.add_argument("--target", type=float, help="val top-1 target for epochs-to-target (default: the recipe's "
-                                                   "report.top1_target)")
+    exp.add_argument("--ranks", type=RANKS, default=2, help="Horovod ranks per row (default 2)")
+    exp.add_argument("--target", type=FRACTION_TARGET, help="val top-1 target for epochs-to-target (default: the "
+                                                            "recipe's report.top1_target)")
     exp.set_defaults(func=cmd_experiment)
 
     rep = sub.add_parser("report", help="the paper's report of run directories: report.md/.json and PNGs")
     rep.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (several: side by side)")
-    rep.add_argument("--top1-target", type=float, help="val top-1 target (default: the run's report.top1_target)")
-    rep.add_argument("--top5-target", type=float, help="val top-5 target (default: the run's report.top5_target)")
-    rep.add_argument("--single-gpu-speed", type=float, help="S1 in img/s, if not measured by hybridtrain scale")
+    rep.add_argument("--top1-target", type=bounded_float(0, 1, lo_open=True, name="top-1 target"),
+                     help="val top-1 target (default: the run's report.top1_target)")
+    rep.add_argument("--top5-target", type=bounded_float(0, 1, lo_open=True, name="top-5 target"),
+                     help="val top-5 target (default: the run's report.top5_target)")
+    rep.add_argument("--single-gpu-speed", type=bounded_float(0, 1e6, lo_open=True, name="--single-gpu-speed",
+                                                              rule="> 0 img/s and at most 1000000"),
+                     help="S1 in img/s, if not measured by hybridtrain scale")
     rep.add_argument("--out", help="with several runs: also write the comparison table here (Markdown)")
     rep.set_defaults(func=cmd_report)
 
     scale = sub.add_parser("scale", help="synthetic-data benchmark at several rank counts: img/s, efficiency, "
                                          "all-reduce bytes and time")
-    scale.add_argument("--config", default="configs/demo.yaml", help="model, per-rank batch, crop and precision")
+    scale.add_argument("--config", default="configs/demo.yaml", type=recipe_path,
+                       help="model, per-rank batch, crop and precision")
     scale.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
-    scale.add_argument("--np", default="1,2", help="rank counts, e.g. 1,2 (default 1,2)")
+    scale.add_argument("--np", default="1,2", type=count_list(1, 4096), help="rank counts, e.g. 1,2 (default 1,2)")
     scale.add_argument("--compression", default="fp16,none", help="fp16 and/or none (default fp16,none)")
-    scale.add_argument("--steps", type=int, default=20, help="timed steps (default 20)")
-    scale.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
+    scale.add_argument("--steps", type=STEPS, default=20, help="timed steps (default 20)")
+    scale.add_argument("--warmup", type=WARMUP, default=5, help="untimed steps first (default 5)")
     scale.add_argument("--out", default="runs/scale", help="where scale.json, scale.png and timelines go")
     scale.add_argument("--oversubscribe", action="store_true",
                        help="allow more ranks than cores (for calibrating predict on a small machine)")
@@ -303,13 +415,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .predict_cli import add_predict_arguments
     add_predict_arguments(sub.add_parser("predict", help="model step time, img/s and efficiency of large clusters"))
+    for action in sub.choices["predict"]._actions:  # predict's options get their bounds here
+        action.type = PREDICT_TYPES.get(action.dest, action.type)
     sub.choices["predict"].set_defaults(func=cmd_predict)
 
     plot = sub.add_parser("plot-schedule", help="draw B_l, B_u and the SGD lr of the hybrid recipe (PNG)")
-    plot.add_argument("--config", required=True, help="recipe YAML")
+    plot.add_argument("--config", required=True, type=recipe_path, help="recipe YAML")
     plot.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
-    plot.add_argument("--ranks", type=int, default=8, help="N, the number of ranks (default 8)")
-    plot.add_argument("--iters-per-epoch", type=int, default=100, help="iterations per epoch (default 100)")
+    plot.add_argument("--ranks", type=RANKS, default=8, help="N, the number of ranks (default 8)")
+    plot.add_argument("--iters-per-epoch", type=bounded_int(1, 10_000), default=100,  # x train.epochs points drawn
+                      help="iterations per epoch (default 100)")
     plot.add_argument("--out", default="schedule.png", help="PNG path")
     plot.set_defaults(func=cmd_plot_schedule)
 
@@ -320,8 +435,8 @@ def build_parser() -> argparse.ArgumentParser:
                                           "(docs/benchmarks.md); builds Horovod with NCCL unless it already imports")
     gpu.add_argument("--quick", action="store_true", help="compiled and graphed training in mixed-bf16 only")
     gpu.add_argument("--venv", help="venv for the build (default ~/.cache/hybridtrain/gpu-venv)")
-    gpu.add_argument("--budget-s", type=float, default=510, help="time for the whole check, build included; rows "
-                                                                 "that cannot start in it fail (default 510)")
+    gpu.add_argument("--budget-s", type=bounded_float(0, 86400, lo_open=True), default=510,  # a day
+                     help="time for the whole check, build included; rows that cannot start in it fail (default 510)")
     gpu.set_defaults(func=cmd_gpu_check)
     return parser
 
