@@ -173,14 +173,19 @@ def bench(config: str | None, overrides: list[str], precisions: list[str], batch
           warmup: int, baseline: bool, profile_dir: str | None, threads: int) -> list[dict]:
     if steps < 1 or warmup < 0:
         raise UserError("--steps must be >= 1 and --warmup >= 0")
+    bad = [b for b in batch_sizes if b is None or b < 1]
+    if bad:  # never the recipe's batch in its place: an empty list, not a 0, means "the recipe's"
+        raise UserError(f"--batch-size must be >= 1, got {bad[0]}: e.g. --batch-size 64")
+    if threads < 0:
+        raise UserError(f"--threads must be >= 0 (0 = all cores), got {threads}")
     torch.set_num_threads(threads or cores_per_rank(1))
     if torch.cuda.is_available():
         torch.backends.cudnn.benchmark = True
     rows = []
-    for batch in batch_sizes or [None]:
+    for batch in batch_sizes if batch_sizes else [None]:  # None: the recipe's train.batch_size
         for spec in precisions or [None]:
             sets = list(overrides) + (precision_sets(spec) if spec else []) + (
-                [f"train.batch_size={batch}"] if batch else [])
+                [f"train.batch_size={batch}"] if batch is not None else [])
             cfg = load_config(config, sets)
             set_fp32_math(cfg.precision.tf32)  # both loops alike
             rows.append(trainer_row(cfg, steps, warmup, profile_dir))

@@ -8,6 +8,8 @@ import re
 import sys
 
 from .errors import PeerFailure, UserError, unexpected_error_line, write_crash_log
+from .outputs import (atomic_path, check_image_format, check_output_dir, check_output_file, write_json_atomically,
+                      write_text_atomically)
 
 BENCH_PRECISIONS = ("fp64", "fp32", "mixed-fp16", "mixed-bf16", "layered", "fp16_pure")
 
@@ -31,6 +33,10 @@ def cmd_train(args) -> int:
 
 def cmd_prepare_digits(args) -> int:
     from .data.digits import prepare_digits
+    check_output_dir(args.out, "--out")
+    if not 0 < args.val_fraction < 1:
+        raise UserError(f"--val-fraction must be between 0 and 1 (both splits need images), got {args.val_fraction:g}: "
+                        f"e.g. --val-fraction 0.2")
     counts = prepare_digits(args.out, val_fraction=args.val_fraction, seed=args.seed)
     print(f"digits ready in {args.out}: {counts['train']} train / {counts['val']} val images, 10 classes")
     return 0
@@ -38,6 +44,9 @@ def cmd_prepare_digits(args) -> int:
 
 def cmd_prepare_synthetic(args) -> int:
     from .data.synthetic_imagenet import prepare_synthetic_imagenet
+    check_output_dir(args.out, "--out")
+    if args.workers < 0:
+        raise UserError(f"--workers must be >= 0 (0 = all cores), got {args.workers}")
     counts = prepare_synthetic_imagenet(args.out, args.classes, args.train_per_class, args.val_per_class, args.seed,
                                         parse_size(args.size), args.workers)
     print(f"synthetic-imagenet ready in {args.out}: {counts['train']} train / {counts['val']} val images, "
@@ -54,18 +63,22 @@ def parse_size(text: str) -> tuple[int, int]:
 
 def cmd_reorganise_val(args) -> int:
     from .data.flat_val import reorganise_flat_val
+    check_output_dir(args.out, "--out")
     counts = reorganise_flat_val(args.flat_dir, args.labels, args.out, link=not args.copy)
     print(f"{counts['images']} validation images in {counts['classes']} class folders under {args.out}")
     return 0
 
 
 def cmd_check_data(args) -> int:
-    import json
     from .data.check import check_data, format_report, problem_count, write_filelist
+    check_output_file(args.report, "--report", "check-data.json")
+    if args.write_filelist is not None:
+        check_output_dir(args.write_filelist, "--write-filelist")
+    if args.workers < 0:
+        raise UserError(f"--workers must be >= 0 (0 = all cores), got {args.workers}")
     report = check_data(args.dir, workers=args.workers)
     print(format_report(report))
-    with open(args.report, "w") as fh:
-        json.dump(report, fh, indent=1)
+    write_json_atomically(args.report, report)
     print(f"report written to {args.report}")
     if args.write_filelist:
         os.makedirs(args.write_filelist, exist_ok=True)
@@ -81,20 +94,29 @@ def cmd_check_data(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    import json
-    from .bench import bench, format_table
+    if args.json is not None:
+        check_output_file(args.json, "--json", "bench.json")
+    if args.profile is not None:
+        check_output_dir(args.profile, "--profile")
+    for option, values in (("--batch-size", args.batch_size or []), ("--image-size", [args.image_size])):
+        bad = [v for v in values if v is not None and v < 1]
+        if bad:
+            raise UserError(f"{option} must be >= 1, got {bad[0]}: e.g. {option} 64")
+    if args.threads < 0:
+        raise UserError(f"--threads must be >= 0 (0 = all cores), got {args.threads}")
     sets = list(args.set)
     sets += [f"model.arch={args.arch}"] if args.arch else []
-    sets += [f"data.crop_size={args.image_size}"] if args.image_size else []
+    sets += [f"data.crop_size={args.image_size}"] if args.image_size is not None else []
     sets += ["data.channels_last=true"] if args.channels_last else []
     if args.find_max_batch:
         return cmd_find_max_batch(args, sets)
+    from .bench import bench, format_table  # torch: after the checks, so a bad option costs no import
     rows = bench(args.config, sets, args.precision or [], args.batch_size or [], args.steps, args.warmup,
                  args.baseline, args.profile, args.threads)
     print(format_table(rows))
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(rows, fh, indent=1)
+    if args.json is not None:
+        write_json_atomically(args.json, rows)
+        print(f"rows written to {args.json}")
     return 0
 
 
@@ -103,6 +125,9 @@ def cmd_find_max_batch(args, sets: list[str]) -> int:
     from .bench import precision_sets
     from .config import load_config
     from .max_batch import explain_cpu, find_max_batch, format_trials
+    if args.start_batch < 0 or args.batch_granularity < 1 or not 0 <= args.memory_margin < 1:
+        raise UserError("--start-batch must be >= 0 (0 = the recipe's train.batch_size), --batch-granularity >= 1 "
+                        "and --memory-margin in [0, 1)")
     if not torch.cuda.is_available():
         return explain_cpu()
     torch.backends.cudnn.benchmark = True  # the kernels training will use
@@ -124,6 +149,9 @@ def cmd_bench_data(args) -> int:
 
 def cmd_experiment(args) -> int:
     from .experiments import run_experiment
+    check_output_dir(args.out, "--out")
+    if args.ranks < 1:
+        raise UserError(f"--ranks must be >= 1, got {args.ranks}")
     run_experiment(args.name, args.config, args.set, args.out, args.ranks, args.target)
     return 0
 
@@ -132,22 +160,26 @@ def cmd_report(args) -> int:
     from .reporting import comparison_markdown, report_run, summary_table
     if args.single_gpu_speed is not None and args.single_gpu_speed <= 0:
         raise UserError(f"--single-gpu-speed must be > 0 img/s, got {args.single_gpu_speed}")
+    if args.out is not None:
+        check_output_file(args.out, "--out", "comparison.md")
     reports = [report_run(d, args.top1_target, args.top5_target, args.single_gpu_speed) for d in args.run_dirs]
     names = [os.path.basename(os.path.abspath(d)) for d in args.run_dirs]
     for name, directory, report in zip(names, args.run_dirs, reports):
         print(f"{name}: report.md, report.json and PNGs written to {directory}")
         print(summary_table(report))
-    if len(reports) > 1:
+    if len(reports) > 1 or args.out is not None:
         table = comparison_markdown(names, reports)
-        print(table)
-        if args.out:
-            with open(args.out, "w") as fh:
-                fh.write(table)
+        if len(reports) > 1:
+            print(table)
+        if args.out is not None:  # one run: its column alone, rather than dropping what --out asked for
+            write_text_atomically(args.out, table)
+            print(f"comparison table written to {args.out}")
     return 0
 
 
 def cmd_scale(args) -> int:
     from .scale import format_table, parse_compressions, parse_counts, run_scale
+    check_output_dir(args.out, "--out")
     rows = run_scale(args.config, args.set, parse_counts(args.np), parse_compressions(args.compression), args.steps,
                      args.warmup, args.out, args.oversubscribe)
     print(format_table(rows))
@@ -166,8 +198,12 @@ def cmd_plot_schedule(args) -> int:
     from .optim.plot import plot_schedule
     if args.ranks < 1 or args.iters_per_epoch < 1:
         raise UserError("--ranks and --iters-per-epoch must be >= 1")
+    check_output_file(args.out, "--out", "schedule.png")
+    check_image_format(args.out, "--out")
     cfg = load_config(args.config, args.set + ["optim.name=hybrid"])
-    print(f"wrote {plot_schedule(cfg, args.ranks, args.iters_per_epoch, args.out)}")
+    with atomic_path(args.out) as tmp:
+        plot_schedule(cfg, args.ranks, args.iters_per_epoch, tmp)
+    print(f"wrote {args.out}")
     return 0
 
 

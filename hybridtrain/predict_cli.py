@@ -12,6 +12,7 @@ from dataclasses import replace
 
 from . import predict
 from .errors import UserError
+from .outputs import atomic_path, check_image_format, check_input_file, check_output_file
 from .scale import parse_counts
 
 GB = 1e9
@@ -73,11 +74,24 @@ def paper_table(check: predict.PaperCheck) -> str:
     return "\n".join(lines)
 
 
+def read_scale_rows(path: str) -> list[dict]:
+    """The rows of a ``hybridtrain scale`` result, or one line saying what to pass instead."""
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "scale.json")):
+        raise UserError(f"--calibrate {path} is a folder: pass the file in it, --calibrate "
+                        f"{os.path.join(path, 'scale.json')}")
+    check_input_file(path, "--calibrate", "run 'hybridtrain scale --out DIR' and pass DIR/scale.json")
+    try:
+        with open(path) as fh:
+            rows = json.load(fh)["rows"]
+        points = [(r["world_size"], r["step_time_s"], r["compression"]) for r in rows]
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"--calibrate {path} is not the scale.json of 'hybridtrain scale' ({type(exc).__name__}: "
+                        f"{str(exc)[:80]}): run 'hybridtrain scale --out DIR' and pass DIR/scale.json") from None
+    return [{"world_size": n, "step_time_s": t, "compression": c} for n, t, c in points]
+
+
 def calibration_text(path: str, gradient_bytes: float) -> str:
-    if not os.path.isfile(path):
-        raise UserError(f"--calibrate {path} does not exist: run 'hybridtrain scale --out DIR' and pass DIR/scale.json")
-    with open(path) as fh:
-        rows = json.load(fh)["rows"]
+    rows = read_scale_rows(path)
     points = [(r["world_size"], r["step_time_s"]) for r in rows if r["compression"] == "fp16"] or \
              [(r["world_size"], r["step_time_s"]) for r in rows]
     try:
@@ -91,6 +105,10 @@ def calibration_text(path: str, gradient_bytes: float) -> str:
 
 
 def run_predict(args) -> None:
+    check_output_file(args.out, "--out", "predict.png")
+    check_image_format(args.out, "--out")
+    if args.calibrate is not None:
+        read_scale_rows(args.calibrate)  # a bad --calibrate costs one line before the tables
     check = predict.paper_cluster_check()
     overlap = check.overlap if args.overlap is None else args.overlap
     spec = spec_from(args, overlap)
@@ -104,5 +122,6 @@ def run_predict(args) -> None:
     print(paper_table(check))
     if args.calibrate:
         print("\n" + calibration_text(args.calibrate, args.params * args.bytes))
-    predict.plot_efficiency({f"{args.algorithm}, {args.gpus_per_node}/node": curve}, args.out)
+    with atomic_path(args.out) as tmp:
+        predict.plot_efficiency({f"{args.algorithm}, {args.gpus_per_node}/node": curve}, tmp)
     print(f"\nwrote {args.out}")

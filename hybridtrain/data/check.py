@@ -16,7 +16,8 @@ from PIL import Image
 from tqdm import tqdm
 
 from ..errors import UserError
-from .folder import ImageList, is_image_file
+from ..outputs import check_input_dir, write_text_atomically
+from .folder import ImageList, is_image_file, require_two_classes
 
 SPLITS = ("train", "val")
 CLEAN_LIST_HINT = ("run 'hybridtrain check-data DATA --write-filelist DIR' and train with data.file_lists=DIR "
@@ -73,8 +74,8 @@ def check_split(root: str, split: str, workers: int) -> dict:
 
 def check_data(root: str, workers: int = 0) -> dict:
     """Decode every image under ROOT/{train,val} with ``workers`` processes (0 = all cores)."""
-    if not os.path.isdir(root):
-        raise UserError(f"data directory not found: {root}")
+    check_input_dir(root, "the data folder", "give the dataset folder holding train/<class>/*.jpg and "
+                                             "val/<class>/*.jpg")
     splits = [s for s in SPLITS if os.path.isdir(os.path.join(root, s))]
     if not splits:
         raise UserError(f"{root} has neither a train nor a val folder: expected {root}/train/<class>/*.jpg")
@@ -115,8 +116,7 @@ def class_lines(split: str, counts: dict) -> list[str]:
 def write_filelist(report: dict, split: str, path: str) -> int:
     """Write ``class/file label`` lines for the split's readable images; returns how many."""
     samples = report["splits"][split]["samples"]
-    with open(path, "w") as fh:
-        fh.writelines(f"{rel} {label}\n" for rel, label in samples)
+    write_text_atomically(path, "".join(f"{rel} {label}\n" for rel, label in samples))
     return len(samples)
 
 
@@ -132,7 +132,9 @@ def read_filelist(split_dir: str, path: str) -> ImageList:
             rel, _, label = line.rstrip("\n").rpartition(" ")
             folder = rel.split("/", 1)[0]
             if not label.isdigit() or label_of.get(folder) != int(label):
+                data_root = os.path.dirname(os.path.normpath(split_dir))
                 raise UserError(f"file list {path} line {n} does not match the class folders of {split_dir}: "
-                                f"run 'hybridtrain check-data --write-filelist' again")
+                                f"run 'hybridtrain check-data {data_root} --write-filelist "
+                                f"{os.path.dirname(path) or '.'}' again")
             samples.append((os.path.join(split_dir, rel), int(label)))
-    return ImageList(split_dir, classes, samples, [])
+    return require_two_classes(ImageList(split_dir, classes, samples, []))

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 
 import numpy as np
 from PIL import Image
 
 from ..errors import UserError
+from ..outputs import finish_partial, start_partial
 
 MARKER = ".hybridtrain-digits.json"
 SIZE = 32
@@ -45,10 +45,16 @@ def _check_target(out: str, params: dict) -> bool:
         raise UserError(f"{out} exists and is not a directory: choose another --out")
     marker = os.path.join(out, MARKER)
     if os.path.isfile(marker):
-        with open(marker) as fh:
-            if json.load(fh) == params:
-                return True
-        raise UserError(f"{out} holds digits prepared with other settings: remove it or choose another --out")
+        try:
+            with open(marker) as fh:
+                found = json.load(fh)
+        except (OSError, ValueError):
+            found = None
+        if found == params:
+            return True
+        what = found.get("dataset", "a dataset") if isinstance(found, dict) else "a dataset (damaged marker)"
+        raise UserError(f"{out} holds {what} prepared with other settings ({MARKER}): remove it, or choose another "
+                        f"--out")
     if os.listdir(out):
         raise UserError(f"{out} is not empty and was not made by prepare-data: choose another --out")
     return False
@@ -63,8 +69,7 @@ def prepare_digits(out: str, val_fraction: float = 0.2, seed: int = 0) -> dict:
         return _counts(out)
     digits = load_digits()
     train_idx, val_idx = stratified_split(digits.target, val_fraction, seed)
-    tmp = out.rstrip("/") + ".partial"
-    shutil.rmtree(tmp, ignore_errors=True)  # a previous run that died half-way
+    tmp = start_partial(out)  # removes only an OUT.partial a previous run of ours left
     for split, indices in (("train", train_idx), ("val", val_idx)):
         for i in indices:
             class_dir = os.path.join(tmp, split, str(digits.target[i]))
@@ -77,9 +82,7 @@ def publish(tmp: str, out: str, params: dict) -> dict:
     """Mark the finished temporary tree and move it into place in one rename; returns counts per split."""
     with open(os.path.join(tmp, MARKER), "w") as fh:
         json.dump(params, fh)
-    if os.path.isdir(out):
-        os.rmdir(out)  # empty, checked by _check_target
-    os.replace(tmp, out)
+    finish_partial(tmp, out)  # out: absent or empty, checked by _check_target
     return _counts(out)
 
 

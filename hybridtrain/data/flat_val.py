@@ -10,6 +10,7 @@ import os
 import shutil
 
 from ..errors import UserError
+from ..outputs import check_input_dir, check_input_file, finish_partial, start_partial
 from .folder import is_image_file
 
 CSV_HEADER = "ImageId,PredictionString"
@@ -17,9 +18,8 @@ CSV_HEADER = "ImageId,PredictionString"
 
 def read_val_labels(labels_file: str) -> dict[str, str]:
     """Image name without extension -> class name, from either label format."""
-    if not os.path.isfile(labels_file):
-        raise UserError(f"label file not found: {labels_file}")
-    with open(labels_file) as fh:
+    check_input_file(labels_file, "--labels", "give the label file ('IMAGE CLASS' lines, or LOC_val_solution.csv)")
+    with open(labels_file, errors="replace") as fh:
         lines = [(n, line.strip()) for n, line in enumerate(fh, 1) if line.strip()]
     is_csv = bool(lines) and lines[0][1].replace(" ", "") == CSV_HEADER
     labels = {}
@@ -28,10 +28,27 @@ def read_val_labels(labels_file: str) -> dict[str, str]:
         if not name or not cls:
             expected = "ImageId,<class> ..." if is_csv else "<filename> <class>"
             raise UserError(f"{labels_file} line {n} is not '{expected}': {line[:80]!r}")
+        problem = unsafe_class_name(cls)
+        if problem:
+            raise UserError(f"{labels_file} line {n}: the class {cls[:80]!r} {problem}, so its folder would not be "
+                            f"a class folder under --out: fix that line (a class is one folder name, e.g. n01440764)")
         labels[os.path.splitext(name)[0]] = cls
     if not labels:
         raise UserError(f"{labels_file} holds no labels")
     return labels
+
+
+def unsafe_class_name(cls: str) -> str:
+    """Why ``cls`` cannot be the name of one folder directly under --out ('' when it can)."""
+    if os.path.isabs(cls) or cls.startswith(("/", "\\")):
+        return "is an absolute path"
+    if cls in (".", ".."):
+        return f"is '{cls}'"
+    if "/" in cls or "\\" in cls or (os.altsep and os.altsep in cls):
+        return "holds a path separator"
+    if "\0" in cls or any(ord(c) < 32 for c in cls):
+        return "holds a control character"
+    return ""
 
 
 def parse_label_line(line: str, is_csv: bool) -> tuple[str, str]:
@@ -46,8 +63,7 @@ def parse_label_line(line: str, is_csv: bool) -> tuple[str, str]:
 
 def match_images(flat_dir: str, labels: dict[str, str], labels_file: str) -> dict[str, str]:
     """Image name without extension -> file name in ``flat_dir``; every label and every image must match."""
-    if not os.path.isdir(flat_dir):
-        raise UserError(f"flat validation folder not found: {flat_dir}")
+    check_input_dir(flat_dir, "the flat validation folder", "give the folder of ILSVRC2012_val_*.JPEG")
     files = {os.path.splitext(f)[0]: f for f in sorted(os.listdir(flat_dir)) if is_image_file(f)}
     missing = sorted(set(labels) - set(files))
     unlabelled = sorted(set(files) - set(labels))
@@ -66,8 +82,7 @@ def reorganise_flat_val(flat_dir: str, labels_file: str, out_dir: str, link: boo
     files = match_images(flat_dir, labels, labels_file)
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
         raise UserError(f"{out_dir} already exists and is not an empty folder: remove it or choose another --out")
-    tmp = out_dir.rstrip("/") + ".partial"
-    shutil.rmtree(tmp, ignore_errors=True)  # a previous run that died half-way
+    tmp = start_partial(out_dir)  # removes only an OUT.partial a previous run of ours left
     for stem, cls in labels.items():
         os.makedirs(os.path.join(tmp, cls), exist_ok=True)
         src, dst = os.path.abspath(os.path.join(flat_dir, files[stem])), os.path.join(tmp, cls, files[stem])
@@ -75,7 +90,5 @@ def reorganise_flat_val(flat_dir: str, labels_file: str, out_dir: str, link: boo
             os.symlink(src, dst)
         else:
             shutil.copy2(src, dst)
-    if os.path.isdir(out_dir):
-        os.rmdir(out_dir)  # empty, checked above
-    os.replace(tmp, out_dir)
+    finish_partial(tmp, out_dir)  # out_dir: absent or empty, checked above
     return {"images": len(labels), "classes": len(set(labels.values()))}

@@ -25,8 +25,23 @@ def is_image_file(name: str) -> bool:
     return name.lower().endswith(IMAGE_EXTENSIONS)
 
 
+def require_two_classes(images: ImageList) -> ImageList:
+    """A classifier of one class reaches 100% without learning anything: refuse it at the scan."""
+    if len(images.classes) < 2:
+        raise UserError(f"{images.root} has only one class folder ({images.classes[0] if images.classes else '-'}): "
+                        f"a classification dataset needs at least 2 classes: add the other classes' folders, "
+                        f"or point data.path at the dataset root")
+    return images
+
+
 def scan_split(root: str, split: str) -> ImageList:
     split_dir = os.path.join(root, split)
+    if root.startswith("~") and not os.path.exists(root):
+        raise UserError(f"data.path={root} starts with '~', which only a shell expands: write the path without ~ "
+                        f"(e.g. {os.path.expanduser(root)})")
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise UserError(f"data.path={root} is a file, not a folder: set data.path to the dataset folder holding "
+                        f"train/<class>/*.jpg and val/<class>/*.jpg")
     if not os.path.isdir(root):
         raise UserError(f"data directory not found: {root} (set data.path, or create it with "
                         f"'hybridtrain prepare-data digits --out {root}')")
@@ -44,7 +59,7 @@ def scan_split(root: str, split: str) -> ImageList:
         if not images:
             raise UserError(f"class folder {class_dir} has no images: add images or remove the folder")
         samples += [(os.path.join(class_dir, f), label) for f in images]
-    return ImageList(split_dir, classes, samples, skipped)
+    return require_two_classes(ImageList(split_dir, classes, samples, skipped))
 
 
 def scan_dataset(root: str) -> tuple[ImageList, ImageList]:

@@ -11,12 +11,12 @@ from __future__ import annotations
 import math
 import multiprocessing
 import os
-import shutil
 
 import numpy as np
 from PIL import Image, ImageDraw
 
 from ..errors import UserError
+from ..outputs import start_partial
 from .digits import _check_target, _counts, publish
 
 SHAPES = ("ellipse", "rectangle", "triangle", "diamond")
@@ -101,14 +101,20 @@ def prepare_synthetic_imagenet(out: str, num_classes: int = 100, train_per_class
                                val_per_class: int = 20, seed: int = 0, typical_size: tuple[int, int] = (500, 375),
                                workers: int = 0) -> dict:
     """Write the dataset with ``workers`` processes (0 = all cores); idempotent. Returns counts per split."""
-    if min(num_classes, train_per_class, val_per_class, *typical_size) < 1:
-        raise UserError("synthetic-imagenet needs at least 1 class, 1 image per class and split, and a positive size")
+    if num_classes < 2:
+        raise UserError(f"--classes must be >= 2 (a classification dataset needs at least 2 classes), got "
+                        f"{num_classes}")
+    if min(train_per_class, val_per_class) < 1:
+        raise UserError("--train-per-class and --val-per-class must be >= 1")
+    if min(typical_size) < 1:
+        raise UserError(f"--size must be positive, got {typical_size[0]}x{typical_size[1]}: e.g. 500x375")
+    if workers < 0:
+        raise UserError(f"--workers must be >= 0 (0 = all cores), got {workers}")
     params = {"dataset": "synthetic-imagenet", "num_classes": num_classes, "train_per_class": train_per_class,
               "val_per_class": val_per_class, "seed": seed, "typical_size": list(typical_size)}
     if _check_target(out, params):
         return _counts(out)
-    tmp = out.rstrip("/") + ".partial"
-    shutil.rmtree(tmp, ignore_errors=True)  # a previous run that died half-way
+    tmp = start_partial(out)  # removes only an OUT.partial a previous run of ours left
     per_split = {"train": train_per_class, "val": val_per_class}
     jobs = [(tmp, split, c, per_split[split], num_classes, seed, tuple(typical_size))
             for split in SPLITS for c in range(num_classes)]

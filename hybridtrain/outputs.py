@@ -1,0 +1,206 @@
+"""Output paths of the commands: checked before any work starts, written atomically.
+
+Each command checks its output options at its top, so a bad path costs one line (``hybridtrain: error:``, exit 2)
+before minutes of benchmarking or data checking, never a traceback after them. The rules, the same everywhere:
+
+- An output **file** (``bench --json``, ``predict --out``, ``check-data --report``, ``report --out``,
+  ``plot-schedule --out``) goes into a folder that exists. A missing folder is an error naming it, with the
+  ``mkdir -p`` that fixes it, not created silently: a typo in a folder name is caught at once, as a shell's ``>``
+  does. A path that is a folder, or a read-only file, is refused too. The file is written to a temp file in the
+  same folder and renamed over the target (``os.replace``), so an interrupted write leaves the previous file or
+  nothing, never half a file.
+- An output **folder** (``check-data --write-filelist``, ``scale --out``, ``experiment --out``, ``bench --profile``,
+  ``prepare-data --out``, ``reorganise-val --out``) is created with its missing parents, as ``mkdir -p`` would (the
+  defaults ``runs/scale`` and ``runs/experiments`` need that). A path that is a file, lies under a file, or under a
+  folder this user cannot write is refused.
+- A path that starts with ``~`` and does not exist was not expanded by a shell (quoted, or ``--out=~/x``): refused
+  with the path the shell would have meant, rather than creating a folder named ``~``.
+- Tools delete only what they created: a half-written dataset lives in ``OUT.partial/``, marked by
+  :data:`PARTIAL_MARKER` before anything else is written, and only a marked folder is ever removed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+
+from .errors import UserError
+
+PARTIAL_MARKER = ".hybridtrain-partial"
+
+
+def _given(path: str | None, option: str, kind: str) -> str:
+    if path is None or not str(path).strip():
+        raise UserError(f"{option} is empty: give a {kind} path")
+    return str(path)
+
+
+def not_expanded(path: str, option: str) -> None:
+    """A leading '~' that no shell expanded (quoted, or ``--out=~/x``): hybridtrain takes paths as written."""
+    if path.startswith("~") and not os.path.exists(path):
+        raise UserError(f"{option} {path} starts with '~', which only a shell expands: write {option} "
+                        f"{os.path.expanduser(path)} (or ~ unquoted, after a space)")
+
+
+def nearest_existing(path: str) -> str:
+    """``path`` itself when it exists, else its closest existing ancestor (absolute)."""
+    current = os.path.abspath(path)
+    while not os.path.lexists(current):
+        current = os.path.dirname(current)
+    return current
+
+
+def folder_of(path: str) -> str:
+    """The folder a file path lands in, as the user would name it ('.' for a bare file name)."""
+    return os.path.dirname(os.path.normpath(path)) or "."
+
+
+def check_output_file(path: str | None, option: str, example: str = "out.json") -> str:
+    """The path of an output file, checked before any work: its folder exists and is writable, the path is not a
+    folder, and an existing file there may be replaced. ``example``: a file name for the fix. Returns ``path``."""
+    path = _given(path, option, "file")
+    not_expanded(path, option)
+    if os.path.isdir(path):
+        raise UserError(f"{option} {path} is a folder, not a file: name a file in it, e.g. {option} "
+                        f"{os.path.join(path, example)}")
+    folder = folder_of(path)
+    if not os.path.exists(folder):
+        ancestor = nearest_existing(folder)
+        if not os.path.isdir(ancestor):
+            raise UserError(f"{option} {path}: {ancestor} is a file, so no folder can be made under it: choose "
+                            f"another path")
+        raise UserError(f"{option} {path}: the folder {folder} does not exist: create it (mkdir -p {folder}) or "
+                        f"choose another path")
+    if not os.path.isdir(folder):
+        raise UserError(f"{option} {path}: {folder} is a file, not a folder: choose another path")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UserError(f"{option} {path}: the folder {folder} is not writable by this user: choose another path, "
+                        f"or fix its permissions")
+    if os.path.lexists(path) and not os.path.isfile(path):
+        raise UserError(f"{option} {path} exists and is not a regular file: choose another path")
+    if os.path.isfile(path) and not os.access(path, os.W_OK):
+        raise UserError(f"{option} {path} is read-only, so it is not replaced: choose another path, or make it "
+                        f"writable (chmod u+w {path})")
+    return path
+
+
+def check_output_dir(path: str | None, option: str) -> str:
+    """The path of an output folder, checked before any work: not a file, not under a file, and writable where it
+    exists or where it will be created (with its missing parents). Nothing is created here. Returns ``path``."""
+    path = _given(path, option, "folder")
+    not_expanded(path, option)
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise UserError(f"{option} {path} is a file, not a folder: choose a folder (it is created when missing)")
+    ancestor = nearest_existing(path)
+    if not os.path.isdir(ancestor):
+        raise UserError(f"{option} {path}: {ancestor} is a file, so the folder cannot be created under it: choose "
+                        f"another path")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        where = "" if os.path.exists(path) else f" (the folder would be created in {ancestor})"
+        raise UserError(f"{option} {path} is not writable by this user{where}: choose another folder, or fix its "
+                        f"permissions")
+    return path
+
+
+def check_input_dir(path: str | None, option: str, fix: str = "") -> str:
+    """A folder the command reads: one line when it is missing, a file, or a '~' no shell expanded."""
+    path = _given(path, option, "folder")
+    not_expanded(path, option)
+    if not os.path.exists(path):
+        raise UserError(f"{option} {path} does not exist" + (f": {fix}" if fix else ": check the path"))
+    if not os.path.isdir(path):
+        raise UserError(f"{option} {path} is a file, not a folder" + (f": {fix}" if fix else ": give the folder"))
+    return path
+
+
+def check_input_file(path: str | None, option: str, fix: str = "") -> str:
+    """A file the command reads: one line when it is missing, a folder, or a '~' no shell expanded."""
+    path = _given(path, option, "file")
+    not_expanded(path, option)
+    if not os.path.exists(path):
+        raise UserError(f"{option} {path} does not exist" + (f": {fix}" if fix else ": check the path"))
+    if os.path.isdir(path):
+        raise UserError(f"{option} {path} is a folder, not a file" + (f": {fix}" if fix else ": give the file"))
+    return path
+
+
+def _default_mode() -> int:
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+@contextmanager
+def atomic_path(path: str):
+    """A temp path in ``path``'s folder, with ``path``'s extension (for writers that pick a format from it), that
+    becomes ``path`` in one rename when the block ends without an error; removed when it does not."""
+    folder = folder_of(path)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=os.path.splitext(path)[1])
+    os.close(fd)
+    try:
+        yield tmp
+        os.chmod(tmp, _default_mode())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def write_text_atomically(path: str, text: str) -> str:
+    """``text`` into ``path`` through a temp file in the same folder, fsynced, then renamed over it."""
+    try:
+        with atomic_path(path) as tmp:
+            with open(tmp, "w") as fh:
+                fh.write(text)
+                fh.flush()
+                os.fsync(fh.fileno())
+    except OSError as exc:
+        raise UserError(f"could not write {path} ({exc.strerror or exc}): free space or choose another path") from None
+    return path
+
+
+def write_json_atomically(path: str, obj, indent: int = 1) -> str:
+    return write_text_atomically(path, json.dumps(obj, indent=indent) + "\n")
+
+
+# ----------------------------------------------------------------------------- OUT.partial of the data tools
+
+def start_partial(out: str, option: str = "--out") -> str:
+    """``OUT.partial/``, fresh and marked as this tool's. One left by a run that died half-way (it holds the
+    marker) is removed first; anything else at that path is the user's and is refused, never deleted."""
+    tmp = os.path.normpath(out) + ".partial"
+    if os.path.lexists(tmp):
+        if os.path.isdir(tmp) and not os.path.islink(tmp) and os.path.isfile(os.path.join(tmp, PARTIAL_MARKER)):
+            shutil.rmtree(tmp)  # ours: a previous run that died half-way
+        else:
+            raise UserError(f"{tmp} exists and was not left by hybridtrain (no {PARTIAL_MARKER} in it), so it is not "
+                            f"deleted: move or remove it yourself, or choose another {option}")
+    os.makedirs(tmp)
+    with open(os.path.join(tmp, PARTIAL_MARKER), "w") as fh:
+        fh.write("written by hybridtrain while it prepares the folder next to this one; safe to delete\n")
+    return tmp
+
+
+def finish_partial(tmp: str, out: str) -> None:
+    """Unmark the finished ``OUT.partial/`` and move it into place in one rename (``out``: absent or empty)."""
+    os.unlink(os.path.join(tmp, PARTIAL_MARKER))
+    if os.path.isdir(out):
+        os.rmdir(out)  # empty: checked by the caller
+    os.replace(tmp, out)
+
+
+def check_image_format(path: str, option: str) -> None:
+    """A plot's file extension must be one matplotlib writes (none: PNG)."""
+    ext = os.path.splitext(path)[1].lower().lstrip(".")
+    if not ext:
+        return
+    from matplotlib.backend_bases import FigureCanvasBase
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if ext not in formats:
+        raise UserError(f"{option} {path}: matplotlib cannot write .{ext} files: end the name in .png (or one of "
+                        f".{', .'.join(sorted(formats))})")
