@@ -45,7 +45,7 @@ def process_alive(pid: int) -> bool:
 def departed(topo) -> tuple[list[int], list[int]]:
     """(ranks on this host whose process is gone, ranks on this host still alive), from ``topo.peers``."""
     host = socket.gethostname()
-    local = [(rank, pid) for rank, (h, pid) in enumerate(topo.peers) if h == host]
+    local = [(rank, pid) for rank, (h, pid, *_) in enumerate(topo.peers) if h == host]  # (host, pid, GPU id)
     return ([rank for rank, pid in local if not process_alive(pid)],
             [rank for rank, pid in local if process_alive(pid)])
 
@@ -53,11 +53,19 @@ def departed(topo) -> tuple[list[int], list[int]]:
 def peer_failure(topo) -> PeerFailure:
     """The one line a surviving rank prints: which rank died (when it ran on this host) and how to resume."""
     gone, alive = departed(topo) if topo.peers else ([], [topo.rank])
-    who = (f"rank {', '.join(map(str, gone))} ({'its process is' if len(gone) == 1 else 'their processes are'} "
-           f"gone)" if gone else "a rank on another host")
-    return PeerFailure(f"the job stopped because {who} died or failed (its error line, if any, says why); "
-                       f"checkpoints are intact: rerun the same command with --resume auto",
-                       announce=topo.rank == min(alive, default=topo.rank))
+    host = socket.gethostname()
+    if gone:
+        cause = (f"rank {', '.join(map(str, gone))} ({'its process is' if len(gone) == 1 else 'their processes are'} "
+                 f"gone) died or failed (its error line, if any, says why)")
+    elif topo.peers and all(h == host for h, *_ in topo.peers):
+        # every rank's process is still there: one of them stopped taking part (stopped, stuck in I/O, deadlocked)
+        cause = ("a rank hung: every rank's process is alive, but one stopped taking part in the collectives (its "
+                 "error line, if any, says which); Horovod's stall limit (horovod.stall_shutdown_s) or Gloo's timeout "
+                 "(horovod.gloo_timeout_s) ended the wait")
+    else:
+        cause = "a rank on another host died, hung or failed (its error line, if any, says why)"
+    return PeerFailure(f"the job stopped because {cause}; checkpoints are intact: rerun the same command with "
+                       f"--resume auto", announce=topo.rank == min(alive, default=topo.rank))
 
 
 def is_peer_failure(exc: BaseException) -> bool:

@@ -182,3 +182,23 @@ def test_bench_batch_size_zero_is_refused_not_benchmarked_at_the_recipes(tmp_pat
     from hybridtrain.errors import UserError
     with pytest.raises(UserError, match="--batch-size must be >= 1, got 0"):
         bench(None, [], [], [0], 1, 0, False, None, 1)  # the bench code itself, whatever the parser let through
+
+
+# ----------------------------------------------------------------------------- a hung rank
+
+@pytest.mark.slow
+def test_a_hung_rank_ends_the_job_with_a_line_that_says_hung_not_died():
+    """Rank 1 frozen for good (SIGSTOP). Horovod 0.28.1 under Gloo did not fire its stall warning or shutdown
+    here (stall_warning_s=2, stall_shutdown_s=6); Gloo's timeout ended the wait after gloo_timeout_s. The
+    survivor's line must name a hang, since every rank's process is still there."""
+    script = os.path.join(REPO, "tests", "scripts", "hung_rank.py")
+    start = time.monotonic()
+    proc = run([os.path.join(os.path.dirname(HYBRIDTRAIN), "horovodrun"), "--gloo", "-np", "2", "-H", "localhost:2",
+                os.path.join(os.path.dirname(HYBRIDTRAIN), "python"), script, "horovod.stall_warning_s=2",
+                "horovod.stall_shutdown_s=6", "horovod.gloo_timeout_s=10"], timeout=240)
+    elapsed = time.monotonic() - start
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    lines = [x for x in output.splitlines() if "hybridtrain: the job stopped because" in x]
+    assert len(lines) == 1 and "a rank hung" in lines[0] and "died" not in lines[0], output[-3000:]
+    assert "unexpected" not in output and elapsed < 120, output[-3000:]
