@@ -24,12 +24,15 @@ MARKER = "run.json"
 LOCK = ".lock"
 RUN_FILES = ("run.json", "metrics.jsonl", "config.yaml", "final_model.pt", "report.json", "report.md",
              "checkpoint-epoch*", "tensorboard", "logs", "samples", "accuracy.png", "throughput.png", "lr.png")
+# What a run that trained something leaves; a run that stopped before its first checkpoint (bad data, a wrong
+# flag) leaves only run.json, config.yaml and logs, and the next fresh run takes its folder over.
+RESULT_FILES = ("metrics.jsonl", "final_model.pt", "report.json", "report.md", "checkpoint-epoch*", "samples")
 
 
-def run_files(run_dir: str) -> list[str]:
-    """The names in ``run_dir`` that a run writes, in the order of RUN_FILES (the telling ones first)."""
+def run_files(run_dir: str, patterns: tuple[str, ...] = RUN_FILES) -> list[str]:
+    """The names in ``run_dir`` that a run writes, in the order of ``patterns`` (the telling ones first)."""
     found: list[str] = []
-    for pattern in RUN_FILES:
+    for pattern in patterns:
         for name in sorted(os.path.basename(p) for p in glob.glob(os.path.join(glob.escape(run_dir), pattern))):
             if name not in found:
                 found.append(name)
@@ -144,10 +147,11 @@ def claim(run_dir: str, resume: str | None, move: bool = False) -> tuple[RunDir,
     fd = lock(run_dir)
     try:
         marker, note = read_marker(run_dir), ""
-        existing = [n for n in run_files(run_dir) if n != LOCK]
+        existing = run_files(run_dir)
+        worth_keeping = run_files(run_dir, RESULT_FILES) or (marker is None and "config.yaml" in existing)
         resuming = resume == "required" or (resume == "auto" and glob.glob(os.path.join(glob.escape(run_dir),
                                                                                       "checkpoint-epoch*.pt")))
-        if not resuming and existing:
+        if not resuming and worth_keeping:
             if not move:
                 raise UserError(f"run_dir {run_dir} holds another run's files ({', '.join(existing[:4])}"
                                 f"{', ...' if len(existing) > 4 else ''}): continue that run with --resume, choose "
