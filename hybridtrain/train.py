@@ -20,6 +20,7 @@ from .optim import create_optimizer
 from .precision import (check_hardware, create_scaler, gradient_compression, memory_figures, prepare_model,
                         reset_peak_memory, resolve_policy, set_fp32_math)
 from .preemption import PreemptionWatch
+from .watchdog import StallWatchdog
 from .training import EpochProgress, Precision, evaluate, train_one_epoch, warmup_steps
 
 
@@ -302,7 +303,7 @@ def complete_pending_record(cfg: Config, t: Trainer, state: dict, history: list,
 
 def train_epochs(cfg: Config, t: Trainer, watch: PreemptionWatch, resume: str | None,
                  owner: rundir.RunDir | None = None) -> dict | None:
-    topo, data = t.topo, t.data
+    topo = t.topo
     metrics_path = os.path.join(cfg.run_dir, "metrics.jsonl")
     start_epoch, history, elapsed_before, progress = 0, [], 0.0, None
     state = resume_state(cfg, topo, required=resume == "required") if resume else None
@@ -323,6 +324,22 @@ def train_epochs(cfg: Config, t: Trainer, watch: PreemptionWatch, resume: str | 
     board = tensorboard_writer(cfg) if topo.is_root else None
     if state:
         complete_pending_record(cfg, t, state, history, board)
+    watchdog = StallWatchdog(cfg.horovod.stall_warning_s, cfg.horovod.stall_shutdown_s, topo.rank)
+    try:
+        return train_epoch_range(cfg, t, watch, watchdog, start_epoch, progress, run_start, history, board, owner)
+    finally:
+        watchdog.close()
+
+
+def train_epoch_range(cfg: Config, t: Trainer, watch: PreemptionWatch, watchdog: StallWatchdog, start_epoch: int,
+                      progress: EpochProgress | None, run_start: float, history: list, board,
+                      owner: rundir.RunDir | None) -> dict | None:
+    """Epochs ``start_epoch`` to the end, each followed by the end-of-epoch path; a SIGTERM stops after a step."""
+    topo, data = t.topo, t.data
+
+    def after_step(snapshot):
+        watchdog.beat()
+        return watch.after_step(snapshot)
     for epoch in range(start_epoch, cfg.train.epochs):
         epoch_start = time.perf_counter()
         bar = ProgressBar(t.updates * t.k, epoch, cfg.train.epochs, topo.size) \
@@ -330,7 +347,7 @@ def train_epochs(cfg: Config, t: Trainer, watch: PreemptionWatch, resume: str | 
         reset_peak_memory(topo.device)
         result = train_one_epoch(t.model, t.bundle, t.precision, data.train, epoch, t.updates, cfg.train.batch_size,
                                  t.k, bar, resume=progress if epoch == start_epoch else None,
-                                 stop_after_step=watch.after_step, passes=t.passes,
+                                 stop_after_step=after_step, passes=t.passes,
                                  warmup=warmup_steps(epoch == start_epoch, t.updates))
         if bar:
             bar.close()
@@ -341,13 +358,16 @@ def train_epochs(cfg: Config, t: Trainer, watch: PreemptionWatch, resume: str | 
         def save(record, epoch=epoch):
             checkpoint.save_checkpoint(checkpoint_state(cfg, t, epoch, time.perf_counter() - run_start, record),
                                        cfg.run_dir, epoch + 1, cfg.train.keep_checkpoints, owner=owner)
+        watchdog.beat()
         end_epoch(cfg, t, epoch, result, epoch_start, run_start, history, board, save)
+        watchdog.beat()
         if epoch + 1 < cfg.train.epochs and watch.agreed_now():
             watch.close()
             log(topo, f"hybridtrain: stopped on SIGTERM after epoch {epoch + 1}; resumable from its checkpoint: "
                       f"rerun the same command with --resume auto")
             return None
     watch.close()
+    watchdog.pause()
     return finish(cfg, t, board)
 
 
