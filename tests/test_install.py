@@ -92,6 +92,31 @@ def test_unpatched_headers_fail_on_gcc13(tmp_path):
     assert "group_table.h" in result.stderr or "common.h" in result.stderr
 
 
+LIBSTDCXX13 = os.environ.get("HYBRIDTRAIN_LIBSTDCXX13", "")
+
+
+@pytest.mark.skipif(not (Path(LIBSTDCXX13) / "usr/include/c++/13").is_dir() or shutil.which("g++") is None,
+                    reason="set HYBRIDTRAIN_LIBSTDCXX13 to an unpacked libstdc++-13-dev (dpkg -x of the .deb) to check "
+                           "the headers against GCC 13's standard library with the local g++")
+def test_headers_against_libstdcxx13(tmp_path):
+    """GCC 13's failures come from libstdc++ 13's headers, which pull in fewer standard headers; the local g++
+    (12) parses them, so the H100's error is reproduced here, and the patch is shown to remove it."""
+    root = Path(LIBSTDCXX13) / "usr/include"
+    arch = next((root / "x86_64-linux-gnu" / "c++").glob("13"), None) or next(root.glob("*/c++/13"))
+    flags = ["-nostdinc++", "-isystem", str(root / "c++/13"), "-isystem", str(arch)]
+    src = _unpack_sdist(tmp_path)
+    probe = tmp_path / "probe.cc"
+    probe.write_text(HEADER_PROBE)
+    cmd = ["g++", "-std=c++17", "-fsyntax-only", *flags, f"-I{src}", str(probe)]
+    before = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert before.returncode != 0
+    assert "group_table.h" in before.stderr and "'string' in namespace 'std' does not name a type" in \
+        before.stderr.replace("\u2018", "'").replace("\u2019", "'")
+    subprocess.run([str(INSTALL), "--patch-horovod-source", str(src)], check=True, capture_output=True)
+    after = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert after.returncode == 0, after.stderr[-3000:]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Offline install
 
@@ -109,7 +134,8 @@ def _cut_off_network() -> tuple[list[str], dict, str]:
     discard port 127.0.0.1:9 (and install.sh's wheelhouse mode passes --no-index)."""
     for prefix in (["unshare", "-n"], ["unshare", "-rn"]):
         if shutil.which(prefix[0]) and subprocess.run(prefix + ["true"], capture_output=True).returncode == 0:
-            return prefix, {}, "network namespace"
+            # loopback only (Open MPI's tools complain about a namespace without any interface)
+            return prefix + ["sh", "-c", 'ip link set lo up 2>/dev/null; exec "$0" "$@"'], {}, "network namespace"
     dead = "http://127.0.0.1:9"
     return [], {"http_proxy": dead, "https_proxy": dead, "HTTP_PROXY": dead, "HTTPS_PROXY": dead,
                 "no_proxy": ""}, "dead proxies"
@@ -244,13 +270,11 @@ def test_nccl_on_a_node_without_toolkit_names_the_wheels(tmp_path):
     """A node with only the driver and torch's pip CUDA: no CUDA_HOME, no nvcc on PATH, no /usr/local/cuda
     (hidden in a private mount namespace where this machine has one), and an empty wheelhouse."""
     prefix: list[str] = []
-    hide = [p for p in ("/usr/local/cuda",) if os.path.exists(p)]
-    if hide:
-        target = os.path.realpath(hide[0])
-        mounts = " && ".join(f"mount --bind '{tmp_path}' '{target}'" for _ in [0])
-        if subprocess.run(["unshare", "-m", "sh", "-c", mounts], capture_output=True).returncode != 0:
+    if os.path.exists("/usr/local/cuda"):
+        hide = f"mount --bind '{tmp_path}' '{os.path.realpath('/usr/local/cuda')}'"
+        if subprocess.run(["unshare", "-m", "sh", "-c", hide], capture_output=True).returncode != 0:
             pytest.skip("this machine has /usr/local/cuda and no mount namespace to hide it in")
-        prefix = ["unshare", "-m", "sh", "-c", mounts + ' && exec "$0" "$@"']
+        prefix = ["unshare", "-m", "sh", "-c", hide + ' && exec "$0" "$@"']
     cuda = subprocess.run([str(VENV_PY), "-c", "import torch; print(torch.version.cuda or '')"],
                           capture_output=True, text=True, check=True).stdout.strip()
     path = ":".join(p for p in os.environ["PATH"].split(":")
