@@ -18,6 +18,7 @@ import socket
 import time
 import uuid
 
+from .config import check_run_dir
 from .errors import UserError
 
 MARKER = "run.json"
@@ -37,20 +38,6 @@ def run_files(run_dir: str, patterns: tuple[str, ...] = RUN_FILES) -> list[str]:
             if name not in found:
                 found.append(name)
     return found
-
-
-def check_writable(run_dir: str) -> None:
-    """One line when ``run_dir`` cannot hold a run: empty, a file, or under a folder this user cannot write."""
-    if not run_dir.strip():
-        raise UserError("run_dir is empty: set it to a folder for checkpoints and metrics, e.g. --set run_dir=runs/x")
-    if os.path.exists(run_dir) and not os.path.isdir(run_dir):
-        raise UserError(f"run_dir {run_dir} is a file, not a folder: choose another run_dir")
-    parent = os.path.abspath(run_dir)
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-        raise UserError(f"run_dir {run_dir} cannot be written ({parent} is not a writable folder): choose a run_dir "
-                        f"you can write, or fix its permissions")
 
 
 class RunDir:
@@ -142,7 +129,7 @@ def claim(run_dir: str, resume: str | None, move: bool = False) -> tuple[RunDir,
     Fresh (``resume`` None, or "auto" with no checkpoint): refused when the folder holds a run's files, unless
     ``move``. Resumed: the run of ``run.json`` goes on; a folder of an older version without one is adopted
     with the checkpoints it holds."""
-    check_writable(run_dir)
+    check_run_dir(run_dir)
     os.makedirs(run_dir, exist_ok=True)
     fd = lock(run_dir)
     try:
