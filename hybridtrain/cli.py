@@ -7,7 +7,7 @@ import os
 import re
 import sys
 
-from .errors import PeerFailure, UserError, unexpected_error_line, write_crash_log
+from .errors import UserError, run_guarded
 from .outputs import (atomic_path, check_image_format, check_output_dir, check_output_file, write_json_atomically,
                       write_text_atomically)
 
@@ -178,9 +178,9 @@ def cmd_report(args) -> int:
 
 
 def cmd_scale(args) -> int:
-    from .scale import format_table, parse_compressions, parse_counts, run_scale
+    from .scale import format_table, parse_compressions, run_scale
     check_output_dir(args.out, "--out")
-    rows = run_scale(args.config, args.set, parse_counts(args.np), parse_compressions(args.compression), args.steps,
+    rows = run_scale(args.config, args.set, args.np, parse_compressions(args.compression), args.steps,
                      args.warmup, args.out, args.oversubscribe)
     print(format_table(rows))
     print(f"scale.json and scale.png written to {args.out}")
@@ -268,13 +268,13 @@ def bounded_float(lo: float, hi: float, lo_open=False, hi_open=False, name="", r
 
 
 def count_list(lo: int, hi: int):
-    """argparse ``type=``: comma-separated counts such as 1,2,4, each in [lo, hi]; returns the text unchanged."""
-    def counts(text: str) -> str:
+    """argparse ``type=``: comma-separated counts such as 1,2,4, each in [lo, hi]; returns them sorted, distinct."""
+    def counts(text: str) -> list[int]:
         parts = [x.strip() for x in text.split(",") if x.strip()]
         if not parts or not all(x.isdigit() and len(x) < 10 and lo <= int(x) <= hi for x in parts):
             raise argparse.ArgumentTypeError(f"must be comma-separated counts in {_span(lo, hi)} such as 1,2; "
                                              f"got {text[:40]!r}")
-        return text
+        return sorted({int(x) for x in parts})
     counts.bounds = (lo, hi, False, False)
     counts.is_list = True
     return counts
@@ -475,45 +475,6 @@ def build_parser() -> argparse.ArgumentParser:
                      help="time for the whole check, build included; rows that cannot start in it fail (default 510)")
     gpu.set_defaults(func=cmd_gpu_check)
     return parser
-
-
-def run_guarded(action, crash_log_dir=lambda: None) -> int:
-    """Run ``action()``; bad input becomes one error line (rank 0 only when every rank has it), exit 2; a bug
-    becomes one line naming the rank and the error, its traceback in a log under ``crash_log_dir()``, exit 1."""
-    try:
-        return action() or 0
-    except UserError as exc:
-        from .distributed import launcher_rank
-        rank = launcher_rank()
-        if rank == 0 or not exc.same_on_all_ranks:
-            prefix = "" if rank == 0 else f"rank {rank}: "
-            print(f"hybridtrain: error: {prefix}{exc}", file=sys.stderr, flush=True)
-        return 2
-    except PeerFailure as exc:
-        if exc.announce:
-            print(f"hybridtrain: {exc}", file=sys.stderr, flush=True)
-        return 3
-    except RuntimeError as exc:
-        from .distributed import is_peer_failure, launcher_rank
-        if not is_peer_failure(exc):
-            return report_bug(exc, crash_log_dir())
-        print(f"hybridtrain: rank {launcher_rank()} stopped because another rank failed or was killed (its error "
-              f"line, if any, says why); checkpoints are intact: rerun the same command with --resume",
-              file=sys.stderr, flush=True)
-        return 3
-    except KeyboardInterrupt:
-        print("hybridtrain: interrupted", file=sys.stderr)
-        return 130
-    except Exception as exc:
-        return report_bug(exc, crash_log_dir())
-
-
-def report_bug(exc: Exception, log_dir: str | None) -> int:
-    """A bug, not bad input: one line naming the rank and the error; the traceback goes to a log file."""
-    from .distributed import launcher_rank
-    rank = launcher_rank()
-    print(unexpected_error_line(exc, rank, write_crash_log(exc, rank, log_dir)), file=sys.stderr, flush=True)
-    return 1
 
 
 def main(argv=None) -> int:

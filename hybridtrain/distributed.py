@@ -9,18 +9,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import PeerFailure, UserError
+from .errors import PeerFailure, UserError, is_peer_failure, launcher_rank  # noqa: F401  (re-exported)
 
-RANK_ENV_VARS = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
 SIZE_ENV_VARS = ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")  # horovodrun, Open MPI, MPICH/Intel MPI
-
-
-def launcher_rank() -> int:
-    """The rank the launcher assigned, readable before hvd.init() (0 when run alone)."""
-    for var in RANK_ENV_VARS:
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
-    return 0
 
 
 def venv_tool(name: str) -> str:
@@ -66,11 +57,6 @@ def peer_failure(topo) -> PeerFailure:
         cause = "a rank on another host died, hung or failed (its error line, if any, says why)"
     return PeerFailure(f"the job stopped because {cause}; checkpoints are intact: rerun the same command with "
                        f"--resume auto", announce=topo.rank == min(alive, default=topo.rank))
-
-
-def is_peer_failure(exc: BaseException) -> bool:
-    """True for the error Horovod raises on the surviving ranks after another rank failed or exited."""
-    return type(exc).__name__ == "HorovodInternalError" or "Horovod has been shut down" in str(exc)
 
 
 def import_horovod():

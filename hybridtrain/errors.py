@@ -2,8 +2,20 @@
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import traceback
+
+
+RANK_ENV_VARS = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
+
+
+def launcher_rank() -> int:
+    """The rank the launcher assigned, readable before hvd.init() (0 when run alone)."""
+    for var in RANK_ENV_VARS:
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
 
 
 class UserError(Exception):
@@ -25,6 +37,11 @@ class PeerFailure(Exception):
     def __init__(self, message: str, announce: bool = True):
         super().__init__(message)
         self.announce = announce
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """True for the error Horovod raises on the surviving ranks after another rank failed or exited."""
+    return type(exc).__name__ == "HorovodInternalError" or "Horovod has been shut down" in str(exc)
 
 
 def write_crash_log(exc: BaseException, rank: int, folder: str | None) -> str:
@@ -49,3 +66,39 @@ def unexpected_error_line(exc: BaseException, rank: int, log_path: str) -> str:
     message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     return (f"hybridtrain: error: rank {rank}: unexpected {type(exc).__name__}" + (f": {message[:300]}" if message
             else "") + f" (a bug in hybridtrain or a library: the full traceback is in {log_path}; please report it)")
+
+
+def run_guarded(action, crash_log_dir=lambda: None) -> int:
+    """Run ``action()``; bad input becomes one error line (rank 0 only when every rank has it), exit 2; a bug
+    becomes one line naming the rank and the error, its traceback in a log under ``crash_log_dir()``, exit 1."""
+    try:
+        return action() or 0
+    except UserError as exc:
+        rank = launcher_rank()
+        if rank == 0 or not exc.same_on_all_ranks:
+            prefix = "" if rank == 0 else f"rank {rank}: "
+            print(f"hybridtrain: error: {prefix}{exc}", file=sys.stderr, flush=True)
+        return 2
+    except PeerFailure as exc:
+        if exc.announce:
+            print(f"hybridtrain: {exc}", file=sys.stderr, flush=True)
+        return 3
+    except RuntimeError as exc:
+        if not is_peer_failure(exc):
+            return report_bug(exc, crash_log_dir())
+        print(f"hybridtrain: rank {launcher_rank()} stopped because another rank failed or was killed (its error "
+              f"line, if any, says why); checkpoints are intact: rerun the same command with --resume",
+              file=sys.stderr, flush=True)
+        return 3
+    except KeyboardInterrupt:
+        print("hybridtrain: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        return report_bug(exc, crash_log_dir())
+
+
+def report_bug(exc: Exception, log_dir: str | None) -> int:
+    """A bug, not bad input: one line naming the rank and the error; the traceback goes to a log file."""
+    rank = launcher_rank()
+    print(unexpected_error_line(exc, rank, write_crash_log(exc, rank, log_dir)), file=sys.stderr, flush=True)
+    return 1

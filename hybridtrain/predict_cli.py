@@ -13,7 +13,6 @@ from dataclasses import replace
 from . import predict
 from .errors import UserError
 from .outputs import atomic_path, check_image_format, check_input_file, check_output_file
-from .scale import parse_counts
 
 GB = 1e9
 
@@ -112,7 +111,7 @@ def run_predict(args) -> None:
     check = predict.paper_cluster_check()
     overlap = check.overlap if args.overlap is None else args.overlap
     spec = spec_from(args, overlap)
-    nodes = parse_counts(args.nodes, "--nodes")
+    nodes = args.nodes  # sorted, distinct counts (cli.count_list)
     if args.convergence_epoch < 1 or args.images_per_epoch < 1:
         raise UserError("--convergence-epoch and --images-per-epoch must be >= 1")
     table, curve = prediction_table(spec, nodes, args.convergence_epoch, args.images_per_epoch)

@@ -116,17 +116,6 @@ def busy_time_us(intervals: list[tuple[float, float, int]]) -> float:
 
 # ----------------------------------------------------------------------------- the driver
 
-def parse_counts(text: str, option: str = "--np") -> list[int]:
-    """'1,2,4' -> [1, 2, 4] (sorted, distinct, each >= 1), or one error line naming ``option``."""
-    try:
-        counts = sorted({int(x) for x in text.split(",") if x.strip()})
-    except ValueError:
-        raise UserError(f"{option} must be comma-separated counts such as 1,2; got '{text}'") from None
-    if not counts or counts[0] < 1:
-        raise UserError(f"{option} must list counts >= 1, got '{text}'")
-    return counts
-
-
 def parse_compressions(text: str) -> list[str]:
     names = [x.strip() for x in text.split(",") if x.strip()]
     if not names or any(n not in ("fp16", "none") for n in names):
@@ -220,6 +209,6 @@ def plot_scale(rows: list[dict], path: str) -> str:
 
 
 if __name__ == "__main__":  # one rank of a row: python -m hybridtrain.scale CONFIG COMPRESSION STEPS WARMUP OUT [SETS]
-    from .cli import run_guarded
+    from .errors import run_guarded
     sys.exit(run_guarded(lambda: worker(sys.argv[1], sys.argv[6:], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]),
                                         sys.argv[5])))

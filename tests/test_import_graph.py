@@ -1,0 +1,86 @@
+"""The package's import graph (every intra-package import, at module level or inside a function): no cycle,
+and building the command-line parser imports no torch (so `hybridtrain report --help` answers at once)."""
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+
+PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hybridtrain")
+
+
+def module_name(path: str) -> str:
+    rel = os.path.relpath(path, os.path.dirname(PACKAGE))[:-3].replace(os.sep, ".")
+    return rel[:-len(".__init__")] if rel.endswith(".__init__") else rel
+
+
+def imported_modules(path: str, modules: set[str]) -> set[str]:
+    """The package modules ``path`` imports, resolving relative imports and ``from . import name``."""
+    name = module_name(path)
+    package = name if path.endswith("__init__.py") else name.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            for alias in node.names:
+                candidate = f"{base}.{alias.name}"
+                found.add(candidate if candidate in modules else base)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return {m for m in found if m in modules and m != name}
+
+
+def import_graph() -> dict[str, set[str]]:
+    paths = [os.path.join(root, f) for root, _, files in os.walk(PACKAGE) for f in files if f.endswith(".py")]
+    modules = {module_name(p) for p in paths}
+    return {module_name(p): imported_modules(p, modules) for p in paths}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle, as a list of modules, or None (depth-first search with colours)."""
+    colour, stack = {}, []
+
+    def visit(node):
+        colour[node] = "grey"
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt.rsplit(".", 1)[0] == node or node.startswith(nxt + "."):
+                continue  # a package and its own submodules
+            if colour.get(nxt) == "grey":
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in colour:
+                cycle = visit(nxt)
+                if cycle:
+                    return cycle
+        stack.pop()
+        colour[node] = "black"
+        return None
+    for node in sorted(graph):
+        if node not in colour:
+            cycle = visit(node)
+            if cycle:
+                return cycle
+    return None
+
+
+def test_the_package_has_no_import_cycle():
+    graph = import_graph()
+    assert "hybridtrain.cli" in graph and graph["hybridtrain.cli"], "the scan found the package's imports"
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def test_the_cycle_finder_finds_one():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set(), "c": {"a"}}) is None
+
+
+def test_building_the_parser_imports_no_torch():
+    code = ("import sys; from hybridtrain.cli import build_parser; build_parser(); "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))[:3])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
