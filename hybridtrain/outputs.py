@@ -106,23 +106,22 @@ def check_output_dir(path: str | None, option: str) -> str:
 
 def check_input_dir(path: str | None, option: str, fix: str = "") -> str:
     """A folder the command reads: one line when it is missing, a file, or a '~' no shell expanded."""
-    path = _given(path, option, "folder")
-    not_expanded(path, option)
-    if not os.path.exists(path):
-        raise UserError(f"{option} {path} does not exist" + (f": {fix}" if fix else ": check the path"))
-    if not os.path.isdir(path):
-        raise UserError(f"{option} {path} is a file, not a folder" + (f": {fix}" if fix else ": give the folder"))
-    return path
+    return _check_input(path, option, fix, folder=True)
 
 
 def check_input_file(path: str | None, option: str, fix: str = "") -> str:
     """A file the command reads: one line when it is missing, a folder, or a '~' no shell expanded."""
-    path = _given(path, option, "file")
+    return _check_input(path, option, fix, folder=False)
+
+
+def _check_input(path: str | None, option: str, fix: str, folder: bool) -> str:
+    kind, other = ("folder", "file") if folder else ("file", "folder")
+    path = _given(path, option, kind)
     not_expanded(path, option)
     if not os.path.exists(path):
         raise UserError(f"{option} {path} does not exist" + (f": {fix}" if fix else ": check the path"))
-    if os.path.isdir(path):
-        raise UserError(f"{option} {path} is a folder, not a file" + (f": {fix}" if fix else ": give the file"))
+    if os.path.isdir(path) != folder:
+        raise UserError(f"{option} {path} is a {other}, not a {kind}" + (f": {fix}" if fix else f": give the {kind}"))
     return path
 
 
