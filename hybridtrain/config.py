@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from .errors import UserError
+from hybridtrain.errors import UserError
 
 
 def choice(default, choices, doc=""):
@@ -93,7 +93,8 @@ class DataConfig:
 @dataclass
 class ModelConfig:
     arch: str = choice("resnet50", ARCHS, "network")
-    variant: str = choice("v1.5", ["v1", "v1.5"], "where bottleneck blocks downsample: 1x1 conv (v1) or 3x3 conv (v1.5)")
+    variant: str = choice("v1.5", ["v1", "v1.5"],
+                          "where bottleneck blocks downsample: 1x1 conv (v1) or 3x3 conv (v1.5)")
     small_input_stem: bool = plain(False, "3x3 stride-1 stem without max-pool, for 32-64 px inputs")
     num_classes: int = number(0, lo=0, hi=100_000, doc="0 = number of class folders in the dataset")
     zero_init_last_bn: bool = plain(True, "gamma = 0 in the last BN of every residual block (paper 2.2.3)")
@@ -479,7 +480,8 @@ def read_yaml(path: str) -> dict:
         where = f" at line {mark.line + 1}" if mark else ""
         raise UserError(f"config file {shown} is not valid YAML{where}: fix its syntax") from None
     except UnicodeDecodeError:
-        raise UserError(f"config file {shown} is not UTF-8 text: give the recipe YAML, e.g. configs/demo.yaml") from None
+        raise UserError(f"config file {shown} is not UTF-8 text: give the recipe YAML, e.g. "
+                        f"configs/demo.yaml") from None
     except RecursionError:
         raise UserError(f"config file {shown} nests too deeply to be a recipe: fix it") from None
     except ValueError as exc:  # a value PyYAML matches but cannot build, e.g. the date 2020-13-45
@@ -538,7 +540,7 @@ def validate(cfg: Config) -> Config:
 
 
 def validate_precision(cfg: Config) -> None:
-    from .precision import STAGES, gradient_compression, resolve_policy
+    from hybridtrain.precision.policy import STAGES, gradient_compression, resolve_policy
     p = cfg.precision
     for stage, dtype in p.layers.items():
         if stage not in STAGES:

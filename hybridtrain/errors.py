@@ -6,7 +6,6 @@ import sys
 import tempfile
 import traceback
 
-
 RANK_ENV_VARS = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
 
 

@@ -103,7 +103,7 @@ def read_metrics(run_dir: str) -> list[dict]:
 
 @pytest.fixture(scope="session")
 def digits_dir(tmp_path_factory) -> str:
-    from hybridtrain.data.digits import prepare_digits
+    from hybridtrain.data.prepare.digits import prepare_digits
     out = str(tmp_path_factory.mktemp("data") / "digits")
     prepare_digits(out)
     return out

@@ -5,8 +5,7 @@ import os
 import shutil
 
 import pytest
-
-from conftest import HYBRIDTRAIN, assert_one_error_line, horovodrun, read_metrics, run, tiny_config
+from conftest import HYBRIDTRAIN, assert_one_error_line, horovodrun, run, tiny_config
 
 
 def train(cfg_path, *extra, timeout=300):

@@ -14,13 +14,13 @@ import sys
 import numpy as np
 import pytest
 import torch
+from conftest import HOROVODRUN, HYBRIDTRAIN, REPO, assert_one_error_line, horovodrun, run, tiny_config
 
-from conftest import (HOROVODRUN, HYBRIDTRAIN, REPO, assert_one_error_line, horovodrun, run, tiny_config)
-from hybridtrain.batchnorm import CrossRankBatchNorm, batch_norms, configure_batch_norm
 from hybridtrain.config import load_config
 from hybridtrain.data.sharding import MIN_RANDOM_SHARE, random_split_sizes, train_batches
+from hybridtrain.engine.epoch import micro_batch_weight
 from hybridtrain.models import create_model
-from hybridtrain.training import micro_batch_weight
+from hybridtrain.models.batchnorm import CrossRankBatchNorm, batch_norms, configure_batch_norm
 
 
 def run_script(name: str, *args: str, ranks: int = 2) -> subprocess.CompletedProcess:

@@ -17,10 +17,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import yaml
+from conftest import HYBRIDTRAIN, REPO, assert_one_error_line, run, tiny_config
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import HYBRIDTRAIN, REPO, assert_one_error_line, run, tiny_config
 from hybridtrain.cli import build_parser
 from hybridtrain.config import PATH_USES, Config, check_paths, load_config
 from hybridtrain.errors import UserError

@@ -17,9 +17,9 @@ from PIL import Image  # noqa: E402
 from hybridtrain.config import config_from_dict  # noqa: E402
 from hybridtrain.data import dali  # noqa: E402
 from hybridtrain.data.check import check_data, format_report, problem_count, read_filelist, write_filelist  # noqa: E402
-from hybridtrain.data.flat_val import reorganise_flat_val  # noqa: E402
 from hybridtrain.data.folder import scan_dataset, scan_split  # noqa: E402
-from hybridtrain.data.synthetic_imagenet import prepare_synthetic_imagenet  # noqa: E402
+from hybridtrain.data.prepare.flat_val import reorganise_flat_val
+from hybridtrain.data.prepare.synthetic_imagenet import prepare_synthetic_imagenet
 from hybridtrain.data.torchvision_loader import val_transform  # noqa: E402
 from hybridtrain.errors import UserError  # noqa: E402
 

@@ -12,12 +12,21 @@ import sys
 
 import pytest
 import torch
+from conftest import (
+    HOROVODRUN,
+    HYBRIDTRAIN,
+    REPO,
+    assert_one_error_line,
+    horovodrun,
+    read_metrics,
+    run,
+    tiny_config,
+    venv_without,
+)
 
-from conftest import (HOROVODRUN, HYBRIDTRAIN, REPO, assert_one_error_line, horovodrun, read_metrics, run,
-                      tiny_config, venv_without)
 from hybridtrain.config import config_from_dict
 from hybridtrain.data.loaders import create_loaders
-from hybridtrain.distributed import Topology
+from hybridtrain.distributed.horovod import Topology
 
 dali = pytest.importorskip("nvidia.dali", reason="NVIDIA DALI is not installed: ./install.sh")
 BACKENDS = ["torchvision", "dali_cpu"]

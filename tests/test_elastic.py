@@ -10,11 +10,11 @@ import subprocess
 
 import numpy as np
 import pytest
-
 from conftest import HOROVODRUN, HYBRIDTRAIN, assert_one_error_line, env_with_venv, read_metrics, tiny_config
+
 from hybridtrain.config import config_from_dict
 from hybridtrain.data import sharding
-from hybridtrain.elastic import step_in_epoch
+from hybridtrain.engine.elastic import step_in_epoch
 from hybridtrain.optim import create_schedule
 from hybridtrain.optim.bounds import adabound_bounds, bound_progress
 

@@ -5,9 +5,10 @@ import json
 import os
 
 from conftest import HYBRIDTRAIN, assert_one_error_line, run, tiny_config
+
 from hybridtrain.config import load_config
-from hybridtrain.experiments import lars_rows, warmup_epoch_rows
 from hybridtrain.optim.plot import schedule_series
+from hybridtrain.reports.experiments import lars_rows, warmup_epoch_rows
 
 
 def test_optimizers_experiment_writes_table_json_and_png(small_digits, tmp_path, write_config):

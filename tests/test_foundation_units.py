@@ -11,7 +11,7 @@ import torchvision
 
 from hybridtrain.config import Config, load_config
 from hybridtrain.data import sharding
-from hybridtrain.data.digits import prepare_digits, stratified_split
+from hybridtrain.data.prepare.digits import prepare_digits, stratified_split
 from hybridtrain.errors import UserError
 from hybridtrain.models import create_model
 from hybridtrain.optim import goyal_lr, sgd_lr, step_decay_factor
@@ -181,6 +181,7 @@ def test_goyal_warmup_and_step_decay_by_hand():
 
 def test_every_config_key_is_documented_in_the_readme():
     import dataclasses
+
     from hybridtrain.config import Config
     readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
     missing = []

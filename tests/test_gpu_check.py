@@ -8,8 +8,8 @@ import os
 import stat
 
 import pytest
-
 from conftest import HYBRIDTRAIN, REPO, assert_one_error_line, run, venv_without
+
 from hybridtrain.perf import gpu_check as gc
 
 

@@ -9,15 +9,15 @@ import os
 import numpy as np
 import pytest
 import torch
-
 from conftest import HOROVODRUN, REPO, rank_output, run
-from hybridtrain import distributed
+
 from hybridtrain.config import load_config
+from hybridtrain.distributed import horovod as distributed
+from hybridtrain.engine.epoch import warmup_steps
 from hybridtrain.errors import UserError
-from hybridtrain.max_batch import is_out_of_memory, memory_budget_mb
-from hybridtrain.precision import gradient_compression, resolve_policy, set_fp32_math
-from hybridtrain.reporting import run_speed
-from hybridtrain.training import warmup_steps
+from hybridtrain.perf.max_batch import is_out_of_memory, memory_budget_mb
+from hybridtrain.precision.policy import gradient_compression, resolve_policy, set_fp32_math
+from hybridtrain.reports.report import run_speed
 
 SCRIPT = os.path.join(REPO, "tests", "scripts", "channels_last_collectives.py")
 

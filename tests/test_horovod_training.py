@@ -12,8 +12,8 @@ import time
 
 import pytest
 import torch
-
 from conftest import HOROVODRUN, HYBRIDTRAIN, env_with_venv, horovodrun, rank_output, read_metrics, run, tiny_config
+
 from hybridtrain.data.folder import scan_split
 from hybridtrain.data.torchvision_loader import val_transform
 from hybridtrain.models import create_model

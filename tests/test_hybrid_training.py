@@ -8,8 +8,8 @@ import shutil
 import pytest
 import torch
 import yaml
-
 from conftest import HYBRIDTRAIN, assert_one_error_line, horovodrun, read_metrics, run, tiny_config
+
 from hybridtrain.config import load_config
 from hybridtrain.errors import UserError
 from hybridtrain.models import create_model

@@ -84,3 +84,23 @@ def test_building_the_parser_imports_no_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
+
+
+LOWER = ("hybridtrain.engine", "hybridtrain.models", "hybridtrain.optim", "hybridtrain.precision", "hybridtrain.data",
+         "hybridtrain.distributed")
+UPPER = ("hybridtrain.perf", "hybridtrain.reports", "hybridtrain.cli", "hybridtrain.data.prepare")
+
+
+def test_imports_go_down_only():
+    """cli -> perf, reports, data.prepare -> engine -> data, models, optim, precision -> distributed -> config, errors:
+    the training code never imports a tool, a report or the command line."""
+    def within(module, prefixes):
+        return any(module == p or module.startswith(p + ".") for p in prefixes)
+    upward = [(m, i) for m, imports in import_graph().items() for i in imports
+              if within(m, LOWER) and not within(m, ("hybridtrain.data.prepare",)) and within(i, UPPER)]
+    assert upward == []
+
+
+def test_the_top_level_holds_five_modules():
+    top = sorted(f for f in os.listdir(PACKAGE) if f.endswith(".py"))
+    assert top == ["__init__.py", "__main__.py", "cli.py", "config.py", "errors.py"]

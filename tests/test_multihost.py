@@ -12,7 +12,6 @@ import subprocess
 import time
 
 import pytest
-
 from conftest import HOROVODRUN, HYBRIDTRAIN, REPO, env_with_venv, tiny_config
 
 SSHD = "/usr/sbin/sshd"

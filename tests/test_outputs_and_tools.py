@@ -8,9 +8,8 @@ import time
 
 import pytest
 import yaml
-from PIL import Image
-
 from conftest import HYBRIDTRAIN, REPO, assert_one_error_line, run, tiny_config
+from PIL import Image
 
 DEMO = os.path.join(REPO, "configs", "demo.yaml")
 QUICK_S = 60  # far below what any of these commands' work takes; the start alone is seconds on a loaded host
@@ -81,7 +80,7 @@ def test_an_output_file_that_is_a_folder_or_an_unexpanded_tilde_is_one_line(tmp_
 
 
 def test_outputs_are_replaced_atomically_and_a_failed_write_keeps_the_previous_file(tmp_path):
-    from hybridtrain.outputs import atomic_path, write_json_atomically
+    from hybridtrain.data.files import atomic_path, write_json_atomically
     target = tmp_path / "rows.json"
     target.write_text("previous\n")
     with pytest.raises(RuntimeError):
@@ -178,8 +177,8 @@ def test_prepare_synthetic_imagenet_of_one_class_is_refused(tmp_path):
 def test_bench_batch_size_zero_is_refused_not_benchmarked_at_the_recipes(tmp_path):
     refused_before_work(["bench", "--arch", "resnet18", "--batch-size", "0", "--json", "rows.json"], tmp_path,
                         "--batch-size")
-    from hybridtrain.bench import bench
     from hybridtrain.errors import UserError
+    from hybridtrain.perf.step_bench import bench
     with pytest.raises(UserError, match="--batch-size must be >= 1, got 0"):
         bench(None, [], [], [0], 1, 0, False, None, 1)  # the bench code itself, whatever the parser let through
 

@@ -6,8 +6,9 @@ much, and why; docs/paper_arithmetic.md lists the same findings.
 import numpy as np
 import pytest
 
-from hybridtrain import predict
-from hybridtrain.metrics import (
+from hybridtrain.perf import cluster_model as predict
+from hybridtrain.perf.cluster_model import IMAGENET_TRAIN_IMAGES, RESNET50_PARAMETERS, ClusterSpec
+from hybridtrain.reports.paper_metrics import (
     actual_average_single_gpu_time,
     actual_training_time,
     convergence_epoch,
@@ -20,7 +21,6 @@ from hybridtrain.metrics import (
     speedup,
     varying_ranks_single_gpu_time,
 )
-from hybridtrain.predict import IMAGENET_TRAIN_IMAGES, RESNET50_PARAMETERS, ClusterSpec
 
 IMAGES = IMAGENET_TRAIN_IMAGES
 MIN = 60.0

@@ -9,12 +9,13 @@ import sys
 
 import pytest
 import torch
-
 from conftest import HOROVODRUN, HYBRIDTRAIN, REPO, assert_one_error_line, horovodrun, read_metrics, run, tiny_config
+
 from hybridtrain.config import config_from_dict
+from hybridtrain.engine.step import Precision, classification_loss, train_step
 from hybridtrain.models import create_model
-from hybridtrain.precision import LossScaler, forward_context, prepare_model, resolve_policy
-from hybridtrain.training import Precision, classification_loss, train_step
+from hybridtrain.precision.policy import forward_context, prepare_model, resolve_policy
+from hybridtrain.precision.scaler import LossScaler
 
 
 def policy_for(**precision):
@@ -232,7 +233,7 @@ def test_bench_runs_every_precision_and_the_baseline_prints_a_ratio(tmp_path):
 
 def test_precision_and_layered_experiment_rows():
     from hybridtrain.config import load_config
-    from hybridtrain.experiments import layered_rows, precision_rows
+    from hybridtrain.reports.experiments import layered_rows, precision_rows
     cfg = load_config("configs/demo.yaml")
     names = [name for name, _ in precision_rows(cfg)]
     assert names == ["fp64", "fp32", "mixed-fp16", "mixed-bf16", "layered", "fp16_pure (goyal)"]

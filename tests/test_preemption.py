@@ -11,7 +11,6 @@ import subprocess
 
 import pytest
 import yaml
-
 from conftest import HOROVODRUN, HYBRIDTRAIN, env_with_venv, horovodrun, rank_output, tiny_config
 from test_horovod_training import rank_pids
 

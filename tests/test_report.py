@@ -6,7 +6,6 @@ import os
 
 import pytest
 import yaml
-
 from conftest import HYBRIDTRAIN, assert_one_error_line, run
 
 

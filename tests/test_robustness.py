@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import HYBRIDTRAIN, REPO, assert_one_error_line, env_with_venv, horovodrun, run, tiny_config, venv_without
 
 ROBUSTNESS_DOC = os.path.join(REPO, "docs", "robustness.md")

@@ -5,14 +5,15 @@ import json
 import os
 
 import pytest
-
 from conftest import HYBRIDTRAIN, assert_one_error_line, run
+
 from hybridtrain.errors import UserError
 from hybridtrain.models import create_model
-from hybridtrain.predict import RESNET50_PARAMETERS, ring_allreduce_time
-from hybridtrain.scale import allreduce_intervals, busy_time_us, read_timeline
+from hybridtrain.perf.cluster_model import RESNET50_PARAMETERS, ring_allreduce_time
+from hybridtrain.perf.scaling import allreduce_intervals, busy_time_us, read_timeline
 
-SETS = ["--set", "model.arch=resnet18", "--set", "train.batch_size=4", "--set", "data.crop_size=32"]
+SETS = ["--set", "model.arch=resnet18", "--set", "train.batch_size=4", "--set", "data.crop_size=32",
+        "--set", "optim.name=hybrid", "--set", "data.channels_last=true"]
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +29,7 @@ def test_scale_rows_are_consistent_and_fp16_halves_the_bytes(scale_result):
     out, proc = scale_result
     rows = {(r["world_size"], r["compression"]): r for r in json.loads((out / "scale.json").read_text())["rows"]}
     assert set(rows) == {(1, "fp16"), (2, "fp16"), (1, "none"), (2, "none")}
+    assert all(r["optimizer"] == "hybrid" and r["channels_last"] for r in rows.values())  # the trainer's own step
     params = sum(p.numel() for p in create_model("resnet18", 1000).parameters())  # synthetic: 1000 classes
     assert rows[(2, "none")]["allreduce_bytes_per_step"] == 4 * params  # every gradient, FP32, once per step
     assert rows[(2, "fp16")]["allreduce_bytes_per_step"] == 2 * params  # FP16 compression halves it
@@ -102,3 +104,10 @@ def test_predict_calibrates_on_scale_points_and_reports_the_error(tmp_path):
     two.write_text(json.dumps({"rows": [{"world_size": n, "compression": "fp16", "step_time_s": t}
                                         for n, t in points[:2]]}))
     assert_one_error_line(run([HYBRIDTRAIN, "predict", "--calibrate", str(two)]), "three or more distinct")
+
+
+def test_scale_refuses_what_its_synthetic_trainer_step_cannot_honour(tmp_path):
+    proc = run([HYBRIDTRAIN, "scale", "--config", "configs/demo.yaml", *SETS, "--set", "bn.per_rank_batch=random",
+                "--np", "1", "--out", str(tmp_path / "out")], timeout=300)
+    assert_one_error_line(proc, "bn.per_rank_batch=random needs data.backend=torchvision")
+    assert not (tmp_path / "out" / "scale.json").exists()

@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import HOROVODRUN, HYBRIDTRAIN, REPO, assert_one_error_line, env_with_venv, run
 
 KNOBS_SCRIPT = os.path.join(REPO, "tests", "scripts", "horovod_knobs.py")
@@ -75,13 +74,14 @@ def device():
 def built_step(sets: list[str], seed_step: int = 0):
     """(step() running one scheduled training step, its model) for the config ``SMALL + sets``."""
     import torch
-    from hybridtrain.bench import synthetic_batch
+
     from hybridtrain.config import load_config
+    from hybridtrain.engine.step import Precision, build_train_step
     from hybridtrain.models import create_model
     from hybridtrain.optim import create_optimizer
-    from hybridtrain.precision import create_scaler, prepare_model, resolve_policy, set_fp32_math
-    from hybridtrain.speed import build_train_step
-    from hybridtrain.training import Precision
+    from hybridtrain.perf.step_bench import synthetic_batch
+    from hybridtrain.precision.policy import prepare_model, resolve_policy, set_fp32_math
+    from hybridtrain.precision.scaler import create_scaler
     cfg = load_config(None, SMALL + sets)
     set_fp32_math(cfg.precision.tf32)  # as the trainer: IEEE FP32, not TF32
     policy = resolve_policy(cfg.precision)
@@ -106,7 +106,8 @@ def built_step(sets: list[str], seed_step: int = 0):
 
 def test_the_guard_counts_host_reads():
     import torch
-    from hybridtrain.syncs import count_host_syncs
+
+    from hybridtrain.perf.host_syncs import count_host_syncs
     t = torch.ones(3, device=device())
     assert count_host_syncs(lambda: (t.sum().item(), bool(t.any()), float(t[0])), device()) == 3
     assert count_host_syncs(lambda: torch.nonzero(t), device()) == 1
@@ -122,14 +123,14 @@ def test_the_guard_counts_host_reads():
 def test_the_step_reads_only_the_non_finite_flag(sets):
     """One host read per step, the skip decision (a NaN/inf loss on any rank must skip the step on every rank);
     the optimizers, LARS's trust ratios and the schedule read nothing."""
-    from hybridtrain.syncs import count_host_syncs
+    from hybridtrain.perf.host_syncs import count_host_syncs
     step, _ = built_step(sets, seed_step=10 if "optim.adabound_epochs=1" in sets else 0)
     step()  # first step: the optimizer's state is created
     assert count_host_syncs(step, device()) == 1
 
 
 def test_loss_scaling_is_the_one_host_sync_in_the_step():
-    from hybridtrain.syncs import count_host_syncs
+    from hybridtrain.perf.host_syncs import count_host_syncs
     step, _ = built_step(["precision.mode=mixed", "precision.compute_dtype=fp16"])
     step()
     assert count_host_syncs(step, device()) == 1  # every rank must know whether to skip the step

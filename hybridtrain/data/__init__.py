@@ -1,1 +1,4 @@
-"""Datasets and input pipelines."""
+"""Datasets and input pipelines.
+
+May import: precision, distributed, config, errors (``prepare/``: the offline tools above).
+"""

@@ -15,9 +15,9 @@ import os
 from PIL import Image
 from tqdm import tqdm
 
-from ..errors import UserError
-from ..outputs import check_input_dir, write_text_atomically
-from .folder import ImageList, is_image_file, require_two_classes
+from hybridtrain.data.files import check_input_dir, write_text_atomically
+from hybridtrain.data.folder import ImageList, is_image_file, require_two_classes
+from hybridtrain.errors import UserError
 
 SPLITS = ("train", "val")
 CLEAN_LIST_HINT = ("run 'hybridtrain check-data DATA --write-filelist DIR' and train with data.file_lists=DIR "

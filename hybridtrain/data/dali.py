@@ -41,11 +41,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..distributed import cores_per_rank
-from ..errors import UserError
-from .check import CLEAN_LIST_HINT, decode_error
-from .folder import ImageList
-from .torchvision_loader import IMAGENET_MEAN, IMAGENET_STD
+from hybridtrain.data.check import CLEAN_LIST_HINT, decode_error
+from hybridtrain.data.folder import ImageList
+from hybridtrain.data.torchvision_loader import IMAGENET_MEAN, IMAGENET_STD
+from hybridtrain.distributed.horovod import cores_per_rank
+from hybridtrain.errors import UserError
 
 INSTALL_HINT = "pip install nvidia-dali-cuda130 in the venv (or run ./install.sh)"
 READER_NAME = "reader"

@@ -11,13 +11,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..distributed import cores_per_rank
-from ..errors import UserError
-from ..precision import resolve_policy
-from . import dali, sharding
-from .check import read_filelist
-from .folder import ImageList, scan_dataset
-from .synthetic import SyntheticLoader
+from hybridtrain.data import dali, sharding
+from hybridtrain.data.check import read_filelist
+from hybridtrain.data.folder import ImageList, scan_dataset
+from hybridtrain.data.synthetic import SyntheticLoader
+from hybridtrain.distributed.horovod import cores_per_rank
+from hybridtrain.errors import UserError
+from hybridtrain.precision.policy import resolve_policy
 
 SYNTHETIC_CLASSES = 1000
 
@@ -78,7 +78,7 @@ def create_loaders(cfg, topo) -> Loaders:
     num_classes = resolve_num_classes(cfg, train_set.classes)
     skipped = train_set.skipped_non_images + val_set.skipped_non_images
     if backend == "torchvision":
-        from .torchvision_loader import create_train_loader, create_val_loader
+        from hybridtrain.data.torchvision_loader import create_train_loader, create_val_loader
         workers = cfg.data.workers or cores_per_rank(topo.local_size)
         train = create_train_loader(train_set, cfg, topo.rank, topo.size, workers)
         val = create_val_loader(val_set, cfg, topo.rank, topo.size, workers)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import UserError
+from hybridtrain.errors import UserError
 
 MIN_RANDOM_SHARE = 2  # samples per rank and step when the split is random
 

@@ -23,8 +23,8 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 from torchvision import transforms
 
-from . import sharding
-from .folder import ImageList
+from hybridtrain.data import sharding
+from hybridtrain.data.folder import ImageList
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)

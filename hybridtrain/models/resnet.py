@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import UserError
+from hybridtrain.errors import UserError
 
 
 def conv3x3(c_in: int, c_out: int, stride: int = 1) -> nn.Conv2d:

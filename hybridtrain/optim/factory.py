@@ -11,9 +11,9 @@ from typing import Callable
 
 import torch
 
-from ..errors import UserError
-from . import bounds, schedules
-from .optimizers import HybridOptimizer, LinearScalingAdaBound
+from hybridtrain.errors import UserError
+from hybridtrain.optim import bounds, schedules
+from hybridtrain.optim.optimizers import HybridOptimizer, LinearScalingAdaBound
 
 
 def is_bn_or_bias(name: str, param: torch.nn.Parameter) -> bool:

@@ -20,7 +20,7 @@ import math
 import torch
 from torch.optim import Optimizer
 
-from .kernels import LARS_MODES, adabound_step_, lars_sgd_step_
+from hybridtrain.optim.kernels import LARS_MODES, adabound_step_, lars_sgd_step_
 
 PHASES = ("adabound", "sgd")
 _ADABOUND_STATE_KEYS = ("exp_avg", "exp_avg_sq", "adabound_step")

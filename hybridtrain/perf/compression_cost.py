@@ -44,7 +44,7 @@ def copy_then_cast(grads, wire) -> None:
 
 
 def measure(repeats: int = 5) -> list[tuple[str, float]]:
-    from hybridtrain.distributed import FP16Compression, NoCompression
+    from hybridtrain.distributed.horovod import FP16Compression, NoCompression
     nchw, nhwc = resnet50_gradients(False), resnet50_gradients(True)
     return [("Horovod's FP16 cast, NCHW gradients (reference)", best_ms(lambda: copy_then_cast(nchw, torch.float16),
                                                                         repeats)),

@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..errors import UserError
+from hybridtrain.errors import UserError
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RECIPE = os.path.join("configs", "resnet50_h100.yaml")

@@ -14,10 +14,10 @@ import horovod.torch as hvd
 import numpy as np
 import torch
 
-from hybridtrain.batchnorm import average_running_statistics, batch_norms, configure_batch_norm
 from hybridtrain.config import load_config
-from hybridtrain.distributed import state_digest
+from hybridtrain.distributed.horovod import state_digest
 from hybridtrain.models import create_model
+from hybridtrain.models.batchnorm import average_running_statistics, batch_norms, configure_batch_norm
 
 
 def last_inputs(model):

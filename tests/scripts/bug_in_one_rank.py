@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import sys
 
-from hybridtrain import distributed
 from hybridtrain.cli import run_guarded
+from hybridtrain.distributed import horovod as distributed
 
 
 def work() -> int:

@@ -11,8 +11,8 @@ import sys
 import torch
 from torch import nn
 
-from hybridtrain import distributed
 from hybridtrain.config import load_config
+from hybridtrain.distributed import horovod as distributed
 
 
 def nhwc_model(seed: int) -> nn.Module:

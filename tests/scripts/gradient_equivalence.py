@@ -16,10 +16,12 @@ import torch
 
 from hybridtrain.config import load_config
 from hybridtrain.data.sharding import random_split_sizes
-from hybridtrain.distributed import distributed_optimizer
+from hybridtrain.distributed.horovod import distributed_optimizer
+from hybridtrain.engine.epoch import micro_batch_weight
+from hybridtrain.engine.step import Precision, backward_pass, classification_loss
 from hybridtrain.optim import create_optimizer
-from hybridtrain.precision import create_scaler, resolve_policy
-from hybridtrain.training import Precision, backward_pass, classification_loss, micro_batch_weight
+from hybridtrain.precision.policy import resolve_policy
+from hybridtrain.precision.scaler import create_scaler
 
 FEATURES, CLASSES = 6, 4
 

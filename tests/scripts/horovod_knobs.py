@@ -11,8 +11,8 @@ import time
 
 import torch
 
-from hybridtrain import distributed
 from hybridtrain.config import load_config
+from hybridtrain.distributed import horovod as distributed
 
 ROUNDS, TENSORS = 8, 6
 

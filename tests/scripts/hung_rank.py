@@ -8,9 +8,10 @@ import sys
 
 import torch
 
-from hybridtrain import distributed
 from hybridtrain.cli import run_guarded
 from hybridtrain.config import load_config
+from hybridtrain.distributed import failures
+from hybridtrain.distributed import horovod as distributed
 
 
 def work() -> int:
@@ -22,7 +23,7 @@ def work() -> int:
         distributed.allreduce_sum(torch.ones(3), name="hung")
     except RuntimeError as exc:
         if distributed.is_peer_failure(exc):
-            raise distributed.peer_failure(topo) from None
+            raise failures.peer_failure(topo) from None
         raise
     return 0
 

@@ -11,12 +11,13 @@ import sys
 
 import torch
 
-from hybridtrain import distributed
 from hybridtrain.config import config_from_dict
+from hybridtrain.distributed import horovod as distributed
+from hybridtrain.engine.step import Precision, train_step
 from hybridtrain.errors import UserError
 from hybridtrain.models import create_model
-from hybridtrain.precision import create_scaler, resolve_policy
-from hybridtrain.training import Precision, train_step
+from hybridtrain.precision.policy import resolve_policy
+from hybridtrain.precision.scaler import create_scaler
 
 NAN_STEPS, STEPS = {2, 5, 6, 7}, 10
 

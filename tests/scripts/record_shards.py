@@ -7,9 +7,9 @@ import json
 import os
 import sys
 
-from hybridtrain import distributed
 from hybridtrain.config import load_config
 from hybridtrain.data.loaders import create_loaders
+from hybridtrain.distributed import horovod as distributed
 
 
 def indices_of(loader, epoch: int) -> list[list[int]]:

@@ -12,11 +12,12 @@ import sys
 
 import torch
 
-from hybridtrain import distributed
 from hybridtrain.config import config_from_dict
+from hybridtrain.distributed import horovod as distributed
+from hybridtrain.engine.step import Precision, train_step
 from hybridtrain.models import create_model
-from hybridtrain.precision import LossScaler, resolve_policy
-from hybridtrain.training import Precision, train_step
+from hybridtrain.precision.policy import resolve_policy
+from hybridtrain.precision.scaler import LossScaler
 
 INF_STEP, STEPS, GROWTH = 2, 7, 3
 

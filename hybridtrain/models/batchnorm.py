@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import distributed
+from hybridtrain.distributed import horovod as distributed
 
 
 def batch_norms(model: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
@@ -101,7 +101,9 @@ def pooled_statistics(bns: list) -> tuple[list[torch.Tensor], list[torch.Tensor]
     """The exact pooled mean and unbiased variance (module docstring), in two FP32 sum all-reduces."""
     counts = [float(bn.last_count) for bn in bns]
     sizes = [bn.running_mean.numel() for bn in bns]
-    local = torch.cat([m * bn.running_mean.float() for m, bn in zip(counts, bns)] + [torch.tensor(counts, device=bns[0].running_mean.device)])
+    device = bns[0].running_mean.device
+    weighted = [m * bn.running_mean.float() for m, bn in zip(counts, bns)]
+    local = torch.cat(weighted + [torch.tensor(counts, device=device)])
     total = distributed.allreduce_sum(local, "bn_pooled_means")
     grand = total[-len(bns):]  # M per layer
     means = [s / big_m for s, big_m in zip(torch.split(total[:-len(bns)], sizes), grand)]  # mu = sum m_r mu_r / M

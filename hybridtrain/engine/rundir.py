@@ -18,8 +18,8 @@ import socket
 import time
 import uuid
 
-from .config import check_run_dir
-from .errors import UserError
+from hybridtrain.config import check_run_dir
+from hybridtrain.errors import UserError
 
 MARKER = "run.json"
 LOCK = ".lock"

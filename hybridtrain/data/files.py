@@ -26,7 +26,7 @@ import shutil
 import tempfile
 from contextlib import contextmanager
 
-from .errors import UserError
+from hybridtrain.errors import UserError
 
 PARTIAL_MARKER = ".hybridtrain-partial"
 

@@ -1,8 +1,9 @@
 """``hybridtrain scale``: the synthetic-data training benchmark at several rank counts, through horovodrun.
 
 Each (ranks, compression) row launches ``horovodrun --gloo -np N`` with Horovod's timeline on, and every
-rank runs ``warmup`` then ``steps`` training steps of the config's model, per-rank batch and precision on a
-fixed random batch, one torch thread per rank (so 1 and 2 ranks on a 2-core machine compare fairly). From
+rank runs ``warmup`` then ``steps`` of the trainer's own training steps (``engine.trainer.build_trainer``: the
+config's model, layout, optimizer and schedule, precision, compile and CUDA graphs) on the synthetic backend's
+fixed batch, one torch thread per rank (so 1 and 2 ranks on a 2-core machine compare fairly). From
 each row: global img/s, efficiency against the 1-rank row of the same compression (the paper's
 actual / (N x S1)), and from the timeline the bytes all-reduced per step (each ALLREDUCE's dtype x shape)
 and the time per step during which an all-reduce was running (the union of the ALLREDUCE intervals, so
@@ -19,50 +20,56 @@ import time
 
 import numpy as np
 
-from .distributed import venv_tool
-from .errors import UserError
+from hybridtrain.distributed.horovod import venv_tool
+from hybridtrain.errors import UserError
 
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 
 
 # ----------------------------------------------------------------------------- one rank (under horovodrun)
 
+def measured_config(config: str, overrides: list[str], compression: str | None = None):
+    """The recipe as scale measures it: the trainer's own step (optimizer, schedule, layout, precision, compile,
+    graphs) on the synthetic backend's fixed batch, one torch thread per rank; a key the synthetic step cannot
+    honour (e.g. bn.per_rank_batch=random) is refused here in one line."""
+    from hybridtrain.config import load_config
+    sets = list(overrides) + ["data.backend=synthetic", "data.file_lists=", "train.threads=1"]
+    return load_config(config, sets + ([f"horovod.compression={compression}"] if compression else []))
+
+
 def worker(config: str, overrides: list[str], compression: str, steps: int, warmup: int, out: str) -> None:
-    import torch
+    from hybridtrain.distributed import horovod as distributed
+    from hybridtrain.engine.epoch import micro_batch_weight
+    from hybridtrain.engine.trainer import build_trainer
 
-    from . import distributed
-    from .config import load_config
-    from .models import model_from_config
-    from .precision import create_scaler, gradient_compression, prepare_model, resolve_policy
-    from .training import Precision, train_step
+    cfg = measured_config(config, overrides, compression)
+    topo = distributed.init(1, cfg.horovod, device=cfg.train.device)
+    t = build_trainer(cfg, topo)
+    distributed.broadcast_model(t.model)
+    images, labels, _ = next(iter(t.data.train))
+    weight = micro_batch_weight(labels.numel(), cfg.train.batch_size, t.k)
 
-    cfg = load_config(config, overrides + [f"horovod.compression={compression}"])
-    topo = distributed.init(threads=1, horovod_cfg=cfg.horovod)
-    policy = resolve_policy(cfg.precision)
-    classes = cfg.model.num_classes or 1000
-    model = prepare_model(model_from_config(cfg.model, classes, seed=cfg.seed).to(topo.device), policy)
-    distributed.broadcast_model(model)
-    optimizer = distributed.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
-                                                  model, cfg.horovod,
-                                                  compression=gradient_compression(compression, policy))
-    precision = Precision(policy, create_scaler(cfg.precision, policy))
-    generator = torch.Generator().manual_seed(topo.rank)
-    b, size = cfg.train.batch_size, cfg.data.crop_size
-    images = torch.randn(b, 3, size, size, generator=generator).to(topo.device, policy.input_dtype)
-    labels = torch.randint(classes, (b,), generator=generator).to(topo.device)
-    for _ in range(warmup):
-        train_step(model, optimizer, precision, images, labels)
+    def train_step(step: int) -> None:  # what train_one_epoch does for one optimizer step
+        t.bundle.apply_schedule(step)
+        t.bundle.optimizer.zero_grad()
+        for _ in range(t.k):
+            t.passes.backward_pass(t.precision, images, labels, weight)
+        t.precision.scaler.step(t.bundle.optimizer)
+    for step in range(warmup):
+        train_step(step)
     distributed.barrier()  # start the clock together
     start = time.perf_counter()
-    for _ in range(steps):
-        train_step(model, optimizer, precision, images, labels)
+    for step in range(warmup, warmup + steps):
+        train_step(step)
     distributed.barrier()
     elapsed = time.perf_counter() - start
     if topo.is_root:
+        b = cfg.train.batch_size * t.k
         record = {"world_size": topo.size, "compression": compression, "steps": steps, "warmup": warmup,
                   "batch_per_rank": b, "step_time_s": elapsed / steps,
                   "images_per_sec": topo.size * b * steps / elapsed,
-                  "parameters": sum(p.numel() for p in model.parameters()),
+                  "parameters": sum(p.numel() for p in t.model.parameters()), "optimizer": cfg.optim.name,
+                  "channels_last": cfg.data.channels_last, "precision": cfg.precision.mode,
                   "fusion_threshold_mb": cfg.horovod.fusion_threshold_mb, "cycle_time_ms": cfg.horovod.cycle_time_ms,
                   "autotune": cfg.horovod.autotune}
         with open(out, "w") as fh:
@@ -135,7 +142,7 @@ def launch(config: str, overrides: list[str], n: int, compression: str, steps: i
         if os.path.exists(stale):
             os.remove(stale)
     cmd = [horovodrun, "--gloo", "-np", str(n), "-H", f"localhost:{n}", "--timeline-filename", timeline,
-           sys.executable, "-m", "hybridtrain.scale", config, compression, str(steps), str(warmup), record_path,
+           sys.executable, "-m", "hybridtrain.perf.scaling", config, compression, str(steps), str(warmup), record_path,
            *overrides]
     print("+ " + " ".join(cmd), flush=True)
     proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -153,8 +160,8 @@ def launch(config: str, overrides: list[str], n: int, compression: str, steps: i
 
 def run_scale(config: str, overrides: list[str], counts: list[int], compressions: list[str], steps: int,
               warmup: int, out: str, oversubscribe: bool = False) -> list[dict]:
-    from .config import load_config
-    load_config(config, overrides)  # a bad recipe fails here, before any launch
+    for compression in compressions:  # a bad recipe, or one the synthetic step cannot honour, fails before any launch
+        measured_config(config, overrides, compression)
     if steps < 1 or warmup < 0:
         raise UserError("--steps must be >= 1 and --warmup >= 0")
     if counts[-1] > available_slots() and not oversubscribe:
@@ -181,10 +188,13 @@ def run_scale(config: str, overrides: list[str], counts: list[int], compressions
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = ["| N | compression | img/s | ideal img/s | efficiency | step ms | all-reduce ms/step | MB all-reduced/step |",
+    lines = ["| N | compression | img/s | ideal img/s | efficiency | step ms | all-reduce ms/step | "
+             "MB all-reduced/step |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    lines += [f"| {r['world_size']} | {r['compression']} | {r['images_per_sec']:.1f} | {r['ideal_images_per_sec']:.1f} | "
-              f"{100 * r['efficiency']:.1f}% | {1000 * r['step_time_s']:.1f} | {1000 * r['allreduce_time_per_step_s']:.1f} | "
+    lines += [f"| {r['world_size']} | {r['compression']} | {r['images_per_sec']:.1f} | "
+              f"{r['ideal_images_per_sec']:.1f} | "
+              f"{100 * r['efficiency']:.1f}% | {1000 * r['step_time_s']:.1f} | "
+              f"{1000 * r['allreduce_time_per_step_s']:.1f} | "
               f"{r['allreduce_bytes_per_step'] / 1e6:.2f} |" for r in rows]
     return "\n".join(lines)
 
@@ -208,7 +218,8 @@ def plot_scale(rows: list[dict], path: str) -> str:
     return path
 
 
-if __name__ == "__main__":  # one rank of a row: python -m hybridtrain.scale CONFIG COMPRESSION STEPS WARMUP OUT [SETS]
-    from .errors import run_guarded
+# one rank of a row: python -m hybridtrain.perf.scaling CONFIG COMPRESSION STEPS WARMUP OUT [SETS]
+if __name__ == "__main__":
+    from hybridtrain.errors import run_guarded
     sys.exit(run_guarded(lambda: worker(sys.argv[1], sys.argv[6:], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]),
                                         sys.argv[5])))

@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from .errors import UserError
+from hybridtrain.errors import UserError
 
 
 @dataclass
@@ -69,7 +69,7 @@ def memory_budget_mb(total_mb: float, margin: float, headroom_mb: float = TRAINI
 
 def run_trial(cfg_for, batch: int, margin: float, steps: int, warmup: int) -> Trial:
     """One batch size: a timed ``bench`` trainer row, or the reason it does not fit."""
-    from .bench import bench_device, trainer_row
+    from hybridtrain.perf.step_bench import bench_device, trainer_row
     device = bench_device()
     budget_mb = memory_budget_mb(torch.cuda.get_device_properties(device).total_memory / 2 ** 20, margin)
     try:

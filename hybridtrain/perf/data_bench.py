@@ -12,10 +12,10 @@ import time
 
 from tqdm import tqdm
 
-from ..config import config_from_dict
-from ..distributed import Topology, cores_per_rank
-from ..errors import UserError
-from .loaders import create_loaders
+from hybridtrain.config import config_from_dict
+from hybridtrain.data.loaders import create_loaders
+from hybridtrain.distributed.horovod import Topology, cores_per_rank
+from hybridtrain.errors import UserError
 
 
 def batches_forever(loader):

@@ -9,9 +9,9 @@ from __future__ import annotations
 import os
 import shutil
 
-from ..errors import UserError
-from ..outputs import check_input_dir, check_input_file, finish_partial, start_partial
-from .folder import is_image_file
+from hybridtrain.data.files import check_input_dir, check_input_file, finish_partial, start_partial
+from hybridtrain.data.folder import is_image_file
+from hybridtrain.errors import UserError
 
 CSV_HEADER = "ImageId,PredictionString"
 

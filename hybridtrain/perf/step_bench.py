@@ -22,16 +22,16 @@ import time
 import torch
 from tqdm import tqdm
 
-from .config import load_config
-from .distributed import cores_per_rank
-from .errors import UserError
-from .models import model_from_config
-from .optim import create_optimizer
-from .precision import (check_hardware, create_scaler, memory_figures, prepare_model, reset_peak_memory, resolve_policy,
-                        set_fp32_math)
-from .speed import build_train_step, check_speedups
-from .syncs import count_host_syncs
-from .training import Precision
+from hybridtrain.config import load_config
+from hybridtrain.distributed.horovod import cores_per_rank
+from hybridtrain.engine.memory import memory_figures, reset_peak_memory
+from hybridtrain.engine.step import Precision, build_train_step, check_speedups
+from hybridtrain.errors import UserError
+from hybridtrain.models import model_from_config
+from hybridtrain.optim import create_optimizer
+from hybridtrain.perf.host_syncs import count_host_syncs
+from hybridtrain.precision.policy import check_hardware, prepare_model, resolve_policy, set_fp32_math
+from hybridtrain.precision.scaler import create_scaler
 
 STEPS_PER_EPOCH = 100  # what the optimizer's schedule assumes; the bench runs inside the first epoch(s)
 

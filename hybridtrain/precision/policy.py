@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .errors import UserError
-from .models.resnet import STAGES
+from hybridtrain.errors import UserError
+from hybridtrain.models.resnet import STAGES
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
 STAGE_MODULES = {"stem": ("conv1", "bn1"), "fc": ("fc",)}  # the others are the module of the same name
@@ -58,7 +58,8 @@ def resolve_policy(p) -> Policy:
     elif p.mode == "mixed":
         policy = Policy("mixed", torch.float32, compute if compute == torch.float16 else torch.float32, compute)
     elif p.mode == "layered":
-        policy = Policy("layered", torch.float32, torch.float32, stage_dtypes={s: DTYPES[d] for s, d in p.layers.items()})
+        stages = {s: DTYPES[d] for s, d in p.layers.items()}
+        policy = Policy("layered", torch.float32, torch.float32, stage_dtypes=stages)
     else:
         policy = Policy("fp16_pure", torch.float16, torch.float16)
     uses_fp16 = torch.float16 in {policy.param_dtype, policy.autocast_dtype, *policy.stage_dtypes.values()}
@@ -143,129 +144,7 @@ def forward_context(policy: Policy, device: torch.device):
 
 # ----------------------------------------------------------------------------- loss scaling
 
-class LossScaler:
-    """Static or dynamic loss scaling around a Horovod DistributedOptimizer (or a plain optimizer)."""
-
-    def __init__(self, mode: str, scale: float, growth_interval: int, max_consecutive_overflows: int):
-        self.mode, self.growth_interval, self.max_overflows = mode, growth_interval, max_consecutive_overflows
-        self.scale = float(scale) if mode != "none" else 1.0
-        self.clean_steps = 0
-        self.consecutive_overflows = 0
-        self.skipped_steps = 0  # over the whole run
-        self.device_scale: torch.Tensor | None = None  # S on the loss's device, kept equal to self.scale
-
-    def backward(self, loss: torch.Tensor) -> None:
-        (loss * self.scale_on(loss.device) if self.mode != "none" else loss).backward()
-
-    def scale_on(self, device: torch.device) -> torch.Tensor:
-        """S as a device tensor updated in place, so a CUDA graph that captured ``loss * S`` replays the current S."""
-        if self.device_scale is None or self.device_scale.device != device:
-            self.device_scale = torch.full((), self.scale, dtype=torch.float32, device=device)
-        return self.device_scale
-
-    def set_scale(self, scale: float) -> None:
-        self.scale = scale
-        if self.device_scale is not None:
-            self.device_scale.fill_(scale)
-
-    def step(self, optimizer) -> bool:
-        """Synchronize (Horovod), unscale, step unless a gradient is not finite, update S; True if stepped.
-
-        The check runs in every mode: the gradients are averaged over the ranks, so a NaN or inf loss on any
-        rank makes every rank skip the same step, and no rank goes on alone."""
-        synchronizing = hasattr(optimizer, "synchronize")
-        if synchronizing:
-            optimizer.synchronize()  # the all-reduce of the (scaled) gradients
-        finite = self.unscale(optimizer)
-        if finite:
-            with optimizer.skip_synchronize() if synchronizing else contextlib.nullcontext():
-                optimizer.step()
-        self.update(finite)
-        return finite
-
-    def unscale(self, optimizer) -> bool:
-        """g <- g / S for every gradient; True when all are finite. Unscaled (S = 1), only the optimizer's last
-        gradient is checked, the classifier's bias: a NaN or inf loss on any rank reaches it, and the check
-        then costs nothing next to the step."""
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        if not grads:
-            return True
-        if self.mode == "none":
-            grads = grads[-1:]
-        found_inf = torch.zeros(1, device=grads[0].device)
-        inv_scale = torch.full((1,), 1.0 / self.scale, device=grads[0].device)
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)  # one multi-tensor pass
-        return not bool(found_inf)  # the step's one host sync: every rank must know whether to skip
-
-    def update(self, finite: bool) -> None:
-        """Dynamic: S <- S/2 on overflow, S <- 2S after ``growth_interval`` clean steps in a row."""
-        if finite:
-            self.consecutive_overflows = 0
-            self.clean_steps += 1
-            if self.mode == "dynamic" and self.clean_steps >= self.growth_interval:
-                self.set_scale(self.scale * 2.0)
-                self.clean_steps = 0
-            return
-        self.skipped_steps += 1
-        self.consecutive_overflows += 1
-        self.clean_steps = 0
-        if self.mode == "dynamic":
-            self.set_scale(max(self.scale * 0.5, 2.0 ** -24))
-        if self.consecutive_overflows >= self.max_overflows:
-            scale = f" (loss scale now {self.scale:g})" if self.mode != "none" else ""
-            raise UserError(f"{self.consecutive_overflows} steps in a row had a NaN or inf loss or gradient on some "
-                            f"rank{scale}: the run is diverging (or the data holds NaN); lower optim.lr, use "
-                            f"precision.mode=mixed or fp32, or raise precision.max_consecutive_overflows; the last "
-                            f"checkpoint is intact")
-
-    def state_dict(self) -> dict:
-        return {"scale": self.scale, "clean_steps": self.clean_steps,
-                "consecutive_overflows": self.consecutive_overflows, "skipped_steps": self.skipped_steps}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.set_scale(float(state["scale"]))
-        self.clean_steps = int(state["clean_steps"])
-        self.consecutive_overflows, self.skipped_steps = int(state["consecutive_overflows"]), int(state["skipped_steps"])
-
-
-def create_scaler(p, policy: Policy) -> LossScaler:
-    return LossScaler(policy.loss_scaling, p.loss_scale, p.growth_interval, p.max_consecutive_overflows)
-
 
 # ----------------------------------------------------------------------------- memory
 
-def reset_peak_memory(device: torch.device) -> None:
-    """Start a new peak: the CUDA allocator's, or the process's peak RSS (Linux clear_refs)."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return
-    with contextlib.suppress(OSError):
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
 
-
-def peak_memory_mb(device: torch.device) -> float:
-    """Max allocated on the GPU, or peak RSS (VmHWM) on the CPU, in MiB since the last reset."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2 ** 20
-    with contextlib.suppress(OSError):
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def memory_figures(device: torch.device) -> dict[str, float | None]:
-    """Peak memory since the last reset, in MiB: allocated by tensors (a CUDA graph's private pool is not
-    counted there), reserved by torch's caching allocator (graph pools and fragmentation included), and in use
-    on the whole device now (CUDA context, NCCL buffers, DALI's decoder pools and other processes included).
-    On the CPU: the peak RSS, and no reserved or device figure."""
-    figures = {"peak_memory_mb": peak_memory_mb(device), "peak_memory_reserved_mb": None,
-               "device_memory_used_mb": None}
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        figures["peak_memory_reserved_mb"] = torch.cuda.max_memory_reserved(device) / 2 ** 20
-        figures["device_memory_used_mb"] = (total - free) / 2 ** 20
-    return figures

@@ -23,13 +23,15 @@ from __future__ import annotations
 
 import os
 import shutil
+from dataclasses import dataclass
 from functools import partial
 
 import torch
+import torch.nn.functional as F
 
-from .errors import UserError
-from .precision import forward_context
-from .training import EagerPasses, classification_loss, train_step
+from hybridtrain.errors import UserError
+from hybridtrain.precision.policy import Policy, forward_context
+from hybridtrain.precision.scaler import LossScaler
 
 
 def missing_compiler(device: torch.device) -> str | None:
@@ -142,3 +144,43 @@ def build_train_step(model, cfg, precision, batch: tuple[torch.Tensor, torch.Ten
     """``step(optimizer, precision, images, labels) -> (loss, logits)``: one whole step, for ``bench``."""
     passes = build_passes(model, cfg, precision, batch)
     return passes if isinstance(passes, GraphedStep) else partial(train_step, passes.model)
+
+
+@dataclass
+class Precision:
+    """The resolved precision policy and the loss scaler, as the step needs them."""
+    policy: Policy
+    scaler: LossScaler
+
+
+def classification_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Softmax cross-entropy in FP32 (FP64 in fp64 mode) whatever the compute dtype (paper 2.2.2, item 2)."""
+    return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), labels, reduction=reduction)
+
+
+def backward_pass(model, precision: Precision, images, labels,
+                  weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward (in the policy's precision), FP32 loss, scaled and weighted backward; gradients accumulate."""
+    with forward_context(precision.policy, images.device):
+        logits = model(images)
+    loss = classification_loss(logits, labels)
+    precision.scaler.backward(loss * weight if weight != 1.0 else loss)
+    return loss.detach(), logits.detach()
+
+
+def train_step(model, optimizer, precision: Precision, images, labels) -> tuple[torch.Tensor, torch.Tensor]:
+    """One pass, one update: backward, all-reduce, step unless the gradients overflowed."""
+    optimizer.zero_grad()
+    loss, logits = backward_pass(model, precision, images, labels)
+    precision.scaler.step(optimizer)
+    return loss, logits
+
+
+class EagerPasses:
+    """Forward and backward passes of ``model`` (compiled or not), run as written."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def backward_pass(self, precision: Precision, images, labels, weight: float = 1.0):
+        return backward_pass(self.model, precision, images, labels, weight)

@@ -27,15 +27,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import checkpoint, distributed
-from .config import Config, save_config
-from .data.loaders import create_loaders
-from .data.torchvision_loader import close_loader
-from .errors import UserError
-from .optim import create_schedule
-from .train import (ProgressBar, Trainer, build_trainer, checkpoint_state, end_epoch, finish, log, log_setup,
-                    resume_state, tensorboard_writer, truncate_metrics)
-from .training import EpochProgress, train_one_epoch, warmup_steps
+from hybridtrain.config import Config, save_config
+from hybridtrain.data.loaders import create_loaders
+from hybridtrain.data.torchvision_loader import close_loader
+from hybridtrain.distributed import horovod as distributed
+from hybridtrain.engine import checkpoint
+from hybridtrain.engine.epoch import EpochProgress, train_one_epoch, warmup_steps
+from hybridtrain.engine.loop import end_epoch, finish
+from hybridtrain.engine.records import log_setup
+from hybridtrain.engine.resume import checkpoint_state, resume_state
+from hybridtrain.engine.telemetry import ProgressBar, log, tensorboard_writer, truncate_metrics
+from hybridtrain.engine.trainer import Trainer, build_trainer
+from hybridtrain.errors import UserError
+from hybridtrain.optim import create_schedule
 
 LAUNCH_HINT = ("horovodrun -np N --min-np A --max-np B --host-discovery-script SCRIPT hybridtrain train --elastic "
                "--config FILE")
@@ -50,7 +54,8 @@ def check_elastic(cfg: Config) -> None:
         raise UserError(f"--elastic re-shards the data when ranks change, which data.backend={cfg.data.backend} "
                         f"cannot do yet: use data.backend=torchvision, or drop --elastic")
     knobs = distributed.horovod_environment(cfg.horovod)
-    if not any(distributed.same_setting(knobs[name], default) for name, default in distributed.HOROVOD_DEFAULTS.items()):
+    defaults = distributed.HOROVOD_DEFAULTS.items()
+    if not any(distributed.same_setting(knobs[name], default) for name, default in defaults):
         raise UserError("--elastic with both horovod.fusion_threshold_mb and horovod.cycle_time_ms changed crashes "
                         "Horovod 0.28.1 when ranks change: keep one of them at its default (128, 1.0)")
     if cfg.bn.per_rank_batch != "fixed":

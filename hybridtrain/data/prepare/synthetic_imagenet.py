@@ -15,9 +15,9 @@ import os
 import numpy as np
 from PIL import Image, ImageDraw
 
-from ..errors import UserError
-from ..outputs import start_partial
-from .digits import _check_target, _counts, publish
+from hybridtrain.data.files import start_partial
+from hybridtrain.data.prepare.digits import _check_target, _counts, publish
+from hybridtrain.errors import UserError
 
 SHAPES = ("ellipse", "rectangle", "triangle", "diamond")
 SPLITS = ("train", "val")

@@ -20,7 +20,7 @@ import warnings
 
 import torch
 
-from .errors import UserError
+from hybridtrain.errors import UserError
 
 PATTERN = "checkpoint-epoch{epoch:04d}.pt"
 STOPPED_PATTERN = "checkpoint-epoch{epoch:04d}-step{step:06d}.pt"  # a preempted epoch, after ``step`` steps

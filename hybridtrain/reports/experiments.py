@@ -11,11 +11,11 @@ import os
 import re
 import subprocess
 
-from .config import load_config
-from .distributed import venv_tool
-from .errors import UserError
-from .metrics import convergence_epoch
-from .reporting import load_run
+from hybridtrain.config import load_config
+from hybridtrain.distributed.horovod import venv_tool
+from hybridtrain.errors import UserError
+from hybridtrain.reports.paper_metrics import convergence_epoch
+from hybridtrain.reports.report import load_run
 
 
 def optimizer_rows(cfg) -> list[tuple[str, list[str]]]:

@@ -12,7 +12,7 @@ import signal
 
 import torch
 
-from .distributed import import_horovod
+from hybridtrain.distributed.horovod import import_horovod
 
 
 class PreemptionWatch:

@@ -34,7 +34,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from . import metrics
+from hybridtrain.reports import paper_metrics as metrics
 
 RESNET50_PARAMETERS = 25_557_032  # torchvision ResNet-50 (1000 classes), the paper's Table 3.1 model
 IMAGENET_TRAIN_IMAGES = 1_281_167  # ILSVRC-2012 training set ("1.28 million" in section 3.1)

@@ -5,21 +5,14 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from . import distributed
-from .batchnorm import RunningStatsGuard
-from .data.check import CLEAN_LIST_HINT
-from .data.torchvision_loader import UnreadableImage
-from .errors import UserError
-from .precision import LossScaler, Policy, forward_context
-
-
-@dataclass
-class Precision:
-    """The resolved precision policy and the loss scaler, as the step needs them."""
-    policy: Policy
-    scaler: LossScaler
+from hybridtrain.data.check import CLEAN_LIST_HINT
+from hybridtrain.data.torchvision_loader import UnreadableImage
+from hybridtrain.distributed import horovod as distributed
+from hybridtrain.engine.step import EagerPasses, Precision, classification_loss
+from hybridtrain.errors import UserError
+from hybridtrain.models.batchnorm import RunningStatsGuard
+from hybridtrain.precision.policy import Policy, forward_context
 
 
 @dataclass
@@ -53,11 +46,6 @@ class EvalResult:
     count: int
 
 
-def classification_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    """Softmax cross-entropy in FP32 (FP64 in fp64 mode) whatever the compute dtype (paper 2.2.2, item 2)."""
-    return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), labels, reduction=reduction)
-
-
 def topk_correct(logits: torch.Tensor, labels: torch.Tensor, ks=(1, 5)) -> list[torch.Tensor]:
     k_max = min(max(ks), logits.shape[1])
     top = logits.topk(k_max, dim=1).indices
@@ -79,33 +67,6 @@ def micro_batch_weight(samples: int, batch_size: int, accumulation_steps: int) -
     of the global batch, (1/N) sum_r sum_j w_rj L_rj = (1/(k N b)) sum_{r,j} n_rj L_rj. It is 1 for fixed
     batches without accumulation, 1/k with accumulation, and n_r/b for random per-rank batches."""
     return samples / (batch_size * accumulation_steps)
-
-
-def backward_pass(model, precision: Precision, images, labels, weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward (in the policy's precision), FP32 loss, scaled and weighted backward; gradients accumulate."""
-    with forward_context(precision.policy, images.device):
-        logits = model(images)
-    loss = classification_loss(logits, labels)
-    precision.scaler.backward(loss * weight if weight != 1.0 else loss)
-    return loss.detach(), logits.detach()
-
-
-def train_step(model, optimizer, precision: Precision, images, labels) -> tuple[torch.Tensor, torch.Tensor]:
-    """One pass, one update: backward, all-reduce, step unless the gradients overflowed."""
-    optimizer.zero_grad()
-    loss, logits = backward_pass(model, precision, images, labels)
-    precision.scaler.step(optimizer)
-    return loss, logits
-
-
-class EagerPasses:
-    """Forward and backward passes of ``model`` (compiled or not), run as written."""
-
-    def __init__(self, model):
-        self.model = model
-
-    def backward_pass(self, precision: Precision, images, labels, weight: float = 1.0):
-        return backward_pass(self.model, precision, images, labels, weight)
 
 
 def warmup_steps(first_epoch_of_process: bool, updates_per_epoch: int, steps: int = 3) -> int:
@@ -158,7 +119,8 @@ def train_one_epoch(model, bundle, precision: Precision, loader, epoch: int, upd
             bundle.apply_schedule(epoch * updates_per_epoch + first_step + i // k)
             bundle.optimizer.zero_grad()
             bn_guard.save()
-        loss, logits = passes.backward_pass(precision, images, labels, micro_batch_weight(labels.numel(), batch_size, k))
+        weight = micro_batch_weight(labels.numel(), batch_size, k)
+        loss, logits = passes.backward_pass(precision, images, labels, weight)
         step_ends = (i + 1) % k == 0
         if step_ends and not precision.scaler.step(bundle.optimizer):
             bn_guard.restore()

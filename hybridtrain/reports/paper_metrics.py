@@ -55,7 +55,8 @@ def scaling_efficiency(actual_speed: float, single_gpu_speed: float, world_size:
 
 
 def scaling_efficiency_from_times(comm_time: float, compute_time: float) -> float:
-    """GPU scaling efficiency from per-GPU times (section 3.2.2); ``comm_time`` is the communication not hidden by compute."""
+    """GPU scaling efficiency from per-GPU times (section 3.2.2); ``comm_time`` is the communication not hidden by
+    compute."""
     if not (isinstance(comm_time, numbers.Real) and math.isfinite(comm_time) and comm_time >= 0):
         raise ValueError(f"comm_time must be a finite number >= 0, got {comm_time!r}")
     _require_positive("compute_time", compute_time)

@@ -10,9 +10,9 @@ import json
 import os
 from dataclasses import replace
 
-from . import predict
-from .errors import UserError
-from .outputs import atomic_path, check_image_format, check_input_file, check_output_file
+from hybridtrain.data.files import atomic_path, check_image_format, check_input_file, check_output_file
+from hybridtrain.errors import UserError
+from hybridtrain.perf import cluster_model as predict
 
 GB = 1e9
 

@@ -12,56 +12,21 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 
 import yaml
 
-from . import metrics
-from .errors import UserError
+from hybridtrain.engine.telemetry import RECORD_FIGURES, epoch_line, read_metrics  # noqa: F401  (epoch_line: part of this API)
+from hybridtrain.errors import UserError
+from hybridtrain.reports import paper_metrics as metrics
 
 HEADLINE_KEYS = ("convergence_epoch", "actual_training_time_s", "actual_avg_single_gpu_time_s", "single_gpu_speed",
                  "scaling_efficiency", "final_top1", "final_top5", "images_per_sec", "world_size")
 
 
-def epoch_line(r: dict, epochs: int) -> str:
-    scale = f"  scale {r['loss_scale']:g}" if r.get("loss_scale", 1.0) != 1.0 else ""
-    skipped = f"  skipped {r['skipped_steps']}" if r.get("skipped_steps") else ""
-    return (f"epoch {r['epoch']:>3}/{epochs}  train_loss {r['train_loss']:.4f}  val_loss {r['val_loss']:.4f}  "
-            f"train_top1 {r['train_top1']:.4f}  top1 {r['val_top1']:.4f}  top5 {r['val_top5']:.4f}  lr {r['lr']:.4g}  "
-            f"{r['images_per_sec']:.0f} img/s  {r['epoch_time_s']:.1f}s{scale}{skipped}")
+
 
 
 # ----------------------------------------------------------------------------- reading a run
-
-# What a record needs to be reported at all, and what older versions' records may lack (reported as NaN)
-RECORD_REQUIRED = ("epoch", "val_top1")
-RECORD_FIGURES = ("train_loss", "train_top1", "val_loss", "val_top5", "lr", "epoch_time_s", "train_time_s",
-                  "images_per_sec", "samples_seen", "wall_time_s")
-
-
-def read_metrics(path: str) -> list[dict]:
-    """The records of a metrics.jsonl. A record cut short by a kill (the last line) is dropped with a warning;
-    a damaged line elsewhere is one error line."""
-    if not os.path.exists(path):
-        return []
-    with open(path, errors="replace") as fh:
-        lines = [line for line in fh.read().splitlines() if line.strip()]
-    records = []
-    for number, line in enumerate(lines, 1):
-        try:
-            record = json.loads(line)
-            if not isinstance(record, dict) or any(key not in record for key in RECORD_REQUIRED):
-                raise ValueError(f"a record needs {', '.join(RECORD_REQUIRED)}")
-        except ValueError as exc:
-            if number == len(lines):
-                print(f"hybridtrain: warning: {path}: dropping its last line, which is cut short or damaged "
-                      f"({str(exc)[:80]}); a resumed run writes that epoch again", file=sys.stderr)
-                break
-            raise UserError(f"{path} line {number} is not a metrics record ({str(exc)[:80]}): remove that line "
-                            f"or restore the file") from None
-        records.append(record)
-    return records
-
 
 def load_run(run_dir: str) -> tuple[dict, list[dict]]:
     """The resolved config and the per-epoch records of a run directory."""
@@ -250,13 +215,15 @@ def plot_run(history: list[dict], out_dir: str) -> list[str]:
         paths.append(path)
 
     fig = Figure(figsize=(10, 4))
-    for ax, x, label in ((fig.add_subplot(1, 2, 1), epochs, "epoch"), (fig.add_subplot(1, 2, 2), wall, "wall time (min)")):
+    panels = ((fig.add_subplot(1, 2, 1), epochs, "epoch"), (fig.add_subplot(1, 2, 2), wall, "wall time (min)"))
+    for ax, x, label in panels:
         ax.plot(x, [r["val_top1"] for r in history], marker="o", label="val top-1")
         ax.plot(x, [r["val_top5"] for r in history], marker="s", label="val top-5")
         ax.set(xlabel=label, ylabel="accuracy")
         ax.legend()
     save(fig, "accuracy.png")
-    for name, key, ylabel in (("throughput.png", "images_per_sec", "images/s (global)"), ("lr.png", "lr", "learning rate")):
+    plots = (("throughput.png", "images_per_sec", "images/s (global)"), ("lr.png", "lr", "learning rate"))
+    for name, key, ylabel in plots:
         fig = Figure(figsize=(5, 3.5))
         ax = fig.add_subplot(1, 1, 1)
         ax.plot(epochs, [r[key] for r in history], marker="o")

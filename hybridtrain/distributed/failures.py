@@ -1,0 +1,41 @@
+"""Naming a rank that died or hung, from the (host, pid, GPU) table gathered at init."""
+from __future__ import annotations
+
+import socket
+
+from hybridtrain.errors import PeerFailure, UserError, is_peer_failure, launcher_rank  # noqa: F401  (re-exported)
+
+
+def process_alive(pid: int) -> bool:
+    """A running process (a zombie that its launcher has not reaped yet counts as dead)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def departed(topo) -> tuple[list[int], list[int]]:
+    """(ranks on this host whose process is gone, ranks on this host still alive), from ``topo.peers``."""
+    host = socket.gethostname()
+    local = [(rank, pid) for rank, (h, pid, *_) in enumerate(topo.peers) if h == host]  # (host, pid, GPU id)
+    return ([rank for rank, pid in local if not process_alive(pid)],
+            [rank for rank, pid in local if process_alive(pid)])
+
+
+def peer_failure(topo) -> PeerFailure:
+    """The one line a surviving rank prints: which rank died (when it ran on this host) and how to resume."""
+    gone, alive = departed(topo) if topo.peers else ([], [topo.rank])
+    host = socket.gethostname()
+    if gone:
+        cause = (f"rank {', '.join(map(str, gone))} ({'its process is' if len(gone) == 1 else 'their processes are'} "
+                 f"gone) died or failed (its error line, if any, says why)")
+    elif topo.peers and all(h == host for h, *_ in topo.peers):
+        # every rank's process is still there: one of them stopped taking part (stopped, stuck in I/O, deadlocked)
+        cause = ("a rank hung: every rank's process is alive, but one stopped taking part in the collectives (its "
+                 "error line, if any, says which); Horovod's stall limit (horovod.stall_shutdown_s) or Gloo's timeout "
+                 "(horovod.gloo_timeout_s) ended the wait")
+    else:
+        cause = "a rank on another host died, hung or failed (its error line, if any, says why)"
+    return PeerFailure(f"the job stopped because {cause}; checkpoints are intact: rerun the same command with "
+                       f"--resume auto", announce=topo.rank == min(alive, default=topo.rank))

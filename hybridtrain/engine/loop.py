@@ -1,0 +1,176 @@
+"""The epoch loop of ``hybridtrain train``: claim the run_dir, build the trainer, resume, run the epochs, each
+ended by the one end-of-epoch path, and finish."""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+
+from hybridtrain.config import Config, save_config
+from hybridtrain.distributed import failures
+from hybridtrain.distributed import horovod as distributed
+from hybridtrain.engine import checkpoint, rundir
+from hybridtrain.engine.epoch import EpochProgress, evaluate, train_one_epoch, warmup_steps
+from hybridtrain.engine.memory import reset_peak_memory
+from hybridtrain.engine.preemption import PreemptionWatch
+from hybridtrain.engine.records import log_setup, record_epoch, training_record, with_validation
+from hybridtrain.engine.resume import checkpoint_state, restore, resume_state, save_stopped_epoch
+from hybridtrain.engine.telemetry import ProgressBar, log, tensorboard_writer, truncate_metrics
+from hybridtrain.engine.trainer import Trainer, build_trainer
+from hybridtrain.engine.watchdog import StallWatchdog
+from hybridtrain.errors import UserError
+from hybridtrain.models.batchnorm import average_running_statistics
+
+
+def claim_run_dir(cfg: Config, topo, resume: str | None, move_aside: bool) -> rundir.RunDir | None:
+    """Rank 0 locks run_dir and names the run (rundir.claim); its refusal reaches every rank as the same line."""
+    held, outcome = None, None
+    if topo.is_root:
+        try:
+            held, note = rundir.claim(cfg.run_dir, resume, move_aside)
+            outcome = {"note": note}
+        except UserError as exc:
+            outcome = {"error": str(exc)}
+    outcome = distributed.broadcast_object(outcome, "run_dir_claim")
+    if "error" in outcome:
+        raise UserError(outcome["error"])
+    if outcome["note"]:
+        log(topo, outcome["note"])
+    return held
+
+
+def run_training(cfg: Config, resume: str | None = None, move_aside: bool = False) -> dict | None:
+    """Train; ``resume``: None (fresh), "required" (a checkpoint must exist) or "auto" (if one exists);
+    ``move_aside``: a fresh run moves a previous run's files out of run_dir instead of refusing.
+    When another rank dies, this one raises PeerFailure naming it."""
+    watch = PreemptionWatch()  # first: a SIGTERM during the setup also ends the run cleanly
+    topo = distributed.init(cfg.train.threads, cfg.horovod, device=cfg.train.device)
+    owner = claim_run_dir(cfg, topo, resume, move_aside)  # before the set-up: a refusal costs nothing
+    try:
+        t = build_trainer(cfg, topo)
+        return train_epochs(cfg, t, watch, resume, owner)
+    except RuntimeError as exc:
+        if distributed.is_peer_failure(exc):
+            raise failures.peer_failure(topo) from None
+        raise
+    finally:
+        if owner:
+            owner.release()
+
+
+def end_epoch(cfg: Config, t: Trainer, epoch: int, result, epoch_start: float, run_start: float, history: list,
+              board, save) -> dict:
+    """The one end-of-epoch path of the static and the elastic loop: BN statistics averaged over the ranks ->
+    the checkpoint (rank 0, ``save(record)``), so a failing validation loses no training -> validation -> the
+    record in metrics.jsonl, TensorBoard and the log."""
+    average_running_statistics(t.model, cfg.bn.combine)
+    record = training_record(t, epoch, result, epoch_start, run_start)
+    if t.topo.is_root:
+        save(record)
+    try:
+        ev = evaluate(t.model, t.data.val, t.precision.policy, tag=str(epoch))
+    except UserError as exc:
+        raise UserError(f"{exc} (epoch {epoch + 1}'s training is saved: fix the data, then rerun with --resume "
+                        f"auto)") from None
+    return record_epoch(cfg, t, with_validation(record, ev, epoch_start, run_start), history, board)
+
+
+def complete_pending_record(cfg: Config, t: Trainer, state: dict, history: list, board) -> None:
+    """A run that stopped between an epoch's checkpoint and its metrics line: validate now and write the line."""
+    pending = state.get("pending_record") if not state.get("partial") else None
+    missing = distributed.broadcast_object(bool(pending) and all(r["epoch"] != pending["epoch"] for r in history),
+                                           "pending_record")
+    if missing:
+        now = time.perf_counter()
+        ev = evaluate(t.model, t.data.val, t.precision.policy, tag=f"pending{pending['epoch']}")
+        record_epoch(cfg, t, with_validation(pending, ev, now - pending["epoch_time_s"], now - pending["wall_time_s"]),
+                     history, board)
+
+
+def train_epochs(cfg: Config, t: Trainer, watch: PreemptionWatch, resume: str | None,
+                 owner: rundir.RunDir | None = None) -> dict | None:
+    topo = t.topo
+    metrics_path = os.path.join(cfg.run_dir, "metrics.jsonl")
+    start_epoch, history, elapsed_before, progress = 0, [], 0.0, None
+    state = resume_state(cfg, topo, required=resume == "required") if resume else None
+    if state:
+        progress = restore(t, state)
+        start_epoch, elapsed_before = state["epoch"] + 1, state.get("elapsed_s", 0.0)
+        where = f"step {progress.passes // t.k} of epoch {start_epoch + 1}" if progress else f"epoch {start_epoch}"
+        log(topo, f"hybridtrain: resumed from {where} in {cfg.run_dir}")
+    else:
+        distributed.broadcast_model(t.model)
+        t.bundle.optimizer.load_state_dict(distributed.broadcast_object(t.bundle.optimizer.state_dict(), "optim_init"))
+    if topo.is_root:
+        os.makedirs(cfg.run_dir, exist_ok=True)
+        save_config(cfg, os.path.join(cfg.run_dir, "config.yaml"))
+        history = truncate_metrics(metrics_path, start_epoch)
+    log_setup(cfg, t)
+    run_start = time.perf_counter() - elapsed_before
+    board = tensorboard_writer(cfg) if topo.is_root else None
+    if state:
+        complete_pending_record(cfg, t, state, history, board)
+    watchdog = StallWatchdog(cfg.horovod.stall_warning_s, cfg.horovod.stall_shutdown_s, topo.rank)
+    try:
+        return train_epoch_range(cfg, t, watch, watchdog, start_epoch, progress, run_start, history, board, owner)
+    finally:
+        watchdog.close()
+
+
+def train_epoch_range(cfg: Config, t: Trainer, watch: PreemptionWatch, watchdog: StallWatchdog, start_epoch: int,
+                      progress: EpochProgress | None, run_start: float, history: list, board,
+                      owner: rundir.RunDir | None) -> dict | None:
+    """Epochs ``start_epoch`` to the end, each followed by the end-of-epoch path; a SIGTERM stops after a step."""
+    topo, data = t.topo, t.data
+
+    def after_step(snapshot):
+        watchdog.beat()
+        return watch.after_step(snapshot)
+    for epoch in range(start_epoch, cfg.train.epochs):
+        epoch_start = time.perf_counter()
+        bar = ProgressBar(t.updates * t.k, epoch, cfg.train.epochs, topo.size) \
+            if topo.is_root and cfg.train.progress else None
+        reset_peak_memory(topo.device)
+        result = train_one_epoch(t.model, t.bundle, t.precision, data.train, epoch, t.updates, cfg.train.batch_size,
+                                 t.k, bar, resume=progress if epoch == start_epoch else None,
+                                 stop_after_step=after_step, passes=t.passes,
+                                 warmup=warmup_steps(epoch == start_epoch, t.updates))
+        if bar:
+            bar.close()
+        if result.stopped:
+            watch.close()
+            save_stopped_epoch(cfg, t, epoch, result.stopped, time.perf_counter() - run_start)
+            return None
+        def save(record, epoch=epoch):
+            checkpoint.save_checkpoint(checkpoint_state(cfg, t, epoch, time.perf_counter() - run_start, record),
+                                       cfg.run_dir, epoch + 1, cfg.train.keep_checkpoints, owner=owner)
+        watchdog.beat()
+        end_epoch(cfg, t, epoch, result, epoch_start, run_start, history, board, save)
+        watchdog.beat()
+        if epoch + 1 < cfg.train.epochs and watch.agreed_now():
+            watch.close()
+            log(topo, f"hybridtrain: stopped on SIGTERM after epoch {epoch + 1}; resumable from its checkpoint: "
+                      f"rerun the same command with --resume auto")
+            return None
+    watch.close()
+    watchdog.pause()
+    return finish(cfg, t, board)
+
+
+def finish(cfg: Config, t: Trainer, board) -> dict | None:
+    """Check that the ranks agree and write the final model; rank 0 returns what the report adds (cli writes
+    it), the other ranks None."""
+    digests = distributed.gather_digests(t.model.state_dict(), t.bundle.optimizer.state_dict())
+    if not t.topo.is_root:
+        return None
+    if len(set(digests)) != 1:
+        print("hybridtrain: warning: ranks ended with different parameters or optimizer state (see report.json "
+              "rank_digests)", file=sys.stderr)
+    # contiguous CPU tensors: loads anywhere without map_location, strictly into torchvision's ResNet
+    final = {name: tensor.detach().cpu().contiguous() for name, tensor in t.model.state_dict().items()}
+    torch.save(final, os.path.join(cfg.run_dir, "final_model.pt"))
+    if board:
+        board.close()
+    return {"world_size": t.topo.size, "rank_digests": digests}

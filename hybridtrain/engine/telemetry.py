@@ -1,0 +1,135 @@
+"""What a run says and writes as it goes: the progress line or bar, rank 0's log lines,
+metrics.jsonl (written and read back tolerantly) and TensorBoard."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+
+from hybridtrain.config import Config
+from hybridtrain.errors import UserError
+
+
+class ProgressBar:
+    """Rank 0's progress through an epoch: tqdm's bar (loss, img/s, ETA) on a terminal; elsewhere (horovodrun
+    and batch jobs pipe the output, where each bar update would pile up on one long line) a plain line every
+    ``interval_s`` seconds. Reads the device only when it shows something."""
+
+    def __init__(self, total: int, epoch: int, epochs: int, world_size: int, every: int = 5,
+                 interval_s: float = 30.0):
+        self.total, self.label = total, f"epoch {epoch + 1}/{epochs}"
+        self.world_size, self.every, self.interval_s = world_size, every, interval_s
+        self.start = self.last_line = time.perf_counter()
+        self.bar = None
+        if sys.stdout.isatty():
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, desc=self.label, unit="step", leave=False, file=sys.stdout,
+                            dynamic_ncols=True)
+
+    def update(self, loss_sum, seen, steps: int) -> None:
+        now = time.perf_counter()
+        if self.bar is not None:
+            self.bar.update(1)
+            if steps % self.every == 0:
+                self.bar.set_postfix(loss=f"{float(loss_sum / seen):.4f}", img_s=f"{self.rate(seen, now):.0f}")
+        elif now - self.last_line >= self.interval_s and steps < self.total:
+            self.last_line = now
+            eta = (now - self.start) * (self.total - steps) / steps
+            print(f"hybridtrain: {self.label} step {steps}/{self.total} ({100 * steps / self.total:.0f}%)  "
+                  f"loss {float(loss_sum / seen):.4f}  {self.rate(seen, now):.0f} img/s  ETA {eta:.0f}s", flush=True)
+
+    def rate(self, seen, now: float) -> float:
+        return float(seen) * self.world_size / (now - self.start)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def log(topo, message: str) -> None:
+    if topo.is_root:
+        print(message, flush=True)
+
+
+def append_metrics(path: str, record: dict) -> None:
+    with open(path, "a") as fh:
+        fh.write(json.dumps(record) + "\n")
+
+
+def truncate_metrics(path: str, completed_epochs: int) -> list[dict]:
+    """Keep the records of the first ``completed_epochs`` epochs (a resumed run rewrites what came after);
+    written to a temp file and renamed, so a kill leaves the old file or the new one."""
+    if not os.path.exists(path):
+        return []
+    kept = [r for r in read_metrics(path) if r["epoch"] <= completed_epochs]
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as fh:
+        fh.writelines(json.dumps(r) + "\n" for r in kept)
+    os.replace(tmp, path)
+    return kept
+
+
+def tensorboard_writer(cfg: Config):
+    """TensorBoard's writer for rank 0, or None when switched off (report.tensorboard)."""
+    if not cfg.report.tensorboard:
+        return None
+    from torch.utils.tensorboard import SummaryWriter
+    return SummaryWriter(os.path.join(cfg.run_dir, "tensorboard"))
+
+
+TENSORBOARD_SCALARS = {"loss/train": "train_loss", "loss/val": "val_loss", "top1/train": "train_top1",
+                       "top1/val": "val_top1", "top5/val": "val_top5", "lr": "lr", "images_per_sec": "images_per_sec",
+                       "precision/loss_scale": "loss_scale", "precision/skipped_steps": "skipped_steps",
+                       "memory/peak_mb": "peak_memory_mb"}
+
+
+def write_scalars(board, record: dict) -> None:
+    for tag, key in TENSORBOARD_SCALARS.items():
+        board.add_scalar(tag, record[key], record["epoch"])
+    board.flush()
+
+
+def device_name(device: torch.device) -> str:
+    """'cuda:0 (NVIDIA H100 80GB HBM3)' or 'cpu'."""
+    return f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else str(device)
+
+
+def epoch_line(r: dict, epochs: int) -> str:
+    scale = f"  scale {r['loss_scale']:g}" if r.get("loss_scale", 1.0) != 1.0 else ""
+    skipped = f"  skipped {r['skipped_steps']}" if r.get("skipped_steps") else ""
+    return (f"epoch {r['epoch']:>3}/{epochs}  train_loss {r['train_loss']:.4f}  val_loss {r['val_loss']:.4f}  "
+            f"train_top1 {r['train_top1']:.4f}  top1 {r['val_top1']:.4f}  top5 {r['val_top5']:.4f}  lr {r['lr']:.4g}  "
+            f"{r['images_per_sec']:.0f} img/s  {r['epoch_time_s']:.1f}s{scale}{skipped}")
+
+
+# What a record needs to be reported at all, and what older versions' records may lack (reported as NaN)
+RECORD_REQUIRED = ("epoch", "val_top1")
+RECORD_FIGURES = ("train_loss", "train_top1", "val_loss", "val_top5", "lr", "epoch_time_s", "train_time_s",
+                  "images_per_sec", "samples_seen", "wall_time_s")
+
+
+def read_metrics(path: str) -> list[dict]:
+    """The records of a metrics.jsonl. A record cut short by a kill (the last line) is dropped with a warning;
+    a damaged line elsewhere is one error line."""
+    if not os.path.exists(path):
+        return []
+    with open(path, errors="replace") as fh:
+        lines = [line for line in fh.read().splitlines() if line.strip()]
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict) or any(key not in record for key in RECORD_REQUIRED):
+                raise ValueError(f"a record needs {', '.join(RECORD_REQUIRED)}")
+        except ValueError as exc:
+            if number == len(lines):
+                print(f"hybridtrain: warning: {path}: dropping its last line, which is cut short or damaged "
+                      f"({str(exc)[:80]}); a resumed run writes that epoch again", file=sys.stderr)
+                break
+            raise UserError(f"{path} line {number} is not a metrics record ({str(exc)[:80]}): remove that line "
+                            f"or restore the file") from None
+        records.append(record)
+    return records

@@ -1,0 +1,82 @@
+"""What one rank trains with, built once from the config: data, model, optimizer, precision
+and the step."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from hybridtrain.config import Config
+from hybridtrain.data.loaders import create_loaders
+from hybridtrain.distributed import horovod as distributed
+from hybridtrain.engine import step as speed
+from hybridtrain.engine.step import Precision
+from hybridtrain.engine.telemetry import log
+from hybridtrain.errors import UserError
+from hybridtrain.models import model_from_config
+from hybridtrain.models.batchnorm import configure_batch_norm
+from hybridtrain.optim import create_optimizer
+from hybridtrain.precision.policy import (
+    check_hardware,
+    gradient_compression,
+    prepare_model,
+    resolve_policy,
+    set_fp32_math,
+)
+from hybridtrain.precision.scaler import create_scaler
+
+
+@dataclass
+class Trainer:
+    """Everything one rank trains with."""
+    topo: object
+    data: object
+    model: torch.nn.Module
+    precision: Precision
+    bundle: object
+    updates: int  # optimizer steps per epoch
+    k: int  # accumulation steps
+    passes: object  # forward and backward, eager, compiled or graphed (speed.build_passes)
+    compression: str = "none"  # the gradient all-reduce's, resolved from horovod.compression
+    fp32_math: str = "ieee"  # FP32 convolutions and matmuls: ieee or tf32
+
+
+def build_trainer(cfg: Config, topo) -> Trainer:
+    """Everything a rank trains with, on the device ``topo`` (distributed.init) bound it to."""
+    if cfg.train.deterministic:
+        use_deterministic_algorithms()
+    else:
+        torch.backends.cudnn.benchmark = True  # fixed shapes: cuDNN picks the fastest kernels once
+    fp32_math = set_fp32_math(cfg.precision.tf32)
+    policy = resolve_policy(cfg.precision)
+    compression = gradient_compression(cfg.horovod.compression, policy)
+    check_hardware(policy, topo.device)
+    speed.check_speedups(cfg.train, topo.device)
+    data = create_loaders(cfg, topo)
+    model = model_from_config(cfg.model, data.num_classes, seed=cfg.seed).to(topo.device)
+    model = prepare_model(configure_batch_norm(model, cfg.bn, topo.device), policy)
+    if cfg.data.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    k = cfg.train.accumulation_steps
+    updates = data.steps_per_epoch // k
+    if updates == 0:
+        raise UserError(f"train.accumulation_steps={k} is more than the {data.steps_per_epoch} batches per epoch: "
+                        f"lower it, or train.batch_size")
+    # N of lr*N and of the bounds counts per-rank batches per update: ranks x accumulation steps (global batch / b)
+    bundle = create_optimizer(model, cfg, topo.size * k, updates)
+    precision = Precision(policy, create_scaler(cfg.precision, policy))
+    passes = speed.build_passes(model, cfg, precision)  # a CUDA graph is captured before Horovod's hooks exist
+    # Wrap first: Horovod rebuilds the optimizer from its param_groups, so state loaded before would be lost.
+    bundle.optimizer = distributed.distributed_optimizer(bundle.optimizer, model, cfg.horovod, k, compression)
+    t = Trainer(topo, data, model, precision, bundle, updates, k, passes, compression, fp32_math)
+    bundle.on_phase_change = lambda step, s: log(t.topo, f"hybridtrain: switching to {s['phase']} at step {step} "
+                                                         f"(epoch {step // t.updates + 1}), lr {s['lr']:.4g}")
+    return t
+
+
+def use_deterministic_algorithms() -> None:
+    """train.deterministic: bitwise-repeatable runs (and exact resumes) at some cost in speed."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False

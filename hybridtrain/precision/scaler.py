@@ -1,0 +1,100 @@
+"""Loss scaling around Horovod's step (seeds 001 and 004): scale, all-reduce, unscale, skip a
+non-finite step, grow or shrink S."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from hybridtrain.errors import UserError
+from hybridtrain.precision.policy import Policy
+
+
+class LossScaler:
+    """Static or dynamic loss scaling around a Horovod DistributedOptimizer (or a plain optimizer)."""
+
+    def __init__(self, mode: str, scale: float, growth_interval: int, max_consecutive_overflows: int):
+        self.mode, self.growth_interval, self.max_overflows = mode, growth_interval, max_consecutive_overflows
+        self.scale = float(scale) if mode != "none" else 1.0
+        self.clean_steps = 0
+        self.consecutive_overflows = 0
+        self.skipped_steps = 0  # over the whole run
+        self.device_scale: torch.Tensor | None = None  # S on the loss's device, kept equal to self.scale
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (loss * self.scale_on(loss.device) if self.mode != "none" else loss).backward()
+
+    def scale_on(self, device: torch.device) -> torch.Tensor:
+        """S as a device tensor updated in place, so a CUDA graph that captured ``loss * S`` replays the current S."""
+        if self.device_scale is None or self.device_scale.device != device:
+            self.device_scale = torch.full((), self.scale, dtype=torch.float32, device=device)
+        return self.device_scale
+
+    def set_scale(self, scale: float) -> None:
+        self.scale = scale
+        if self.device_scale is not None:
+            self.device_scale.fill_(scale)
+
+    def step(self, optimizer) -> bool:
+        """Synchronize (Horovod), unscale, step unless a gradient is not finite, update S; True if stepped.
+
+        The check runs in every mode: the gradients are averaged over the ranks, so a NaN or inf loss on any
+        rank makes every rank skip the same step, and no rank goes on alone."""
+        synchronizing = hasattr(optimizer, "synchronize")
+        if synchronizing:
+            optimizer.synchronize()  # the all-reduce of the (scaled) gradients
+        finite = self.unscale(optimizer)
+        if finite:
+            with optimizer.skip_synchronize() if synchronizing else contextlib.nullcontext():
+                optimizer.step()
+        self.update(finite)
+        return finite
+
+    def unscale(self, optimizer) -> bool:
+        """g <- g / S for every gradient; True when all are finite. Unscaled (S = 1), only the optimizer's last
+        gradient is checked, the classifier's bias: a NaN or inf loss on any rank reaches it, and the check
+        then costs nothing next to the step."""
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if not grads:
+            return True
+        if self.mode == "none":
+            grads = grads[-1:]
+        found_inf = torch.zeros(1, device=grads[0].device)
+        inv_scale = torch.full((1,), 1.0 / self.scale, device=grads[0].device)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)  # one multi-tensor pass
+        return not bool(found_inf)  # the step's one host sync: every rank must know whether to skip
+
+    def update(self, finite: bool) -> None:
+        """Dynamic: S <- S/2 on overflow, S <- 2S after ``growth_interval`` clean steps in a row."""
+        if finite:
+            self.consecutive_overflows = 0
+            self.clean_steps += 1
+            if self.mode == "dynamic" and self.clean_steps >= self.growth_interval:
+                self.set_scale(self.scale * 2.0)
+                self.clean_steps = 0
+            return
+        self.skipped_steps += 1
+        self.consecutive_overflows += 1
+        self.clean_steps = 0
+        if self.mode == "dynamic":
+            self.set_scale(max(self.scale * 0.5, 2.0 ** -24))
+        if self.consecutive_overflows >= self.max_overflows:
+            scale = f" (loss scale now {self.scale:g})" if self.mode != "none" else ""
+            raise UserError(f"{self.consecutive_overflows} steps in a row had a NaN or inf loss or gradient on some "
+                            f"rank{scale}: the run is diverging (or the data holds NaN); lower optim.lr, use "
+                            f"precision.mode=mixed or fp32, or raise precision.max_consecutive_overflows; the last "
+                            f"checkpoint is intact")
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "clean_steps": self.clean_steps,
+                "consecutive_overflows": self.consecutive_overflows, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.set_scale(float(state["scale"]))
+        self.clean_steps = int(state["clean_steps"])
+        self.consecutive_overflows = int(state["consecutive_overflows"])
+        self.skipped_steps = int(state["skipped_steps"])
+
+
+def create_scaler(p, policy: Policy) -> LossScaler:
+    return LossScaler(policy.loss_scaling, p.loss_scale, p.growth_interval, p.max_consecutive_overflows)
