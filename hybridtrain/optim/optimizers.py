@@ -161,6 +161,17 @@ class _GroupValidatingOptimizer(Optimizer):
         with torch.enable_grad():
             return closure()
 
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Each group's ``_update`` (defined by each optimizer below) of its parameters that have a gradient."""
+        loss = self._run_closure(closure)
+        for group in self.param_groups:
+            self._validate_group(group)
+            params = _params_with_grad(group)
+            if params:
+                self._update(params, group)
+        return loss
+
 
 # ---------------------------------------------------------------- optimizers
 
@@ -180,15 +191,8 @@ class LARS(_GroupValidatingOptimizer):
     def _validate_group(self, group):
         _validate_lars_keys(group, "mode")
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = self._run_closure(closure)
-        for group in self.param_groups:
-            self._validate_group(group)
-            params = _params_with_grad(group)
-            if params:
-                _lars_update(self.state, params, group, group["mode"])
-        return loss
+    def _update(self, params: list, group: dict) -> None:
+        _lars_update(self.state, params, group, group["mode"])
 
 
 class LinearScalingAdaBound(_GroupValidatingOptimizer):
@@ -208,15 +212,8 @@ class LinearScalingAdaBound(_GroupValidatingOptimizer):
     def _validate_group(self, group):
         _validate_adabound_keys(group, "lr")
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = self._run_closure(closure)
-        for group in self.param_groups:
-            self._validate_group(group)
-            params = _params_with_grad(group)
-            if params:
-                _adabound_update(self.state, params, group, group["lr"], "step")
-        return loss
+    def _update(self, params: list, group: dict) -> None:
+        _adabound_update(self.state, params, group, group["lr"], "step")
 
 
 class HybridOptimizer(_GroupValidatingOptimizer):
@@ -259,19 +256,11 @@ class HybridOptimizer(_GroupValidatingOptimizer):
             for key in stale:
                 state.pop(key, None)
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = self._run_closure(closure)
-        for group in self.param_groups:
-            self._validate_group(group)
-            params = _params_with_grad(group)
-            if not params:
-                continue
-            self._enter_phase(params, group["phase"])
-            if group["phase"] == "adabound":
-                _adabound_update(self.state, params, group, group["alpha"], "adabound_step")
-            else:
-                _lars_update(self.state, params, group, group["lars_mode"])
-            for p in params:
-                self.state[p]["step"] = self.state[p].get("step", 0) + 1
-        return loss
+    def _update(self, params: list, group: dict) -> None:
+        self._enter_phase(params, group["phase"])
+        if group["phase"] == "adabound":
+            _adabound_update(self.state, params, group, group["alpha"], "adabound_step")
+        else:
+            _lars_update(self.state, params, group, group["lars_mode"])
+        for p in params:
+            self.state[p]["step"] = self.state[p].get("step", 0) + 1
