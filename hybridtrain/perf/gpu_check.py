@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from hybridtrain.errors import UserError
+from hybridtrain.reports.tables import markdown_table
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RECIPE = os.path.join("configs", "resnet50_h100.yaml")
@@ -430,15 +431,12 @@ def fmt(value: float | None, digits: int = 0) -> str:
 
 
 def format_table(rows: list[Row]) -> str:
-    lines = ["| row | steady img/s | ÷ plain loop | peak allocated MiB | peak reserved MiB | device used MiB | "
-             "result | time s | note |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for r in rows:
-        result = "**FAIL**" if r.status == FAIL else r.status
-        note = r.detail.replace("|", "/").replace("\n", " ")
-        lines.append(f"| {r.name} | {fmt(r.images_per_sec, 1)} | {fmt(r.ratio, 3)} | {fmt(r.peak_allocated_mb)} | "
-                     f"{fmt(r.peak_reserved_mb)} | {fmt(r.device_used_mb)} | {result} | {fmt(r.seconds)} | {note} |")
-    return "\n".join(lines)
+    header = ["row", "steady img/s", "÷ plain loop", "peak allocated MiB", "peak reserved MiB", "device used MiB",
+              "result", "time s", "note"]
+    return markdown_table(header, [[r.name, fmt(r.images_per_sec, 1), fmt(r.ratio, 3), fmt(r.peak_allocated_mb),
+                                     fmt(r.peak_reserved_mb), fmt(r.device_used_mb),
+                                     "**FAIL**" if r.status == FAIL else r.status, fmt(r.seconds),
+                                     r.detail.replace("|", "/")] for r in rows])
 
 
 def write_results(rows: list[Row], out: str, meta: dict) -> str:

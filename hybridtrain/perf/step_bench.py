@@ -32,6 +32,7 @@ from hybridtrain.optim import create_optimizer
 from hybridtrain.perf.host_syncs import count_host_syncs
 from hybridtrain.precision.policy import check_hardware, prepare_model, resolve_policy, set_fp32_math
 from hybridtrain.precision.scaler import create_scaler
+from hybridtrain.reports.tables import markdown_table
 
 STEPS_PER_EPOCH = 100  # what the optimizer's schedule assumes; the bench runs inside the first epoch(s)
 
@@ -200,15 +201,13 @@ def mebibytes(value: float | None) -> str:
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = ["| loop | arch | optimizer | precision | batch | image | optimizations | device | images/s | "
-             "median ms | p90 ms | peak MiB | reserved MiB | skipped | host syncs/step | trainer ÷ baseline |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for r in rows:
-        ratio = f"{r['trainer_over_baseline']:.3f}" if "trainer_over_baseline" in r else ""
-        syncs = "" if r["host_syncs_per_step"] is None else r["host_syncs_per_step"]
-        lines.append(f"| {r['loop']} | {r['arch']} | {r['optimizer']} | {r['precision']} | {r['batch_size']} | "
-                     f"{r['image_size']} | {', '.join(r['optimizations']) or 'none'} | {r['device']} | "
-                     f"{r['images_per_sec']:.1f} | {r['median_ms']:.1f} | {r['p90_ms']:.1f} | "
-                     f"{r['peak_memory_mb']:.0f} | {mebibytes(r['peak_memory_reserved_mb'])} | {r['skipped_steps']} | "
-                     f"{syncs} | {ratio} |")
-    return "\n".join(lines)
+    header = ["loop", "arch", "optimizer", "precision", "batch", "image", "optimizations", "device", "images/s",
+              "median ms", "p90 ms", "peak MiB", "reserved MiB", "skipped", "host syncs/step", "trainer ÷ baseline"]
+    return markdown_table(header, [[r["loop"], r["arch"], r["optimizer"], r["precision"], r["batch_size"],
+                                     r["image_size"], ", ".join(r["optimizations"]) or "none", r["device"],
+                                     f"{r['images_per_sec']:.1f}", f"{r['median_ms']:.1f}", f"{r['p90_ms']:.1f}",
+                                     f"{r['peak_memory_mb']:.0f}", mebibytes(r["peak_memory_reserved_mb"]),
+                                     r["skipped_steps"], "" if r["host_syncs_per_step"] is None
+                                     else r["host_syncs_per_step"],
+                                     f"{r['trainer_over_baseline']:.3f}" if "trainer_over_baseline" in r else ""]
+                                    for r in rows])
