@@ -104,3 +104,16 @@ def test_imports_go_down_only():
 def test_the_top_level_holds_five_modules():
     top = sorted(f for f in os.listdir(PACKAGE) if f.endswith(".py"))
     assert top == ["__init__.py", "__main__.py", "cli.py", "config.py", "errors.py"]
+
+
+def test_no_module_calls_anything_at_import():
+    """No side effect at import (an exit handler, a signal handler, a thread): no module runs a call at its top
+    level, outside ``if __name__ == "__main__"``; such work happens when the code that needs it runs."""
+    calls = []
+    for root, _, files in os.walk(PACKAGE):
+        for f in (f for f in files if f.endswith(".py") and f != "__main__.py"):  # __main__ is run, not imported
+            path = os.path.join(root, f)
+            for node in ast.parse(open(path).read()).body:
+                if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
+                    calls.append(f"{os.path.relpath(path, PACKAGE)}:{node.lineno}")
+    assert calls == []

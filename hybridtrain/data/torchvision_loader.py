@@ -8,6 +8,7 @@ augmented images as an uninterrupted one. An unreadable image turns its batch in
 from __future__ import annotations
 
 import atexit
+import functools
 import hashlib
 import multiprocessing
 import os
@@ -147,7 +148,11 @@ def close_loader(loader) -> None:
         loader._iterator = None
 
 
-atexit.register(kill_workers_at_exit)
+@functools.cache
+def kill_workers_at_exit_once() -> None:
+    """Register kill_workers_at_exit when the first loader with workers is made, not at import (no side effect
+    for a process that only imports the package); still after multiprocessing's own handler, so it runs first."""
+    atexit.register(kill_workers_at_exit)
 
 
 def spawn_context():
@@ -157,6 +162,7 @@ def spawn_context():
     A spawned worker imports torch for seconds before ``die_with_the_rank`` runs; a scheduler's SIGTERM to the
     process group in that window would kill it and fail the rank. (A blocked signal mask would not do: Python
     clears it in the child.) The rank's only spawned children are its loader workers."""
+    kill_workers_at_exit_once()
     context = multiprocessing.get_context("spawn")
     context.set_executable(signal_proof_python())
     return context
