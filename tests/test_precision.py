@@ -12,7 +12,7 @@ import torch
 from conftest import HOROVODRUN, HYBRIDTRAIN, REPO, assert_one_error_line, horovodrun, read_metrics, run, tiny_config
 
 from hybridtrain.config import config_from_dict
-from hybridtrain.engine.step import Precision, classification_loss, train_step
+from hybridtrain.engine.step import EagerPasses, Precision, classification_loss, train_step
 from hybridtrain.models import create_model
 from hybridtrain.precision.policy import forward_context, prepare_model, resolve_policy
 from hybridtrain.precision.scaler import LossScaler
@@ -70,7 +70,7 @@ def test_fp16_pure_has_no_fp32_parameter_or_optimizer_state_anywhere():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     scaler = LossScaler(policy.loss_scaling, 1024.0, 100, 5)
     precision = Precision(policy, scaler)
-    loss, logits = train_step(model, optimizer, precision, torch.randn(4, 3, 16, 16).half(), torch.arange(4))
+    loss, logits = train_step(EagerPasses(model), optimizer, precision, torch.randn(4, 3, 16, 16).half(), torch.arange(4))
     assert logits.dtype == torch.float16 and loss.dtype == torch.float32 and torch.isfinite(loss)
     assert {s["momentum_buffer"].dtype for s in optimizer.state.values()} == {torch.float16}
     assert {b.dtype for b in model.buffers() if b.is_floating_point()} == {torch.float16}
@@ -241,14 +241,14 @@ def test_precision_and_layered_experiment_rows():
         load_config("configs/demo.yaml", sets)
     rows = dict(layered_rows(cfg))
     assert list(rows) == [f"{k} stage(s) fp16" for k in range(5)]
-    assert rows["2 stage(s) fp16"][1:] == ["precision.layers.layer1=fp16", "precision.layers.layer2=fp16",
-                                           "precision.layers.layer3=fp32", "precision.layers.layer4=fp32"]
+    assert rows["2 stage(s) fp16"][1:5] == ["precision.layers.layer1=fp16", "precision.layers.layer2=fp16",
+                                            "precision.layers.layer3=fp32", "precision.layers.layer4=fp32"]
 
 
 def test_fp16_communication_with_a_predivide_factor_trains_on_two_ranks(tiny_digits, tmp_path, write_config):
     run_dir = str(tmp_path / "run")
-    cfg = precision_config(tiny_digits, run_dir, "fp32")
-    cfg["horovod"] = {"compression": "fp16", "gradient_predivide_factor": 2.0}
+    cfg = precision_config(tiny_digits, run_dir, "fp32", loss_scaling="static", loss_scale=128.0)  # the paper's
+    cfg["horovod"] = {"compression": "fp16", "gradient_predivide_factor": 2.0}  # P40 scheme: FP32, FP16 wire
     proc = horovodrun(2, ["train", "--config", write_config(cfg)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (record,) = read_metrics(run_dir)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import socket
 
-from hybridtrain.errors import PeerFailure, UserError, is_peer_failure, launcher_rank  # noqa: F401  (re-exported)
+from hybridtrain.errors import PeerFailure
 
 
 def process_alive(pid: int) -> bool:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hybridtrain.errors import PeerFailure, UserError, is_peer_failure, launcher_rank  # noqa: F401  (re-exported)
+from hybridtrain.errors import UserError, is_peer_failure, launcher_rank  # noqa: F401  (the last two re-exported)
 
 SIZE_ENV_VARS = ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")  # horovodrun, Open MPI, MPICH/Intel MPI
 

@@ -60,8 +60,8 @@ def check_speedups(train_cfg, device: torch.device) -> None:
 class GraphedStep:
     """The training step with forward, loss and backward replayed from one CUDA graph (see the module doc).
 
-    Called like ``train_step`` without the model: ``step(optimizer, precision, images, labels)``, returning the
-    graph's static (loss, logits), valid until the next call.
+    ``backward_pass`` as EagerPasses', returning the graph's static (loss, logits), valid until the next replay;
+    ``train_step(graphed, ...)`` is the whole step.
     """
 
     WARMUP_ITERATIONS = 3  # on a side stream before capture (PyTorch's recipe; cudnn autotuning, lazy state)
@@ -110,13 +110,6 @@ class GraphedStep:
             p.grad = grad
         return self.static_loss, self.static_logits
 
-    def __call__(self, optimizer, precision, images: torch.Tensor, labels: torch.Tensor):
-        """One whole step, as ``train_step``."""
-        loss, logits = self.backward_pass(precision, images, labels)
-        precision.scaler.step(optimizer)  # eager: Horovod's all-reduce, unscale and skip decision, the update
-        return loss, logits
-
-
 def static_batch(cfg, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Zero images and labels of the training batch's shape, dtype and layout: the graph's inputs."""
     b, size = cfg.train.batch_size, cfg.data.crop_size
@@ -141,9 +134,8 @@ def build_passes(model, cfg, precision, batch: tuple[torch.Tensor, torch.Tensor]
 
 
 def build_train_step(model, cfg, precision, batch: tuple[torch.Tensor, torch.Tensor] | None = None):
-    """``step(optimizer, precision, images, labels) -> (loss, logits)``: one whole step, for ``bench``."""
-    passes = build_passes(model, cfg, precision, batch)
-    return passes if isinstance(passes, GraphedStep) else partial(train_step, passes.model)
+    """``step(optimizer, precision, images, labels) -> (loss, logits)``: one whole step as the config runs it."""
+    return partial(train_step, build_passes(model, cfg, precision, batch))
 
 
 @dataclass
@@ -168,11 +160,13 @@ def backward_pass(model, precision: Precision, images, labels,
     return loss.detach(), logits.detach()
 
 
-def train_step(model, optimizer, precision: Precision, images, labels) -> tuple[torch.Tensor, torch.Tensor]:
-    """One pass, one update: backward, all-reduce, step unless the gradients overflowed."""
+def train_step(passes, optimizer, precision: Precision, images, labels) -> tuple[torch.Tensor, torch.Tensor]:
+    """One pass, one update, however ``passes`` runs forward and backward (EagerPasses, compiled, or GraphedStep):
+    backward, Horovod's all-reduce, unscale, the update unless the gradients overflowed. The epoch loop makes the
+    same calls, with gradient accumulation and the BN-statistics guard around them."""
     optimizer.zero_grad()
-    loss, logits = backward_pass(model, precision, images, labels)
-    precision.scaler.step(optimizer)
+    loss, logits = passes.backward_pass(precision, images, labels)
+    precision.scaler.step(optimizer)  # Horovod's synchronize, unscale and skip decision, the update
     return loss, logits
 
 

@@ -33,13 +33,19 @@ def measured_config(config: str, overrides: list[str], compression: str | None =
     graphs) on the synthetic backend's fixed batch, one torch thread per rank; a key the synthetic step cannot
     honour (e.g. bn.per_rank_batch=random) is refused here in one line."""
     from hybridtrain.config import load_config
+    from hybridtrain.errors import UserError
     sets = list(overrides) + ["data.backend=synthetic", "data.file_lists=", "train.threads=1"]
-    return load_config(config, sets + ([f"horovod.compression={compression}"] if compression else []))
+    cfg = load_config(config, sets + ([f"horovod.compression={compression}"] if compression else []))
+    if cfg.train.accumulation_steps != 1:
+        raise UserError(f"scale measures one pass per step and train.accumulation_steps is "
+                        f"{cfg.train.accumulation_steps}: measure with train.accumulation_steps=1 (the step time of "
+                        f"k passes is about k times it, plus one all-reduce)")
+    return cfg
 
 
 def worker(config: str, overrides: list[str], compression: str, steps: int, warmup: int, out: str) -> None:
     from hybridtrain.distributed import horovod as distributed
-    from hybridtrain.engine.epoch import micro_batch_weight
+    from hybridtrain.engine.step import train_step
     from hybridtrain.engine.trainer import build_trainer
 
     cfg = measured_config(config, overrides, compression)
@@ -47,24 +53,20 @@ def worker(config: str, overrides: list[str], compression: str, steps: int, warm
     t = build_trainer(cfg, topo)
     distributed.broadcast_model(t.model)
     images, labels, _ = next(iter(t.data.train))
-    weight = micro_batch_weight(labels.numel(), cfg.train.batch_size, t.k)
 
-    def train_step(step: int) -> None:  # what train_one_epoch does for one optimizer step
+    def scheduled_step(step: int) -> None:
         t.bundle.apply_schedule(step)
-        t.bundle.optimizer.zero_grad()
-        for _ in range(t.k):
-            t.passes.backward_pass(t.precision, images, labels, weight)
-        t.precision.scaler.step(t.bundle.optimizer)
+        train_step(t.passes, t.bundle.optimizer, t.precision, images, labels)
     for step in range(warmup):
-        train_step(step)
+        scheduled_step(step)
     distributed.barrier()  # start the clock together
     start = time.perf_counter()
     for step in range(warmup, warmup + steps):
-        train_step(step)
+        scheduled_step(step)
     distributed.barrier()
     elapsed = time.perf_counter() - start
     if topo.is_root:
-        b = cfg.train.batch_size * t.k
+        b = cfg.train.batch_size
         record = {"world_size": topo.size, "compression": compression, "steps": steps, "warmup": warmup,
                   "batch_per_rank": b, "step_time_s": elapsed / steps,
                   "images_per_sec": topo.size * b * steps / elapsed,

@@ -53,9 +53,14 @@ def precision_rows(cfg) -> list[tuple[str, list[str]]]:
             ("mixed-fp16", ["precision.mode=mixed", "precision.compute_dtype=fp16"]),
             ("mixed-bf16", ["precision.mode=mixed", "precision.compute_dtype=bf16"]),
             ("layered", ["precision.mode=layered"])]
-    return rows + [("fp16_pure (goyal)", ["precision.mode=fp16_pure", "optim.name=goyal",
-                                          f"optim.warmup_epochs={min(5, cfg.train.epochs // 3)}",
-                                          "model.residual_bn_scale=0.25"])]
+    rows += [("fp16_pure (goyal)", ["precision.mode=fp16_pure", "optim.name=goyal",
+                                    f"optim.warmup_epochs={min(5, cfg.train.epochs // 3)}",
+                                    "model.residual_bn_scale=0.25"])]
+    return [(name, sets + OWN_SCALING) for name, sets in rows]
+
+
+# each precision row with its mode's own loss scaling and all-reduce compression, whatever the recipe set
+OWN_SCALING = ["precision.loss_scaling=auto", "horovod.compression=auto"]
 
 
 def layered_rows(cfg) -> list[tuple[str, list[str]]]:
@@ -63,7 +68,7 @@ def layered_rows(cfg) -> list[tuple[str, list[str]]]:
     rows = []
     for k in range(5):
         stages = [f"precision.layers.layer{i}={'fp16' if i <= k else 'fp32'}" for i in range(1, 5)]
-        rows.append((f"{k} stage(s) fp16", ["precision.mode=layered", *stages]))
+        rows.append((f"{k} stage(s) fp16", ["precision.mode=layered", *stages, *OWN_SCALING]))
     return rows
 
 

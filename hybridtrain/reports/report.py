@@ -15,7 +15,7 @@ import os
 
 import yaml
 
-from hybridtrain.engine.telemetry import RECORD_FIGURES, epoch_line, read_metrics  # noqa: F401  (epoch_line: part of this API)
+from hybridtrain.engine.telemetry import RECORD_FIGURES, read_metrics
 from hybridtrain.errors import UserError
 from hybridtrain.reports import paper_metrics as metrics
 

@@ -13,7 +13,7 @@ import torch
 
 from hybridtrain.config import config_from_dict
 from hybridtrain.distributed import horovod as distributed
-from hybridtrain.engine.step import Precision, train_step
+from hybridtrain.engine.step import EagerPasses, Precision, train_step
 from hybridtrain.errors import UserError
 from hybridtrain.models import create_model
 from hybridtrain.precision.policy import resolve_policy
@@ -47,7 +47,7 @@ def main(out: str) -> None:
         labels = torch.randint(10, (4,), generator=generator)
         before = precision.scaler.skipped_steps
         try:
-            loss, _ = train_step(model, optimizer, precision, images, labels)
+            loss, _ = train_step(EagerPasses(model), optimizer, precision, images, labels)
         except UserError as exc:
             stopped = {"step": step, "error": str(exc)}
             break
