@@ -170,8 +170,14 @@ def spawn_context():
 
 def signal_proof_python() -> str:
     """The wrapper, in the first folder where it can be kept safely and run: ~/.cache/hybridtrain, else the
-    temp folder (skipped when mounted noexec, as it often is on clusters). Without one, plain Python."""
-    script = f"#!/bin/sh\ntrap '' TERM INT\nexec {shlex.quote(sys.executable)} \"$@\"\n"
+    temp folder (skipped when mounted noexec, as it often is on clusters). Without one, plain Python. It ignores
+    SIGTERM/SIGINT and, where setpriv exists, dies with the rank from its first instruction."""
+    python = shlex.quote(sys.executable)
+    # setpriv (util-linux) sets the parent-death signal before Python starts, so a rank killed while its workers
+    # still import torch (seconds) takes them along; die_with_the_rank sets it again once they run
+    script = (f"#!/bin/sh\ntrap '' TERM INT\n"
+              f"if setpriv --pdeathsig KILL true 2>/dev/null; then exec setpriv --pdeathsig KILL {python} \"$@\"; fi\n"
+              f"exec {python} \"$@\"\n")
     name = f"worker-python-{os.getuid()}-{hashlib.sha256(script.encode()).hexdigest()[:16]}"
     for folder in (os.path.join(os.path.expanduser("~"), ".cache", "hybridtrain"), tempfile.gettempdir()):
         path = os.path.join(folder, name)
