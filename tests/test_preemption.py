@@ -24,13 +24,13 @@ PRECISIONS = {
 }
 
 
-def recipe(data: str, run_dir: str, precision: str) -> dict:
+def recipe(data: str, run_dir: str, precision: str, channels_last: bool = False) -> dict:
     optim = {"name": "hybrid", "adabound_epochs": 1}  # epoch 1: AdaBound, epoch 2: LARS-SGD
     if precision == "fp16_pure":  # FP16 optimizer state: no AdaBound (docs/precision.md)
         optim = {"name": "goyal", "lr": 0.05, "warmup_epochs": 1}
-    # channels_last, as on GPUs: Horovod's broadcast and gradient hooks see NHWC tensors in every mode
+    # channels_last, as on GPUs: Horovod's broadcast and gradient hooks see NHWC tensors
     return tiny_config(data, run_dir, train={"epochs": 2, "batch_size": 8, "deterministic": True},
-                       optim=optim, precision=PRECISIONS[precision], data={"channels_last": True})
+                       optim=optim, precision=PRECISIONS[precision], data={"channels_last": channels_last})
 
 
 def file_digest(path) -> str:
@@ -65,15 +65,15 @@ def straight_runs(small_digits, tmp_path_factory):
     """One uninterrupted run per precision mode, made on first use."""
     runs = {}
 
-    def get(precision: str):
-        if precision not in runs:
-            run_dir = tmp_path_factory.mktemp(f"straight-{precision}")
+    def get(precision: str, channels_last: bool = False):
+        if (precision, channels_last) not in runs:
+            run_dir = tmp_path_factory.mktemp(f"straight-{precision}{'-nhwc' if channels_last else ''}")
             config = run_dir / "config-straight.yaml"
-            config.write_text(yaml.safe_dump(recipe(small_digits, str(run_dir), precision)))
+            config.write_text(yaml.safe_dump(recipe(small_digits, str(run_dir), precision, channels_last)))
             done = horovodrun(2, ["train", "--config", str(config)])
             assert done.returncode == 0, done.stdout[-3000:]
-            runs[precision] = run_dir
-        return runs[precision]
+            runs[(precision, channels_last)] = run_dir
+        return runs[(precision, channels_last)]
     return get
 
 
@@ -84,7 +84,7 @@ def test_channels_last_trains_on_two_ranks_and_its_model_loads_strictly_into_tor
     final_model.pt holds contiguous CPU tensors that torchvision's ResNet-18 loads strictly."""
     import torch
     import torchvision
-    run_dir = straight_runs(precision)
+    run_dir = straight_runs(precision, channels_last=True)
     report = json.loads((run_dir / "report.json").read_text())
     assert len(report["rank_digests"]) == 2 and len(set(report["rank_digests"])) == 1
     state = torch.load(run_dir / "final_model.pt", weights_only=True)
@@ -99,17 +99,19 @@ def test_channels_last_trains_on_two_ranks_and_its_model_loads_strictly_into_tor
 EXPECTED_COMPRESSION = {"fp32": "none", "fp64": "none", "mixed-fp16": "fp16", "mixed-bf16": "none", "layered": "fp16",
                         "fp16_pure": "fp16"}
 
-CASES = [(p, "first epoch") for p in PRECISIONS] + [("fp32", "second epoch"), ("mixed-fp16", "second epoch")]
+CASES = [(p, "first epoch", False) for p in PRECISIONS] + [("fp32", "second epoch", False),
+                                                           ("mixed-fp16", "second epoch", False),
+                                                           ("fp32", "first epoch", True)]  # NHWC: SIGTERM resume
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision,stop_in", CASES)
+@pytest.mark.parametrize("precision,stop_in,channels_last", CASES)
 def test_sigterm_mid_epoch_then_resume_auto_is_bitwise_exact(small_digits, tmp_path, write_config, straight_runs,
-                                                             precision, stop_in):
+                                                             precision, stop_in, channels_last):
     """First epoch: AdaBound (hybrid) or warmup (fp16_pure's goyal); second epoch: LARS-SGD. The second-epoch
     case starts from the uninterrupted run's epoch-1 checkpoint, so the SIGTERM lands inside epoch 2."""
-    straight_dir, broken_dir = straight_runs(precision), tmp_path / "broken"
-    broken = write_config(recipe(small_digits, str(broken_dir), precision), "broken.yaml")
+    straight_dir, broken_dir = straight_runs(precision, channels_last), tmp_path / "broken"
+    broken = write_config(recipe(small_digits, str(broken_dir), precision, channels_last), "broken.yaml")
     epoch = 1
     if stop_in == "second epoch":
         broken_dir.mkdir()
