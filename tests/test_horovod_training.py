@@ -147,6 +147,37 @@ def test_interrupted_and_resumed_run_matches_uninterrupted(small_digits, tmp_pat
     assert [r["epoch"] for r in read_metrics(broken_dir)] == [1, 2, 3]
 
 
+def signal_a_rank_after_epoch_one(config: str, run_dir: str, ranks: int, victim: int, signum: int,
+                                   delay_s: float = 0.0) -> tuple[subprocess.Popen, str, float]:
+    """Start a ``ranks``-rank train job, send ``signum`` to rank ``victim`` ``delay_s`` after its first epoch's
+    checkpoint appears, and wait (at most 120 s) for the job to end: (the job, its output, seconds it took).
+    The victim is SIGKILLed and the job's process group killed on the way out, whatever happened."""
+    proc = subprocess.Popen([HOROVODRUN, "--gloo", "-np", str(ranks), "-H", f"localhost:{ranks}", HYBRIDTRAIN,
+                             "train", "--config", config], env=env_with_venv(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    victims = []
+    try:
+        deadline = time.time() + 300
+        while not os.path.exists(os.path.join(run_dir, "checkpoint-epoch0001.pt")) and time.time() < deadline:
+            time.sleep(0.1)
+        time.sleep(delay_s)
+        victims = rank_pids(config, victim)
+        assert victims, f"rank {victim} not found"
+        signalled_at = time.time()
+        for pid in victims:
+            os.kill(pid, signum)
+        output, _ = proc.communicate(timeout=120)
+        return proc, output, time.time() - signalled_at
+    finally:
+        for pid in victims:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
 def rank_pids(config_path: str, rank: int) -> list[int]:
     """PIDs of the trainer processes of ``rank`` running ``config_path`` (from /proc)."""
     pids = []
@@ -170,25 +201,9 @@ def test_a_killed_rank_ends_the_whole_job_quickly_naming_it(small_digits, tmp_pa
     the dead rank and says how to resume."""
     run_dir = str(tmp_path / "run")
     cfg = write_config(tiny_config(small_digits, run_dir, train={"epochs": 20, "batch_size": 8}))
-    proc = subprocess.Popen([HOROVODRUN, "--gloo", "-np", str(ranks), "-H", f"localhost:{ranks}", HYBRIDTRAIN,
-                             "train", "--config", cfg], env=env_with_venv(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     victim = random.Random(ranks).randrange(1, ranks)
-    try:
-        deadline = time.time() + 300
-        while not os.path.exists(os.path.join(run_dir, "checkpoint-epoch0001.pt")) and time.time() < deadline:
-            time.sleep(0.1)
-        time.sleep(random.Random(ranks).uniform(0.0, 1.0))  # a random step
-        victims = rank_pids(cfg, victim)
-        assert victims, f"rank {victim} not found"
-        killed_at = time.time()
-        for pid in victims:
-            os.kill(pid, signal.SIGKILL)
-        output, _ = proc.communicate(timeout=120)
-        ended_after = time.time() - killed_at
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    proc, output, ended_after = signal_a_rank_after_epoch_one(cfg, run_dir, ranks, victim, signal.SIGKILL,
+                                                              random.Random(ranks).uniform(0.0, 1.0))  # a random step
     assert proc.returncode != 0 and ended_after < 60, f"the job took {ended_after:.0f} s to end"
     lines = [x for x in output.splitlines() if "the job stopped because" in x]
     assert len(lines) == 1, output[-3000:]

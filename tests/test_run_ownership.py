@@ -7,7 +7,6 @@ import fcntl
 import hashlib
 import io
 import json
-import os
 import shutil
 import struct
 import zlib
@@ -189,37 +188,12 @@ def test_a_rank_frozen_mid_training_is_ended_by_the_stall_limits_with_a_warning_
     """SIGSTOP rank 1 in epoch 2 of a 2-rank run: rank 0 warns after horovod.stall_warning_s and ends the job
     after stall_shutdown_s with one line (Gloo's own timeout is set far later, so the watchdog is what acts)."""
     import signal
-    import subprocess
-    import time
 
-    from conftest import HOROVODRUN, env_with_venv
-    from test_horovod_training import rank_pids
+    from test_horovod_training import signal_a_rank_after_epoch_one
     run_dir = str(tmp_path / "run")
     config = write_config(tiny_config(small_digits, run_dir, train={"epochs": 20, "batch_size": 8},
                                       horovod={"stall_warning_s": 3, "stall_shutdown_s": 8, "gloo_timeout_s": 300}))
-    proc = subprocess.Popen([HOROVODRUN, "--gloo", "-np", "2", "-H", "localhost:2", HYBRIDTRAIN, "train", "--config",
-                             config], env=env_with_venv(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    victims = []
-    try:
-        deadline = time.time() + 300
-        while not os.path.exists(os.path.join(run_dir, "checkpoint-epoch0001.pt")) and time.time() < deadline:
-            time.sleep(0.1)
-        victims = rank_pids(config, 1)
-        assert victims
-        frozen_at = time.time()
-        for pid in victims:
-            os.kill(pid, signal.SIGSTOP)
-        output, _ = proc.communicate(timeout=120)
-        ended_after = time.time() - frozen_at
-    finally:
-        for pid in victims:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    proc, output, ended_after = signal_a_rank_after_epoch_one(config, run_dir, 2, 1, signal.SIGSTOP)
     assert proc.returncode != 0 and ended_after < 60, f"the job took {ended_after:.0f} s to end"
     assert "warning: rank 0: no training step finished" in output, output[-3000:]
     errors = [x for x in output.splitlines() if "hybridtrain: error:" in x]
