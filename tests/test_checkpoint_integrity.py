@@ -181,7 +181,7 @@ def test_full_disk_while_saving_keeps_the_previous_checkpoint_and_is_one_error_l
 
 SAVE_UNDER_A_FILE_SIZE_LIMIT = """
 import resource, signal, sys, torch
-from hybridtrain.checkpoint import save_checkpoint
+from hybridtrain.engine.checkpoint import save_checkpoint
 from hybridtrain.cli import run_guarded
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
