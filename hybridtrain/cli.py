@@ -150,6 +150,18 @@ def cmd_find_max_batch(args, sets: list[str]) -> int:
     return 0
 
 
+def cmd_bench_optim(args) -> int:
+    if args.json is not None:
+        check_output_file(args.json, "--json", "bench-optim.json")
+    from hybridtrain.perf.optim_bench import bench_optimizer, format_table
+    rows = bench_optimizer(args.config, args.set, args.steps, args.warmup, args.threads)
+    print(format_table(rows))
+    if args.json is not None:
+        write_json_atomically(args.json, rows)
+        print(f"rows written to {args.json}")
+    return 0
+
+
 def cmd_bench_data(args) -> int:
     from hybridtrain.perf.data_bench import bench_data, format_table
     print(format_table(bench_data(args.backend, args.data, args.threads, args.batch_size, args.crop, args.steps,
@@ -407,6 +419,18 @@ def build_parser() -> argparse.ArgumentParser:
     step.add_argument("--batch-granularity", type=bounded_int(1, 1024), default=8,
                       help="--find-max-batch: bisect down to multiples of this (default 8)")
     step.set_defaults(func=cmd_bench)
+
+    optim = sub.add_parser("bench-optim", help="the optimizer step alone in both phases of the hybrid optimizer "
+                                               "(AdaBound, SGD+LARS) against torch.optim.SGD(foreach=True)")
+    optim.add_argument("--config", type=recipe_path,
+                       help="recipe (default: the built-in defaults, ResNet-50's parameters)")
+    optim.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    optim.add_argument("--steps", type=STEPS, default=20, help="timed steps per row (default 20)")
+    optim.add_argument("--warmup", type=WARMUP, default=3, help="untimed steps first (default 3)")
+    optim.add_argument("--threads", type=bounded_int(0, 1024), default=0,
+                       help="CPU threads (default 0 = torch's default)")
+    optim.add_argument("--json", help="also write the rows to this JSON file")
+    optim.set_defaults(func=cmd_bench_optim)
 
     bench = sub.add_parser("bench-data", help="input pipeline alone: images/s per backend and thread count")
     bench.add_argument("--backend", action="append", required=True,

@@ -122,6 +122,10 @@ class TrainConfig:
     deterministic: bool = plain(False, "deterministic algorithms only: bitwise-repeatable runs and exact resumes")
     compile: bool = plain(False, "torch.compile the model for the training step (the first steps compile; needs "
                                  "g++ on the CPU, a C compiler for Triton on the GPU)")
+    compile_scope: str = choice("blocks", ["blocks", "model"],
+                                "with train.compile: blocks compiles each residual block apart, so Horovod's "
+                                "gradient hooks fire block by block and the all-reduce overlaps the backward; "
+                                "model compiles the whole network as one graph (its hooks all fire at the end)")
     cuda_graphs: bool = plain(False, "replay forward, loss and backward from one CUDA graph captured on a static batch "
                                      "(needs a GPU); the all-reduce and the optimizer step stay eager")
     device: str = choice("auto", ["auto", "cuda", "cpu"],
@@ -524,6 +528,7 @@ def validate(cfg: Config) -> Config:
                         f"than train.epochs ({cfg.train.epochs})")
     validate_precision(cfg)
     validate_bn(cfg)
+    validate_compile(cfg)
     validate_cuda_graphs(cfg)
     h = cfg.horovod
     if 0 < h.stall_shutdown_s < h.stall_warning_s:
@@ -553,6 +558,12 @@ def validate_precision(cfg: Config) -> None:
                         f"{cfg.optim.name} needs FP32 state (AdaBound's squared gradients): use optim.name=goyal "
                         f"or sgd, or precision.mode=mixed")
     gradient_compression(cfg.horovod.compression, resolve_policy(p))
+
+
+def validate_compile(cfg: Config) -> None:
+    if cfg.train.compile_scope != "blocks" and not cfg.train.compile:
+        raise UserError(f"config error: train.compile_scope={cfg.train.compile_scope} only applies with "
+                        f"train.compile=true: set train.compile=true or drop train.compile_scope")
 
 
 def validate_cuda_graphs(cfg: Config) -> None:

@@ -13,7 +13,7 @@ from hybridtrain.perf.cluster_model import RESNET50_PARAMETERS, ring_allreduce_t
 from hybridtrain.perf.scaling import allreduce_intervals, busy_time_us, read_timeline
 
 SETS = ["--set", "model.arch=resnet18", "--set", "train.batch_size=4", "--set", "data.crop_size=32",
-        "--set", "optim.name=hybrid", "--set", "data.channels_last=true"]
+        "--set", "optim.name=hybrid", "--set", "data.channels_last=true", "--set", "train.accumulation_steps=2"]
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +30,9 @@ def test_scale_rows_are_consistent_and_fp16_halves_the_bytes(scale_result):
     rows = {(r["world_size"], r["compression"]): r for r in json.loads((out / "scale.json").read_text())["rows"]}
     assert set(rows) == {(1, "fp16"), (2, "fp16"), (1, "none"), (2, "none")}
     assert all(r["optimizer"] == "hybrid" and r["channels_last"] for r in rows.values())  # the trainer's own step
+    assert all(r["accumulation_steps"] == 2 and r["batch_per_rank"] == 8 for r in rows.values())  # 2 passes of 4
     params = sum(p.numel() for p in create_model("resnet18", 1000).parameters())  # synthetic: 1000 classes
-    assert rows[(2, "none")]["allreduce_bytes_per_step"] == 4 * params  # every gradient, FP32, once per step
+    assert rows[(2, "none")]["allreduce_bytes_per_step"] == 4 * params  # every gradient, FP32, once per step of 2 passes
     assert rows[(2, "fp16")]["allreduce_bytes_per_step"] == 2 * params  # FP16 compression halves it
     for (n, compression), r in rows.items():
         single = rows[(1, compression)]["images_per_sec"]

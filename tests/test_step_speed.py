@@ -95,7 +95,7 @@ def built_step(sets: list[str], seed_step: int = 0):
     def step():
         bundle.apply_schedule(counter["step"])
         counter["step"] += 1
-        loss, _ = run_step(bundle.optimizer, precision, images, labels)
+        loss, _ = run_step(bundle.optimizer, precision, [(images, labels, 1.0)])
         return loss.detach().clone()
 
     torch.manual_seed(0)
@@ -138,11 +138,12 @@ def test_loss_scaling_is_the_one_host_sync_in_the_step():
 
 # ----------------------------------------------------------------------------- torch.compile
 
-@pytest.mark.parametrize("optimizer", ["hybrid", "goyal"])
-def test_compiled_steps_give_the_eager_losses(optimizer):
+@pytest.mark.parametrize("optimizer, scope", [("hybrid", "blocks"), ("goyal", "model")])
+def test_compiled_steps_give_the_eager_losses(optimizer, scope):
     import torch
     eager_step, eager_model = built_step([f"optim.name={optimizer}"])
-    compiled_step, compiled_model = built_step([f"optim.name={optimizer}", "train.compile=true"])
+    compiled_step, compiled_model = built_step([f"optim.name={optimizer}", "train.compile=true",
+                                                f"train.compile_scope={scope}"])
     eager = torch.stack([eager_step() for _ in range(3)])
     compiled = torch.stack([compiled_step() for _ in range(3)])
     # What "the same" means: the same FP32 sums in another order. On the CPU inductor's kernels keep the
@@ -155,6 +156,65 @@ def test_compiled_steps_give_the_eager_losses(optimizer):
         for a, b in zip(compiled_model.parameters(), eager_model.parameters()):
             torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
     assert list(compiled_model.state_dict()) == list(eager_model.state_dict())  # checkpoints keep their keys
+
+
+def compiled_regions(loss) -> list[set[str]]:
+    """For each compiled region in ``loss``'s backward graph (one autograd node each), the names of the parameters
+    whose gradients it produces (via their AccumulateGrad nodes, where Horovod's hooks sit)."""
+    regions, seen, todo = [], set(), [loss.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        children = [child for child, _ in node.next_functions]
+        if "CompiledFunction" in node.name():
+            regions.append({getattr(c, "variable", None) for c in children if c is not None} - {None})
+        todo += children
+    return regions
+
+
+def test_compiled_blocks_keep_horovods_hooks_firing_inside_the_backward():
+    """#9: with train.compile_scope=blocks each block is its own node of the backward (compiling the whole model
+    makes one), so a block's gradient hooks, registered as Horovod's DistributedOptimizer registers them, fire
+    before the backward reaches the block below it, and its all-reduce overlaps the rest of the backward. The
+    gradients equal the eager ones."""
+    import torch
+
+    from hybridtrain.engine.step import classification_loss, compiled_forward
+    from hybridtrain.models.resnet import BasicBlock
+    from hybridtrain.perf.hook_timing import GradientHooks
+    events = []
+
+    class Marker(torch.nn.Module):  # eager, between the blocks: its hook fires when the backward gets there
+        def forward(self, x):
+            x.register_hook(lambda grad: events.append("between the blocks"))
+            return x
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), BasicBlock(8, 8), Marker(), BasicBlock(8, 8),
+                                torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 10))
+    names = {p: n for n, p in model.named_parameters()}
+    lower, upper = ({n for n in names.values() if n.startswith(block)} for block in ("1.", "3."))
+    images, labels = torch.randn(4, 3, 16, 16), torch.arange(4)
+    gradients = {}
+    for mode, forward in (("eager", model), ("blocks", compiled_forward(model, "blocks"))):
+        for _ in range(2):  # the first pass compiles
+            events.clear()
+            model.zero_grad(set_to_none=True)
+            hooks = GradientHooks(model, events.append)
+            loss = classification_loss(forward(images), labels)
+            regions = [{names[p] for p in region} for region in compiled_regions(loss)]
+            loss.backward()
+            hooks.remove()
+        gradients[mode] = [p.grad.clone() for p in model.parameters()]
+        marker = events.index("between the blocks")
+        assert all(events.index(n) < marker for n in upper) and all(events.index(n) > marker for n in lower), events
+        assert sorted(regions, key=sorted) == ([] if mode == "eager" else [lower, upper])
+    torch.testing.assert_close(gradients["blocks"], gradients["eager"], rtol=1e-4, atol=1e-5)
+    model.pop(2)  # no marker: compiling the whole model makes one region holding both blocks' gradients
+    (region,) = compiled_regions(classification_loss(compiled_forward(model, "model")(images), labels))
+    assert lower | upper <= {names[p] for p in region}
 
 
 def test_bench_with_compile_runs_and_says_so(tmp_path):

@@ -1,6 +1,7 @@
 """One training epoch (with gradient accumulation and per-rank loss weights) and one evaluation pass."""
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -9,7 +10,7 @@ import torch
 from hybridtrain.data.check import CLEAN_LIST_HINT
 from hybridtrain.data.torchvision_loader import UnreadableImage
 from hybridtrain.distributed import horovod as distributed
-from hybridtrain.engine.step import EagerPasses, Precision, classification_loss
+from hybridtrain.engine.step import EagerPasses, Precision, classification_loss, train_step
 from hybridtrain.errors import UserError
 from hybridtrain.models.batchnorm import RunningStatsGuard
 from hybridtrain.precision.policy import Policy, forward_context
@@ -81,8 +82,8 @@ def train_one_epoch(model, bundle, precision: Precision, loader, epoch: int, upd
                     warmup: int = 0) -> EpochResult:
     """``updates_per_epoch`` optimizer steps of ``accumulation_steps`` passes each; one all-reduce per step
     (Horovod's backward_passes_per_step). Left-over batches that cannot fill a step are not trained on.
-    ``passes``: how forward and backward run (``speed.build_passes``: compiled, or replayed from a CUDA graph);
-    default ``model`` eagerly.
+    Each step is ``step.train_step``; ``passes``: how forward and backward run (``step.build_passes``: compiled,
+    or replayed from a CUDA graph); default ``model`` eagerly.
 
     ``resume`` continues a stopped epoch: the batches it had done are drawn again and skipped, so the data
     and the augmentation continue exactly. ``stop_after_step(snapshot)`` is asked after every step, on every
@@ -105,38 +106,44 @@ def train_one_epoch(model, bundle, precision: Precision, loader, epoch: int, upd
                                for v in (done.loss_sum, done.correct, done.seen))
     skipped_before = precision.scaler.skipped_steps - done.skipped_steps
     passes = passes or EagerPasses(model)
-    k = accumulation_steps
-    total_passes = min(updates_per_epoch - first_step, len(loader) // k) * k
+    k, dtype = accumulation_steps, precision.policy.input_dtype
+    steps = min(updates_per_epoch - first_step, len(loader) // k)
+    total_passes = steps * k
     bn_guard = RunningStatsGuard(model)
     began = time.perf_counter() - done.train_time_s
-    warmup_end = done.passes + warmup * k if warmup else -1
+    warmup_end = done.passes // k + warmup if warmup else -1
     warmup_time, warmup_seen = 0.0, torch.zeros((), dtype=torch.float64, device=device)
-    for i, batch in zip(range(total_passes), loader):  # range first: no batch is drawn beyond the last pass
-        if i < done.passes:
-            continue
-        images, labels = readable(batch, device, precision.policy.input_dtype)
-        if i % k == 0:
-            bundle.apply_schedule(epoch * updates_per_epoch + first_step + i // k)
-            bundle.optimizer.zero_grad()
-            bn_guard.save()
-        weight = micro_batch_weight(labels.numel(), batch_size, k)
-        loss, logits = passes.backward_pass(precision, images, labels, weight)
-        step_ends = (i + 1) % k == 0
-        if step_ends and not precision.scaler.step(bundle.optimizer):
-            bn_guard.restore()
+    batches = itertools.islice(loader, total_passes)  # no batch is drawn beyond the last pass
+    for _ in itertools.islice(batches, done.passes):  # drawn again and skipped: data and augmentation continue
+        pass
+
+    def micro_batches():
+        for batch in itertools.islice(batches, k):
+            images, labels = readable(batch, device, dtype)
+            yield images, labels, micro_batch_weight(labels.numel(), batch_size, k)
+
+    def record(loss, logits, labels) -> None:
+        nonlocal loss_sum, correct, seen, passes_done
         loss_sum += loss * labels.numel()
         correct += topk_correct(logits, labels, ks=(1,))[0]
         seen += labels.numel()
-        if i + 1 == warmup_end:
+        passes_done += 1
+        if progress is not None:
+            progress.update(loss_sum, seen, passes_done)
+
+    passes_done = done.passes
+    for step in range(done.passes // k, steps):
+        bundle.apply_schedule(epoch * updates_per_epoch + first_step + step)
+        train_step(passes, bundle.optimizer, precision, micro_batches(), on_pass=record, bn_guard=bn_guard)
+        if step + 1 == warmup_end:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             warmup_time, warmup_seen = time.perf_counter() - began - done.train_time_s, seen - done.seen
-        if progress is not None:
-            progress.update(loss_sum, seen, i + 1)
-        def snapshot(passes=i + 1):
-            return EpochProgress(passes, float(loss_sum), float(correct), float(seen), time.perf_counter() - began,
-                                 precision.scaler.skipped_steps - skipped_before)
-        if step_ends and i + 1 < total_passes and stop_after_step is not None and stop_after_step(snapshot):
+
+        def snapshot(passes_at_step=passes_done):
+            return EpochProgress(passes_at_step, float(loss_sum), float(correct), float(seen),
+                                 time.perf_counter() - began, precision.scaler.skipped_steps - skipped_before)
+        if step + 1 < steps and stop_after_step is not None and stop_after_step(snapshot):
             stopped = snapshot()
             return EpochResult(float("nan"), float("nan"), 0, stopped.train_time_s, stopped.skipped_steps, stopped)
     elapsed = time.perf_counter() - began

@@ -3,6 +3,10 @@
 ``train.compile``: ``torch.compile`` (inductor, default mode) of the model for the training step only; the
 checkpoints, the optimizer, Horovod and evaluation keep the plain module, which shares its parameters, so the
 state-dict keys do not change and evaluation does not trigger a second compilation. The first steps compile.
+``train.compile_scope: blocks`` (the default) compiles each residual block apart: AOTAutograd makes a compiled
+region one autograd node, so with the whole model compiled every gradient hook Horovod registers fires at the end
+of the backward (the review's #9: the first hook at 90% of it on the CPU), while block by block a block's
+gradients start their all-reduce as soon as its backward is done (``python -m hybridtrain.perf.hook_timing``).
 
 ``train.cuda_graphs``: forward, FP32 loss and scaled backward are captured once in a CUDA graph on static
 input tensors and replayed every step, following PyTorch's whole-network recipe: a few warmup iterations on
@@ -21,6 +25,7 @@ all-reduce, no overlap with the backward). Horovod re-points each ``p.grad`` at 
 """
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 from dataclasses import dataclass
@@ -30,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridtrain.errors import UserError
+from hybridtrain.models.resnet import ResidualBlock
 from hybridtrain.precision.policy import Policy, forward_context
 from hybridtrain.precision.scaler import LossScaler
 
@@ -125,7 +131,7 @@ def build_passes(model, cfg, precision, batch: tuple[torch.Tensor, torch.Tensor]
     Call it before Horovod wraps the optimizer (a graph must be captured without its hooks). ``batch``: the
     static inputs to capture on; default zeros of the config's batch shape.
     """
-    forward_model = torch.compile(model) if cfg.train.compile else model
+    forward_model = compiled_forward(model, cfg.train.compile_scope) if cfg.train.compile else model
     if not cfg.train.cuda_graphs:
         return EagerPasses(forward_model)
     device = next(model.parameters()).device
@@ -134,8 +140,26 @@ def build_passes(model, cfg, precision, batch: tuple[torch.Tensor, torch.Tensor]
 
 
 def build_train_step(model, cfg, precision, batch: tuple[torch.Tensor, torch.Tensor] | None = None):
-    """``step(optimizer, precision, images, labels) -> (loss, logits)``: one whole step as the config runs it."""
+    """``step(optimizer, precision, micro_batches) -> (loss, logits)``: ``train_step`` as the config runs it."""
     return partial(train_step, build_passes(model, cfg, precision, batch))
+
+
+def compiled_forward(model: torch.nn.Module, scope: str) -> torch.nn.Module:
+    """``model`` as train.compile runs it: one compiled graph (``model``) or one per residual block (``blocks``)."""
+    return torch.compile(model) if scope == "model" else compile_blocks(model)
+
+
+def compile_blocks(module: torch.nn.Module) -> torch.nn.Module:
+    """A copy of the containers on the way to each residual block, with every block ``torch.compile``'d. Blocks,
+    parameters, buffers and the other layers stay the original's (``model.train()``/``.eval()`` reach them and the
+    state-dict keys do not change); a compiled block is one autograd node of the backward."""
+    if isinstance(module, ResidualBlock):
+        return torch.compile(module)
+    if not any(isinstance(m, ResidualBlock) for m in module.modules()):
+        return module
+    container = copy.copy(module)
+    container._modules = {name: compile_blocks(child) for name, child in module._modules.items()}
+    return container
 
 
 @dataclass
@@ -160,13 +184,23 @@ def backward_pass(model, precision: Precision, images, labels,
     return loss.detach(), logits.detach()
 
 
-def train_step(passes, optimizer, precision: Precision, images, labels) -> tuple[torch.Tensor, torch.Tensor]:
-    """One pass, one update, however ``passes`` runs forward and backward (EagerPasses, compiled, or GraphedStep):
-    backward, Horovod's all-reduce, unscale, the update unless the gradients overflowed. The epoch loop makes the
-    same calls, with gradient accumulation and the BN-statistics guard around them."""
+def train_step(passes, optimizer, precision: Precision, micro_batches, on_pass=None,
+               bn_guard=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step however ``passes`` runs forward and backward (EagerPasses, compiled, or GraphedStep), as
+    ``train``, ``bench``, ``scale`` and the tests run it: zero the gradients; a forward and scaled backward of each
+    ``(images, labels, weight)`` in ``micro_batches`` (the gradients accumulate; Horovod all-reduces once, as its
+    backward_passes_per_step says); unscale; the update unless the gradients overflowed, in which case
+    ``bn_guard`` (a RunningStatsGuard) puts back the BN running statistics the skipped passes changed.
+    ``on_pass(loss, logits, labels)`` after each pass. Returns the last pass's (loss, logits)."""
     optimizer.zero_grad()
-    loss, logits = passes.backward_pass(precision, images, labels)
-    precision.scaler.step(optimizer)  # Horovod's synchronize, unscale and skip decision, the update
+    if bn_guard is not None:
+        bn_guard.save()
+    for images, labels, weight in micro_batches:
+        loss, logits = passes.backward_pass(precision, images, labels, weight)
+        if on_pass is not None:
+            on_pass(loss, logits, labels)
+    if not precision.scaler.step(optimizer) and bn_guard is not None:  # Horovod's synchronize, unscale, update
+        bn_guard.restore()
     return loss, logits
 
 

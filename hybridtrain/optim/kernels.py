@@ -36,8 +36,7 @@ def adabound_step_(params, grads, exp_avgs, exp_avg_sqs, step, alpha, beta1, bet
         return
     if weight_decay != 0:
         grads = torch._foreach_add(grads, params, alpha=weight_decay)  # g <- g + wd * p (coupled L2)
-    torch._foreach_mul_(exp_avgs, beta1)
-    torch._foreach_add_(exp_avgs, grads, alpha=1.0 - beta1)  # m = b1*m + (1-b1)*g
+    torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)  # m = b1*m + (1-b1)*g, as m + (1-b1)*(g - m): one pass
     torch._foreach_mul_(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)  # v = b2*v + (1-b2)*g^2
     step_sizes = torch._foreach_sqrt(exp_avg_sqs)
@@ -48,8 +47,7 @@ def adabound_step_(params, grads, exp_avgs, exp_avg_sqs, step, alpha, beta1, bet
         torch._foreach_clamp_min_(step_sizes, lower)  # eta = clip(eta, lower, .)
     if math.isfinite(upper):
         torch._foreach_clamp_max_(step_sizes, upper)  # eta = clip(eta, ., upper)
-    torch._foreach_mul_(step_sizes, exp_avgs)
-    torch._foreach_sub_(params, step_sizes)  # p <- p - eta * m
+    torch._foreach_addcmul_(params, step_sizes, exp_avgs, value=-1.0)  # p <- p - eta * m, in one pass
 
 
 def lars_trust_factors(params, grads, lr, weight_decay, trust_coefficient, eps, mode):

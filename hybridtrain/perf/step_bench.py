@@ -121,7 +121,7 @@ def trainer_row(cfg, steps: int, warmup: int, profile_dir: str | None) -> dict:
 
     def step():
         bundle.apply_schedule(counter["step"])
-        run_step(bundle.optimizer, precision, images, labels)
+        run_step(bundle.optimizer, precision, [(images, labels, 1.0)])
         counter["step"] += 1
 
     times = timed_steps(step, steps, warmup, device, "trainer")

@@ -47,7 +47,7 @@ def main(out: str) -> None:
         labels = torch.randint(10, (4,), generator=generator)
         before = precision.scaler.skipped_steps
         try:
-            loss, _ = train_step(EagerPasses(model), optimizer, precision, images, labels)
+            loss, _ = train_step(EagerPasses(model), optimizer, precision, [(images, labels, 1.0)])
         except UserError as exc:
             stopped = {"step": step, "error": str(exc)}
             break

@@ -49,7 +49,7 @@ def main(out: str) -> None:
         images = torch.randn(4, 3, 32, 32, generator=generator)  # >= 32 px: see docs/precision.md
         labels = torch.randint(10, (4,), generator=generator)
         before = precision.scaler.skipped_steps
-        train_step(EagerPasses(model), optimizer, precision, images, labels)
+        train_step(EagerPasses(model), optimizer, precision, [(images, labels, 1.0)])
         records.append({"scale": precision.scaler.scale, "stepped": precision.scaler.skipped_steps == before,
                         "digest": digest(model)})
     os.makedirs(out, exist_ok=True)

@@ -1,0 +1,91 @@
+"""``hybridtrain bench-optim``: the optimizer step alone, per phase of the recipe, against ``torch.optim.SGD``.
+
+The CPU proxy of the optimizer's share of a step. The recipe's model (ResNet-50's parameter shapes by default) gets
+fixed random gradients; then ``steps`` timed calls of ``optimizer.step()`` follow, each after the schedule for that
+step has been applied, as in training. The rows are:
+- ``sgd-foreach``: ``torch.optim.SGD(momentum, weight_decay, foreach=True)``, the reference a PyTorch user would write;
+- ``hybrid/adabound``: the hybrid optimizer in its AdaBound warmup phase (the paper's bounds B_l, B_u, 2.2.1);
+- ``hybrid/sgd+lars``: the hybrid optimizer after the switch, SGD at lr*N*kappa^epoch with LARS.
+Each row gives the median and p90 ms per step and its ratio to ``sgd-foreach``.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from hybridtrain.config import load_config
+from hybridtrain.errors import UserError
+from hybridtrain.models import model_from_config
+from hybridtrain.optim import create_optimizer
+from hybridtrain.perf.step_bench import bench_device, synchronize
+from hybridtrain.reports.tables import markdown_table
+
+ITERS_PER_EPOCH = 100  # the schedule's epoch length: the AdaBound rows run at steps 0.., the LARS rows after T
+
+
+def fixed_gradients(model: torch.nn.Module, seed: int = 0) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.grad = (1e-3 * torch.randn(p.shape, generator=generator)).to(p.device, p.dtype)
+
+
+def timed(step, steps: int, warmup: int, device: torch.device) -> list[float]:
+    times = []
+    for i in range(warmup + steps):
+        synchronize(device)
+        began = time.perf_counter()
+        step(i)
+        synchronize(device)
+        if i >= warmup:
+            times.append(1000 * (time.perf_counter() - began))
+    return times
+
+
+def row(name: str, times: list[float], parameters: int) -> dict:
+    return {"optimizer": name, "median_ms": statistics.median(times),
+            "p90_ms": statistics.quantiles(times, n=10)[-1] if len(times) > 1 else times[0],
+            "parameters": parameters}
+
+
+def phase_steps(cfg, phase: str) -> int:
+    """The first schedule step of ``phase``: 0 for AdaBound, the first step of epoch T for SGD+LARS."""
+    return 0 if phase == "adabound" else cfg.optim.adabound_epochs * ITERS_PER_EPOCH
+
+
+def bench_optimizer(config: str | None, overrides: list[str], steps: int, warmup: int, threads: int) -> list[dict]:
+    if threads:
+        torch.set_num_threads(threads)
+    cfg = load_config(config, list(overrides) + ["optim.name=hybrid"])
+    if cfg.optim.adabound_epochs < 1:
+        raise UserError("bench-optim times both phases of the hybrid optimizer and optim.adabound_epochs is 0: "
+                        "set optim.adabound_epochs >= 1")
+    device = bench_device()
+    model = model_from_config(cfg.model, cfg.model.num_classes or 1000, seed=cfg.seed).to(device)
+    parameters = sum(p.numel() for p in model.parameters())
+    fixed_gradients(model)
+    o = cfg.optim
+    reference = torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay,
+                                foreach=True)
+    rows = [row("sgd-foreach", timed(lambda i: reference.step(), steps, warmup, device), parameters)]
+    for phase, name in (("adabound", "hybrid/adabound"), ("sgd", "hybrid/sgd+lars")):
+        bundle = create_optimizer(model, cfg, world_size=1, iters_per_epoch=ITERS_PER_EPOCH)
+        first = phase_steps(cfg, phase)
+
+        def step(i, bundle=bundle, first=first):
+            bundle.apply_schedule(first + i)
+            bundle.optimizer.step()
+        rows.append(row(name, timed(step, steps, warmup, device), parameters))
+        assert bundle.optimizer.param_groups[0]["phase"] == phase  # the rows time the phase they name
+    for r in rows:
+        r.update(arch=cfg.model.arch, device=str(device), ratio_to_sgd=r["median_ms"] / rows[0]["median_ms"],
+                 threads=torch.get_num_threads())
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    header = ["optimizer", "arch", "parameters", "device", "threads", "median ms", "p90 ms", "÷ sgd-foreach"]
+    return markdown_table(header, [[r["optimizer"], r["arch"], f"{r['parameters']:,}", r["device"], r["threads"],
+                                    f"{r['median_ms']:.2f}", f"{r['p90_ms']:.2f}", f"{r['ratio_to_sgd']:.3f}"]
+                                   for r in rows])
