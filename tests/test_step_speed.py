@@ -228,6 +228,21 @@ def test_bench_with_compile_runs_and_says_so(tmp_path):
     assert "| 4 | 32 | compile |" in proc.stdout
 
 
+def test_bench_times_the_whole_step_as_train_runs_it_under_horovodrun(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = run([HYBRIDTRAIN, "bench", "--config", "configs/demo.yaml", "--batch-size", "4", "--image-size", "32",
+                "--set", "model.num_classes=10", "--steps", "2", "--warmup", "1", "--baseline", "--horovod",
+                "--threads", "1", "--json", str(out)], timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    trainer, train, baseline = json.loads(out.read_text())
+    assert (trainer["loop"], train["loop"], baseline["loop"]) == ("trainer", "train", "baseline")
+    assert train["optimizer"] == "hybrid" and train["batch_size"] == 4 and train["images_per_sec"] > 0
+    assert train["mean_ms"] == pytest.approx(4000 / train["images_per_sec"])  # one rank: b / step time
+    for row in (trainer, train):
+        assert row["over_baseline"] == pytest.approx(row["images_per_sec"] / baseline["images_per_sec"])
+    assert "horovodrun --gloo -np 1" in proc.stdout and "| train | resnet18 | hybrid | fp32 | 4 | 32 |" in proc.stdout
+
+
 def test_compile_without_a_compiler_is_one_line():
     env = env_with_venv()
     env["CXX"] = env["CC"] = "/nonexistent/cc"

@@ -30,10 +30,11 @@ DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 
 def measured_config(config: str, overrides: list[str], compression: str | None = None):
     """The recipe as scale measures it: the trainer's own step (optimizer, schedule, layout, precision, compile,
-    graphs, accumulation) on the synthetic backend's fixed batch, one torch thread per rank; a key the synthetic
+    graphs, accumulation) on the synthetic backend's fixed batch, one torch thread per rank unless ``overrides`` set
+    train.threads; a key the synthetic
     step cannot honour (e.g. bn.per_rank_batch=random) is refused here in one line."""
     from hybridtrain.config import load_config
-    sets = list(overrides) + ["data.backend=synthetic", "data.file_lists=", "train.threads=1"]
+    sets = ["train.threads=1"] + list(overrides) + ["data.backend=synthetic", "data.file_lists="]
     cfg = load_config(config, sets + ([f"horovod.compression={compression}"] if compression else []))
     return cfg
 
@@ -70,7 +71,7 @@ def worker(config: str, overrides: list[str], compression: str, steps: int, warm
                   "parameters": sum(p.numel() for p in t.model.parameters()), "optimizer": cfg.optim.name,
                   "channels_last": cfg.data.channels_last, "precision": cfg.precision.mode,
                   "fusion_threshold_mb": cfg.horovod.fusion_threshold_mb, "cycle_time_ms": cfg.horovod.cycle_time_ms,
-                  "autotune": cfg.horovod.autotune}
+                  "autotune": cfg.horovod.autotune, "device": str(topo.device)}
         with open(out, "w") as fh:
             json.dump(record, fh)
 

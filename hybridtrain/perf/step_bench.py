@@ -1,17 +1,19 @@
-"""``hybridtrain bench``: the trainer's own training step on synthetic data, in one process, without Horovod.
+"""``hybridtrain bench``: the trainer's own training step on synthetic data, in one process (Horovod: ``--horovod``).
 
 Each row builds the recipe's model, optimizer (with its schedule applied every step, as in training),
 precision policy and loss scaler, puts one random batch on the device (the ``synthetic`` backend), runs
 ``warmup`` untimed steps (cudnn autotuning, allocator growth), then times ``steps`` steps one by one with the
 device synchronised, and reports img/s, median and p90 step time and peak memory. The step is the trainer's
-(``speed.build_train_step``): ``train.compile`` and ``train.cuda_graphs`` apply, and the row lists the
-optimizations in effect. One more step runs under ``syncs.count_host_syncs``: the host syncs per step (1: the
+(``step.build_train_step``): ``train.compile`` and ``train.cuda_graphs`` apply, and the row lists the
+optimizations in effect. One more step runs under ``host_syncs.count_host_syncs``: the host syncs per step (1: the
 skip decision on a non-finite gradient, which every rank must take together).
 
 ``--baseline`` also runs, in the same process and with the same batch, precision and layout, the plain loop
 a PyTorch user would write: torchvision's ResNet, ``torch.optim.SGD`` (momentum, weight decay), autocast with
-a ``GradScaler`` for FP16. The ratio trainer ÷ baseline is the trainer's overhead (or gain). ``--profile DIR``
-writes a torch profiler trace of a few trainer steps.
+a ``GradScaler`` for FP16. The ratio trainer ÷ baseline is the trainer's overhead (or gain). ``--horovod`` adds
+the row ``train``: the whole step as ``train`` runs it, on one rank under horovodrun (Horovod's
+DistributedOptimizer, the compression, the scaler and the schedule), whose ratio to the baseline is the honest
+one. ``--profile DIR`` writes a torch profiler trace of a few trainer steps.
 """
 from __future__ import annotations
 
@@ -75,7 +77,7 @@ def timed_steps(step, steps: int, warmup: int, device: torch.device, label: str)
 def optimizations(cfg, label: str) -> list[str]:
     """The speed-ups in effect: the layout for both loops, compile and CUDA graphs for the trainer's."""
     names = ["channels_last"] if cfg.data.channels_last else []
-    if label == "trainer":
+    if label != "baseline":
         names += [name for name, on in (("compile", cfg.train.compile), ("cuda_graphs", cfg.train.cuda_graphs)) if on]
     return names
 
@@ -86,7 +88,7 @@ def summarise(label: str, cfg, times: list[float], device: torch.device, skipped
     ordered = sorted(times)
     return {"loop": label, "arch": cfg.model.arch, "precision": cfg.precision.mode + (
                 f"-{cfg.precision.compute_dtype}" if cfg.precision.mode == "mixed" else ""),
-            "optimizer": cfg.optim.name if label == "trainer" else "sgd", "batch_size": b,
+            "optimizer": cfg.optim.name if label != "baseline" else "sgd", "batch_size": b,
             "image_size": cfg.data.crop_size, "channels_last": cfg.data.channels_last,
             "optimizations": optimizations(cfg, label), "device": str(device),
             "images_per_sec": b * len(times) / sum(times), "median_ms": 1000 * statistics.median(times),
@@ -131,6 +133,21 @@ def trainer_row(cfg, steps: int, warmup: int, profile_dir: str | None) -> dict:
     return summarise("trainer", cfg, times, device, precision.scaler.skipped_steps, host_syncs)
 
 
+def horovod_row(config: str | None, sets: list[str], cfg, steps: int, warmup: int, threads: int) -> dict:
+    """The whole step as ``train`` runs it, on one rank under ``horovodrun``: the trainer built by
+    ``build_trainer`` with Horovod's DistributedOptimizer, the all-reduce compression, the loss scaler and the
+    schedule (``scale``'s worker). Its steps run back to back, so it gives the mean step time, not the median."""
+    import tempfile
+
+    from hybridtrain.perf.scaling import launch
+    with tempfile.TemporaryDirectory(prefix="hybridtrain-bench-") as out:
+        record = launch(config, [*sets, f"train.threads={threads}"], 1, cfg.horovod.compression, steps, warmup, out)
+    row = summarise("train", cfg, [record["step_time_s"]] * steps, torch.device(record["device"]))
+    row.update(median_ms=None, p90_ms=None, mean_ms=1000 * record["step_time_s"], peak_memory_mb=None,
+               peak_memory_reserved_mb=None, images_per_sec=record["images_per_sec"], skipped_steps=None)
+    return row
+
+
 def baseline_row(cfg, steps: int, warmup: int) -> dict:
     """The plain loop: torchvision ResNet, SGD, autocast + GradScaler, the same batch and precision."""
     import torchvision
@@ -173,7 +190,7 @@ def write_profile(step, device: torch.device, out_dir: str, steps: int = 3) -> s
 
 
 def bench(config: str | None, overrides: list[str], precisions: list[str], batch_sizes: list[int], steps: int,
-          warmup: int, baseline: bool, profile_dir: str | None, threads: int) -> list[dict]:
+          warmup: int, baseline: bool, profile_dir: str | None, threads: int, horovod: bool = False) -> list[dict]:
     if steps < 1 or warmup < 0:
         raise UserError("--steps must be >= 1 and --warmup >= 0")
     bad = [b for b in batch_sizes if b is None or b < 1]
@@ -181,7 +198,8 @@ def bench(config: str | None, overrides: list[str], precisions: list[str], batch
         raise UserError(f"--batch-size must be >= 1, got {bad[0]}: e.g. --batch-size 64")
     if threads < 0:
         raise UserError(f"--threads must be >= 0 (0 = all cores), got {threads}")
-    torch.set_num_threads(threads or cores_per_rank(1))
+    threads = threads or cores_per_rank(1)
+    torch.set_num_threads(threads)
     if torch.cuda.is_available():
         torch.backends.cudnn.benchmark = True
     rows = []
@@ -191,10 +209,15 @@ def bench(config: str | None, overrides: list[str], precisions: list[str], batch
                 [f"train.batch_size={batch}"] if batch is not None else [])
             cfg = load_config(config, sets)
             set_fp32_math(cfg.precision.tf32)  # both loops alike
-            rows.append(trainer_row(cfg, steps, warmup, profile_dir))
+            timed = [trainer_row(cfg, steps, warmup, profile_dir)]
+            if horovod:
+                timed.append(horovod_row(config, sets, cfg, steps, warmup, threads))
+            rows += timed
             if baseline:
                 rows.append(baseline_row(cfg, steps, warmup))
-                rows[-1]["trainer_over_baseline"] = rows[-2]["images_per_sec"] / rows[-1]["images_per_sec"]
+                for row in timed:
+                    row["over_baseline"] = row["images_per_sec"] / rows[-1]["images_per_sec"]
+                rows[-1]["trainer_over_baseline"] = timed[0]["over_baseline"]
     return rows
 
 
@@ -202,14 +225,20 @@ def mebibytes(value: float | None) -> str:
     return "-" if value is None else f"{value:.0f}"
 
 
+def milliseconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
 def format_table(rows: list[dict]) -> str:
     header = ["loop", "arch", "optimizer", "precision", "batch", "image", "optimizations", "device", "images/s",
-              "median ms", "p90 ms", "peak MiB", "reserved MiB", "skipped", "host syncs/step", "trainer ÷ baseline"]
+              "median ms", "p90 ms", "mean ms", "peak MiB", "reserved MiB", "skipped", "host syncs/step",
+              "÷ baseline"]
     return markdown_table(header, [[r["loop"], r["arch"], r["optimizer"], r["precision"], r["batch_size"],
                                      r["image_size"], ", ".join(r["optimizations"]) or "none", r["device"],
-                                     f"{r['images_per_sec']:.1f}", f"{r['median_ms']:.1f}", f"{r['p90_ms']:.1f}",
-                                     f"{r['peak_memory_mb']:.0f}", mebibytes(r["peak_memory_reserved_mb"]),
-                                     r["skipped_steps"], "" if r["host_syncs_per_step"] is None
-                                     else r["host_syncs_per_step"],
-                                     f"{r['trainer_over_baseline']:.3f}" if "trainer_over_baseline" in r else ""]
+                                     f"{r['images_per_sec']:.1f}", milliseconds(r["median_ms"]),
+                                     milliseconds(r["p90_ms"]), milliseconds(r.get("mean_ms")),
+                                     mebibytes(r["peak_memory_mb"]), mebibytes(r["peak_memory_reserved_mb"]),
+                                     "-" if r["skipped_steps"] is None else r["skipped_steps"],
+                                     "" if r["host_syncs_per_step"] is None else r["host_syncs_per_step"],
+                                     f"{r['over_baseline']:.3f}" if "over_baseline" in r else ""]
                                     for r in rows])
