@@ -243,6 +243,19 @@ def test_bench_times_the_whole_step_as_train_runs_it_under_horovodrun(tmp_path):
     assert "horovodrun --gloo -np 1" in proc.stdout and "| train | resnet18 | hybrid | fp32 | 4 | 32 |" in proc.stdout
 
 
+def test_bench_optim_times_both_phases_against_sgd(tmp_path):
+    out = tmp_path / "optim.json"
+    proc = run([HYBRIDTRAIN, "bench-optim", "--set", "model.arch=resnet18", "--steps", "3", "--warmup", "1",
+                "--threads", "1", "--json", str(out)], timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert [r["optimizer"] for r in rows] == ["sgd-foreach", "hybrid/adabound", "hybrid/sgd+lars"]
+    assert all(r["parameters"] == 11_689_512 and r["median_ms"] > 0 for r in rows)  # torchvision's resnet18
+    for r in rows:
+        assert r["ratio_to_sgd"] == pytest.approx(r["median_ms"] / rows[0]["median_ms"])
+    assert "| hybrid/sgd+lars | resnet18 | 11,689,512 |" in proc.stdout
+
+
 def test_compile_without_a_compiler_is_one_line():
     env = env_with_venv()
     env["CXX"] = env["CC"] = "/nonexistent/cc"

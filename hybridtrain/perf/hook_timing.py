@@ -3,8 +3,8 @@
 Horovod's ``DistributedOptimizer`` starts each gradient's all-reduce from a hook on that parameter's gradient
 accumulator. The all-reduce overlaps the backward only as far as those hooks fire while the backward still runs.
 This probe registers hooks the same way, runs forward, FP32 loss and backward a few times, and reports for the
-last backward its time, and when its first and last hooks fired as fractions of it (0 = at the start, 1 = at
-the end). Run it as ``python -m hybridtrain.perf.hook_timing [--arch resnet18 --image-size 64 --batch-size 8]``;
+last backward its time, and when its first, median and last hooks fired as fractions of it (0 = at the start,
+1 = at the end). Run it as ``python -m hybridtrain.perf.hook_timing [--arch resnet18 --image-size 64 --batch-size 8]``;
 it prints one row per mode: eager, compiled blocks (``train.compile_scope: blocks``), compiled model.
 """
 from __future__ import annotations
@@ -49,8 +49,9 @@ def hook_fractions(forward, model: torch.nn.Module, images, labels, repeats: int
         hooks.remove()
         model.zero_grad(set_to_none=True)
     span = ended - began
-    return {"backward_ms": 1000 * span, "hooks": len(fired), "first_hook": (min(fired) - began) / span,
-            "last_hook": (max(fired) - began) / span}
+    at = sorted((t - began) / span for t in fired)
+    return {"backward_ms": 1000 * span, "hooks": len(fired), "first_hook": at[0], "median_hook": at[len(at) // 2],
+            "last_hook": at[-1]}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -69,11 +70,12 @@ def main(argv: list[str] | None = None) -> None:
                           ("compiled model", compiled_forward(model, "model"))):
         began = time.perf_counter()
         r = hook_fractions(forward, model, images, labels)
-        rows.append([mode, f"{r['backward_ms']:.0f}", r["hooks"], f"{r['first_hook']:.2f}", f"{r['last_hook']:.2f}",
-                     f"{time.perf_counter() - began:.0f}"])
+        rows.append([mode, f"{r['backward_ms']:.0f}", r["hooks"], f"{r['first_hook']:.2f}", f"{r['median_hook']:.2f}",
+                     f"{r['last_hook']:.2f}", f"{time.perf_counter() - began:.0f}"])
     print(f"{args.arch}, {args.image_size} px, batch {args.batch_size}, {args.threads} thread(s), torch "
           f"{torch.__version__}")
-    print(markdown_table(["mode", "backward ms", "hooks", "first hook at", "last hook at", "s incl. compile"], rows))
+    print(markdown_table(["mode", "backward ms", "hooks", "first hook at", "median hook at", "last hook at",
+                                "s incl. compile"], rows))
 
 
 if __name__ == "__main__":
