@@ -74,10 +74,37 @@ def test_batches_follow_the_configured_layout_and_dtype(backend, channels_last, 
     memory_format = torch.channels_last if channels_last else torch.contiguous_format
     for loader in (data.train, data.val):
         images, labels, indices = next(iter(loader))
-        assert images.shape == (8, 3, 32, 32) and images.dtype == torch.float32
+        # torchvision hands over uint8 pixels, normalised on the device (device_images); the others FP32
+        assert images.shape == (8, 3, 32, 32)
+        assert images.dtype == (torch.uint8 if backend == "torchvision" else torch.float32)
         assert images.is_contiguous(memory_format=memory_format)
         assert labels.dtype == torch.int64 and labels.max() < data.num_classes
     assert data.num_classes == (1000 if backend == "synthetic" else 10)
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_uint8_batches_normalised_on_the_device_equal_the_float_transform(channels_last, small_digits):
+    """#10: the torchvision backend's uint8 batch, normalised by device_images, is bitwise the batch that
+    ToTensor + Normalize give in the workers, in the configured layout, in FP32 or cast to FP16."""
+    from PIL import Image
+
+    from hybridtrain.data.torchvision_loader import device_images, val_transform
+    cfg = config_from_dict({"data": {"path": small_digits, "crop_size": 32, "val_resize": 32,
+                                     "channels_last": channels_last, "workers": 1}, "train": {"batch_size": 8}})
+    data = create_loaders(cfg, Topology(0, 1, 0, 1))
+    pixels, _, indices = next(iter(data.val))
+    float_transform = val_transform(32, 32)
+    paths = [data.val.dataset.samples[i][0] for i in indices.tolist()]
+    expected = torch.stack([float_transform(Image.open(p).convert("RGB")) for p in paths])
+    memory_format = torch.channels_last if channels_last else torch.contiguous_format
+    for dtype in (torch.float32, torch.float16):
+        images = device_images(pixels, torch.device("cpu"), dtype)
+        assert images.dtype == dtype and images.is_contiguous(memory_format=memory_format)
+        assert torch.equal(images, expected.to(dtype))
+    mean = torch.tensor([0.485, 0.456, 0.406]).view(3, 1, 1)
+    std = torch.tensor([0.229, 0.224, 0.225]).view(3, 1, 1)
+    assert torch.allclose(device_images(pixels, torch.device("cpu"), torch.float64),
+                          ((pixels.double() / 255 - mean.double()) / std.double()), atol=1e-6)  # by hand
 
 
 def test_a_sigterm_to_a_starting_worker_does_not_kill_it(small_digits):

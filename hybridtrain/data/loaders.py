@@ -80,8 +80,9 @@ def create_loaders(cfg, topo) -> Loaders:
     if backend == "torchvision":
         from hybridtrain.data.torchvision_loader import create_train_loader, create_val_loader
         workers = cfg.data.workers or cores_per_rank(topo.local_size)
-        train = create_train_loader(train_set, cfg, topo.rank, topo.size, workers)
-        val = create_val_loader(val_set, cfg, topo.rank, topo.size, workers)
+        pin = topo.device.type == "cuda"
+        train = create_train_loader(train_set, cfg, topo.rank, topo.size, workers, pin)
+        val = create_val_loader(val_set, cfg, topo.rank, topo.size, workers, pin)
         dropped = sharding.dropped_per_epoch(len(train_set), topo.size, cfg.train.batch_size)
     else:
         device = "gpu" if backend == "dali_gpu" else "cpu"

@@ -31,16 +31,42 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
-def train_transform(crop_size: int, min_crop_area: float, hflip: bool):
+def train_transform(crop_size: int, min_crop_area: float, hflip: bool, as_uint8: bool = False):
+    """The training augmentation: a normalised float CHW image, or with ``as_uint8`` its uint8 pixels, which
+    ``device_images`` normalises on the device to the same numbers."""
     steps = [transforms.RandomResizedCrop(crop_size, scale=(min_crop_area, 1.0))]
     if hflip:
         steps.append(transforms.RandomHorizontalFlip())
-    return transforms.Compose(steps + [transforms.ToTensor(), transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+    return transforms.Compose(steps + to_tensor(as_uint8))
 
 
-def val_transform(crop_size: int, resize: int):
-    return transforms.Compose([transforms.Resize(resize), transforms.CenterCrop(crop_size),
-                               transforms.ToTensor(), transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+def val_transform(crop_size: int, resize: int, as_uint8: bool = False):
+    return transforms.Compose([transforms.Resize(resize), transforms.CenterCrop(crop_size)] + to_tensor(as_uint8))
+
+
+def to_tensor(as_uint8: bool) -> list:
+    if as_uint8:
+        return [transforms.PILToTensor()]
+    return [transforms.ToTensor(), transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
+
+
+def device_images(images: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A batch on ``device`` in the model's input dtype, its layout kept. uint8 batches (this backend's) cross
+    to the device as pixels, a quarter of the float bytes, in the layout they have (the dtype does not change on
+    the copy, so nothing is transposed on the host), and are normalised there with the same operations, in the
+    same order, as ToTensor and Normalize: x / 255, then (x - mean) / std, in FP32."""
+    images = images.to(device, non_blocking=True)
+    if images.dtype == torch.uint8:
+        mean, std = normalisation(device)
+        images = images.float().div_(255).sub_(mean).div_(std)
+    return images.to(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def normalisation(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """ImageNet's mean and std as (3, 1, 1) FP32 tensors on ``device``, made once (not one copy per batch)."""
+    return tuple(torch.tensor(v, dtype=torch.float32, device=device).view(3, 1, 1) for v in (IMAGENET_MEAN,
+                                                                                              IMAGENET_STD))
 
 
 def sample_seed(seed: int, epoch: int, index: int) -> int:
@@ -209,30 +235,37 @@ def is_ours(path: str, script: str) -> bool:
     return stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022 and content == script
 
 
-def _loader(dataset, batch_sampler, cfg, workers: int) -> DataLoader:
+def _loader(dataset, batch_sampler, cfg, workers: int, pin: bool) -> DataLoader:
     # spawn, not fork (unsafe after Horovod's threads start) nor forkserver (its server outlives a killed rank):
-    # spawned workers are the rank's own children, so die_with_the_rank applies
+    # spawned workers are the rank's own children, so die_with_the_rank applies. pin: page-locked batches for a
+    # GPU, so that the copy to it overlaps (from pageable memory it would be synchronous).
     return DataLoader(dataset, batch_sampler=batch_sampler, num_workers=workers,
                       collate_fn=Collate(cfg.data.channels_last), multiprocessing_context=spawn_context(),
-                      persistent_workers=True, prefetch_factor=cfg.data.prefetch, worker_init_fn=die_with_the_rank)
+                      persistent_workers=True, prefetch_factor=cfg.data.prefetch, worker_init_fn=die_with_the_rank,
+                      pin_memory=pin)
 
 
-def create_train_loader(images: ImageList, cfg, rank: int, world_size: int, workers: int) -> DataLoader:
-    """This rank's training batches: every sample at most once per epoch, see ``sharding.train_batches``."""
+def create_train_loader(images: ImageList, cfg, rank: int, world_size: int, workers: int,
+                        pin: bool = False) -> DataLoader:
+    """This rank's training batches of uint8 pixels (``device_images`` normalises them): every sample at most
+    once per epoch, see ``sharding.train_batches``."""
     d = cfg.data
-    dataset = ImageListDataset(images, train_transform(d.crop_size, d.min_crop_area, d.hflip), cfg.seed)
+    dataset = ImageListDataset(images, train_transform(d.crop_size, d.min_crop_area, d.hflip, as_uint8=True),
+                               cfg.seed)
     n, b = len(images), cfg.train.batch_size
     random_split = cfg.bn.per_rank_batch == "random"
     sampler = EpochBatches(lambda epoch, start: sharding.train_batches(n, rank, world_size, b, cfg.seed, epoch,
                                                                        random_split=random_split, start=start))
-    return _loader(dataset, sampler, cfg, workers)
+    return _loader(dataset, sampler, cfg, workers, pin)
 
 
-def create_val_loader(images: ImageList, cfg, rank: int, world_size: int, workers: int) -> DataLoader:
-    """This rank's contiguous slice of the validation set, every image exactly once over the ranks."""
+def create_val_loader(images: ImageList, cfg, rank: int, world_size: int, workers: int,
+                      pin: bool = False) -> DataLoader:
+    """This rank's contiguous slice of the validation set as uint8 pixels, every image exactly once over the
+    ranks."""
     d = cfg.data
-    dataset = ImageListDataset(images, val_transform(d.crop_size, d.val_resize), cfg.seed)
+    dataset = ImageListDataset(images, val_transform(d.crop_size, d.val_resize, as_uint8=True), cfg.seed)
     shard = list(sharding.val_shard(len(images), rank, world_size))
     b = d.val_batch_size or cfg.train.batch_size
     sampler = EpochBatches(lambda epoch, start: [shard[i:i + b] for i in range(0, len(shard), b)])
-    return _loader(dataset, sampler, cfg, workers)
+    return _loader(dataset, sampler, cfg, workers, pin)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridtrain.data.check import CLEAN_LIST_HINT
-from hybridtrain.data.torchvision_loader import UnreadableImage
+from hybridtrain.data.torchvision_loader import UnreadableImage, device_images
 from hybridtrain.distributed import horovod as distributed
 from hybridtrain.engine.step import EagerPasses, Precision, classification_loss, train_step
 from hybridtrain.errors import UserError
@@ -60,7 +60,7 @@ def readable(batch, device: torch.device, dtype: torch.dtype) -> tuple[torch.Ten
     if isinstance(batch, UnreadableImage):
         raise UserError(f"cannot read image {batch.path} ({batch.error}): {CLEAN_LIST_HINT}", same_on_all_ranks=False)
     images, labels, _ = batch
-    return images.to(device, dtype, non_blocking=True), labels.to(device, non_blocking=True)
+    return device_images(images, device, dtype), labels.to(device, non_blocking=True)
 
 
 def micro_batch_weight(samples: int, batch_size: int, accumulation_steps: int) -> float:
