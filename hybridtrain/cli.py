@@ -154,7 +154,7 @@ def cmd_bench_optim(args) -> int:
     if args.json is not None:
         check_output_file(args.json, "--json", "bench-optim.json")
     from hybridtrain.perf.optim_bench import bench_optimizer, format_table
-    rows = bench_optimizer(args.config, args.set, args.steps, args.warmup, args.threads)
+    rows = bench_optimizer(args.config, args.set, args.steps, args.warmup, args.threads, args.fused)
     print(format_table(rows))
     if args.json is not None:
         write_json_atomically(args.json, rows)
@@ -432,6 +432,8 @@ def build_parser() -> argparse.ArgumentParser:
     optim.add_argument("--warmup", type=WARMUP, default=3, help="untimed steps first (default 3)")
     optim.add_argument("--threads", type=bounded_int(0, 1024), default=0,
                        help="CPU threads (default 0 = torch's default)")
+    optim.add_argument("--fused", action="store_true",
+                       help="also time both phases with optim.fused (compiled kernels; the warmup compiles)")
     optim.add_argument("--json", help="also write the rows to this JSON file")
     optim.set_defaults(func=cmd_bench_optim)
 

@@ -151,6 +151,8 @@ class OptimConfig:
     kappa: float = number(0.9, lo=0.0, hi=1.0, lo_open=True, doc="hybrid: SGD-phase decay lr*N*kappa^epoch")
     kappa_origin: str = choice("switch", ["switch", "zero"], "hybrid: kappa exponent counts from T or from 0")
     lars: str = choice("scale", ["scale", "clip", "none"], "hybrid: LARS trust-ratio scaling, LARC clipping, or none")
+    fused: bool = plain(False, "hybrid and adabound: the updates as compiled kernels (torch.compile, one fused loop "
+                               "per tensor) with the schedule's values in device tensors; the first steps compile")
     trust_coefficient: float = number(0.02, lo=0.0, lo_open=True,
                                       doc="hybrid: LARS trust coefficient eta (chosen by experiment lars)")
     adabound_gamma: float = number(1e-3, lo=0.0, lo_open=True, doc="adabound: convergence speed gamma of the bounds")
@@ -526,6 +528,9 @@ def validate(cfg: Config) -> Config:
     if cfg.optim.name == "goyal" and cfg.optim.warmup_epochs >= cfg.train.epochs:
         raise UserError(f"config error: optim.warmup_epochs ({cfg.optim.warmup_epochs}) must be smaller "
                         f"than train.epochs ({cfg.train.epochs})")
+    if cfg.optim.fused and cfg.optim.name not in ("hybrid", "adabound"):
+        raise UserError(f"config error: optim.fused applies to the hybrid and adabound optimizers, and optim.name="
+                        f"{cfg.optim.name} runs torch.optim.SGD (already multi-tensor): drop optim.fused")
     validate_precision(cfg)
     validate_bn(cfg)
     validate_compile(cfg)

@@ -350,6 +350,36 @@ def test_hybrid_phase_switch_starts_momentum_from_zero():
         assert torch.equal(p, q)
 
 
+@pytest.mark.parametrize("lars_mode", ["scale", "clip"])
+def test_fused_updates_match_the_foreach_kernels_through_a_phase_switch_without_recompiling(lars_mode):
+    """optim.fused: the compiled kernels, with the step size, the bounds and the lr in device tensors, follow the
+    foreach kernels to rounding through both phases and the switch; after each phase's first step (which
+    compiles one graph per group) the moving bounds and lr never make them recompile."""
+    import torch._dynamo
+    weights, others = _model_params()
+    fused_weights, fused_others = ([p.detach().clone().requires_grad_() for p in ps] for ps in (weights, others))
+    reference = HybridOptimizer(_groups(weights, others), lr=0.2, alpha=1e-2, lars_mode=lars_mode)
+    fused = HybridOptimizer(_groups(fused_weights, fused_others), lr=0.2, alpha=1e-2, lars_mode=lars_mode, fused=True)
+    for step in range(1, 9):
+        with torch._dynamo.config.patch(error_on_recompile=step not in (1, 5)):  # 5: the switch to SGD + LARS
+            for opt, params in ((reference, weights + others), (fused, fused_weights + fused_others)):
+                _hybrid_schedule(opt, step)
+                _set_grads(params, step)
+                opt.step()
+        assert fused.param_groups[0]["phase"] == ("sgd" if step >= 5 else "adabound")
+        torch.testing.assert_close(fused_weights + fused_others, weights + others, rtol=1e-5, atol=1e-6)
+    for p, q in zip(weights + others, fused_weights + fused_others):
+        torch.testing.assert_close(fused.state[q]["momentum_buffer"], reference.state[p]["momentum_buffer"],
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_fused_is_refused_where_no_fused_kernel_exists():
+    from hybridtrain.config import load_config
+    from hybridtrain.errors import UserError
+    with pytest.raises(UserError, match="optim.fused applies to the hybrid and adabound optimizers"):
+        load_config(None, ["optim.name=goyal", "optim.fused=true"])
+
+
 def _snapshot(params):
     return [p.detach().clone() for p in params]
 

@@ -52,15 +52,16 @@ def missing_compiler(device: torch.device) -> str | None:
     return None if any(shutil.which(name) for name in names) else wanted
 
 
-def check_speedups(train_cfg, device: torch.device) -> None:
-    """One error line, before anything is built, when the machine cannot do what train.* asks for."""
-    if train_cfg.cuda_graphs and device.type != "cuda":
+def check_speedups(cfg, device: torch.device) -> None:
+    """One error line, before anything is built, when the machine cannot do what train.* and optim.fused ask for."""
+    if cfg.train.cuda_graphs and device.type != "cuda":
         raise UserError("train.cuda_graphs=true needs a CUDA GPU and this machine has none (torch.cuda.is_available() "
                         "is False): set train.cuda_graphs=false")
-    lacking = missing_compiler(device) if train_cfg.compile else None
-    if lacking:
-        raise UserError(f"train.compile=true needs {lacking} and none is on PATH: install one (e.g. the g++ or gcc "
-                        f"package) or set train.compile=false")
+    for key, on in (("train.compile", cfg.train.compile), ("optim.fused", cfg.optim.fused)):
+        lacking = missing_compiler(device) if on else None
+        if lacking:
+            raise UserError(f"{key}=true needs {lacking} and none is on PATH: install one (e.g. the g++ or gcc "
+                            f"package) or set {key}=false")
 
 
 class GraphedStep:

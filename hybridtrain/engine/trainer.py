@@ -52,7 +52,7 @@ def build_trainer(cfg: Config, topo) -> Trainer:
     policy = resolve_policy(cfg.precision)
     compression = gradient_compression(cfg.horovod.compression, policy)
     check_hardware(policy, topo.device)
-    speed.check_speedups(cfg.train, topo.device)
+    speed.check_speedups(cfg, topo.device)
     data = create_loaders(cfg, topo)
     model = model_from_config(cfg.model, data.num_classes, seed=cfg.seed).to(topo.device)
     model = prepare_model(configure_batch_norm(model, cfg.bn, topo.device), policy)

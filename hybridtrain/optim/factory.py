@@ -96,9 +96,9 @@ def create_optimizer(model: torch.nn.Module, cfg, world_size: int, iters_per_epo
             group["lars"] = group["lars"] and lars
         optimizer = HybridOptimizer(groups, lr=o.lr * world_size, alpha=o.alpha, betas=tuple(o.betas), eps=o.eps,
                                     momentum=o.momentum, trust_coefficient=o.trust_coefficient,
-                                    lars_mode=o.lars if lars else "scale")
+                                    lars_mode=o.lars if lars else "scale", fused=o.fused)
     elif o.name == "adabound":
-        optimizer = LinearScalingAdaBound(groups, lr=o.alpha, betas=tuple(o.betas), eps=o.eps)
+        optimizer = LinearScalingAdaBound(groups, lr=o.alpha, betas=tuple(o.betas), eps=o.eps, fused=o.fused)
     else:
         optimizer = torch.optim.SGD(groups, lr=schedule(0)["lr"], momentum=o.momentum)
     return OptimizerBundle(optimizer, schedule)

@@ -1,14 +1,17 @@
-"""Multi-tensor update kernels (``torch._foreach_*``) for AdaBound and LARS-SGD.
+"""Multi-tensor update kernels (``torch._foreach_*``) for AdaBound and LARS-SGD, and their compiled variants.
 
-Every function updates LISTS of tensors in place. The math is issued as a fixed number of
-foreach ops per call, whatever the number of tensors, and nothing reads a value back to the
-host (no ``.item()``): hyperparameters are Python floats, per-tensor trust ratios stay on
-the device. All tensors of one call must live on one device.
+Every function updates LISTS of tensors in place; all tensors of one call live on one device, and nothing reads
+a value back to the host (no ``.item()``). ``adabound_step_`` and ``lars_sgd_step_`` issue a fixed number of
+foreach ops per call, whatever the number of tensors, with the hyperparameters as Python floats. The
+``*_tensor_step_`` variants take the values the schedule changes every step as 0-dim device tensors and are
+meant for ``compiled(...)`` (``optim.fused``): inductor fuses each tensor's update into one loop.
 """
 
+import functools
 import math
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 LARS_MODES = ("scale", "clip")
 
@@ -111,3 +114,50 @@ def lars_sgd_step_(params, grads, momentum_bufs, lr, momentum, weight_decay, tru
         _momentum_sgd_(lars_p, directions, lars_b, lr, momentum)
     if plain_p:
         _momentum_sgd_(plain_p, plain_g, plain_b, lr, momentum)  # excluded: d = g
+
+
+# ---------------------------------------------------------------- compiled (fused) updates
+
+def adabound_tensor_step_(params, grads, exp_avgs, exp_avg_sqs, step_size, lower, upper, beta1, beta2, eps,
+                          weight_decay):
+    """`adabound_step_` for ``torch.compile``: the values the schedule changes every step (the bias-corrected
+    step size, the bounds) are 0-dim tensors on the parameters' device, so a compiled update is built once
+    and fused into one loop per tensor, and never recompiles as they change."""
+    if weight_decay != 0:
+        grads = torch._foreach_add(grads, params, alpha=weight_decay)  # g <- g + wd * p
+    torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)  # m = b1*m + (1-b1)*g
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)  # v = b2*v + (1-b2)*g^2
+    denominators = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_add_(denominators, eps)  # sqrt(v) + eps
+    for p, m, denominator in zip(params, exp_avgs, denominators):
+        p.addcmul_(torch.clamp(step_size / denominator, lower, upper), m, value=-1.0)  # p -= clip(eta, B_l, B_u) m
+
+
+def lars_tensor_step_(params, grads, momentum_bufs, lr, momentum, weight_decay, trust_coefficient, eps, mode,
+                      apply_lars):
+    """`lars_sgd_step_` for ``torch.compile``, with ``lr`` a 0-dim tensor (see `adabound_tensor_step_`) and the
+    trust ratio of each tensor computed next to its update (no per-tensor scalars leave the fused loop)."""
+    for p, g, buf, lars in zip(params, grads, momentum_bufs, apply_lars):
+        direction = g
+        if lars:
+            w_norm, g_norm = torch.linalg.vector_norm(p), torch.linalg.vector_norm(g)
+            local_lr = trust_coefficient * w_norm / (g_norm + weight_decay * w_norm + eps)  # eta||w||/(||g||+wd||w||+e)
+            if mode == "clip":
+                local_lr = torch.clamp(local_lr / lr, max=1.0)  # LARC: min(local_lr / lr, 1)
+            factor = torch.where((w_norm > 0) & (g_norm > 0), local_lr, torch.ones_like(local_lr))
+            direction = (g + weight_decay * p if weight_decay != 0 else g) * factor  # d = (g + wd*w) * factor
+        buf.mul_(momentum).add_(direction)  # buf = mu*buf + d
+        p.sub_(lr * buf)  # p <- p - lr*buf
+
+
+@functools.lru_cache(maxsize=None)
+def compiled(kernel):
+    """``kernel`` compiled once per process (one graph per list structure; the values are inputs). Under a
+    Python dispatch mode (``perf.host_syncs`` counts with one) dynamo does not trace, so there it runs eagerly:
+    the same operations, one tensor at a time."""
+    fast = torch.compile(kernel, fullgraph=True)
+
+    def run(*args):
+        return kernel(*args) if _get_current_dispatch_mode() is not None else fast(*args)
+    return run

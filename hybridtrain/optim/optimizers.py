@@ -20,7 +20,15 @@ import math
 import torch
 from torch.optim import Optimizer
 
-from hybridtrain.optim.kernels import LARS_MODES, adabound_step_, lars_sgd_step_
+from hybridtrain.optim.kernels import (
+    LARS_MODES,
+    adabound_step_,
+    adabound_step_size,
+    adabound_tensor_step_,
+    compiled,
+    lars_sgd_step_,
+    lars_tensor_step_,
+)
 
 PHASES = ("adabound", "sgd")
 _ADABOUND_STATE_KEYS = ("exp_avg", "exp_avg_sq", "adabound_step")
@@ -116,8 +124,24 @@ def _zeros_state(state, keys, p):
             state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
+def device_scalars(device: torch.device, **values: float) -> list[torch.Tensor]:
+    """0-dim FP64 tensors on ``device`` holding ``values``, one per name, reused from step to step (written with
+    ``fill_``, which on a GPU is a kernel launch with the value as its argument: no host sync)."""
+    slots = _DEVICE_SCALARS.setdefault(device, {})
+    tensors = []
+    for name, value in values.items():
+        if name not in slots:
+            slots[name] = torch.zeros((), dtype=torch.float64, device=device)
+        tensors.append(slots[name].fill_(value))
+    return tensors
+
+
+_DEVICE_SCALARS: dict = {}
+
+
 def _adabound_update(opt_state, params, group, alpha, step_key):
-    """AdaBound-update ``params``; ``state[step_key]`` is the bias-correction step k."""
+    """AdaBound-update ``params``; ``state[step_key]`` is the bias-correction step k. ``group["fused"]``: the
+    compiled kernel, with the step size and the bounds in device tensors."""
     for p in params:
         state = opt_state[p]
         _zeros_state(state, ("exp_avg", "exp_avg_sq"), p)
@@ -125,24 +149,33 @@ def _adabound_update(opt_state, params, group, alpha, step_key):
     beta1, beta2 = group["betas"]
     for bucket in _bucket(params, lambda p: (p.device, p.dtype, opt_state[p][step_key])):
         step = opt_state[bucket[0]][step_key] + 1
-        adabound_step_(
-            bucket, [p.grad for p in bucket],
-            [opt_state[p]["exp_avg"] for p in bucket], [opt_state[p]["exp_avg_sq"] for p in bucket],
-            step, alpha, beta1, beta2, group["eps"], group["weight_decay"],
-            group["lower_bound"], group["upper_bound"])
+        tensors = (bucket, [p.grad for p in bucket], [opt_state[p]["exp_avg"] for p in bucket],
+                   [opt_state[p]["exp_avg_sq"] for p in bucket])
+        if group.get("fused"):
+            scheduled = device_scalars(bucket[0].device, step_size=adabound_step_size(step, alpha, beta1, beta2),
+                                       lower=group["lower_bound"], upper=group["upper_bound"])
+            compiled(adabound_tensor_step_)(*tensors, *scheduled, beta1, beta2, group["eps"], group["weight_decay"])
+        else:
+            adabound_step_(*tensors, step, alpha, beta1, beta2, group["eps"], group["weight_decay"],
+                           group["lower_bound"], group["upper_bound"])
         for p in bucket:
             opt_state[p][step_key] = step
 
 
 def _lars_update(opt_state, params, group, mode):
-    """LARS-SGD-update ``params`` with zero-initialised momentum buffers."""
+    """LARS-SGD-update ``params`` with zero-initialised momentum buffers (``group["fused"]``: compiled, the lr in a
+    device tensor)."""
     for p in params:
         _zeros_state(opt_state[p], ("momentum_buffer",), p)
     for bucket in _bucket(params, lambda p: (p.device, p.dtype)):
-        lars_sgd_step_(
-            bucket, [p.grad for p in bucket], [opt_state[p]["momentum_buffer"] for p in bucket],
-            group["lr"], group["momentum"], group["weight_decay"], group["trust_coefficient"],
-            group["eps"], mode, group["lars"])
+        tensors = (bucket, [p.grad for p in bucket], [opt_state[p]["momentum_buffer"] for p in bucket])
+        if group.get("fused"):
+            (lr,) = device_scalars(bucket[0].device, lr=group["lr"])
+            compiled(lars_tensor_step_)(*tensors, lr, group["momentum"], group["weight_decay"],
+                                        group["trust_coefficient"], group["eps"], mode, [group["lars"]] * len(bucket))
+        else:
+            lars_sgd_step_(*tensors, group["lr"], group["momentum"], group["weight_decay"],
+                           group["trust_coefficient"], group["eps"], mode, group["lars"])
 
 
 class _GroupValidatingOptimizer(Optimizer):
@@ -204,13 +237,14 @@ class LinearScalingAdaBound(_GroupValidatingOptimizer):
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-4,
-                 lower_bound=0.0, upper_bound=math.inf):
+                 lower_bound=0.0, upper_bound=math.inf, fused=False):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                        lower_bound=lower_bound, upper_bound=upper_bound)
+                        lower_bound=lower_bound, upper_bound=upper_bound, fused=fused)
         super().__init__(params, defaults)
 
     def _validate_group(self, group):
         _validate_adabound_keys(group, "lr")
+        _require_bool(group, "fused")
 
     def _update(self, params: list, group: dict) -> None:
         _adabound_update(self.state, params, group, group["lr"], "step")
@@ -221,7 +255,9 @@ class HybridOptimizer(_GroupValidatingOptimizer):
 
     ``group["phase"]`` selects the update: "adabound" uses ``alpha``, ``betas``, ``eps``,
     ``weight_decay`` and the bounds; "sgd" uses ``lr``, ``momentum``, ``weight_decay``,
-    ``trust_coefficient``, ``eps``, ``lars_mode`` and ``lars``.
+    ``trust_coefficient``, ``eps``, ``lars_mode`` and ``lars``. ``fused``: both run as compiled kernels
+    (``kernels.compiled``) with the scheduled values in device tensors, so the phase switch and the schedule
+    never recompile them.
 
     Switching phase: the first step of a phase starts that phase's buffers from zero and drops
     the other phase's buffers from the state (momentum_buffer, or exp_avg/exp_avg_sq with the
@@ -230,15 +266,16 @@ class HybridOptimizer(_GroupValidatingOptimizer):
 
     def __init__(self, params, lr=0.1, alpha=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-4,
                  momentum=0.9, trust_coefficient=0.02, lars_mode="scale", lower_bound=0.0,
-                 upper_bound=math.inf, phase="adabound"):
+                 upper_bound=math.inf, phase="adabound", fused=False):
         defaults = dict(lr=lr, alpha=alpha, betas=betas, eps=eps, weight_decay=weight_decay,
                         momentum=momentum, trust_coefficient=trust_coefficient,
                         lars_mode=lars_mode, lower_bound=lower_bound, upper_bound=upper_bound,
-                        phase=phase, lars=True)
+                        phase=phase, lars=True, fused=fused)
         super().__init__(params, defaults)
 
     def _validate_group(self, group):
         _require_choice(group, "phase", PHASES)
+        _require_bool(group, "fused")
         _validate_adabound_keys(group, "alpha")
         _validate_lars_keys(group, "lars_mode")
 

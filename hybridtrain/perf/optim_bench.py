@@ -5,7 +5,8 @@ fixed random gradients; then ``steps`` timed calls of ``optimizer.step()`` follo
 step has been applied, as in training. The rows are:
 - ``sgd-foreach``: ``torch.optim.SGD(momentum, weight_decay, foreach=True)``, the reference a PyTorch user would write;
 - ``hybrid/adabound``: the hybrid optimizer in its AdaBound warmup phase (the paper's bounds B_l, B_u, 2.2.1);
-- ``hybrid/sgd+lars``: the hybrid optimizer after the switch, SGD at lr*N*kappa^epoch with LARS.
+- ``hybrid/sgd+lars``: the hybrid optimizer after the switch, SGD at lr*N*kappa^epoch with LARS;
+- with ``--fused``, both again with ``optim.fused`` (compiled kernels; the warmup steps compile them).
 Each row gives the median and p90 ms per step and its ratio to ``sgd-foreach``.
 """
 from __future__ import annotations
@@ -53,7 +54,8 @@ def phase_steps(cfg, phase: str) -> int:
     return 0 if phase == "adabound" else cfg.optim.adabound_epochs * ITERS_PER_EPOCH
 
 
-def bench_optimizer(config: str | None, overrides: list[str], steps: int, warmup: int, threads: int) -> list[dict]:
+def bench_optimizer(config: str | None, overrides: list[str], steps: int, warmup: int, threads: int,
+                    fused: bool = False) -> list[dict]:
     if threads:
         torch.set_num_threads(threads)
     cfg = load_config(config, list(overrides) + ["optim.name=hybrid"])  # validated: 1 <= T < train.epochs
@@ -65,8 +67,12 @@ def bench_optimizer(config: str | None, overrides: list[str], steps: int, warmup
     reference = torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay,
                                 foreach=True)
     rows = [row("sgd-foreach", timed(lambda i: reference.step(), steps, warmup, device), parameters)]
-    for phase, name in (("adabound", "hybrid/adabound"), ("sgd", "hybrid/sgd+lars")):
-        bundle = create_optimizer(model, cfg, world_size=1, iters_per_epoch=ITERS_PER_EPOCH)
+    variants = [(phase, name, cfg) for phase, name in (("adabound", "hybrid/adabound"), ("sgd", "hybrid/sgd+lars"))]
+    if fused:
+        fused_cfg = load_config(config, list(overrides) + ["optim.name=hybrid", "optim.fused=true"])
+        variants += [(phase, f"{name} fused", fused_cfg) for phase, name, _ in variants]
+    for phase, name, variant in variants:
+        bundle = create_optimizer(model, variant, world_size=1, iters_per_epoch=ITERS_PER_EPOCH)
         first = phase_steps(cfg, phase)
 
         def step(i, bundle=bundle, first=first):

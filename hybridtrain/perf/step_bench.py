@@ -78,7 +78,8 @@ def optimizations(cfg, label: str) -> list[str]:
     """The speed-ups in effect: the layout for both loops, compile and CUDA graphs for the trainer's."""
     names = ["channels_last"] if cfg.data.channels_last else []
     if label != "baseline":
-        names += [name for name, on in (("compile", cfg.train.compile), ("cuda_graphs", cfg.train.cuda_graphs)) if on]
+        names += [name for name, on in (("compile", cfg.train.compile), ("cuda_graphs", cfg.train.cuda_graphs),
+                                        ("fused_optimizer", cfg.optim.fused)) if on]
     return names
 
 
@@ -109,7 +110,7 @@ def trainer_row(cfg, steps: int, warmup: int, profile_dir: str | None) -> dict:
     device = bench_device()
     policy = resolve_policy(cfg.precision)
     check_hardware(policy, device)
-    check_speedups(cfg.train, device)
+    check_speedups(cfg, device)
     classes = cfg.model.num_classes or 1000
     model = model_from_config(cfg.model, classes, seed=cfg.seed).to(device)
     model = prepare_model(model, policy)
