@@ -19,7 +19,7 @@ import torch
 from hybridtrain.config import load_config
 from hybridtrain.models import model_from_config
 from hybridtrain.optim import create_optimizer
-from hybridtrain.perf.step_bench import bench_device, synchronize
+from hybridtrain.perf.step_bench import bench_device, synchronize, synthetic_classes
 from hybridtrain.reports.tables import markdown_table
 
 ITERS_PER_EPOCH = 100  # the schedule's epoch length: the AdaBound rows run at steps 0.., the LARS rows after T
@@ -60,7 +60,7 @@ def bench_optimizer(config: str | None, overrides: list[str], steps: int, warmup
         torch.set_num_threads(threads)
     cfg = load_config(config, list(overrides) + ["optim.name=hybrid"])  # validated: 1 <= T < train.epochs
     device = bench_device()
-    model = model_from_config(cfg.model, cfg.model.num_classes or 1000, seed=cfg.seed).to(device)
+    model = model_from_config(cfg.model, synthetic_classes(cfg), seed=cfg.seed).to(device)
     parameters = sum(p.numel() for p in model.parameters())
     fixed_gradients(model)
     o = cfg.optim

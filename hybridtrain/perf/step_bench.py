@@ -25,6 +25,7 @@ import torch
 from tqdm import tqdm
 
 from hybridtrain.config import load_config
+from hybridtrain.data.loaders import SYNTHETIC_CLASSES
 from hybridtrain.distributed.horovod import cores_per_rank
 from hybridtrain.engine.memory import memory_figures, reset_peak_memory
 from hybridtrain.engine.step import Precision, build_train_step, check_speedups
@@ -106,12 +107,18 @@ def synthetic_batch(cfg, device: torch.device, dtype: torch.dtype, classes: int)
     return images.contiguous(memory_format=memory_format), labels
 
 
+def synthetic_classes(cfg) -> int:
+    """The classes of the bench's synthetic batch: model.num_classes, or the synthetic backend's 1000 (0 means
+    "as many as the dataset has", and a bench has no dataset)."""
+    return cfg.model.num_classes or SYNTHETIC_CLASSES
+
+
 def trainer_row(cfg, steps: int, warmup: int, profile_dir: str | None) -> dict:
     device = bench_device()
     policy = resolve_policy(cfg.precision)
     check_hardware(policy, device)
     check_speedups(cfg, device)
-    classes = cfg.model.num_classes or 1000
+    classes = synthetic_classes(cfg)
     model = model_from_config(cfg.model, classes, seed=cfg.seed).to(device)
     model = prepare_model(model, policy)
     if cfg.data.channels_last:
@@ -154,7 +161,7 @@ def baseline_row(cfg, steps: int, warmup: int) -> dict:
     import torchvision
     device = bench_device()
     policy = resolve_policy(cfg.precision)
-    classes = cfg.model.num_classes or 1000
+    classes = synthetic_classes(cfg)
     model = getattr(torchvision.models, cfg.model.arch)(num_classes=classes).to(device, policy.param_dtype)
     if cfg.data.channels_last:
         model = model.to(memory_format=torch.channels_last)
