@@ -82,6 +82,9 @@ class DataConfig:
     hflip: bool = plain(True, "random horizontal flip with p=0.5 in training")
     workers: int = number(0, lo=0, hi=256, doc="per rank: DataLoader worker processes (torchvision) or DALI "
                                                  "threads; 0 = cores / local ranks")
+    in_process: bool = plain(False, "torchvision: decode and augment in the rank's own process, with no worker "
+                                    "processes (to debug a transform, or for data so small that starting workers "
+                                    "costs more than it saves); the same batches, one at a time")
     prefetch: int = number(2, lo=1, hi=32,
                            doc="batches prefetched per worker (torchvision) or DALI prefetch queue depth")
     channels_last: bool = plain(False, "NHWC (channels_last) memory layout for input batches and the model")
@@ -532,6 +535,7 @@ def validate(cfg: Config) -> Config:
         raise UserError(f"config error: optim.fused applies to the hybrid and adabound optimizers, and optim.name="
                         f"{cfg.optim.name} runs torch.optim.SGD (already multi-tensor): drop optim.fused")
     validate_precision(cfg)
+    validate_data(cfg)
     validate_bn(cfg)
     validate_compile(cfg)
     validate_cuda_graphs(cfg)
@@ -581,6 +585,15 @@ def validate_cuda_graphs(cfg: Config) -> None:
     if clash:
         raise UserError(f"config error: train.cuda_graphs cannot replay a step with {clash} (one static batch, no "
                         f"all-reduce in the forward pass): switch one of them off")
+
+
+def validate_data(cfg: Config) -> None:
+    if cfg.data.in_process and cfg.data.backend != "torchvision":
+        raise UserError(f"config error: data.in_process applies to data.backend=torchvision (data.backend="
+                        f"{cfg.data.backend} has no worker processes to leave out): drop data.in_process")
+    if cfg.data.in_process and cfg.data.workers:
+        raise UserError(f"config error: data.in_process=true starts no loader workers, so data.workers="
+                        f"{cfg.data.workers} would be ignored: drop one of them")
 
 
 def validate_bn(cfg: Config) -> None:

@@ -126,8 +126,7 @@ def small_digits(digits_dir, tmp_path_factory) -> str:
 def tiny_config(data_path: str, run_dir: str, **sections) -> dict:
     cfg = {
         "run_dir": run_dir, "seed": 3,
-        "data": {"path": data_path, "crop_size": 32, "val_resize": 32, "min_crop_area": 0.5, "hflip": False,
-                 "workers": 1},
+        "data": {"path": data_path, "crop_size": 32, "val_resize": 32, "min_crop_area": 0.5, "hflip": False},
         "model": {"arch": "resnet18"},
         "train": {"epochs": 2, "batch_size": 16, "threads": 1, "progress": False},
         "optim": {"name": "goyal", "lr": 0.05, "warmup_epochs": 1},
@@ -137,7 +136,17 @@ def tiny_config(data_path: str, run_dir: str, **sections) -> dict:
             cfg.setdefault(section, {}).update(values)
         else:
             cfg[section] = values
+    data = cfg["data"]
+    if data.get("backend", "torchvision") != "torchvision":
+        data.setdefault("workers", 1)  # DALI's threads
+    elif "workers" not in data:
+        # no loader processes to start (~3 s each per rank): the same batches. The tests of the workers
+        # themselves, and the runs that kill, stop or resize ranks under them, ask for WITH_WORKERS.
+        data.setdefault("in_process", True)
     return cfg
+
+
+WITH_WORKERS = {"workers": 1}  # tiny_config(..., data=WITH_WORKERS): one spawned loader worker per loader
 
 
 @pytest.fixture

@@ -10,7 +10,15 @@ import subprocess
 
 import numpy as np
 import pytest
-from conftest import HOROVODRUN, HYBRIDTRAIN, assert_one_error_line, env_with_venv, read_metrics, tiny_config
+from conftest import (
+    HOROVODRUN,
+    HYBRIDTRAIN,
+    WITH_WORKERS,
+    assert_one_error_line,
+    env_with_venv,
+    read_metrics,
+    tiny_config,
+)
 
 from hybridtrain.config import config_from_dict
 from hybridtrain.data import sharding
@@ -80,7 +88,7 @@ def discovery_script(tmp_path, slots: int) -> tuple[str, str]:
 def test_elastic_run_survives_3_to_2_to_3_ranks_and_covers_every_sample(small_digits, tmp_path, write_config):
     run_dir = str(tmp_path / "run")
     cfg = write_config(tiny_config(small_digits, run_dir, train={"epochs": 6, "batch_size": 8},
-                                   optim={"name": "hybrid", "adabound_epochs": 2},
+                                   optim={"name": "hybrid", "adabound_epochs": 2}, data=WITH_WORKERS,
                                    elastic={"commit_steps": 2, "audit_samples": True}))
     script, hosts = discovery_script(tmp_path, 3)
     cmd = [HOROVODRUN, "--network-interface", "lo", "-np", "3", "--min-np", "2", "--max-np", "3",
@@ -130,7 +138,7 @@ def test_a_preempted_static_run_resumes_elastically_on_more_ranks_where_it_stopp
     elastic ranks train on are those that follow, in NumPy's permutation, the ones the 2 ranks consumed."""
     from test_preemption import train_until_sigterm
     run_dir = str(tmp_path / "run")
-    cfg = write_config(tiny_config(small_digits, run_dir, train={"epochs": 2, "batch_size": 8},
+    cfg = write_config(tiny_config(small_digits, run_dir, train={"epochs": 2, "batch_size": 8}, data=WITH_WORKERS,
                                    elastic={"commit_steps": 1, "audit_samples": True}))
     stopped = train_until_sigterm(cfg, (0, 1), resume=False)
     assert stopped.returncode == 0 and "resumable" in stopped.stdout, stopped.stdout[-3000:]

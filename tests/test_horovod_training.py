@@ -12,7 +12,17 @@ import time
 
 import pytest
 import torch
-from conftest import HOROVODRUN, HYBRIDTRAIN, env_with_venv, horovodrun, rank_output, read_metrics, run, tiny_config
+from conftest import (
+    HOROVODRUN,
+    HYBRIDTRAIN,
+    WITH_WORKERS,
+    env_with_venv,
+    horovodrun,
+    rank_output,
+    read_metrics,
+    run,
+    tiny_config,
+)
 
 from hybridtrain.data.folder import scan_split
 from hybridtrain.data.torchvision_loader import val_transform
@@ -200,7 +210,7 @@ def test_a_killed_rank_ends_the_whole_job_quickly_naming_it(small_digits, tmp_pa
     """SIGKILL one rank at a random moment of epoch 2: within 60 s every process is gone, and one line names
     the dead rank and says how to resume."""
     run_dir = str(tmp_path / "run")
-    cfg = write_config(tiny_config(small_digits, run_dir, train={"epochs": 20, "batch_size": 8}))
+    cfg = write_config(tiny_config(small_digits, run_dir, train={"epochs": 20, "batch_size": 8}, data=WITH_WORKERS))
     victim = random.Random(ranks).randrange(1, ranks)
     proc, output, ended_after = signal_a_rank_after_epoch_one(cfg, run_dir, ranks, victim, signal.SIGKILL,
                                                               random.Random(ranks).uniform(0.0, 1.0))  # a random step

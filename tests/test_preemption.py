@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 import yaml
-from conftest import HOROVODRUN, HYBRIDTRAIN, env_with_venv, horovodrun, rank_output, tiny_config
+from conftest import HOROVODRUN, HYBRIDTRAIN, WITH_WORKERS, env_with_venv, horovodrun, rank_output, tiny_config
 from test_horovod_training import rank_pids
 
 PRECISIONS = {
@@ -30,7 +30,8 @@ def recipe(data: str, run_dir: str, precision: str, channels_last: bool = False)
         optim = {"name": "goyal", "lr": 0.05, "warmup_epochs": 1}
     # channels_last, as on GPUs: Horovod's broadcast and gradient hooks see NHWC tensors
     return tiny_config(data, run_dir, train={"epochs": 2, "batch_size": 8, "deterministic": True},
-                       optim=optim, precision=PRECISIONS[precision], data={"channels_last": channels_last})
+                       optim=optim, precision=PRECISIONS[precision],
+                       data={"channels_last": channels_last, **WITH_WORKERS})  # SLURM signals the workers too
 
 
 def file_digest(path) -> str:

@@ -87,12 +87,16 @@ class ImageListDataset(Dataset):
     def __getitem__(self, key):
         index, epoch = key
         path, label = self.samples[index]
-        torch.manual_seed(sample_seed(self.seed, epoch, index))
-        try:
-            with Image.open(path) as img:
-                return self.transform(img.convert("RGB")), label, index
-        except Exception as exc:  # every decoder failure: OSError, SyntaxError, DecompressionBombError, ...
-            return UnreadableImage(path, f"{type(exc).__name__}: {str(exc)[:200]}")
+        # in a worker the seed is the worker's own; in the rank's process (data.in_process) the training's
+        # random state is put back afterwards
+        in_process = torch.utils.data.get_worker_info() is None
+        with torch.random.fork_rng(devices=[], enabled=in_process):
+            torch.manual_seed(sample_seed(self.seed, epoch, index))
+            try:
+                with Image.open(path) as img:
+                    return self.transform(img.convert("RGB")), label, index
+            except Exception as exc:  # every decoder failure: OSError, SyntaxError, DecompressionBombError, ...
+                return UnreadableImage(path, f"{type(exc).__name__}: {str(exc)[:200]}")
 
 
 @dataclass
@@ -239,6 +243,9 @@ def _loader(dataset, batch_sampler, cfg, workers: int, pin: bool) -> DataLoader:
     # spawn, not fork (unsafe after Horovod's threads start) nor forkserver (its server outlives a killed rank):
     # spawned workers are the rank's own children, so die_with_the_rank applies. pin: page-locked batches for a
     # GPU, so that the copy to it overlaps (from pageable memory it would be synchronous).
+    if cfg.data.in_process:
+        return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=Collate(cfg.data.channels_last),
+                          pin_memory=pin)
     return DataLoader(dataset, batch_sampler=batch_sampler, num_workers=workers,
                       collate_fn=Collate(cfg.data.channels_last), multiprocessing_context=spawn_context(),
                       persistent_workers=True, prefetch_factor=cfg.data.prefetch, worker_init_fn=die_with_the_rank,
