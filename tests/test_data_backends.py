@@ -107,6 +107,27 @@ def test_uint8_batches_normalised_on_the_device_equal_the_float_transform(channe
                           ((pixels.double() / 255 - mean.double()) / std.double()), atol=1e-6)  # by hand
 
 
+def test_in_process_loading_gives_the_workers_batches_and_leaves_the_training_rng_alone(small_digits):
+    """data.in_process: every batch of an epoch equals the one a spawned worker makes, and the per-sample seeding
+    of the augmentation does not touch the rank's own random state."""
+    def epoch_batches(**data):
+        cfg = config_from_dict({"data": {"path": small_digits, "crop_size": 32, "val_resize": 32, **data},
+                                "train": {"batch_size": 8}})
+        loader = create_loaders(cfg, Topology(0, 1, 0, 1)).train
+        loader.batch_sampler.set_epoch(1)
+        torch.manual_seed(123)
+        batches = list(loader)
+        return batches, torch.rand(3)
+
+    (in_process, rng_in_process), (workers, rng_workers) = epoch_batches(in_process=True), epoch_batches(workers=1)
+    assert len(in_process) == len(workers) == 30
+    for (a, la, ia), (b, lb, ib) in zip(in_process, workers):
+        assert torch.equal(a, b) and torch.equal(la, lb) and torch.equal(ia, ib)
+    # the rank's random state moves only by the DataLoader's own base-seed draw, as with workers (240 unisolated
+    # augmentations would have moved it far more)
+    assert torch.equal(rng_in_process, rng_workers)
+
+
 def test_a_sigterm_to_a_starting_worker_does_not_kill_it(small_digits):
     """SLURM signals the whole process group. A worker still importing torch (before its init can ignore
     SIGTERM) must survive it: the rank handles preemption, and a dead worker would fail the rank."""
