@@ -373,6 +373,23 @@ def test_fused_updates_match_the_foreach_kernels_through_a_phase_switch_without_
                                    rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_checkpoint_resumes_with_this_runs_fused_choice(fused):
+    """optim.fused is how the update runs: a state dict saved with the other choice, or before the key existed
+    (no "fused" in its groups), loads and keeps this run's choice."""
+    weights, others = _model_params()
+    saved = HybridOptimizer(_groups(weights, others), lr=0.2, fused=not fused)
+    _run(saved, weights + others, [1])
+    state = saved.state_dict()
+    for group in state["param_groups"]:
+        del group["fused"]  # as written before optim.fused existed
+    resumed = HybridOptimizer(_groups(weights, others), lr=0.2, fused=fused)
+    resumed.load_state_dict(state)
+    assert [g["fused"] for g in resumed.param_groups] == [fused, fused]
+    if not fused:  # one more step validates the groups (the fused one would compile: covered above)
+        _run(resumed, weights + others, [2])
+
+
 def test_fused_is_refused_where_no_fused_kernel_exists():
     from hybridtrain.config import load_config
     from hybridtrain.errors import UserError

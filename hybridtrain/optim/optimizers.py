@@ -188,6 +188,15 @@ class _GroupValidatingOptimizer(Optimizer):
         self._validate_group({**self.defaults, **param_group})
         super().add_param_group(param_group)
 
+    def load_state_dict(self, state_dict):
+        """As torch's, but this run's ``fused`` choice stays: it says how the update runs, not what it computes,
+        so a checkpoint from a run with the other choice, or from before the key existed, resumes either way."""
+        fused = [group.get("fused") for group in self.param_groups]
+        super().load_state_dict(state_dict)
+        for group, choice in zip(self.param_groups, fused):
+            if choice is not None:
+                group["fused"] = choice
+
     def _run_closure(self, closure):
         if closure is None:
             return None
