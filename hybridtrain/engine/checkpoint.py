@@ -21,6 +21,7 @@ import warnings
 import torch
 
 from hybridtrain.errors import UserError
+from hybridtrain.optim.optimizers import RUN_CHOICE_KEYS
 
 PATTERN = "checkpoint-epoch{epoch:04d}.pt"
 STOPPED_PATTERN = "checkpoint-epoch{epoch:04d}-step{step:06d}.pt"  # a preempted epoch, after ``step`` steps
@@ -251,7 +252,7 @@ def _optimizer_mismatch(optimizer: torch.optim.Optimizer, saved: dict) -> str:
     if len(groups) != len(optimizer.param_groups):
         return f"{len(groups)} parameter groups in the checkpoint, {len(optimizer.param_groups)} here"
     for own, theirs in zip(optimizer.param_groups, groups):
-        missing = sorted(set(own) - set(theirs))
+        missing = sorted(set(own) - set(theirs) - set(RUN_CHOICE_KEYS))  # those the optimizer keeps from this run
         if missing:
             more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
             return f"its parameter groups lack {', '.join(missing[:3])}{more}"

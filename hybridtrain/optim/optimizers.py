@@ -31,6 +31,7 @@ from hybridtrain.optim.kernels import (
 )
 
 PHASES = ("adabound", "sgd")
+RUN_CHOICE_KEYS = ("fused",)  # group keys that say how this run updates, kept from the run, not the checkpoint
 _ADABOUND_STATE_KEYS = ("exp_avg", "exp_avg_sq", "adabound_step")
 
 
@@ -189,13 +190,12 @@ class _GroupValidatingOptimizer(Optimizer):
         super().add_param_group(param_group)
 
     def load_state_dict(self, state_dict):
-        """As torch's, but this run's ``fused`` choice stays: it says how the update runs, not what it computes,
-        so a checkpoint from a run with the other choice, or from before the key existed, resumes either way."""
-        fused = [group.get("fused") for group in self.param_groups]
+        """As torch's, but this run's RUN_CHOICE_KEYS stay (``fused`` says how the update runs, not what it
+        computes), so a checkpoint from a run with the other choice, or from before the key existed, resumes."""
+        kept = [{key: group[key] for key in RUN_CHOICE_KEYS if key in group} for group in self.param_groups]
         super().load_state_dict(state_dict)
-        for group, choice in zip(self.param_groups, fused):
-            if choice is not None:
-                group["fused"] = choice
+        for group, choices in zip(self.param_groups, kept):
+            group.update(choices)
 
     def _run_closure(self, closure):
         if closure is None:
