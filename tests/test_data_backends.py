@@ -67,8 +67,9 @@ def test_ranks_partition_each_epoch_reshuffle_and_count_val_once(backend, world_
 @pytest.mark.parametrize("backend", BACKENDS + ["synthetic"])
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_batches_follow_the_configured_layout_and_dtype(backend, channels_last, small_digits):
+    loading = {"in_process": True} if backend == "torchvision" else {"workers": 1}  # workers: the test below
     cfg = config_from_dict({"data": {"path": small_digits, "backend": backend, "crop_size": 32, "val_resize": 32,
-                                     "channels_last": channels_last, "workers": 1, "synthetic_images": 64},
+                                     "channels_last": channels_last, "synthetic_images": 64, **loading},
                             "train": {"batch_size": 8}})
     data = create_loaders(cfg, Topology(0, 1, 0, 1))
     memory_format = torch.channels_last if channels_last else torch.contiguous_format
@@ -85,12 +86,12 @@ def test_batches_follow_the_configured_layout_and_dtype(backend, channels_last, 
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_uint8_batches_normalised_on_the_device_equal_the_float_transform(channels_last, small_digits):
     """#10: the torchvision backend's uint8 batch, normalised by device_images, is bitwise the batch that
-    ToTensor + Normalize give in the workers, in the configured layout, in FP32 or cast to FP16."""
+    ToTensor + Normalize give, in the configured layout, in FP32 or cast to FP16."""
     from PIL import Image
 
     from hybridtrain.data.torchvision_loader import device_images, val_transform
     cfg = config_from_dict({"data": {"path": small_digits, "crop_size": 32, "val_resize": 32,
-                                     "channels_last": channels_last, "workers": 1}, "train": {"batch_size": 8}})
+                                     "channels_last": channels_last, "in_process": True}, "train": {"batch_size": 8}})
     data = create_loaders(cfg, Topology(0, 1, 0, 1))
     pixels, _, indices = next(iter(data.val))
     float_transform = val_transform(32, 32)
