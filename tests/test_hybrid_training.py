@@ -89,7 +89,9 @@ def test_two_ranks_share_optimizer_state_after_the_switch(hybrid_run):
     assert lrs[2] == pytest.approx(0.05 * 2) and lrs[3] == pytest.approx(0.05 * 2 * 0.9)
 
 
-@pytest.mark.parametrize("resume_after_epoch", [1, 2, 3], ids=["inside-warmup", "at-switch", "after-switch"])
+# Resuming inside the AdaBound warmup is covered by test_preemption (SIGTERM in epoch 1, bitwise, 2 ranks) and the
+# optimizer's state round trip in test_optim_math; these two resume across and after the switch.
+@pytest.mark.parametrize("resume_after_epoch", [2, 3], ids=["at-switch", "after-switch"])
 def test_resume_continues_exactly(hybrid_run, resume_after_epoch, tmp_path, write_config):
     cfg, straight_dir, _ = hybrid_run
     resumed_dir = tmp_path / "resumed"
