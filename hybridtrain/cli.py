@@ -334,15 +334,22 @@ PREDICT_TYPES = {
 }
 
 
+def add_recipe_options(parser: argparse.ArgumentParser, config_help: str, set_help: str = "config override",
+                       **config) -> None:
+    """--config (a recipe YAML, checked by recipe_path) and the repeatable --set KEY=VALUE, as every command that
+    reads a recipe takes them."""
+    parser.add_argument("--config", type=recipe_path, help=config_help, **config)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help=set_help)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="hybridtrain", description=__doc__.splitlines()[0].replace("The ", "", 1))
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
     train = sub.add_parser("train", help="train a ResNet under horovodrun/mpirun (or alone as one rank)")
-    train.add_argument("--config", required=True, type=recipe_path, help="recipe YAML, e.g. configs/demo.yaml")
-    train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                       help="override a config key, e.g. --set train.epochs=5 (repeatable)")
+    add_recipe_options(train, "recipe YAML, e.g. configs/demo.yaml", required=True,
+                       set_help="override a config key, e.g. --set train.epochs=5 (repeatable)")
     train.add_argument("--resume", nargs="?", const="required", metavar="auto",
                        help="continue from the newest valid checkpoint in run_dir; '--resume auto' starts fresh "
                             "when there is none (for job scripts that requeue themselves)")
@@ -393,9 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     step = sub.add_parser("bench", help="the trainer's training step on synthetic data: img/s, step time, memory; "
                                          "--baseline compares a plain PyTorch loop")
-    step.add_argument("--config", type=recipe_path,
-                      help="recipe (default: the built-in defaults, ResNet-50 at batch 256, 224 px)")
-    step.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    add_recipe_options(step, "recipe (default: the built-in defaults, ResNet-50 at batch 256, 224 px)")
     step.add_argument("--arch", choices=["resnet18", "resnet34", "resnet50", "resnet101", "resnet152"],
                       help="model.arch")
     step.add_argument("--precision", action="append", metavar="MODE", choices=list(BENCH_PRECISIONS),
@@ -425,9 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     optim = sub.add_parser("bench-optim", help="the optimizer step alone in both phases of the hybrid optimizer "
                                                "(AdaBound, SGD+LARS) against torch.optim.SGD(foreach=True)")
-    optim.add_argument("--config", type=recipe_path,
-                       help="recipe (default: the built-in defaults, ResNet-50's parameters)")
-    optim.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    add_recipe_options(optim, "recipe (default: the built-in defaults, ResNet-50's parameters)")
     optim.add_argument("--steps", type=STEPS, default=20, help="timed steps per row (default 20)")
     optim.add_argument("--warmup", type=WARMUP, default=3, help="untimed steps first (default 3)")
     optim.add_argument("--threads", type=bounded_int(0, 1024), default=0,
@@ -454,9 +457,8 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("name", help="optimizers (paper Fig 3.1), warmup-epochs (Fig 3.2), lars (LARS defaults), "
                                   "precision (seed 003, Fig 3.3), layered (seed 000), bn (Table 3.4), init "
                                   "(Table 3.5) or gamma (Table 3.6)")
-    exp.add_argument("--config", default="configs/demo.yaml", type=recipe_path,
-                     help="base recipe (default configs/demo.yaml)")
-    exp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for every row")
+    add_recipe_options(exp, "base recipe (default configs/demo.yaml)", "override for every row",
+                       default="configs/demo.yaml")
     exp.add_argument("--out", default="runs/experiments", help="where tables, JSON and PNGs go")
     exp.add_argument("--ranks", type=RANKS, default=2, help="Horovod ranks per row (default 2)")
     exp.add_argument("--target", type=FRACTION_TARGET, help="val top-1 target for epochs-to-target (default: the "
@@ -477,9 +479,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     scale = sub.add_parser("scale", help="synthetic-data benchmark at several rank counts: img/s, efficiency, "
                                          "all-reduce bytes and time")
-    scale.add_argument("--config", default="configs/demo.yaml", type=recipe_path,
-                       help="model, per-rank batch, crop and precision")
-    scale.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    add_recipe_options(scale, "model, per-rank batch, crop and precision", default="configs/demo.yaml")
     scale.add_argument("--np", default="1,2", type=count_list(1, 4096), help="rank counts, e.g. 1,2 (default 1,2)")
     scale.add_argument("--compression", default="fp16,none", help="fp16 and/or none (default fp16,none)")
     scale.add_argument("--steps", type=STEPS, default=20, help="timed steps (default 20)")
@@ -496,8 +496,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.choices["predict"].set_defaults(func=cmd_predict)
 
     plot = sub.add_parser("plot-schedule", help="draw B_l, B_u and the SGD lr of the hybrid recipe (PNG)")
-    plot.add_argument("--config", required=True, type=recipe_path, help="recipe YAML")
-    plot.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    add_recipe_options(plot, "recipe YAML", required=True)
     plot.add_argument("--ranks", type=RANKS, default=8, help="N, the number of ranks (default 8)")
     plot.add_argument("--iters-per-epoch", type=bounded_int(1, 10_000), default=100,  # x train.epochs points drawn
                       help="iterations per epoch (default 100)")
