@@ -69,7 +69,7 @@ def test_the_schedule_follows_the_current_rank_count():
      "keep one of them at its default"),
 ])
 def test_what_elastic_cannot_do_is_one_line(small_digits, tmp_path, write_config, launcher_env, override, needle):
-    cfg = write_config(tiny_config(small_digits, str(tmp_path / "run")))
+    cfg = write_config(tiny_config(small_digits, str(tmp_path / "run"), data=WITH_WORKERS))  # other backends too
     proc = subprocess.run([HYBRIDTRAIN, "train", "--elastic", "--config", cfg, *override], capture_output=True,
                           text=True, timeout=300, env={**env_with_venv(), **launcher_env}, stdin=subprocess.DEVNULL)
     assert_one_error_line(proc, needle)

@@ -107,6 +107,13 @@ def test_predict_calibrates_on_scale_points_and_reports_the_error(tmp_path):
     assert_one_error_line(run([HYBRIDTRAIN, "predict", "--calibrate", str(two)]), "three or more distinct")
 
 
+def test_scale_measures_a_recipe_that_loads_in_process(tmp_path):
+    """scale's synthetic step has no loader: a recipe's data.in_process must not make it refuse the recipe."""
+    from hybridtrain.perf.scaling import measured_config
+    cfg = measured_config("configs/demo.yaml", ["data.in_process=true", "data.workers=0"], "fp16")
+    assert cfg.data.backend == "synthetic" and not cfg.data.in_process
+
+
 def test_scale_refuses_what_its_synthetic_trainer_step_cannot_honour(tmp_path):
     proc = run([HYBRIDTRAIN, "scale", "--config", "configs/demo.yaml", *SETS, "--set", "bn.per_rank_batch=random",
                 "--np", "1", "--out", str(tmp_path / "out")], timeout=300)

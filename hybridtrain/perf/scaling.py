@@ -34,7 +34,8 @@ def measured_config(config: str, overrides: list[str], compression: str | None =
     train.threads; a key the synthetic
     step cannot honour (e.g. bn.per_rank_batch=random) is refused here in one line."""
     from hybridtrain.config import load_config
-    sets = ["train.threads=1"] + list(overrides) + ["data.backend=synthetic", "data.file_lists="]
+    sets = ["train.threads=1"] + list(overrides) + ["data.backend=synthetic", "data.file_lists=",
+                                                    "data.in_process=false"]
     cfg = load_config(config, sets + ([f"horovod.compression={compression}"] if compression else []))
     return cfg
 
