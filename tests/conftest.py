@@ -112,15 +112,18 @@ def digits_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def small_digits(digits_dir, tmp_path_factory) -> str:
     """A quick subset: 24 train and 7 val images per class (240 / 70 images, 70 not divisible by batches)."""
-    out = tmp_path_factory.mktemp("data") / "small"
-    for split, per_class in (("train", 24), ("val", 7)):
-        for cls in sorted(os.listdir(os.path.join(digits_dir, split))):
-            src = os.path.join(digits_dir, split, cls)
-            dst = out / split / cls
-            dst.mkdir(parents=True)
-            for name in sorted(os.listdir(src))[:per_class]:
-                shutil.copy(os.path.join(src, name), dst / name)
-    return str(out)
+    return digits_subset(digits_dir, str(tmp_path_factory.mktemp("data") / "small"), 24, 7)
+
+
+def digits_subset(source: str, out: str, train_per_class: int, val_per_class: int) -> str:
+    """The first images of each class of ``source``, copied to ``out``."""
+    for split, per_class in (("train", train_per_class), ("val", val_per_class)):
+        for cls in sorted(os.listdir(os.path.join(source, split))):
+            dst = os.path.join(out, split, cls)
+            os.makedirs(dst)
+            for name in sorted(os.listdir(os.path.join(source, split, cls)))[:per_class]:
+                shutil.copy(os.path.join(source, split, cls, name), os.path.join(dst, name))
+    return out
 
 
 def tiny_config(data_path: str, run_dir: str, **sections) -> dict:

@@ -9,7 +9,17 @@ import sys
 
 import pytest
 import torch
-from conftest import HOROVODRUN, HYBRIDTRAIN, REPO, assert_one_error_line, horovodrun, read_metrics, run, tiny_config
+from conftest import (
+    HOROVODRUN,
+    HYBRIDTRAIN,
+    REPO,
+    assert_one_error_line,
+    digits_subset,
+    horovodrun,
+    read_metrics,
+    run,
+    tiny_config,
+)
 
 from hybridtrain.config import config_from_dict
 from hybridtrain.engine.step import EagerPasses, Precision, classification_loss, train_step
@@ -145,13 +155,7 @@ def test_an_inf_on_one_rank_is_skipped_on_every_rank_and_the_scale_recovers(tmp_
 @pytest.fixture(scope="module")
 def tiny_digits(small_digits, tmp_path_factory):
     """4 train and 2 val images per class: 40 / 20, two steps of 2 x 8 per epoch."""
-    out = tmp_path_factory.mktemp("data") / "tiny"
-    for split, keep in (("train", 4), ("val", 2)):
-        for cls in sorted(os.listdir(os.path.join(small_digits, split))):
-            (out / split / cls).mkdir(parents=True)
-            for name in sorted(os.listdir(os.path.join(small_digits, split, cls)))[:keep]:
-                shutil.copy(os.path.join(small_digits, split, cls, name), out / split / cls / name)
-    return str(out)
+    return digits_subset(small_digits, str(tmp_path_factory.mktemp("data") / "tiny"), 4, 2)
 
 
 def precision_config(data, run_dir, mode, epochs=1, **precision):

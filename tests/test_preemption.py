@@ -11,7 +11,16 @@ import subprocess
 
 import pytest
 import yaml
-from conftest import HOROVODRUN, HYBRIDTRAIN, WITH_WORKERS, env_with_venv, horovodrun, rank_output, tiny_config
+from conftest import (
+    HOROVODRUN,
+    HYBRIDTRAIN,
+    WITH_WORKERS,
+    digits_subset,
+    env_with_venv,
+    horovodrun,
+    rank_output,
+    tiny_config,
+)
 from test_horovod_training import rank_pids
 
 PRECISIONS = {
@@ -62,7 +71,14 @@ def train_until_sigterm(config: str, ranks_to_signal: tuple[int, ...], resume: b
 
 
 @pytest.fixture(scope="module")
-def straight_runs(small_digits, tmp_path_factory):
+def few_digits(small_digits, tmp_path_factory) -> str:
+    """8 train and 3 val images per class: 5 steps of 2 x 8 per epoch, enough for a stop in the middle of one (FP16
+    convolutions are slow on the CPU, so every step counts here)."""
+    return digits_subset(small_digits, str(tmp_path_factory.mktemp("data") / "few"), 8, 3)
+
+
+@pytest.fixture(scope="module")
+def straight_runs(few_digits, tmp_path_factory):
     """One uninterrupted run per precision mode, made on first use."""
     runs = {}
 
@@ -72,7 +88,7 @@ def straight_runs(small_digits, tmp_path_factory):
             config = run_dir / "config-straight.yaml"
             # loaded in process: the interrupted runs load in workers (SLURM signals them too), so their bitwise
             # equality with these also checks that both loaders give the same batches
-            config.write_text(yaml.safe_dump(recipe(small_digits, str(run_dir), precision, channels_last,
+            config.write_text(yaml.safe_dump(recipe(few_digits, str(run_dir), precision, channels_last,
                                                     workers=False)))
             done = horovodrun(2, ["train", "--config", str(config)])
             assert done.returncode == 0, done.stdout[-3000:]
@@ -113,12 +129,12 @@ CASES = [("fp32", "first epoch", False), ("layered", "first epoch", False), ("fp
 
 @pytest.mark.slow
 @pytest.mark.parametrize("precision,stop_in,channels_last", CASES)
-def test_sigterm_mid_epoch_then_resume_auto_is_bitwise_exact(small_digits, tmp_path, write_config, straight_runs,
+def test_sigterm_mid_epoch_then_resume_auto_is_bitwise_exact(few_digits, tmp_path, write_config, straight_runs,
                                                              precision, stop_in, channels_last):
     """First epoch: AdaBound (hybrid) or warmup (fp16_pure's goyal); second epoch: LARS-SGD. The second-epoch
     case starts from the uninterrupted run's epoch-1 checkpoint, so the SIGTERM lands inside epoch 2."""
     straight_dir, broken_dir = straight_runs(precision, channels_last), tmp_path / "broken"
-    broken = write_config(recipe(small_digits, str(broken_dir), precision, channels_last), "broken.yaml")
+    broken = write_config(recipe(few_digits, str(broken_dir), precision, channels_last), "broken.yaml")
     epoch = 1
     if stop_in == "second epoch":
         broken_dir.mkdir()
