@@ -120,9 +120,10 @@ EXPECTED_COMPRESSION = {"fp32": "none", "fp64": "none", "mixed-fp16": "fp16", "m
                         "fp16_pure": "fp16"}
 
 # Every kind of state a resume must carry, once: fp32 (no scaler; fp64 and mixed-bf16 keep none either, and their
-# straight runs are checked above), layered and fp16_pure (a dynamic loss scaler in the first epoch), mixed-fp16 (the
-# scaler in the LARS phase; on the CPU its first-epoch case took 197 s, the most of any test), NHWC.
-CASES = [("fp32", "first epoch", False), ("layered", "first epoch", False), ("fp16_pure", "first epoch", False),
+# straight runs are checked above), fp16_pure (FP16 parameters and momentum, a dynamic loss scaler, in the first
+# epoch), mixed-fp16 (the scaler in the LARS phase; layered keeps the same scaler), NHWC. FP16 convolutions are slow
+# on the CPU: each FP16 case costs about 100 s.
+CASES = [("fp32", "first epoch", False), ("fp16_pure", "first epoch", False),
          ("fp32", "second epoch", False), ("mixed-fp16", "second epoch", False),
          ("fp32", "first epoch", True)]  # NHWC: SIGTERM resume
 
