@@ -12,14 +12,13 @@ Each row gives the median and p90 ms per step and its ratio to ``sgd-foreach``.
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 
 from hybridtrain.config import load_config
 from hybridtrain.models import model_from_config
 from hybridtrain.optim import create_optimizer
-from hybridtrain.perf.step_bench import bench_device, synchronize, synthetic_classes
+from hybridtrain.perf.step_bench import bench_device, synthetic_classes, timed_steps
 from hybridtrain.reports.tables import markdown_table
 
 ITERS_PER_EPOCH = 100  # the schedule's epoch length: the AdaBound rows run at steps 0.., the LARS rows after T
@@ -31,19 +30,8 @@ def fixed_gradients(model: torch.nn.Module, seed: int = 0) -> None:
         p.grad = (1e-3 * torch.randn(p.shape, generator=generator)).to(p.device, p.dtype)
 
 
-def timed(step, steps: int, warmup: int, device: torch.device) -> list[float]:
-    times = []
-    for i in range(warmup + steps):
-        synchronize(device)
-        began = time.perf_counter()
-        step(i)
-        synchronize(device)
-        if i >= warmup:
-            times.append(1000 * (time.perf_counter() - began))
-    return times
-
-
-def row(name: str, times: list[float], parameters: int) -> dict:
+def row(name: str, seconds: list[float], parameters: int) -> dict:
+    times = [1000 * t for t in seconds]
     return {"optimizer": name, "median_ms": statistics.median(times),
             "p90_ms": statistics.quantiles(times, n=10)[-1] if len(times) > 1 else times[0],
             "parameters": parameters}
@@ -66,19 +54,19 @@ def bench_optimizer(config: str | None, overrides: list[str], steps: int, warmup
     o = cfg.optim
     reference = torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay,
                                 foreach=True)
-    rows = [row("sgd-foreach", timed(lambda i: reference.step(), steps, warmup, device), parameters)]
+    rows = [row("sgd-foreach", timed_steps(reference.step, steps, warmup, device, "sgd-foreach"), parameters)]
     variants = [(phase, name, cfg) for phase, name in (("adabound", "hybrid/adabound"), ("sgd", "hybrid/sgd+lars"))]
     if fused:
         fused_cfg = load_config(config, list(overrides) + ["optim.name=hybrid", "optim.fused=true"])
         variants += [(phase, f"{name} fused", fused_cfg) for phase, name, _ in variants]
     for phase, name, variant in variants:
         bundle = create_optimizer(model, variant, world_size=1, iters_per_epoch=ITERS_PER_EPOCH)
-        first = phase_steps(cfg, phase)
+        scheduled = iter(range(phase_steps(cfg, phase), phase_steps(cfg, phase) + warmup + steps))
 
-        def step(i, bundle=bundle, first=first):
-            bundle.apply_schedule(first + i)
+        def step(bundle=bundle, scheduled=scheduled):
+            bundle.apply_schedule(next(scheduled))
             bundle.optimizer.step()
-        rows.append(row(name, timed(step, steps, warmup, device), parameters))
+        rows.append(row(name, timed_steps(step, steps, warmup, device, name), parameters))
         assert bundle.optimizer.param_groups[0]["phase"] == phase  # the rows time the phase they name
     for r in rows:
         r.update(arch=cfg.model.arch, device=str(device), ratio_to_sgd=r["median_ms"] / rows[0]["median_ms"],
