@@ -151,6 +151,11 @@ def _as_torch(arrays):
     return [torch.from_numpy(a.copy()) for a in arrays]
 
 
+def _garbage_like(tensors):
+    """Scratch for the foreach kernels, full of NaN: a result that read it before writing it would show."""
+    return [torch.full_like(t, math.nan) for t in tensors]
+
+
 # ---------------------------------------------------------------- kernels vs NumPy (float64)
 
 def test_one_adabound_step_matches_numpy():
@@ -169,7 +174,7 @@ def test_one_adabound_step_matches_numpy():
     assert ((all_sizes > 0.02) & (all_sizes < 0.5)).any()  # and the unclipped range
 
     tp, tg, tm, tv = _as_torch(p), _as_torch(g), _as_torch(m), _as_torch(v)
-    adabound_step_(tp, tg, tm, tv, 5, 1e-3, 0.9, 0.999, 1e-8, 1e-4, 0.02, 0.5)
+    adabound_step_(tp, tg, tm, tv, _garbage_like(tp), 5, 1e-3, 0.9, 0.999, 1e-8, 1e-4, 0.02, 0.5)
     for i, (wp, wm, wv) in enumerate(want):
         np.testing.assert_allclose(tp[i].numpy(), wp, rtol=1e-12, atol=1e-15)
         np.testing.assert_allclose(tm[i].numpy(), wm, rtol=1e-12, atol=1e-15)
@@ -183,9 +188,24 @@ def test_first_adabound_step_unbounded_is_adam_like():
     want_p, _, _ = numpy_adabound(p, g, np.zeros(7), np.zeros(7), 1, 1e-2, 0.9, 0.999, 1e-12, 0.0, 0.0, INF)
     tp, tg = _as_torch([p]), _as_torch([g])
     adabound_step_(tp, tg, [torch.zeros(7, dtype=torch.float64)], [torch.zeros(7, dtype=torch.float64)],
-                   1, 1e-2, 0.9, 0.999, 1e-12, 0.0, 0.0, INF)
+                   _garbage_like(tp), 1, 1e-2, 0.9, 0.999, 1e-12, 0.0, 0.0, INF)
     np.testing.assert_allclose(tp[0].numpy(), want_p, rtol=1e-12)
     np.testing.assert_allclose(p - tp[0].numpy(), 1e-2 * np.sign(g), rtol=1e-8)  # Adam's first step: alpha*sign(g)
+
+
+@pytest.mark.parametrize("alpha,lower,upper", [(0.0, 0.02, 0.5), (0.0, 0.0, INF), (1e-3, 0.0, 0.0),
+                                               (1e-3, 0.3, 0.3)])
+def test_adabound_step_at_the_edges_of_its_bounds_matches_numpy(alpha, lower, upper):
+    """alpha = 0 makes every step size clip(0, lower, upper) = lower; upper = 0 stops the update; equal bounds
+    make it SGD at that rate. The kernel moves the clip onto the denominator, so these are its corner cases."""
+    rng = np.random.default_rng(5)
+    p, g, m, v = rng.normal(size=6), 1e-3 * rng.normal(size=6), 1e-3 * rng.normal(size=6), 1e-6 * rng.random(6)
+    want_p, want_m, want_v = numpy_adabound(p, g, m, v, 3, alpha, 0.9, 0.999, 1e-8, 1e-4, lower, upper)
+    tp, tg, tm, tv = _as_torch([p]), _as_torch([g]), _as_torch([m]), _as_torch([v])
+    adabound_step_(tp, tg, tm, tv, _garbage_like(tp), 3, alpha, 0.9, 0.999, 1e-8, 1e-4, lower, upper)
+    np.testing.assert_allclose(tp[0].numpy(), want_p, rtol=1e-12, atol=1e-15)
+    np.testing.assert_allclose(tm[0].numpy(), want_m, rtol=1e-12, atol=1e-15)
+    np.testing.assert_allclose(tv[0].numpy(), want_v, rtol=1e-12, atol=1e-15)
 
 
 def _lars_case(rng):
@@ -217,7 +237,7 @@ def test_one_lars_step_matches_numpy(mode, with_history):
     want = [numpy_lars(*args, lr, momentum, wd, eta, eps, mode, a) for *args, a in zip(p, g, bufs, apply)]
 
     tp, tg, tb = _as_torch(p), _as_torch(g), _as_torch(bufs)
-    lars_sgd_step_(tp, tg, tb, lr, momentum, wd, eta, eps, mode, apply)
+    lars_sgd_step_(tp, tg, tb, _garbage_like(tp), lr, momentum, wd, eta, eps, mode, apply)
     for i, (wp, wb) in enumerate(want):
         np.testing.assert_allclose(tp[i].numpy(), wp, rtol=1e-12, atol=1e-15)
         np.testing.assert_allclose(tb[i].numpy(), wb, rtol=1e-12, atol=1e-15)
@@ -268,7 +288,7 @@ def test_adabound_kernel_equals_per_tensor_loop():
     a = [_clones(x) for x in (params, grads, ms, vs)]
     b = [_clones(x) for x in (params, grads, ms, vs)]
     hyper = (4, 1e-3, 0.9, 0.999, 1e-8, 1e-4, 0.005, 0.5)
-    adabound_step_(*a, *hyper)
+    adabound_step_(*a, _garbage_like(a[0]), *hyper)
     loop_adabound(*b, *hyper)
     for x, y in zip(a[0] + a[2] + a[3], b[0] + b[2] + b[3]):
         torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
@@ -283,7 +303,7 @@ def test_lars_kernel_equals_per_tensor_loop(mode):
     a = [_clones(x) for x in (params, grads, bufs)]
     b = [_clones(x) for x in (params, grads, bufs)]
     hyper = (0.5, 0.9, 1e-4, 0.01, 1e-8, mode, apply)
-    lars_sgd_step_(*a, *hyper)
+    lars_sgd_step_(*a, _garbage_like(a[0]), *hyper)
     loop_lars(*b, *hyper)
     for x, y in zip(a[0] + a[2], b[0] + b[2]):
         torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
@@ -348,6 +368,21 @@ def test_hybrid_phase_switch_starts_momentum_from_zero():
         assert state["step"] == 3
         assert torch.equal(state["momentum_buffer"], ref.state[q]["momentum_buffer"])  # buf = 0*mu + d
         assert torch.equal(p, q)
+
+
+def test_the_foreach_updates_reuse_one_scratch_buffer_per_param_that_is_never_saved():
+    """The eager (foreach) kernels write g + wd*w and the denominators into the optimizer's scratch, not into fresh
+    tensors: the same buffers serve every step of both phases, and the state dict never holds them."""
+    weights, others = _model_params()
+    opt = HybridOptimizer(_groups(weights, others), lr=0.2, alpha=1e-3)
+    _run(opt, weights + others, [1])
+    buffers = {id(p): opt.scratch[p].data_ptr() for p in weights + others}
+    _run(opt, weights + others, [2, 5, 6])  # 5: the switch to SGD + LARS
+    assert opt.param_groups[0]["phase"] == "sgd"
+    assert {id(p): opt.scratch[p].data_ptr() for p in weights + others} == buffers
+    saved = opt.state_dict()
+    assert {key for state in saved["state"].values() for key in state} == {"step", "momentum_buffer"}
+    assert all(set(group) - {"params"} <= set(opt.defaults) for group in saved["param_groups"])
 
 
 @pytest.mark.parametrize("lars_mode", ["scale", "clip"])

@@ -27,30 +27,39 @@ def adabound_step_size(step, alpha, beta1, beta2):
     return alpha * math.sqrt(1.0 - beta2**step) / (1.0 - beta1**step)  # alpha*sqrt(1-b2^k)/(1-b1^k)
 
 
-def adabound_step_(params, grads, exp_avgs, exp_avg_sqs, step, alpha, beta1, beta2, eps,
+def adabound_step_(params, grads, exp_avgs, exp_avg_sqs, scratch, step, alpha, beta1, beta2, eps,
                    weight_decay, lower, upper):
     """One AdaBound update (Luo et al. 2019 reference algorithm) of every tensor in ``params``.
 
     ``step`` is the 1-based step k after this update; ``lower``/``upper`` are the clip bounds
-    (floats, ``upper`` may be inf). ``grads`` are not modified.
+    (floats, ``upper`` may be inf). ``grads`` are not modified. ``scratch`` holds one buffer shaped like each
+    param, overwritten here (first g + wd*p, then the denominator), so the update allocates nothing: on the CPU
+    a fresh model-sized result costs its page faults on every step.
     """
-    _check_same_length(params=params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs)
+    _check_same_length(params=params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, scratch=scratch)
     if not params:
         return
     if weight_decay != 0:
-        grads = torch._foreach_add(grads, params, alpha=weight_decay)  # g <- g + wd * p (coupled L2)
+        torch._foreach_copy_(scratch, grads)
+        torch._foreach_add_(scratch, params, alpha=weight_decay)  # g <- g + wd * p (coupled L2)
+        grads = scratch
     torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)  # m = b1*m + (1-b1)*g, as m + (1-b1)*(g - m): one pass
     torch._foreach_mul_(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)  # v = b2*v + (1-b2)*g^2
-    step_sizes = torch._foreach_sqrt(exp_avg_sqs)
-    torch._foreach_add_(step_sizes, eps)  # sqrt(v) + eps
-    torch._foreach_reciprocal_(step_sizes)
-    torch._foreach_mul_(step_sizes, adabound_step_size(step, alpha, beta1, beta2))  # eta = step / (sqrt(v)+eps)
-    if lower > 0:
-        torch._foreach_clamp_min_(step_sizes, lower)  # eta = clip(eta, lower, .)
+    size = adabound_step_size(step, alpha, beta1, beta2)
+    if size == 0:  # alpha = 0: eta = clip(0, lower, upper) = lower
+        torch._foreach_add_(params, exp_avgs, alpha=-lower)
+        return
+    denominators = scratch
+    torch._foreach_copy_(denominators, exp_avg_sqs)
+    torch._foreach_sqrt_(denominators)
+    torch._foreach_add_(denominators, eps)  # d = sqrt(v) + eps
+    # eta = clip(size / d, lower, upper) = size / clip(d, size/upper, size/lower): the bounds move onto d
     if math.isfinite(upper):
-        torch._foreach_clamp_max_(step_sizes, upper)  # eta = clip(eta, ., upper)
-    torch._foreach_addcmul_(params, step_sizes, exp_avgs, value=-1.0)  # p <- p - eta * m, in one pass
+        torch._foreach_clamp_min_(denominators, size / upper if upper > 0 else math.inf)  # eta <= upper
+    if lower > 0:
+        torch._foreach_clamp_max_(denominators, size / lower)  # eta >= lower
+    torch._foreach_addcdiv_(params, exp_avgs, denominators, value=-size)  # p <- p - eta * m, in one pass
 
 
 def lars_trust_factors(params, grads, lr, weight_decay, trust_coefficient, eps, mode):
@@ -87,7 +96,7 @@ def _split_by_flag(flags, *lists):
     return [([values[i] for i in on], [values[i] for i in off]) for values in lists]
 
 
-def lars_sgd_step_(params, grads, momentum_bufs, lr, momentum, weight_decay, trust_coefficient,
+def lars_sgd_step_(params, grads, momentum_bufs, scratch, lr, momentum, weight_decay, trust_coefficient,
                    eps, mode, apply_lars):
     """One LARS-SGD update with momentum of every tensor in ``params``.
 
@@ -95,22 +104,23 @@ def lars_sgd_step_(params, grads, momentum_bufs, lr, momentum, weight_decay, tru
     `lars_trust_factors` ("scale": local_lr; "clip"/LARC: min(local_lr/lr, 1)).
     Tensors with ``apply_lars[i]`` False (BN, biases): d = g, no weight decay.
     ``apply_lars`` is a list of bools aligned with ``params``, or one bool for all.
-    Then for all: buf = momentum*buf + d; p <- p - lr*buf. Buffers must start at zero.
+    Then for all: buf = momentum*buf + d; p <- p - lr*buf. Buffers must start at zero. ``grads`` are not
+    modified; ``scratch`` (one buffer like each param) is overwritten with the directions d.
     """
     if isinstance(apply_lars, bool):
         apply_lars = [apply_lars] * len(params)
-    _check_same_length(params=params, grads=grads, momentum_bufs=momentum_bufs, apply_lars=apply_lars)
+    _check_same_length(params=params, grads=grads, momentum_bufs=momentum_bufs, scratch=scratch,
+                       apply_lars=apply_lars)
     if mode not in LARS_MODES:
         raise ValueError(f"mode must be one of {LARS_MODES}, got {mode!r}")
-    (lars_p, plain_p), (lars_g, plain_g), (lars_b, plain_b) = _split_by_flag(
-        apply_lars, params, grads, momentum_bufs)
+    (lars_p, plain_p), (lars_g, plain_g), (lars_b, plain_b), (directions, _) = _split_by_flag(
+        apply_lars, params, grads, momentum_bufs, scratch)
     if lars_p:
         factors = lars_trust_factors(lars_p, lars_g, lr, weight_decay, trust_coefficient, eps, mode)
+        torch._foreach_copy_(directions, lars_g)
         if weight_decay != 0:
-            directions = torch._foreach_add(lars_g, lars_p, alpha=weight_decay)  # g + wd*w
-            torch._foreach_mul_(directions, factors)  # d = (g + wd*w) * factor
-        else:
-            directions = torch._foreach_mul(lars_g, factors)  # d = g * factor
+            torch._foreach_add_(directions, lars_p, alpha=weight_decay)  # g + wd*w
+        torch._foreach_mul_(directions, factors)  # d = (g + wd*w) * factor
         _momentum_sgd_(lars_p, directions, lars_b, lr, momentum)
     if plain_p:
         _momentum_sgd_(plain_p, plain_g, plain_b, lr, momentum)  # excluded: d = g

@@ -125,6 +125,18 @@ def _zeros_state(state, keys, p):
             state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
+def _scratch(buffers: dict, params: list) -> list[torch.Tensor]:
+    """One reusable buffer like each param, kept in ``buffers`` (the optimizer's, outside its state: never
+    checkpointed), remade when its param changed device, dtype or shape."""
+    scratch = []
+    for p in params:
+        buffer = buffers.get(p)
+        if buffer is None or buffer.device != p.device or buffer.dtype != p.dtype or buffer.shape != p.shape:
+            buffer = buffers[p] = torch.empty_like(p, memory_format=torch.preserve_format)
+        scratch.append(buffer)
+    return scratch
+
+
 def device_scalars(device: torch.device, **values: float) -> list[torch.Tensor]:
     """0-dim FP64 tensors on ``device`` holding ``values``, one per name, reused from step to step (written with
     ``fill_``, which on a GPU is a kernel launch with the value as its argument: no host sync)."""
@@ -140,9 +152,10 @@ def device_scalars(device: torch.device, **values: float) -> list[torch.Tensor]:
 _DEVICE_SCALARS: dict = {}
 
 
-def _adabound_update(opt_state, params, group, alpha, step_key):
+def _adabound_update(opt_state, buffers, params, group, alpha, step_key):
     """AdaBound-update ``params``; ``state[step_key]`` is the bias-correction step k. ``group["fused"]``: the
-    compiled kernel, with the step size and the bounds in device tensors."""
+    compiled kernel, with the step size and the bounds in device tensors; else the foreach kernel, with its
+    scratch from ``buffers``."""
     for p in params:
         state = opt_state[p]
         _zeros_state(state, ("exp_avg", "exp_avg_sq"), p)
@@ -157,15 +170,16 @@ def _adabound_update(opt_state, params, group, alpha, step_key):
                                        lower=group["lower_bound"], upper=group["upper_bound"])
             compiled(adabound_tensor_step_)(*tensors, *scheduled, beta1, beta2, group["eps"], group["weight_decay"])
         else:
-            adabound_step_(*tensors, step, alpha, beta1, beta2, group["eps"], group["weight_decay"],
+            adabound_step_(*tensors, _scratch(buffers, bucket), step, alpha, beta1, beta2, group["eps"],
+                           group["weight_decay"],
                            group["lower_bound"], group["upper_bound"])
         for p in bucket:
             opt_state[p][step_key] = step
 
 
-def _lars_update(opt_state, params, group, mode):
+def _lars_update(opt_state, buffers, params, group, mode):
     """LARS-SGD-update ``params`` with zero-initialised momentum buffers (``group["fused"]``: compiled, the lr in a
-    device tensor)."""
+    device tensor; else foreach, with its scratch from ``buffers``)."""
     for p in params:
         _zeros_state(opt_state[p], ("momentum_buffer",), p)
     for bucket in _bucket(params, lambda p: (p.device, p.dtype)):
@@ -175,12 +189,18 @@ def _lars_update(opt_state, params, group, mode):
             compiled(lars_tensor_step_)(*tensors, lr, group["momentum"], group["weight_decay"],
                                         group["trust_coefficient"], group["eps"], mode, [group["lars"]] * len(bucket))
         else:
-            lars_sgd_step_(*tensors, group["lr"], group["momentum"], group["weight_decay"],
+            lars_sgd_step_(*tensors, _scratch(buffers, bucket), group["lr"], group["momentum"],
+                           group["weight_decay"],
                            group["trust_coefficient"], group["eps"], mode, group["lars"])
 
 
 class _GroupValidatingOptimizer(Optimizer):
     """Validates each param group (defaults merged in) when added and again at every step."""
+
+    @property
+    def scratch(self) -> dict:
+        """Reusable per-param buffers for the foreach kernels (not state: never saved or loaded)."""
+        return self.__dict__.setdefault("_scratch", {})
 
     def _validate_group(self, group):
         """Each optimizer below checks its own keys; the base accepts the group as it is."""
@@ -234,7 +254,7 @@ class LARS(_GroupValidatingOptimizer):
         _validate_lars_keys(group, "mode")
 
     def _update(self, params: list, group: dict) -> None:
-        _lars_update(self.state, params, group, group["mode"])
+        _lars_update(self.state, self.scratch, params, group, group["mode"])
 
 
 class LinearScalingAdaBound(_GroupValidatingOptimizer):
@@ -256,7 +276,7 @@ class LinearScalingAdaBound(_GroupValidatingOptimizer):
         _require_bool(group, "fused")
 
     def _update(self, params: list, group: dict) -> None:
-        _adabound_update(self.state, params, group, group["lr"], "step")
+        _adabound_update(self.state, self.scratch, params, group, group["lr"], "step")
 
 
 class HybridOptimizer(_GroupValidatingOptimizer):
@@ -305,8 +325,8 @@ class HybridOptimizer(_GroupValidatingOptimizer):
     def _update(self, params: list, group: dict) -> None:
         self._enter_phase(params, group["phase"])
         if group["phase"] == "adabound":
-            _adabound_update(self.state, params, group, group["alpha"], "adabound_step")
+            _adabound_update(self.state, self.scratch, params, group, group["alpha"], "adabound_step")
         else:
-            _lars_update(self.state, params, group, group["lars_mode"])
+            _lars_update(self.state, self.scratch, params, group, group["lars_mode"])
         for p in params:
             self.state[p]["step"] = self.state[p].get("step", 0) + 1
