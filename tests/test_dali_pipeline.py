@@ -1,6 +1,6 @@
 """The DALI pipeline on the CPU (the same graph as dali_gpu), with several ranks simulated in one process.
 
-Each simulated rank is its own pipeline with ``shard_id`` = rank, exactly as under Horovod. Also the data
+Each simulated rank is its own loader for that rank, exactly as under Horovod. Also the data
 tools: synthetic-imagenet, check-data with a planted corrupt JPEG, and the flat validation layout.
 """
 import os
@@ -94,11 +94,16 @@ def test_validation_counts_every_image_exactly_once(dataset, world_size):
     loaders = [dali.create_dali_val_loader(val, make_cfg(), r, world_size, world_size, "cpu")
                for r in range(world_size)]
     next(iter(loaders[0]))  # a pass left after one batch must not shift the next one
+    passes = []
     for _ in range(2):
         per_rank = [run_epoch(loader, 0) for loader in loaders]
         assert [len(batches) for batches in per_rank] == [len(loader) for loader in loaders]
         seen = sorted(i for batches in per_rank for b in batches for i in b)
         assert seen == list(range(len(val)))
+        passes.append(per_rank)
+    assert passes[0] == passes[1]
+    # one pipeline per run, reused by the second pass; the interrupted pass's pipeline was not reused
+    assert [loader.builds for loader in loaders] == [2] + [1] * (world_size - 1)
 
 
 def test_validation_images_match_torchvision_preprocessing(dataset):

@@ -4,18 +4,21 @@ The graph is the same for both devices; only the decoder's device differs ("cpu"
 the GPU, after which resize and normalisation run on the GPU too). A CPU pipeline runs without any GPU
 (``device_id=None``), which is how the tests exercise the GPU path's graph.
 
-Sharding: ``shard_id`` is the GLOBAL Horovod rank and ``num_shards`` the world size. DALI gives shard i the
-samples [floor(i*n/k), floor((i+1)*n/k)) of its (shuffled) list.
+Sharding: the rank's shard of an epoch is the samples [floor(r*n/k), floor((r+1)*n/k)) of that epoch's order
+(``shard_range``, DALI's own formula for ``shard_id=r, num_shards=k``), and each rank's reader gets only its
+shard as its file list (``num_shards=1``): k times less to write and parse than the whole list.
 
-Shuffling: a global reshuffle every epoch with the same seed on all ranks. The loader builds a pipeline
-per epoch whose reader gets the WHOLE file list permuted by (``seed``, epoch), identical on every rank,
-with ``shuffle_after_epoch`` off; each rank then reads its shard of that epoch's order, so shards change
-every epoch and still partition the data. (DALI's ``random_shuffle`` only shuffles inside a rank's own shard
-through a buffer, so shards would never change; and ``shuffle_after_epoch`` reshuffles with a seed fixed
-inside DALI and shuffles the first epoch too, so the order could not follow the configured seed, a resumed
-run could not see the order an uninterrupted one sees, and a failing file could not be named.) Rebuilding
-costs about 3 s per epoch for ImageNet's 1.28M files; in exchange the order is a pure function of
-(seed, epoch): resumed runs read exactly what uninterrupted runs read.
+Shuffling: a global reshuffle every epoch with the same seed on all ranks. The loader builds a training pipeline
+per epoch whose reader gets the rank's shard of the whole list permuted by (``seed``, epoch), identical on
+every rank, with ``shuffle_after_epoch`` off, so shards change every epoch and still partition the data. (DALI's
+``random_shuffle`` only shuffles inside a rank's own shard through a buffer, so shards would never change; and
+``shuffle_after_epoch`` reshuffles with a seed fixed inside DALI and shuffles the first epoch too, so the order
+could not follow the configured seed, a resumed run could not see the order an uninterrupted one sees, and a
+failing file could not be named.) The order is a pure function of (seed, epoch): resumed runs read exactly
+what uninterrupted runs read. The cost is a build per epoch: for ImageNet's 1.28M files on one rank about
+1.2 s on the CPU, from the epoch's first request to its first batch (``docs/benchmarks.md``), and 1/k of the
+listing part of it on k ranks. The validation pipeline reads the same list every pass, so it is built once
+per run and reused while each pass runs to its end.
 
 Equal steps: every shard is padded (``pad_last_batch=True``) to ceil(n/k) samples and then to whole
 batches. Training yields only the first floor(floor(n/k)/b) batches, which are full of real samples on
@@ -105,12 +108,12 @@ class GraphSpec:
     channels_last: bool
 
 
-def imagenet_graph(file_list: str, file_root: str, shard_id: int, num_shards: int, spec: GraphSpec):
-    """Read, decode, augment or center-crop, normalise; returns (images, sample ids)."""
+def imagenet_graph(file_list: str, file_root: str, spec: GraphSpec):
+    """Read (the rank's shard, in list order), decode, augment or center-crop, normalise; returns (images, sample
+    ids)."""
     from nvidia.dali import fn, types
 
-    jpegs, ids = fn.readers.file(file_list=file_list, file_root=file_root, shard_id=shard_id, num_shards=num_shards,
-                                 shuffle_after_epoch=False, stick_to_shard=True,
+    jpegs, ids = fn.readers.file(file_list=file_list, file_root=file_root, shuffle_after_epoch=False,
                                  pad_last_batch=True, name=READER_NAME)
     decoder = "mixed" if spec.device == "gpu" else "cpu"
     mirror = 0
@@ -142,11 +145,16 @@ def relative_paths(images: ImageList) -> list[str]:
     return [p[len(prefix):] if p.startswith(prefix) else os.path.relpath(p, images.root) for p, _ in images.samples]
 
 
+def file_list_lines(images: ImageList) -> list[str]:
+    """Each sample's line of a DALI file list, labelled with its sample index: made once per run."""
+    return [f"{path} {index}\n" for index, path in enumerate(relative_paths(images))]
+
+
 @contextlib.contextmanager
-def reader_file_list(relative: list[str], order: np.ndarray):
-    """A temporary DALI file list of the samples in ``order``, each labelled with its sample index."""
+def reader_file_list(lines: list[str], samples: np.ndarray):
+    """A temporary DALI file list of ``samples`` (sample indices, in reading order)."""
     with tempfile.NamedTemporaryFile("w", prefix="hybridtrain-dali-", suffix=".txt", delete=False) as fh:
-        fh.writelines(f"{relative[i]} {i}\n" for i in order)
+        fh.write("".join([lines[i] for i in samples.tolist()]))
     try:
         yield fh.name
     finally:
@@ -170,8 +178,9 @@ class DaliLoader:
     """One rank's batches ``(images, labels, indices)``, with the torchvision loader's interface.
 
     Images are NCHW (channels_last memory format when asked for) on the pipeline's device; labels and
-    indices are int64 on the CPU. ``len()`` is the number of batches this rank yields per epoch. Each pass
-    builds the pipeline for the current epoch (see the module notes).
+    indices are int64 on the CPU. ``len()`` is the number of batches this rank yields per epoch. Each training
+    pass builds the pipeline for its epoch; validation builds one and reuses it while passes run to their end
+    (see the module notes).
     """
 
     def __init__(self, images: ImageList, spec: GraphSpec, rank: int, world_size: int, batch_size: int, seed: int,
@@ -180,9 +189,11 @@ class DaliLoader:
         self.rank, self.world_size, self.batch_size, self.seed = rank, world_size, batch_size, seed
         self.num_threads, self.prefetch_queue_depth, self.device_id = num_threads, prefetch_queue_depth, device_id
         self.class_of = torch.tensor([label for _, label in images.samples], dtype=torch.int64)
-        self.relative = relative_paths(images)
+        self.lines = file_list_lines(images)
         self.shard = shard_range(len(images), rank, world_size)
         self.epoch = 0
+        self.reusable = None  # validation: the pipeline whose reader is back at its list's start
+        self.builds = 0
 
     @property
     def batch_sampler(self):
@@ -209,22 +220,25 @@ class DaliLoader:
 
     def __iter__(self):
         order = self.epoch_order(self.epoch)
-        pipe = self._build(order, self.epoch)
+        pipe, self.reusable = self.reusable or self._build(order, self.epoch), None
         for run in range(len(self)):
             images, ids = self._run(pipe, order, run)
             keep = min(self.batch_size, len(self.shard) - run * self.batch_size)  # validation: cut the padding
             yield images[:keep], self.class_of[ids[:keep]], ids[:keep]
+        if not self.spec.training:  # every padded batch of the list was read: the next run starts it again
+            self.reusable = pipe
 
     def _build(self, order: np.ndarray, epoch: int):
         from nvidia.dali import pipeline_def
 
-        with reader_file_list(self.relative, order) as file_list:  # read when the pipeline is built
+        with reader_file_list(self.lines, order[self.shard.start:self.shard.stop]) as file_list:  # read by build()
             pipe = pipeline_def(imagenet_graph)(
-                file_list, self.images.root, self.rank, self.world_size, self.spec, batch_size=self.batch_size,
+                file_list, self.images.root, self.spec, batch_size=self.batch_size,
                 num_threads=self.num_threads, device_id=self.device_id, seed=pipeline_seed(self.seed, self.rank, epoch),
                 prefetch_queue_depth=self.prefetch_queue_depth)
             with self._errors(order, 0):
                 pipe.build()
+        self.builds += 1
         return pipe
 
     def _run(self, pipe, order: np.ndarray, run: int) -> tuple[torch.Tensor, torch.Tensor]:
