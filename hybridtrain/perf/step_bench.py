@@ -10,7 +10,10 @@ skip decision on a non-finite gradient, which every rank must take together).
 
 ``--baseline`` also runs, in the same process and with the same batch, precision and layout, the plain loop
 a PyTorch user would write: torchvision's ResNet, ``torch.optim.SGD`` (momentum, weight decay), autocast with
-a ``GradScaler`` for FP16. The ratio trainer ÷ baseline is the trainer's overhead (or gain). ``--horovod`` adds
+a ``GradScaler`` for FP16. The ratio trainer ÷ baseline is the trainer's overhead (or gain). The two loops'
+timed steps alternate (trainer, baseline, trainer, ...), so a drift in the machine's speed (a shared CPU, a GPU's
+clocks) falls on both alike; each loop's peak memory is taken over its own warmup, the baseline's above what the
+trainer holds. ``--horovod`` adds
 the row ``train``: the whole step as ``train`` runs it, on one rank under horovodrun (Horovod's
 DistributedOptimizer, the compression, the scaler and the schedule), whose ratio to the baseline is the honest
 one. ``--profile DIR`` writes a torch profiler trace of a few trainer steps.
@@ -60,6 +63,32 @@ def precision_sets(spec: str) -> list[str]:
     return sets
 
 
+def warm_up(step, warmup: int, device: torch.device, label: str, held: dict | None = None) -> dict:
+    """``warmup`` untimed steps (at least one); the peak memory over them, less ``held`` (`memory_figures` taken
+    before this loop was built: what other loops hold)."""
+    reset_peak_memory(device)
+    for _ in tqdm(range(max(1, warmup)), desc=f"{label} warmup", unit="step", leave=False):
+        step()
+    synchronize(device)
+    figures = memory_figures(device)
+    for key in ("peak_memory_mb", "peak_memory_reserved_mb"):
+        if held and figures[key] is not None and held[key] is not None:
+            figures[key] -= held[key]
+    return figures
+
+
+def alternated_steps(loops: dict, steps: int, device: torch.device) -> dict[str, list[float]]:
+    """Seconds per step of each loop in ``loops`` (label -> step), their steps taken in turn."""
+    times = {label: [] for label in loops}
+    for _ in tqdm(range(steps), desc=" + ".join(loops), unit="step", leave=False):
+        for label, step in loops.items():
+            start = time.perf_counter()
+            step()
+            synchronize(device)
+            times[label].append(time.perf_counter() - start)
+    return times
+
+
 def timed_steps(step, steps: int, warmup: int, device: torch.device, label: str) -> list[float]:
     """Seconds per step after ``warmup`` untimed ones."""
     for _ in tqdm(range(warmup), desc=f"{label} warmup", unit="step", leave=False):
@@ -85,7 +114,7 @@ def optimizations(cfg, label: str) -> list[str]:
 
 
 def summarise(label: str, cfg, times: list[float], device: torch.device, skipped: int = 0,
-              host_syncs: int | None = None) -> dict:
+              host_syncs: int | None = None, memory: dict | None = None) -> dict:
     b = cfg.train.batch_size
     ordered = sorted(times)
     return {"loop": label, "arch": cfg.model.arch, "precision": cfg.precision.mode + (
@@ -95,7 +124,7 @@ def summarise(label: str, cfg, times: list[float], device: torch.device, skipped
             "optimizations": optimizations(cfg, label), "device": str(device),
             "images_per_sec": b * len(times) / sum(times), "median_ms": 1000 * statistics.median(times),
             "p90_ms": 1000 * ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))],
-            **memory_figures(device), "skipped_steps": skipped, "host_syncs_per_step": host_syncs}
+            **(memory or memory_figures(device)), "skipped_steps": skipped, "host_syncs_per_step": host_syncs}
 
 
 def synthetic_batch(cfg, device: torch.device, dtype: torch.dtype, classes: int):
@@ -113,7 +142,8 @@ def synthetic_classes(cfg) -> int:
     return cfg.model.num_classes or SYNTHETIC_CLASSES
 
 
-def trainer_row(cfg, steps: int, warmup: int, profile_dir: str | None) -> dict:
+def trainer_loop(cfg):
+    """The trainer's step on one synthetic batch, the schedule applied each step: (step, device, precision)."""
     device = bench_device()
     policy = resolve_policy(cfg.precision)
     check_hardware(policy, device)
@@ -133,12 +163,33 @@ def trainer_row(cfg, steps: int, warmup: int, profile_dir: str | None) -> dict:
         bundle.apply_schedule(counter["step"])
         run_step(bundle.optimizer, precision, [(images, labels, 1.0)])
         counter["step"] += 1
+    return step, device, precision
 
-    times = timed_steps(step, steps, warmup, device, "trainer")
+
+def trainer_summary(cfg, step, device, precision, times: list[float], profile_dir: str | None,
+                    memory: dict | None = None) -> dict:
     host_syncs = count_host_syncs(step, device)  # one more step, watched
     if profile_dir:
         write_profile(step, device, profile_dir)
-    return summarise("trainer", cfg, times, device, precision.scaler.skipped_steps, host_syncs)
+    return summarise("trainer", cfg, times, device, precision.scaler.skipped_steps, host_syncs, memory)
+
+
+def trainer_row(cfg, steps: int, warmup: int, profile_dir: str | None) -> dict:
+    step, device, precision = trainer_loop(cfg)
+    times = timed_steps(step, steps, warmup, device, "trainer")
+    return trainer_summary(cfg, step, device, precision, times, profile_dir)
+
+
+def trainer_and_baseline_rows(cfg, steps: int, warmup: int, profile_dir: str | None) -> tuple[dict, dict]:
+    """The trainer's row and the plain loop's, their timed steps alternated (see the module notes)."""
+    trainer_step, device, precision = trainer_loop(cfg)
+    trainer_memory = warm_up(trainer_step, warmup, device, "trainer")
+    held = memory_figures(device)
+    baseline_step = baseline_loop(cfg)
+    baseline_memory = warm_up(baseline_step, warmup, device, "baseline", held)
+    times = alternated_steps({"trainer": trainer_step, "baseline": baseline_step}, steps, device)
+    return (trainer_summary(cfg, trainer_step, device, precision, times["trainer"], profile_dir, trainer_memory),
+            summarise("baseline", cfg, times["baseline"], device, memory=baseline_memory))
 
 
 def horovod_row(config: str | None, sets: list[str], cfg, steps: int, warmup: int, threads: int) -> dict:
@@ -156,8 +207,8 @@ def horovod_row(config: str | None, sets: list[str], cfg, steps: int, warmup: in
     return row
 
 
-def baseline_row(cfg, steps: int, warmup: int) -> dict:
-    """The plain loop: torchvision ResNet, SGD, autocast + GradScaler, the same batch and precision."""
+def baseline_loop(cfg):
+    """The plain loop's step: torchvision ResNet, SGD, autocast + GradScaler, the same batch and precision."""
     import torchvision
     device = bench_device()
     policy = resolve_policy(cfg.precision)
@@ -180,8 +231,7 @@ def baseline_row(cfg, steps: int, warmup: int) -> dict:
         scaler.scale(loss).backward()
         scaler.step(optimizer)
         scaler.update()
-
-    return summarise("baseline", cfg, timed_steps(step, steps, warmup, device, "baseline"), device)
+    return step
 
 
 def write_profile(step, device: torch.device, out_dir: str, steps: int = 3) -> str:
@@ -217,12 +267,16 @@ def bench(config: str | None, overrides: list[str], precisions: list[str], batch
                 [f"train.batch_size={batch}"] if batch is not None else [])
             cfg = load_config(config, sets)
             set_fp32_math(cfg.precision.tf32)  # both loops alike
-            timed = [trainer_row(cfg, steps, warmup, profile_dir)]
+            if baseline:
+                trainer, plain = trainer_and_baseline_rows(cfg, steps, warmup, profile_dir)
+            else:
+                trainer = trainer_row(cfg, steps, warmup, profile_dir)
+            timed = [trainer]
             if horovod:
                 timed.append(horovod_row(config, sets, cfg, steps, warmup, threads))
             rows += timed
             if baseline:
-                rows.append(baseline_row(cfg, steps, warmup))
+                rows.append(plain)
                 for row in timed:
                     row["over_baseline"] = row["images_per_sec"] / rows[-1]["images_per_sec"]
                 rows[-1]["trainer_over_baseline"] = timed[0]["over_baseline"]
