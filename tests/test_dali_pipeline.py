@@ -213,3 +213,16 @@ def test_dali_gpu_without_a_gpu_is_one_clear_error(dataset):
     train, _ = dataset
     with pytest.raises(UserError, match="needs a CUDA GPU.*dali_cpu"):
         dali.create_dali_train_loader(train, make_cfg(), 0, 1, 1, "gpu")
+
+
+def test_the_epoch_boundary_probe_prints_a_row_per_world_size_and_epoch(dataset):
+    import subprocess
+    import sys
+    train, _ = dataset
+    proc = subprocess.run([sys.executable, "-m", "hybridtrain.perf.dali_epoch_boundary", "--data",
+                           os.path.dirname(train.root), "--samples", "400", "--ranks", "1,2", "--epochs", "2"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    assert [(r[0].strip(), r[1].strip()) for r in rows[1:]] == [("1", "0"), ("1", "1"), ("2", "0"), ("2", "1")]
+    assert all(float(r[2]) > 0 and float(r[3]) > 0 for r in rows[1:])
