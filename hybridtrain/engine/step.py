@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridtrain.errors import UserError
+from hybridtrain.models.batchnorm import RunningStatsGuard
 from hybridtrain.models.resnet import ResidualBlock
 from hybridtrain.precision.policy import Policy, forward_context
 from hybridtrain.precision.scaler import LossScaler
@@ -77,11 +78,13 @@ class GraphedStep:
         self.static_images, self.static_labels = static_images, static_labels
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.graph, self.capture_stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        statistics = RunningStatsGuard(model)  # the warm-up's passes on the static batch must not reach them
         self._warm_up(model, precision)
         self._drop_grads()  # the graph allocates the gradients from its pool: replays write them there
         with torch.cuda.graph(self.graph, stream=self.capture_stream):  # the warmup's stream: its handles exist
             self.static_loss, self.static_logits = self._forward_backward(model, precision)
         self.static_grads = [p.grad.detach() for p in self.params]  # aliases that survive Horovod's grad.set_
+        statistics.restore()  # a capture records the BN updates without running them: only the warm-up's go
 
     def _forward_backward(self, model, precision) -> tuple[torch.Tensor, torch.Tensor]:
         with forward_context(precision.policy, self.static_images.device):
