@@ -85,7 +85,12 @@ def test_one_gpu_matrix_runs_every_precision_and_mode_and_says_why_not_two_ranks
     (note,) = [r for r in rows if r.kind == "note"]
     assert note.status == gc.NOT_RUN and "NCCL refuses two ranks on one device" in note.detail
     assert "CPU tests cover" in note.detail and note.argv == []
-    assert [r.precision for r in rows if r.kind == "bench"] == ["mixed-fp16", "mixed-bf16"]
+    assert [(r.precision, r.mode) for r in rows if r.kind == "bench"] == [
+        ("mixed-fp16", "eager"), ("mixed-bf16", "eager"), ("mixed-fp16", "fused")]
+    fused = next(r for r in rows if r.mode == "fused")
+    assert fused.argv[-2:] == ["--set", "optim.fused=true"] and "--horovod" not in fused.argv
+    (optimizer,) = [r for r in rows if r.kind == "bench-optim"]
+    assert optimizer.argv[1:3] == ["bench-optim", "--fused"] and optimizer.output.endswith("bench-optim.json")
     assert names(rows)[0] == "gpu-tests" and names(rows)[-1].endswith("-compiled")  # the slow compiles last
     assert len(set(names(rows))) == len(rows)  # one log per row
 
@@ -143,6 +148,18 @@ def test_a_train_row_is_judged_from_its_metrics_file(tmp_path):
     assert sorted(os.listdir(row.output)) == ["metrics.jsonl"]
 
 
+def test_the_bench_optim_row_notes_each_optimizers_ratio_to_sgd(tmp_path):
+    row = gc.bench_optim_row("/venv/bin", str(tmp_path))
+    with open(row.output, "w") as fh:
+        json.dump([{"optimizer": "sgd-foreach", "median_ms": 4.0, "ratio_to_sgd": 1.0},
+                   {"optimizer": "hybrid/adabound", "median_ms": 9.0, "ratio_to_sgd": 2.25},
+                   {"optimizer": "hybrid/adabound fused", "median_ms": 2.0, "ratio_to_sgd": 0.5}], fh)
+    assert gc.judge(row, 0, str(tmp_path / "bench-optim.log")) == ""
+    assert row.detail == "SGD 4.00 ms; ÷ SGD: hybrid/adabound 2.25x, hybrid/adabound fused 0.50x"
+    os.remove(row.output)
+    assert gc.read_bench_optim(row).startswith("no bench-optim JSON")
+
+
 def test_table_and_json_carry_every_row_ratio_and_failure(tmp_path):
     rows = gc.build_rows(1, True, str(tmp_path), "/venv/bin")
     bench = next(r for r in rows if r.name == "bench-mixed-bf16")
@@ -151,6 +168,8 @@ def test_table_and_json_carry_every_row_ratio_and_failure(tmp_path):
     train.status, train.images_per_sec, train.peak_allocated_mb, train.seconds = gc.PASS, 2000.0, 20480.4, 41.2
     fp32 = next(r for r in rows if r.name == "train-1rank-fp32-eager")
     fp32.status, fp32.detail = gc.FAIL, "timed out after 120 s"
+    fused = next(r for r in rows if r.name == "bench-mixed-fp16-fused")  # its own baseline never feeds a ratio
+    fused.precision, fused.baseline_images_per_sec = "mixed-bf16", 1.0
     gc.fill_ratios(rows)
     assert train.ratio == pytest.approx(0.8) and fp32.ratio is None
 

@@ -311,10 +311,10 @@ def test_lars_kernel_equals_per_tensor_loop(mode):
 
 # ---------------------------------------------------------------- optimizers
 
-def _model_params(seed=0):
+def _model_params(seed=0, device="cpu"):
     gen = torch.Generator().manual_seed(seed)
-    weights = [torch.randn(8, 4, generator=gen).requires_grad_(), torch.randn(3, 8, generator=gen).requires_grad_()]
-    norm_and_bias = [torch.randn(8, generator=gen).requires_grad_(), torch.randn(3, generator=gen).requires_grad_()]
+    weights, norm_and_bias = ([torch.randn(shape, generator=gen).to(device).requires_grad_() for shape in shapes]
+                              for shapes in (((8, 4), (3, 8)), ((8,), (3,))))
     return weights, norm_and_bias
 
 
@@ -326,7 +326,7 @@ def _set_grads(params, step):
     """Deterministic gradients depending on the params and the step (like a real loss)."""
     gen = torch.Generator().manual_seed(1000 + step)
     for p in params:
-        p.grad = 0.3 * p.detach() + torch.randn(p.shape, generator=gen)
+        p.grad = 0.3 * p.detach() + torch.randn(p.shape, generator=gen).to(p.device)
 
 
 def _hybrid_schedule(opt, step):
@@ -389,9 +389,10 @@ def test_the_foreach_updates_reuse_one_scratch_buffer_per_param_that_is_never_sa
 def test_fused_updates_match_the_foreach_kernels_through_a_phase_switch_without_recompiling(lars_mode):
     """optim.fused: the compiled kernels, with the step size, the bounds and the lr in device tensors, follow the
     foreach kernels to rounding through both phases and the switch; after each phase's first step (which
-    compiles one graph per group) the moving bounds and lr never make them recompile."""
+    compiles one graph per group) the moving bounds and lr never make them recompile. On the GPU when there is one
+    (gpu-check runs it there: Triton's kernels, the scalars in device memory)."""
     import torch._dynamo
-    weights, others = _model_params()
+    weights, others = _model_params(device="cuda" if torch.cuda.is_available() else "cpu")
     fused_weights, fused_others = ([p.detach().clone().requires_grad_() for p in ps] for ps in (weights, others))
     reference = HybridOptimizer(_groups(weights, others), lr=0.2, alpha=1e-2, lars_mode=lars_mode)
     fused = HybridOptimizer(_groups(fused_weights, fused_others), lr=0.2, alpha=1e-2, lars_mode=lars_mode, fused=True)

@@ -12,7 +12,9 @@ one real process whose whole output goes to ``OUT/<row>.log``:
    epochs after the first), peak memory from ``metrics.jsonl``;
 4. ``train-2ranks-...``: two ranks over NCCL when there are 2+ GPUs (a ``not run`` row otherwise);
 5. ``bench-<precision>``: ``hybridtrain bench --baseline --horovod``: the trainer's step, and the whole step as
-   ``train`` runs it under horovodrun, against a plain PyTorch loop.
+   ``train`` runs it under horovodrun, against a plain PyTorch loop; ``bench-mixed-fp16-fused`` the same with
+   ``optim.fused`` (the optimizer's compiled kernels), and ``bench-optim`` the optimizer step alone in both
+   phases, foreach and fused, against ``torch.optim.SGD``.
 
 The table goes to the console, ``OUT/gpu_check.md`` and ``OUT/gpu_check.json``; the exit status is 1 when a
 row failed. Rows run under one time budget (``--budget-s``, default 510 s, the build included) so the check
@@ -47,6 +49,7 @@ HOROVOD_SDIST = "horovod-0.28.1.tar.gz"
 
 PRECISIONS = ("fp32", "mixed-fp16", "mixed-bf16")
 BENCH_PRECISIONS = ("mixed-fp16", "mixed-bf16")
+FUSED_BENCH_PRECISION = "mixed-fp16"  # bench with optim.fused: the precision MLPerf's H100 submissions train in
 MODES = {"eager": [], "compiled": ["train.compile=true"], "graphed": ["train.cuda_graphs=true"]}
 QUICK_MODE_PRECISION = "mixed-bf16"  # --quick: compiled and graphed for this precision only (the recipe's)
 BATCH = 256                 # the recipe's per-GPU batch
@@ -56,13 +59,15 @@ BENCH_STEPS, BENCH_WARMUP = 20, 5
 
 # pytest -k over tests/test_step_speed.py: the tests that use the GPU when there is one (their device() is
 # cuda) or run only there (test_graphed_steps_give_the_eager_losses skips without CUDA)
-GPU_TESTS = ["tests/test_step_speed.py", "-k",
-             "guard_counts or reads_only or one_host_sync or compiled_steps or graphed_steps or hooks_firing"]
+# (test_fused_updates_... runs its compiled optimizer kernels on the GPU when there is one)
+GPU_TESTS = ["tests/test_step_speed.py", "tests/test_optim_math.py", "-k",
+             "guard_counts or reads_only or one_host_sync or compiled_steps or graphed_steps or hooks_firing "
+             "or fused_updates"]
 
 BUDGET_S = 510              # the whole check, the build included: under 9 minutes with the report
 MIN_ROW_S = 30              # a row is not started with less than this left of the budget
 TIMEOUT_S = {"build": 900, "tests": 240, "eager": 120, "graphed": 150, "compiled": 300, "bench": 240,
-             "2ranks": 180}
+             "bench-optim": 240, "2ranks": 180}
 PROGRESS_EVERY_S = 30
 
 NO_GPU = ("gpu-check needs a CUDA GPU and this machine has none (torch.cuda.is_available() is False): "
@@ -77,11 +82,11 @@ PASS, FAIL, NOT_RUN = "pass", "fail", "not run"
 class Row:
     """One line of the table: what to run and, once run, what it gave (None: not measured, shown n/a)."""
     name: str                   # also the log's name: OUT/<name>.log
-    kind: str                   # build, tests, train, bench or note (a row that states why nothing ran)
+    kind: str                   # build, tests, train, bench, bench-optim or note (a row that says why nothing ran)
     argv: list = field(default_factory=list)
     timeout_s: float = 0.0
     precision: str = ""
-    mode: str = ""              # eager, compiled or graphed
+    mode: str = ""              # eager, compiled or graphed; a bench row: eager, or fused (optim.fused)
     ranks: int = 1
     output: str = ""            # train: the run directory; bench: the JSON file
     env: dict = field(default_factory=dict)  # added to the environment
@@ -221,22 +226,34 @@ def train_row(bin_dir: str, out: str, precision: str, mode: str, ranks: int, rep
     return Row(name, "train", argv, timeout, precision, mode, ranks, output=run_dir)
 
 
-def bench_row(bin_dir: str, out: str, precision: str) -> Row:
-    path = os.path.join(out, f"bench-{precision}.json")
+def bench_row(bin_dir: str, out: str, precision: str, fused: bool = False) -> Row:
+    """``bench --baseline`` at the recipe's batch, NHWC: with ``--horovod``, or (``fused``) with optim.fused."""
+    name = f"bench-{precision}" + ("-fused" if fused else "")
+    path = os.path.join(out, f"{name}.json")
     argv = [os.path.join(bin_dir, "hybridtrain"), "bench", "--precision", precision, "--channels-last", "--baseline",
-            "--horovod", "--batch-size", str(BATCH), "--steps", str(BENCH_STEPS), "--warmup", str(BENCH_WARMUP),
-            "--json", path]
-    return Row(f"bench-{precision}", "bench", argv, TIMEOUT_S["bench"], precision, "eager", output=path)
+            "--batch-size", str(BATCH), "--steps", str(BENCH_STEPS), "--warmup", str(BENCH_WARMUP), "--json", path]
+    argv += ["--set", "optim.fused=true"] if fused else ["--horovod"]
+    return Row(name, "bench", argv, TIMEOUT_S["bench"], precision, "fused" if fused else "eager", output=path)
+
+
+def bench_optim_row(bin_dir: str, out: str) -> Row:
+    """``bench-optim --fused``: ResNet-50's optimizer step alone, both phases, foreach and compiled."""
+    path = os.path.join(out, "bench-optim.json")
+    argv = [os.path.join(bin_dir, "hybridtrain"), "bench-optim", "--fused", "--steps", str(BENCH_STEPS), "--warmup",
+            str(BENCH_WARMUP), "--json", path]
+    return Row("bench-optim", "bench-optim", argv, TIMEOUT_S["bench-optim"], output=path)
 
 
 def build_rows(gpus: int, quick: bool, out: str, bin_dir: str, repo: str = REPO) -> list[Row]:
     """The check's rows in the order they run: the GPU tests, eager training per precision, the bench against
-    the plain loop, CUDA graphs, two ranks (or the row saying why not), torch.compile (slowest: compiling)."""
+    the plain loop (eager, then with the fused optimizer), the optimizer alone, CUDA graphs, two ranks (or the row
+    saying why not), torch.compile (slowest: compiling)."""
     python = os.path.join(bin_dir, "python")
     rows = [Row("gpu-tests", "tests", [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *GPU_TESTS],
                 TIMEOUT_S["tests"])]
     rows += [train_row(bin_dir, out, p, "eager", 1, repo) for p in PRECISIONS]
     rows += [bench_row(bin_dir, out, p) for p in BENCH_PRECISIONS]
+    rows += [bench_row(bin_dir, out, FUSED_BENCH_PRECISION, fused=True), bench_optim_row(bin_dir, out)]
     heavy = [QUICK_MODE_PRECISION] if quick else list(PRECISIONS)
     rows += [train_row(bin_dir, out, p, "graphed", 1, repo) for p in heavy]
     if gpus >= 2:
@@ -328,6 +345,8 @@ def judge(row: Row, rc: int, log_path: str) -> str:
         problem = read_train(row)
     elif row.kind == "bench":
         problem = read_bench(row)
+    elif row.kind == "bench-optim":
+        problem = read_bench_optim(row)
     elif row.kind == "tests":
         summary = last_line(log_path)
         row.detail = summary if "passed" in summary or "failed" in summary else ""
@@ -418,10 +437,24 @@ def read_bench(row: Row) -> str:
     return "" if row.images_per_sec > 0 and row.baseline_images_per_sec > 0 else "zero img/s"
 
 
+def read_bench_optim(row: Row) -> str:
+    """The optimizer rows as 'name ratio×' (median step ÷ torch.optim.SGD's) in the row's note."""
+    try:
+        with open(row.output) as fh:
+            results = json.load(fh)
+        ratios = {r["optimizer"]: r["ratio_to_sgd"] for r in results}
+        sgd_ms = next(r["median_ms"] for r in results if r["optimizer"] == "sgd-foreach")
+    except (OSError, ValueError, KeyError, StopIteration) as exc:
+        return f"no bench-optim JSON with its rows ({exc.__class__.__name__})"
+    row.detail = f"SGD {sgd_ms:.2f} ms; ÷ SGD: " + ", ".join(f"{name} {ratio:.2f}x" for name, ratio in ratios.items()
+                                                                if name != "sgd-foreach")
+    return ""
+
+
 def fill_ratios(rows: list[Row]) -> list[Row]:
     """Each training row's img/s per GPU ÷ the plain loop's img/s of the same precision (from its bench row)."""
     baselines = {r.precision: r.baseline_images_per_sec for r in rows
-                 if r.kind == "bench" and r.baseline_images_per_sec}
+                 if r.kind == "bench" and r.mode == "eager" and r.baseline_images_per_sec}
     for r in rows:
         if r.kind == "train" and r.images_per_sec and r.precision in baselines:
             r.ratio = r.images_per_sec / r.ranks / baselines[r.precision]
