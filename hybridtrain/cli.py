@@ -121,7 +121,7 @@ def cmd_bench(args) -> int:
         return cmd_find_max_batch(args, sets)
     from hybridtrain.perf.step_bench import bench, format_table
     rows = bench(args.config, sets, args.precision or [], args.batch_size or [], args.steps, args.warmup,
-                 args.baseline, args.profile, args.threads, args.horovod)
+                 args.baseline, args.profile, args.threads, args.horovod, args.phase)
     print(format_table(rows))
     if args.json is not None:
         write_json_atomically(args.json, rows)
@@ -414,6 +414,8 @@ def build_parser() -> argparse.ArgumentParser:
     step.add_argument("--horovod", action="store_true",
                       help="also time the whole step as train runs it: one rank under horovodrun, with Horovod's "
                            "DistributedOptimizer, the all-reduce compression, the loss scaler and the schedule")
+    step.add_argument("--phase", choices=["adabound", "sgd"], default="adabound",
+                      help="the hybrid optimizer's phase to time: its AdaBound warmup (default) or SGD + LARS")
     step.add_argument("--profile", metavar="DIR", help="write a torch profiler trace of 3 trainer steps here")
     step.add_argument("--threads", type=bounded_int(0, 1024), default=0, help="CPU threads (default 0 = all cores)")
     step.add_argument("--json", help="also write the rows to this JSON file")

@@ -225,22 +225,32 @@ def test_bench_with_compile_runs_and_says_so(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     (row,) = json.loads(out.read_text())
     assert row["optimizations"] == ["compile"] and row["host_syncs_per_step"] == 1 and row["images_per_sec"] > 0
+    assert row["optimizer"] == "hybrid/adabound"  # the phase the optimizer's groups were in: the warmup's
     assert "| 4 | 32 | compile |" in proc.stdout
 
 
 def test_bench_times_the_whole_step_as_train_runs_it_under_horovodrun(tmp_path):
+    """In the hybrid optimizer's second phase (--phase sgd): both trainer rows report the phase their optimizer's
+    groups were in after the timed steps, in process and in the horovodrun worker."""
     out = tmp_path / "bench.json"
     proc = run([HYBRIDTRAIN, "bench", "--config", "configs/demo.yaml", "--batch-size", "4", "--image-size", "32",
                 "--set", "model.num_classes=10", "--steps", "2", "--warmup", "1", "--baseline", "--horovod",
-                "--threads", "1", "--json", str(out)], timeout=600)
+                "--threads", "1", "--phase", "sgd", "--json", str(out)], timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     trainer, train, baseline = json.loads(out.read_text())
     assert (trainer["loop"], train["loop"], baseline["loop"]) == ("trainer", "train", "baseline")
-    assert train["optimizer"] == "hybrid" and train["batch_size"] == 4 and train["images_per_sec"] > 0
+    assert trainer["optimizer"] == train["optimizer"] == "hybrid/sgd+lars" and baseline["optimizer"] == "sgd"
+    assert train["batch_size"] == 4 and train["images_per_sec"] > 0
     assert train["mean_ms"] == pytest.approx(4000 / train["images_per_sec"])  # one rank: b / step time
     for row in (trainer, train):
         assert row["over_baseline"] == pytest.approx(row["images_per_sec"] / baseline["images_per_sec"])
-    assert "horovodrun --gloo -np 1" in proc.stdout and "| train | resnet18 | hybrid | fp32 | 4 | 32 |" in proc.stdout
+    assert "horovodrun --gloo -np 1" in proc.stdout
+    assert "| train | resnet18 | hybrid/sgd+lars | fp32 | 4 | 32 |" in proc.stdout
+
+
+def test_bench_phase_sgd_of_a_one_phase_optimizer_is_one_line():
+    proc = run([HYBRIDTRAIN, "bench", "--config", "configs/demo.yaml", "--set", "optim.name=goyal", "--phase", "sgd"])
+    assert_one_error_line(proc, "--phase sgd times the hybrid optimizer's second phase", "optim.name=goyal")
 
 
 def test_bench_optim_times_both_phases_against_sgd(tmp_path):

@@ -29,8 +29,8 @@ from hybridtrain.optim.kernels import (
     lars_sgd_step_,
     lars_tensor_step_,
 )
+from hybridtrain.optim.schedules import HYBRID_PHASES as PHASES
 
-PHASES = ("adabound", "sgd")
 RUN_CHOICE_KEYS = ("fused",)  # group keys that say how this run updates, kept from the run, not the checkpoint
 _ADABOUND_STATE_KEYS = ("exp_avg", "exp_avg_sq", "adabound_step")
 

@@ -7,6 +7,15 @@ from __future__ import annotations
 
 import bisect
 
+HYBRID_PHASES = ("adabound", "sgd")  # the hybrid optimizer's: AdaBound for T epochs, then SGD + LARS
+
+
+def hybrid_phase_start(phase: str, adabound_epochs: int, iters_per_epoch: int) -> int:
+    """The first global step of a hybrid phase: 0 for AdaBound, T * iters_per_epoch for SGD + LARS."""
+    if phase not in HYBRID_PHASES:
+        raise ValueError(f"phase must be one of {HYBRID_PHASES}, got {phase!r}")
+    return 0 if phase == "adabound" else adabound_epochs * iters_per_epoch  # SGD from epoch T
+
 
 def linear_scaled_lr(base_lr: float, world_size: int) -> float:
     return base_lr * world_size  # lr x N (linear scaling rule)

@@ -18,6 +18,7 @@ import torch
 from hybridtrain.config import load_config
 from hybridtrain.models import model_from_config
 from hybridtrain.optim import create_optimizer
+from hybridtrain.optim.schedules import hybrid_phase_start
 from hybridtrain.perf.step_bench import bench_device, synthetic_classes, timed_steps
 from hybridtrain.reports.tables import markdown_table
 
@@ -35,11 +36,6 @@ def row(name: str, seconds: list[float], parameters: int) -> dict:
     return {"optimizer": name, "median_ms": statistics.median(times),
             "p90_ms": statistics.quantiles(times, n=10)[-1] if len(times) > 1 else times[0],
             "parameters": parameters}
-
-
-def phase_steps(cfg, phase: str) -> int:
-    """The first schedule step of ``phase``: 0 for AdaBound, the first step of epoch T for SGD+LARS."""
-    return 0 if phase == "adabound" else cfg.optim.adabound_epochs * ITERS_PER_EPOCH
 
 
 def bench_optimizer(config: str | None, overrides: list[str], steps: int, warmup: int, threads: int,
@@ -61,7 +57,8 @@ def bench_optimizer(config: str | None, overrides: list[str], steps: int, warmup
         variants += [(phase, f"{name} fused", fused_cfg) for phase, name, _ in variants]
     for phase, name, variant in variants:
         bundle = create_optimizer(model, variant, world_size=1, iters_per_epoch=ITERS_PER_EPOCH)
-        scheduled = iter(range(phase_steps(cfg, phase), phase_steps(cfg, phase) + warmup + steps))
+        start = hybrid_phase_start(phase, cfg.optim.adabound_epochs, ITERS_PER_EPOCH)
+        scheduled = iter(range(start, start + warmup + steps))
 
         def step(bundle=bundle, scheduled=scheduled):
             bundle.apply_schedule(next(scheduled))

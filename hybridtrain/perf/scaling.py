@@ -40,10 +40,12 @@ def measured_config(config: str, overrides: list[str], compression: str | None =
     return cfg
 
 
-def worker(config: str, overrides: list[str], compression: str, steps: int, warmup: int, out: str) -> None:
+def worker(config: str, overrides: list[str], compression: str, steps: int, warmup: int, out: str,
+           phase: str = "adabound") -> None:
     from hybridtrain.distributed import horovod as distributed
     from hybridtrain.engine.step import train_step
     from hybridtrain.engine.trainer import build_trainer
+    from hybridtrain.optim.schedules import hybrid_phase_start
 
     cfg = measured_config(config, overrides, compression)
     topo = distributed.init(1, cfg.horovod, device=cfg.train.device)
@@ -52,9 +54,10 @@ def worker(config: str, overrides: list[str], compression: str, steps: int, warm
     images, labels, _ = next(iter(t.data.train))
     k = cfg.train.accumulation_steps
     micro_batches = [(images, labels, 1.0 / k)] * k  # k passes per step, as train runs them (w = n / (b k))
+    start_step = hybrid_phase_start(phase, cfg.optim.adabound_epochs, t.updates)  # SGD + LARS: from epoch T
 
     def scheduled_step(step: int) -> None:
-        t.bundle.apply_schedule(step)
+        t.bundle.apply_schedule(start_step + step)
         train_step(t.passes, t.bundle.optimizer, t.precision, micro_batches)
     for step in range(warmup):
         scheduled_step(step)
@@ -70,6 +73,7 @@ def worker(config: str, overrides: list[str], compression: str, steps: int, warm
                   "batch_per_rank": b, "accumulation_steps": k, "step_time_s": elapsed / steps,
                   "images_per_sec": topo.size * b * steps / elapsed,
                   "parameters": sum(p.numel() for p in t.model.parameters()), "optimizer": cfg.optim.name,
+                  "phase": t.bundle.optimizer.param_groups[0].get("phase"),
                   "channels_last": cfg.data.channels_last, "precision": cfg.precision.mode,
                   "fusion_threshold_mb": cfg.horovod.fusion_threshold_mb, "cycle_time_ms": cfg.horovod.cycle_time_ms,
                   "autotune": cfg.horovod.autotune, "device": str(topo.device)}
@@ -135,7 +139,8 @@ def available_slots() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def launch(config: str, overrides: list[str], n: int, compression: str, steps: int, warmup: int, out: str) -> dict:
+def launch(config: str, overrides: list[str], n: int, compression: str, steps: int, warmup: int, out: str,
+           phase: str = "adabound") -> dict:
     horovodrun = venv_tool("horovodrun")
     tag = f"np{n}-{compression}"
     record_path, timeline = os.path.join(out, f"{tag}.json"), os.path.join(out, f"{tag}.timeline.json")
@@ -144,7 +149,7 @@ def launch(config: str, overrides: list[str], n: int, compression: str, steps: i
             os.remove(stale)
     cmd = [horovodrun, "--gloo", "-np", str(n), "-H", f"localhost:{n}", "--timeline-filename", timeline,
            sys.executable, "-m", "hybridtrain.perf.scaling", config, compression, str(steps), str(warmup), record_path,
-           *overrides]
+           phase, *overrides]
     print("+ " + " ".join(cmd), flush=True)
     proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if proc.returncode != 0 or not os.path.isfile(record_path):
@@ -222,5 +227,5 @@ def plot_scale(rows: list[dict], path: str) -> str:
 # one rank of a row: python -m hybridtrain.perf.scaling CONFIG COMPRESSION STEPS WARMUP OUT [SETS]
 if __name__ == "__main__":
     from hybridtrain.errors import run_guarded
-    sys.exit(run_guarded(lambda: worker(sys.argv[1], sys.argv[6:], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]),
-                                        sys.argv[5])))
+    sys.exit(run_guarded(lambda: worker(sys.argv[1], sys.argv[7:], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]),
+                                        sys.argv[5], sys.argv[6])))

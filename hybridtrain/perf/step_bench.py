@@ -16,7 +16,8 @@ clocks) falls on both alike; each loop's peak memory is taken over its own warmu
 trainer holds. ``--horovod`` adds
 the row ``train``: the whole step as ``train`` runs it, on one rank under horovodrun (Horovod's
 DistributedOptimizer, the compression, the scaler and the schedule), whose ratio to the baseline is the honest
-one. ``--profile DIR`` writes a torch profiler trace of a few trainer steps.
+one. ``--profile DIR`` writes a torch profiler trace of a few trainer steps. ``--phase sgd`` times the hybrid
+optimizer's second phase (SGD + LARS; the schedule starts at epoch T's first step) instead of its AdaBound warmup.
 """
 from __future__ import annotations
 
@@ -35,12 +36,31 @@ from hybridtrain.engine.step import Precision, build_train_step, check_speedups
 from hybridtrain.errors import UserError
 from hybridtrain.models import model_from_config
 from hybridtrain.optim import create_optimizer
+from hybridtrain.optim.schedules import HYBRID_PHASES, hybrid_phase_start
 from hybridtrain.perf.host_syncs import count_host_syncs
 from hybridtrain.precision.policy import check_hardware, prepare_model, resolve_policy, set_fp32_math
 from hybridtrain.precision.scaler import create_scaler
 from hybridtrain.reports.tables import markdown_table
 
 STEPS_PER_EPOCH = 100  # what the optimizer's schedule assumes; the bench runs inside the first epoch(s)
+
+
+def check_phase(cfg, phase: str) -> None:
+    """--phase sgd needs the hybrid optimizer (the others have one phase)."""
+    if phase not in HYBRID_PHASES:
+        raise UserError(f"--phase must be one of {', '.join(HYBRID_PHASES)}, got {phase!r}")
+    if phase == "sgd" and cfg.optim.name != "hybrid":
+        raise UserError(f"--phase sgd times the hybrid optimizer's second phase, and optim.name={cfg.optim.name} has "
+                        f"one phase: drop --phase, or --set optim.name=hybrid")
+
+
+def optimizer_label(cfg, phase: str | None) -> str:
+    """The optimizer's name, with the phase its param groups were in after the timed steps (hybrid only)."""
+    return {"adabound": "hybrid/adabound", "sgd": "hybrid/sgd+lars"}.get(phase, cfg.optim.name)
+
+
+def phase_in_use(bundle) -> str | None:
+    return bundle.optimizer.param_groups[0].get("phase")
 
 
 def bench_device() -> torch.device:
@@ -114,12 +134,12 @@ def optimizations(cfg, label: str) -> list[str]:
 
 
 def summarise(label: str, cfg, times: list[float], device: torch.device, skipped: int = 0,
-              host_syncs: int | None = None, memory: dict | None = None) -> dict:
+              host_syncs: int | None = None, memory: dict | None = None, phase: str | None = None) -> dict:
     b = cfg.train.batch_size
     ordered = sorted(times)
     return {"loop": label, "arch": cfg.model.arch, "precision": cfg.precision.mode + (
                 f"-{cfg.precision.compute_dtype}" if cfg.precision.mode == "mixed" else ""),
-            "optimizer": cfg.optim.name if label != "baseline" else "sgd", "batch_size": b,
+            "optimizer": optimizer_label(cfg, phase) if label != "baseline" else "sgd", "batch_size": b,
             "image_size": cfg.data.crop_size, "channels_last": cfg.data.channels_last,
             "optimizations": optimizations(cfg, label), "device": str(device),
             "images_per_sec": b * len(times) / sum(times), "median_ms": 1000 * statistics.median(times),
@@ -142,8 +162,9 @@ def synthetic_classes(cfg) -> int:
     return cfg.model.num_classes or SYNTHETIC_CLASSES
 
 
-def trainer_loop(cfg):
-    """The trainer's step on one synthetic batch, the schedule applied each step: (step, device, precision)."""
+def trainer_loop(cfg, phase: str = "adabound"):
+    """The trainer's step on one synthetic batch, the schedule applied each step from ``phase``'s first one:
+    (step, device, precision, the optimizer bundle)."""
     device = bench_device()
     policy = resolve_policy(cfg.precision)
     check_hardware(policy, device)
@@ -157,42 +178,47 @@ def trainer_loop(cfg):
     precision = Precision(policy, create_scaler(cfg.precision, policy))
     images, labels = synthetic_batch(cfg, device, policy.input_dtype, classes)
     run_step = build_train_step(model, cfg, precision, (images, labels))
-    counter = {"step": 0}
+    counter = {"step": hybrid_phase_start(phase, cfg.optim.adabound_epochs, STEPS_PER_EPOCH)}
 
     def step():
         bundle.apply_schedule(counter["step"])
         run_step(bundle.optimizer, precision, [(images, labels, 1.0)])
         counter["step"] += 1
-    return step, device, precision
+    return step, device, precision, bundle
 
 
-def trainer_summary(cfg, step, device, precision, times: list[float], profile_dir: str | None,
-                    memory: dict | None = None) -> dict:
+def trainer_summary(cfg, loop, times: list[float], profile_dir: str | None, memory: dict | None = None) -> dict:
+    step, device, precision, bundle = loop
+    phase = phase_in_use(bundle)  # that of the timed steps: the watched one may go on into the next
     host_syncs = count_host_syncs(step, device)  # one more step, watched
     if profile_dir:
         write_profile(step, device, profile_dir)
-    return summarise("trainer", cfg, times, device, precision.scaler.skipped_steps, host_syncs, memory)
+    return summarise("trainer", cfg, times, device, precision.scaler.skipped_steps, host_syncs, memory, phase)
 
 
-def trainer_row(cfg, steps: int, warmup: int, profile_dir: str | None) -> dict:
-    step, device, precision = trainer_loop(cfg)
+def trainer_row(cfg, steps: int, warmup: int, profile_dir: str | None, phase: str = "adabound") -> dict:
+    loop = trainer_loop(cfg, phase)
+    step, device, _, _ = loop
     times = timed_steps(step, steps, warmup, device, "trainer")
-    return trainer_summary(cfg, step, device, precision, times, profile_dir)
+    return trainer_summary(cfg, loop, times, profile_dir)
 
 
-def trainer_and_baseline_rows(cfg, steps: int, warmup: int, profile_dir: str | None) -> tuple[dict, dict]:
+def trainer_and_baseline_rows(cfg, steps: int, warmup: int, profile_dir: str | None,
+                              phase: str = "adabound") -> tuple[dict, dict]:
     """The trainer's row and the plain loop's, their timed steps alternated (see the module notes)."""
-    trainer_step, device, precision = trainer_loop(cfg)
+    loop = trainer_loop(cfg, phase)
+    trainer_step, device, _, _ = loop
     trainer_memory = warm_up(trainer_step, warmup, device, "trainer")
     held = memory_figures(device)
     baseline_step = baseline_loop(cfg)
     baseline_memory = warm_up(baseline_step, warmup, device, "baseline", held)
     times = alternated_steps({"trainer": trainer_step, "baseline": baseline_step}, steps, device)
-    return (trainer_summary(cfg, trainer_step, device, precision, times["trainer"], profile_dir, trainer_memory),
+    return (trainer_summary(cfg, loop, times["trainer"], profile_dir, trainer_memory),
             summarise("baseline", cfg, times["baseline"], device, memory=baseline_memory))
 
 
-def horovod_row(config: str | None, sets: list[str], cfg, steps: int, warmup: int, threads: int) -> dict:
+def horovod_row(config: str | None, sets: list[str], cfg, steps: int, warmup: int, threads: int,
+                phase: str = "adabound") -> dict:
     """The whole step as ``train`` runs it, on one rank under ``horovodrun``: the trainer built by
     ``build_trainer`` with Horovod's DistributedOptimizer, the all-reduce compression, the loss scaler and the
     schedule (``scale``'s worker). Its steps run back to back, so it gives the mean step time, not the median."""
@@ -200,8 +226,10 @@ def horovod_row(config: str | None, sets: list[str], cfg, steps: int, warmup: in
 
     from hybridtrain.perf.scaling import launch
     with tempfile.TemporaryDirectory(prefix="hybridtrain-bench-") as out:
-        record = launch(config, [*sets, f"train.threads={threads}"], 1, cfg.horovod.compression, steps, warmup, out)
-    row = summarise("train", cfg, [record["step_time_s"]] * steps, torch.device(record["device"]))
+        record = launch(config, [*sets, f"train.threads={threads}"], 1, cfg.horovod.compression, steps, warmup, out,
+                        phase)
+    row = summarise("train", cfg, [record["step_time_s"]] * steps, torch.device(record["device"]),
+                    phase=record.get("phase"))
     row.update(median_ms=None, p90_ms=None, mean_ms=1000 * record["step_time_s"], peak_memory_mb=None,
                peak_memory_reserved_mb=None, images_per_sec=record["images_per_sec"], skipped_steps=None)
     return row
@@ -248,7 +276,8 @@ def write_profile(step, device: torch.device, out_dir: str, steps: int = 3) -> s
 
 
 def bench(config: str | None, overrides: list[str], precisions: list[str], batch_sizes: list[int], steps: int,
-          warmup: int, baseline: bool, profile_dir: str | None, threads: int, horovod: bool = False) -> list[dict]:
+          warmup: int, baseline: bool, profile_dir: str | None, threads: int, horovod: bool = False,
+          phase: str = "adabound") -> list[dict]:
     if steps < 1 or warmup < 0:
         raise UserError("--steps must be >= 1 and --warmup >= 0")
     bad = [b for b in batch_sizes if b is None or b < 1]
@@ -267,13 +296,14 @@ def bench(config: str | None, overrides: list[str], precisions: list[str], batch
                 [f"train.batch_size={batch}"] if batch is not None else [])
             cfg = load_config(config, sets)
             set_fp32_math(cfg.precision.tf32)  # both loops alike
+            check_phase(cfg, phase)  # a phase the recipe lacks: one line before any work
             if baseline:
-                trainer, plain = trainer_and_baseline_rows(cfg, steps, warmup, profile_dir)
+                trainer, plain = trainer_and_baseline_rows(cfg, steps, warmup, profile_dir, phase)
             else:
-                trainer = trainer_row(cfg, steps, warmup, profile_dir)
+                trainer = trainer_row(cfg, steps, warmup, profile_dir, phase)
             timed = [trainer]
             if horovod:
-                timed.append(horovod_row(config, sets, cfg, steps, warmup, threads))
+                timed.append(horovod_row(config, sets, cfg, steps, warmup, threads, phase))
             rows += timed
             if baseline:
                 rows.append(plain)
