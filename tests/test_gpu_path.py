@@ -13,7 +13,7 @@ from conftest import HOROVODRUN, REPO, rank_output, run
 
 from hybridtrain.config import load_config
 from hybridtrain.distributed import horovod as distributed
-from hybridtrain.engine.epoch import warmup_steps
+from hybridtrain.engine.epoch import compiles_in_epoch, warmup_steps
 from hybridtrain.errors import UserError
 from hybridtrain.perf.max_batch import is_out_of_memory, memory_budget_mb
 from hybridtrain.precision.policy import gradient_compression, resolve_policy, set_fp32_math
@@ -159,6 +159,11 @@ def test_every_form_of_a_gpu_allocation_failure_counts_as_out_of_memory(message,
 
 def test_a_process_first_epoch_keeps_its_warmup_apart_from_s1():
     assert warmup_steps(True, 100) == 3 and warmup_steps(False, 100) == 0 and warmup_steps(True, 5) == 0
+    # optim.fused compiles the SGD + LARS kernel at the hybrid's switch, epoch T (0-based): timed apart there too
+    fused = load_config(None, ["optim.fused=true", "optim.adabound_epochs=3"])
+    assert [compiles_in_epoch(e, False, fused.optim) for e in range(5)] == [False, False, False, True, False]
+    assert not compiles_in_epoch(3, False, load_config(None, ["optim.adabound_epochs=3"]).optim)
+    assert compiles_in_epoch(4, True, fused.optim)  # a resumed process's first epoch
     # 1,000 images in 10 s, of which 100 in the 6 s of compilation: 900 / 4 = 225 img/s, not 100
     history = [{"samples_seen": 1000, "train_time_s": 10.0, "warmup_samples": 100, "warmup_time_s": 6.0},
                {"samples_seen": 1000, "train_time_s": 4.0}]  # an older record: no warmup keys

@@ -302,3 +302,25 @@ def test_graphed_steps_give_the_eager_losses(precision):
     # would still show after 4 steps
     for a, b in zip(running_buffers(graphed_model), running_buffers(eager_model)):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------- optim.fused in training
+
+@pytest.mark.slow
+def test_train_with_the_fused_optimizer_crosses_the_phase_switch_and_times_its_compile_apart(small_digits, tmp_path,
+                                                                                            write_config):
+    """optim.fused end to end: the hybrid optimizer's compiled kernels train through the switch to SGD + LARS
+    (epoch 2 here), the setup says the first steps compile, and epoch 2's first steps (the LARS kernel's compile)
+    are timed apart as warmup, as the process's first steps are."""
+    from conftest import tiny_config
+    run_dir = tmp_path / "run"
+    cfg = write_config(tiny_config(small_digits, str(run_dir), optim={"name": "hybrid", "adabound_epochs": 1,
+                                                                      "fused": True}))
+    proc = run([HYBRIDTRAIN, "train", "--config", cfg], timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "fused optimizer kernels: the first steps of this process and of epoch 2 compile" in proc.stdout
+    assert "hybridtrain: switching to sgd at step 15" in proc.stdout  # 240 images / batch 16 per epoch
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in records] == [1, 2]
+    assert all(r["warmup_samples"] == 3 * 16 and 0 < r["warmup_time_s"] < r["train_time_s"] for r in records)
+    assert all(r["train_loss"] == r["train_loss"] and r["train_loss"] < 10 for r in records)  # finite

@@ -32,7 +32,7 @@ from hybridtrain.data.loaders import create_loaders
 from hybridtrain.data.torchvision_loader import close_loader
 from hybridtrain.distributed import horovod as distributed
 from hybridtrain.engine import checkpoint
-from hybridtrain.engine.epoch import EpochProgress, train_one_epoch, warmup_steps
+from hybridtrain.engine.epoch import EpochProgress, compiles_in_epoch, train_one_epoch, warmup_steps
 from hybridtrain.engine.loop import end_epoch, finish
 from hybridtrain.engine.records import log_setup
 from hybridtrain.engine.resume import checkpoint_state, resume_state
@@ -271,7 +271,8 @@ def train_elastic(state: ElasticState, cfg: Config, resume: str | None) -> dict 
                                  resume=segment_base(pos, t.topo), stop_after_step=committer.after_step,
                                  passes=t.passes, start=pos.consumed,
                                  first_step=step_in_epoch(pos.consumed, t.topo.size, b, t.k),
-                                 warmup=warmup_steps(first_epoch_of_process, t.updates))
+                                 warmup=warmup_steps(compiles_in_epoch(pos.epoch, first_epoch_of_process,
+                                                                       cfg.optim), t.updates))
         first_epoch_of_process = False
         if bar:
             bar.close()

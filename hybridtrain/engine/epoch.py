@@ -70,10 +70,18 @@ def micro_batch_weight(samples: int, batch_size: int, accumulation_steps: int) -
     return samples / (batch_size * accumulation_steps)
 
 
-def warmup_steps(first_epoch_of_process: bool, updates_per_epoch: int, steps: int = 3) -> int:
-    """The steps of an epoch timed apart as warmup: the first ``steps`` a process trains (torch.compile compiles
-    and cuDNN autotunes there), when the epoch has at least twice as many; else none."""
-    return steps if first_epoch_of_process and updates_per_epoch >= 2 * steps else 0
+def compiles_in_epoch(epoch: int, first_epoch_of_process: bool, optim_cfg) -> bool:
+    """Whether the epoch's first steps compile or capture: a process's first epoch (torch.compile, CUDA graphs,
+    cuDNN autotuning), and with optim.fused the hybrid's first SGD + LARS epoch T, where that phase's kernel
+    compiles."""
+    switch = optim_cfg.fused and optim_cfg.name == "hybrid" and epoch == optim_cfg.adabound_epochs
+    return first_epoch_of_process or switch
+
+
+def warmup_steps(compiles: bool, updates_per_epoch: int, steps: int = 3) -> int:
+    """The steps of an epoch timed apart as warmup: its first ``steps`` when it compiles (`compiles_in_epoch`)
+    and has at least twice as many; else none."""
+    return steps if compiles and updates_per_epoch >= 2 * steps else 0
 
 
 def train_one_epoch(model, bundle, precision: Precision, loader, epoch: int, updates_per_epoch: int,

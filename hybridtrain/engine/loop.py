@@ -12,7 +12,7 @@ from hybridtrain.config import Config, save_config
 from hybridtrain.distributed import failures
 from hybridtrain.distributed import horovod as distributed
 from hybridtrain.engine import checkpoint, rundir
-from hybridtrain.engine.epoch import EpochProgress, evaluate, train_one_epoch, warmup_steps
+from hybridtrain.engine.epoch import EpochProgress, compiles_in_epoch, evaluate, train_one_epoch, warmup_steps
 from hybridtrain.engine.memory import reset_peak_memory
 from hybridtrain.engine.preemption import PreemptionWatch
 from hybridtrain.engine.records import log_setup, record_epoch, training_record, with_validation
@@ -136,7 +136,8 @@ def train_epoch_range(cfg: Config, t: Trainer, watch: PreemptionWatch, watchdog:
         result = train_one_epoch(t.model, t.bundle, t.precision, data.train, epoch, t.updates, cfg.train.batch_size,
                                  t.k, bar, resume=progress if epoch == start_epoch else None,
                                  stop_after_step=after_step, passes=t.passes,
-                                 warmup=warmup_steps(epoch == start_epoch, t.updates))
+                                 warmup=warmup_steps(compiles_in_epoch(epoch, epoch == start_epoch, cfg.optim),
+                                                     t.updates))
         if bar:
             bar.close()
         if result.stopped:

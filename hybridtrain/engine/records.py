@@ -33,6 +33,14 @@ def log_setup(cfg: Config, t: Trainer) -> None:
               f"{data.val_images} val images, {data.num_classes} classes, {t.updates} steps/epoch, global batch "
               f"{topo.size * cfg.train.batch_size * k}" + (f" ({k} accumulated passes per step)" if k > 1 else "")
               + (f", {dropped} image(s) dropped per epoch" if dropped else ""))
+    compiled = [name for name, on in ((f"torch.compile ({cfg.train.compile_scope})", cfg.train.compile),
+                                      ("CUDA graphs", cfg.train.cuda_graphs),
+                                      ("fused optimizer kernels", cfg.optim.fused)) if on]
+    if compiled:
+        switch = f" and of epoch {cfg.optim.adabound_epochs + 1}" if cfg.optim.fused and cfg.optim.name == "hybrid" \
+            else ""
+        log(topo, f"hybridtrain: {', '.join(compiled)}: the first steps of this process{switch} compile or capture "
+                  f"(slow, and timed apart as warmup)")
 
 
 def with_validation(record: dict, ev, epoch_start: float, run_start: float) -> dict:
