@@ -184,10 +184,11 @@ class DaliLoader:
     """
 
     def __init__(self, images: ImageList, spec: GraphSpec, rank: int, world_size: int, batch_size: int, seed: int,
-                 num_threads: int, prefetch_queue_depth: int, device_id=None):
+                 num_threads: int, prefetch_queue_depth: int, device_id=None, pin: bool = False):
         self.images, self.spec = images, spec
         self.rank, self.world_size, self.batch_size, self.seed = rank, world_size, batch_size, seed
         self.num_threads, self.prefetch_queue_depth, self.device_id = num_threads, prefetch_queue_depth, device_id
+        self.pin = pin  # a CPU pipeline feeding a GPU: page-locked batches, so the copy to the GPU is asynchronous
         self.class_of = torch.tensor([label for _, label in images.samples], dtype=torch.int64)
         self.lines = file_list_lines(images)
         self.shard = shard_range(len(images), rank, world_size)
@@ -276,7 +277,7 @@ class DaliLoader:
         dtype = torch.float16 if self.spec.fp16 else torch.float32
         on_gpu = self.spec.device == "gpu"
         device = torch.device("cuda", self.device_id) if on_gpu else torch.device("cpu")
-        out = torch.empty(dense.shape(), dtype=dtype, device=device)
+        out = torch.empty(dense.shape(), dtype=dtype, device=device, pin_memory=self.pin and not on_gpu)
         feed_ndarray(dense, out, cuda_stream=torch.cuda.current_stream(device) if on_gpu else None)
         return out.permute(0, 3, 1, 2) if self.spec.channels_last else out
 
@@ -294,31 +295,35 @@ def graph_spec(cfg, training: bool, device: str, dtype: torch.dtype, channels_la
 
 
 def _create(images: ImageList, cfg, rank: int, world_size: int, local_size: int, device: str, training: bool,
-            batch_size: int, dtype: torch.dtype, channels_last: bool) -> DaliLoader:
+            batch_size: int, dtype: torch.dtype, channels_last: bool, pin: bool) -> DaliLoader:
     require_dali()
     if device == "gpu":
         require_gpu_for_dali_gpu()
     spec = graph_spec(cfg, training, device, dtype, channels_last)
     threads = cfg.data.workers or cores_per_rank(local_size)
     device_id = torch.cuda.current_device() if device == "gpu" else None
-    return DaliLoader(images, spec, rank, world_size, batch_size, cfg.seed, threads, cfg.data.prefetch, device_id)
+    return DaliLoader(images, spec, rank, world_size, batch_size, cfg.seed, threads, cfg.data.prefetch, device_id,
+                      pin)
 
 
 def create_dali_train_loader(images: ImageList, cfg, rank: int, world_size: int, local_size: int, device: str,
-                             dtype: torch.dtype = torch.float32, channels_last: bool = False) -> DaliLoader:
-    """Training loader; ``device`` "gpu" decodes on the current CUDA device (set it to the local rank)."""
+                             dtype: torch.dtype = torch.float32, channels_last: bool = False,
+                             pin: bool = False) -> DaliLoader:
+    """Training loader; ``device`` "gpu" decodes on the current CUDA device (set it to the local rank); ``pin``: a
+    "cpu" pipeline's batches page-locked (for a GPU run; it needs CUDA)."""
     b = cfg.train.batch_size
     if train_steps(len(images), world_size, b) == 0:
         raise UserError(f"the training set ({len(images)} images) cannot give every one of {world_size} rank(s) "
                         f"a full batch of {b}: lower train.batch_size or use fewer ranks")
-    return _create(images, cfg, rank, world_size, local_size, device, True, b, dtype, channels_last)
+    return _create(images, cfg, rank, world_size, local_size, device, True, b, dtype, channels_last, pin)
 
 
 def create_dali_val_loader(images: ImageList, cfg, rank: int, world_size: int, local_size: int, device: str,
-                           dtype: torch.dtype = torch.float32, channels_last: bool = False) -> DaliLoader:
+                           dtype: torch.dtype = torch.float32, channels_last: bool = False,
+                           pin: bool = False) -> DaliLoader:
     """Validation loader: each real image exactly once across ranks, padded duplicates cut off."""
     if len(images) < world_size:
         raise UserError(f"the validation set ({len(images)} images) is smaller than the number of ranks "
                         f"({world_size}): add images or use fewer ranks")
     b = cfg.data.val_batch_size or cfg.train.batch_size
-    return _create(images, cfg, rank, world_size, local_size, device, False, b, dtype, channels_last)
+    return _create(images, cfg, rank, world_size, local_size, device, False, b, dtype, channels_last, pin)

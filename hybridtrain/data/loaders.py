@@ -87,8 +87,9 @@ def create_loaders(cfg, topo) -> Loaders:
     else:
         device = "gpu" if backend == "dali_gpu" else "cpu"
         args = (topo.rank, topo.size, topo.local_size, device, input_dtype(cfg), cfg.data.channels_last)
-        train = dali.create_dali_train_loader(train_set, cfg, *args)
-        val = dali.create_dali_val_loader(val_set, cfg, *args)
+        pin = device == "cpu" and topo.device.type == "cuda"  # dali_cpu on a GPU node: asynchronous copies
+        train = dali.create_dali_train_loader(train_set, cfg, *args, pin=pin)
+        val = dali.create_dali_val_loader(val_set, cfg, *args, pin=pin)
         dropped = train.dropped_per_epoch
     return Loaders(train, val, num_classes, len(train_set), len(val_set), dropped, skipped)
 
