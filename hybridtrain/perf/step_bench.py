@@ -227,7 +227,7 @@ def horovod_row(config: str | None, sets: list[str], cfg, steps: int, warmup: in
     from hybridtrain.perf.scaling import launch
     with tempfile.TemporaryDirectory(prefix="hybridtrain-bench-") as out:
         record = launch(config, [*sets, f"train.threads={threads}"], 1, cfg.horovod.compression, steps, warmup, out,
-                        phase)
+                        phase, timeline=False)  # Horovod's timeline would cost the step time it measures
     row = summarise("train", cfg, [record["step_time_s"]] * steps, torch.device(record["device"]),
                     phase=record.get("phase"))
     row.update(median_ms=None, p90_ms=None, mean_ms=1000 * record["step_time_s"], peak_memory_mb=None,
