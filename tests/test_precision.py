@@ -226,12 +226,12 @@ def test_bench_runs_every_precision_and_the_baseline_prints_a_ratio(tmp_path):
     rows = json.loads(out.read_text())
     trainer = [r for r in rows if r["loop"] == "trainer"]
     assert [r["precision"] for r in trainer] == ["fp64", "fp32", "mixed-fp16", "mixed-bf16", "layered", "fp16_pure"]
-    assert [r["optimizer"] for r in trainer] == ["hybrid"] * 5 + ["goyal"]
+    assert [r["optimizer"] for r in trainer] == ["hybrid/adabound"] * 5 + ["goyal"]  # the phase they ran in
     for t, b in zip(rows[::2], rows[1::2]):
         assert (t["loop"], b["loop"]) == ("trainer", "baseline")
         assert b["trainer_over_baseline"] == pytest.approx(t["images_per_sec"] / b["images_per_sec"])
         assert t["median_ms"] <= t["p90_ms"] and t["peak_memory_mb"] > 0
-    assert "| trainer | resnet18 | hybrid | mixed-bf16 | 4 | 32 |" in proc.stdout
+    assert "| trainer | resnet18 | hybrid/adabound | mixed-bf16 | 4 | 32 |" in proc.stdout
     assert (tmp_path / "prof" / "trace.json").stat().st_size > 0
 
 
