@@ -12,4 +12,5 @@ demo: install
 	horovodrun -np 2 -H localhost:2 hybridtrain train --config configs/demo.yaml --resume auto
 
 test: install
-	python -m pytest tests -q -rs
+	# a full run writes about 13 GB of checkpoints and data under pytest's temp folder: keep only failed tests'
+	python -m pytest tests -q -rs -o tmp_path_retention_policy=failed -o tmp_path_retention_count=1
