@@ -70,12 +70,15 @@ def micro_batch_weight(samples: int, batch_size: int, accumulation_steps: int) -
     return samples / (batch_size * accumulation_steps)
 
 
+def fused_switch_epoch(optim_cfg) -> int | None:
+    """The 0-based epoch T where optim.fused compiles the hybrid's SGD + LARS kernel; None without one."""
+    return optim_cfg.adabound_epochs if optim_cfg.fused and optim_cfg.name == "hybrid" else None
+
+
 def compiles_in_epoch(epoch: int, first_epoch_of_process: bool, optim_cfg) -> bool:
     """Whether the epoch's first steps compile or capture: a process's first epoch (torch.compile, CUDA graphs,
-    cuDNN autotuning), and with optim.fused the hybrid's first SGD + LARS epoch T, where that phase's kernel
-    compiles."""
-    switch = optim_cfg.fused and optim_cfg.name == "hybrid" and epoch == optim_cfg.adabound_epochs
-    return first_epoch_of_process or switch
+    cuDNN autotuning), and `fused_switch_epoch`."""
+    return first_epoch_of_process or epoch == fused_switch_epoch(optim_cfg)
 
 
 def warmup_steps(compiles: bool, updates_per_epoch: int, steps: int = 3) -> int:

@@ -6,6 +6,7 @@ import time
 
 from hybridtrain.config import Config
 from hybridtrain.distributed import horovod as distributed
+from hybridtrain.engine.epoch import fused_switch_epoch
 from hybridtrain.engine.memory import memory_figures
 from hybridtrain.engine.telemetry import append_metrics, device_name, epoch_line, log, write_scalars
 from hybridtrain.engine.trainer import Trainer
@@ -37,8 +38,8 @@ def log_setup(cfg: Config, t: Trainer) -> None:
                                       ("CUDA graphs", cfg.train.cuda_graphs),
                                       ("fused optimizer kernels", cfg.optim.fused)) if on]
     if compiled:
-        switch = f" and of epoch {cfg.optim.adabound_epochs + 1}" if cfg.optim.fused and cfg.optim.name == "hybrid" \
-            else ""
+        switch_epoch = fused_switch_epoch(cfg.optim)
+        switch = f" and of epoch {switch_epoch + 1}" if switch_epoch is not None else ""
         log(topo, f"hybridtrain: {', '.join(compiled)}: the first steps of this process{switch} compile or capture "
                   f"(slow, and timed apart as warmup)")
 

@@ -127,14 +127,11 @@ def _zeros_state(state, keys, p):
 
 def _scratch(buffers: dict, params: list) -> list[torch.Tensor]:
     """One reusable buffer like each param, kept in ``buffers`` (the optimizer's, outside its state: never
-    checkpointed), remade when its param changed device, dtype or shape."""
-    scratch = []
+    checkpointed; cleared by ``load_state_dict``, which is where a moved model's optimizer is reloaded)."""
     for p in params:
-        buffer = buffers.get(p)
-        if buffer is None or buffer.device != p.device or buffer.dtype != p.dtype or buffer.shape != p.shape:
-            buffer = buffers[p] = torch.empty_like(p, memory_format=torch.preserve_format)
-        scratch.append(buffer)
-    return scratch
+        if p not in buffers:
+            buffers[p] = torch.empty_like(p, memory_format=torch.preserve_format)
+    return [buffers[p] for p in params]
 
 
 def device_scalars(device: torch.device, **values: float) -> list[torch.Tensor]:
@@ -213,6 +210,7 @@ class _GroupValidatingOptimizer(Optimizer):
         """As torch's, but this run's RUN_CHOICE_KEYS stay (``fused`` says how the update runs, not what it
         computes), so a checkpoint from a run with the other choice, or from before the key existed, resumes."""
         kept = [{key: group[key] for key in RUN_CHOICE_KEYS if key in group} for group in self.param_groups]
+        self.scratch.clear()  # remade like the params as they are now
         super().load_state_dict(state_dict)
         for group, choices in zip(self.param_groups, kept):
             group.update(choices)
