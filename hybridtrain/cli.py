@@ -25,9 +25,14 @@ def cmd_train(args) -> int:
     from hybridtrain.engine.loop import run_training
     if args.resume not in (None, "required", "auto"):
         raise UserError(f"--resume takes no value or 'auto', got '{args.resume}': e.g. --resume auto")
-    cfg = load_config(args.config, args.set, for_command="train")
+    cfg = load_config(args.config, with_engine(args), for_command="train")
     args.crash_log_dir = cfg.run_dir  # where run_guarded writes a rank's traceback if a bug stops it
     if args.elastic:
+        from hybridtrain.distributed.launcher import resolve_engine
+        if resolve_engine(cfg.distributed.engine) != "horovod":
+            raise UserError("--elastic is Horovod's elastic training and this job runs the torch engine: launch with "
+                            "horovodrun --min-np/--max-np and --engine horovod, or drop --elastic and let torchrun "
+                            "--max-restarts rerun the job with --resume auto (docs/elastic.md)")
         from hybridtrain.engine.elastic import run_elastic
         if args.move_aside:
             raise UserError("--move-aside is for static runs; with --elastic, give a new run_dir or --resume")
@@ -38,6 +43,11 @@ def cmd_train(args) -> int:
         from hybridtrain.reports.report import report_run, summary_table
         print(summary_table(report_run(cfg.run_dir, extra=finished)), flush=True)
     return 0
+
+
+def with_engine(args) -> list[str]:
+    """The --set overrides, with --engine as distributed.engine."""
+    return args.set + ([f"distributed.engine={args.engine}"] if getattr(args, "engine", None) else [])
 
 
 def cmd_prepare_digits(args) -> int:
@@ -342,14 +352,21 @@ def add_recipe_options(parser: argparse.ArgumentParser, config_help: str, set_he
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help=set_help)
 
 
+def add_engine_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--engine", choices=("auto", "horovod", "torch"),
+                        help="the data-parallel engine (distributed.engine): horovod under horovodrun/mpirun, torch "
+                             "(DDP) under torchrun or srun; default the config's (auto: the launcher's)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="hybridtrain", description=__doc__.splitlines()[0].replace("The ", "", 1))
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    train = sub.add_parser("train", help="train a ResNet under horovodrun/mpirun (or alone as one rank)")
+    train = sub.add_parser("train", help="train a ResNet under horovodrun/mpirun or torchrun (or alone as one rank)")
     add_recipe_options(train, "recipe YAML, e.g. configs/demo.yaml", required=True,
                        set_help="override a config key, e.g. --set train.epochs=5 (repeatable)")
+    add_engine_option(train)
     train.add_argument("--resume", nargs="?", const="required", metavar="auto",
                        help="continue from the newest valid checkpoint in run_dir; '--resume auto' starts fresh "
                             "when there is none (for job scripts that requeue themselves)")

@@ -219,6 +219,13 @@ class HorovodConfig:
 
 
 @dataclass
+class DistributedConfig:
+    engine: str = choice("auto", ["auto", "horovod", "torch"],
+                         "the data-parallel engine: horovod (horovodrun, mpirun), torch (torch.distributed DDP under "
+                         "torchrun or srun), or auto = the launcher's, else horovod where it is installed")
+
+
+@dataclass
 class BNConfig:
     stats: str = choice("last_iteration", ["last_iteration", "moving_average"],
                         "running statistics: those of the last training iteration (paper 2.2.3), or a moving average")
@@ -259,6 +266,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     horovod: HorovodConfig = field(default_factory=HorovodConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     bn: BNConfig = field(default_factory=BNConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
@@ -267,7 +275,9 @@ class Config:
         return dataclasses.asdict(self)
 
     def fingerprint(self) -> str:
-        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+        """The recipe's identity: the engine is left out (a run resumes under either with the same math)."""
+        recipe = {key: value for key, value in self.to_dict().items() if key != "distributed"}
+        return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
 
 
 # ----------------------------------------------------------------------------- building from dicts

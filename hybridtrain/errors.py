@@ -6,7 +6,8 @@ import sys
 import tempfile
 import traceback
 
-RANK_ENV_VARS = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
+# horovodrun, Open MPI, MPICH/Intel MPI, PMIx, torchrun, srun (SLURM_PROCID last: under srun + torchrun it counts nodes)
+RANK_ENV_VARS = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "RANK", "SLURM_PROCID")
 
 
 def launcher_rank() -> int:
@@ -38,9 +39,18 @@ class PeerFailure(Exception):
         self.announce = announce
 
 
+# what torch.distributed's Gloo and NCCL say on a surviving rank when a peer died or its connection broke
+PEER_LOSS_WORDS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was "
+                   "aborted", "failed to recv", "Socket Timeout", "Timed out waiting")
+
+
 def is_peer_failure(exc: BaseException) -> bool:
-    """True for the error Horovod raises on the surviving ranks after another rank failed or exited."""
-    return type(exc).__name__ == "HorovodInternalError" or "Horovod has been shut down" in str(exc)
+    """True for the error an engine raises on the surviving ranks after another rank failed or exited: Horovod's
+    HorovodInternalError, or torch.distributed's backend error naming a lost connection."""
+    text = str(exc)
+    if type(exc).__name__ == "HorovodInternalError" or "Horovod has been shut down" in text:
+        return True
+    return type(exc).__name__ in ("DistBackendError", "DistNetworkError") or any(w in text for w in PEER_LOSS_WORDS)
 
 
 def write_crash_log(exc: BaseException, rank: int, folder: str | None) -> str:

@@ -47,7 +47,7 @@ import torch
 from hybridtrain.data.check import CLEAN_LIST_HINT, decode_error
 from hybridtrain.data.folder import ImageList
 from hybridtrain.data.torchvision_loader import IMAGENET_MEAN, IMAGENET_STD
-from hybridtrain.distributed.horovod import cores_per_rank
+from hybridtrain.distributed.topology import cores_per_rank
 from hybridtrain.errors import UserError
 
 INSTALL_HINT = "pip install nvidia-dali-cuda130 in the venv (or run ./install.sh)"

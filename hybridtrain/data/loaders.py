@@ -15,7 +15,7 @@ from hybridtrain.data import dali, sharding
 from hybridtrain.data.check import read_filelist
 from hybridtrain.data.folder import ImageList, scan_dataset
 from hybridtrain.data.synthetic import SyntheticLoader
-from hybridtrain.distributed.horovod import cores_per_rank
+from hybridtrain.distributed.topology import cores_per_rank
 from hybridtrain.errors import UserError
 from hybridtrain.precision.policy import resolve_policy
 

@@ -1,123 +1,38 @@
-"""Horovod, the engine: init, thread pinning, broadcast from rank 0, FP32 all-reduces of statistics."""
+"""The Horovod engine: ``hvd.init()`` with the config's knobs, its collectives, and the data-parallel step
+(``hvd.DistributedOptimizer``: an all-reduce hook per gradient, fused in the background, ``synchronize()``
+before the update). ``distributed.collectives`` calls it; nothing above ``distributed/`` imports it, except
+Horovod's own elastic loop (``engine/elastic.py``)."""
 from __future__ import annotations
 
-import hashlib
 import os
 import socket
 import sys
-from dataclasses import dataclass, field
 
 import torch
 
-from hybridtrain.errors import UserError, is_peer_failure, launcher_rank  # noqa: F401  (the last two re-exported)
+from hybridtrain.distributed.layout import dense_view, undo_dense_view
+from hybridtrain.distributed.topology import Topology, bind, check_gpu_binding, gpu_id, launcher_size, select_device
+from hybridtrain.errors import UserError, launcher_rank
 
-SIZE_ENV_VARS = ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")  # horovodrun, Open MPI, MPICH/Intel MPI
-
-
-def venv_tool(name: str) -> str:
-    """The path of a console tool (horovodrun, hybridtrain) of this Python's environment, else from PATH."""
-    import shutil
-    bin_dir = os.path.dirname(sys.executable)
-    found = shutil.which(name, path=bin_dir + os.pathsep + os.environ.get("PATH", ""))
-    if not found:
-        raise UserError(f"{name} is not on PATH: run ./install.sh and use .venv/bin")
-    return found
+NAME = "horovod"
 
 
 def import_horovod():
     try:
         import horovod.torch as hvd
     except ImportError as exc:
-        raise UserError(f"Horovod is not usable in this environment ({exc}): run ./install.sh, "
-                        f"which builds Horovod 0.28.1 for this torch") from None
+        raise UserError(f"the Horovod engine is not usable in this environment ({exc}): run ./install.sh, which "
+                        f"builds Horovod 0.28.1 for this torch (unless HYBRIDTRAIN_SKIP_HOROVOD=1), or train on "
+                        f"torch.distributed: torchrun --nproc-per-node=N -m hybridtrain train ... --engine torch"
+                        ) from None
     return hvd
 
 
-@dataclass
-class Topology:
-    rank: int
-    size: int
-    local_rank: int
-    local_size: int
-    peers: tuple = ()  # (host, pid, GPU id) of every rank, to name the one that died and find shared GPUs
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # this rank's (select_device)
-
-    @property
-    def is_root(self) -> bool:
-        return self.rank == 0
-
-
-# ----------------------------------------------------------------------------- rank -> device
-
-def cuda_unusable_reason() -> str:
-    """Why torch cannot use CUDA here, in words (for the one error line of train.device=cuda)."""
-    if torch.version.cuda is None:
-        return f"this torch ({torch.__version__}) is a CPU-only build: install a CUDA build of torch"
-    try:
-        torch.cuda.init()
-    except Exception as exc:  # the driver's own words: too old, not loaded, no device
-        return f"CUDA does not initialise ({str(exc).splitlines()[0]})"
-    if torch.cuda.device_count() == 0:
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        return "no GPU is visible" + (f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else "")
-    return "torch.cuda.is_available() is False"
-
-
-def device_index(local_rank: int, visible: int) -> int:
-    """The GPU of a local rank among the ``visible`` ones: its own when each rank sees them all, the one it
-    sees when a launcher gave each rank one GPU (SLURM --gpus-per-task=1, per-rank CUDA_VISIBLE_DEVICES)."""
-    return local_rank % visible
-
-
-def select_device(wanted: str, local_rank: int) -> torch.device:
-    """``train.device``: auto (this rank's GPU when CUDA works, else the CPU), cuda (a GPU or one error line
-    saying why not) or cpu."""
-    if wanted == "cpu" or (wanted == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise UserError(f"train.device=cuda but CUDA is unusable: {cuda_unusable_reason()}; or set train.device=cpu")
-    return torch.device("cuda", device_index(local_rank, torch.cuda.device_count()))
-
-
-def gpu_id(device: torch.device) -> str:
-    """A GPU's identity across processes that see different CUDA_VISIBLE_DEVICES; '' for the CPU."""
-    if device.type != "cuda":
-        return ""
-    return str(getattr(torch.cuda.get_device_properties(device), "uuid", "")) or f"cuda:{device.index}"
-
-
-def shared_gpus(peers: tuple) -> list[list[int]]:
-    """The groups of ranks bound to one GPU of one host (peers: (host, pid, GPU id) per rank)."""
-    by_gpu: dict[tuple, list[int]] = {}
-    for rank, (host, _, gpu) in enumerate(peers):
-        if gpu:
-            by_gpu.setdefault((host, gpu), []).append(rank)
-    return [ranks for ranks in by_gpu.values() if len(ranks) > 1]
-
-
-def check_gpu_binding(peers: tuple, device: torch.device) -> None:
-    """One GPU per rank: NCCL refuses two ranks on one GPU, and they would fight for its memory anyway."""
-    groups = shared_gpus(peers)
-    if groups:
-        ranks = groups[0]
-        raise UserError(f"ranks {', '.join(map(str, ranks))} on host {peers[ranks[0]][0]} share one GPU "
-                        f"({torch.cuda.device_count()} visible to each): start at most one rank per GPU on each "
-                        f"host, give each rank its own GPU (CUDA_VISIBLE_DEVICES or --gpus-per-task=1), or set "
-                        f"train.device=cpu")
-    if device.type == "cuda":
-        hvd = import_horovod()
-        if not hvd.nccl_built():
-            raise UserError("this Horovod was built without NCCL, so GPU all-reduces would be staged through host "
-                            "memory (or refused): rebuild with HOROVOD_GPU_OPERATIONS=NCCL ./install.sh, or set "
-                            "train.device=cpu")
-
-
-def launcher_size() -> int:
-    """The number of processes the launcher started (0 when none says so)."""
-    for var in SIZE_ENV_VARS:
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
-    return 0
+def check_nccl(device: torch.device) -> None:
+    if device.type == "cuda" and not import_horovod().nccl_built():
+        raise UserError("this Horovod was built without NCCL, so GPU all-reduces would be staged through host "
+                        "memory (or refused): rebuild with HOROVOD_GPU_OPERATIONS=NCCL ./install.sh, use "
+                        "--engine torch under torchrun, or set train.device=cpu")
 
 
 def check_controller(hvd) -> None:
@@ -200,7 +115,8 @@ def init(threads: int = 0, horovod_cfg=None, elastic: bool = False, device: str 
     check_world_size(hvd.size())
     chosen = select_device(device, hvd.local_rank())
     peers = tuple(hvd.allgather_object((socket.gethostname(), os.getpid(), gpu_id(chosen)), name="peers"))
-    check_gpu_binding(peers, chosen)
+    check_gpu_binding(peers)
+    check_nccl(chosen)
     return current_topology(threads, peers, device)
 
 
@@ -208,116 +124,62 @@ def current_topology(threads: int = 0, peers: tuple = (), device: str = "auto") 
     """This rank's place in the job Horovod formed last, with torch's threads and device set for it."""
     hvd = import_horovod()
     chosen = select_device(device, hvd.local_rank())
-    topo = Topology(hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), peers, chosen)
-    torch.set_num_threads(threads or cores_per_rank(topo.local_size))
-    if chosen.type == "cuda":
-        torch.cuda.set_device(chosen)
-    return topo
+    return bind(Topology(hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), peers, chosen, NAME), threads)
 
 
-def cores_per_rank(local_size: int) -> int:
-    """This rank's share of the cores (see rank_cores)."""
-    node = os.cpu_count() or 1
-    mine = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else node
-    return rank_cores(mine, node, local_size)
+# ----------------------------------------------------------------------------- collectives
+
+def size() -> int:
+    return import_horovod().size()
 
 
-def rank_cores(affinity: int, node_cores: int, local_size: int) -> int:
-    """A rank's threads: its affinity as it is when a launcher already bound it to fewer than the node's cores
-    (srun --cpus-per-task=8: 8, not 8 / 8 ranks), else the node's cores over the local ranks (at least 1)."""
-    return affinity if affinity < node_cores else max(1, affinity // max(1, local_size))
-
-
-def broadcast_model(model: torch.nn.Module) -> None:
-    """Rank 0's parameters and buffers to every rank, in place, whatever their memory layout (channels_last
-    included: each tensor goes through its dense view, so no copy is made)."""
-    hvd = import_horovod()
-    views = {name: (t, *dense_view(t)) for name, t in model.state_dict().items()}
-    hvd.broadcast_parameters({name: view for name, (_, view, _) in views.items()}, root_rank=0)
-    with torch.no_grad():
-        for t, view, order in views.values():
-            if order == ():  # no dense view existed: the broadcast went to a copy
-                t.copy_(view)
-
-
-def on_cpu(obj):
-    """``obj`` with every tensor moved to the CPU (lists, tuples and dicts followed)."""
-    if torch.is_tensor(obj):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {key: on_cpu(value) for key, value in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(on_cpu(item) for item in obj)
-    return obj
+def broadcast_tensors(tensors: dict[str, torch.Tensor]) -> None:
+    """Rank 0's tensors on every rank, in place (dense tensors: see layout.dense_view)."""
+    import_horovod().broadcast_parameters(tensors, root_rank=0)
 
 
 def broadcast_object(obj, name: str):
-    """Rank 0's ``obj`` on every rank, its tensors on the CPU: a CUDA tensor would be unpickled onto rank 0's GPU
-    on every rank (Horovod's broadcast_object loads without map_location)."""
-    return import_horovod().broadcast_object(on_cpu(obj), root_rank=0, name=name)
+    return import_horovod().broadcast_object(obj, root_rank=0, name=name)
 
 
-def _tensors_in(obj):
-    if torch.is_tensor(obj):
-        yield obj
-    elif isinstance(obj, dict):
-        for key in sorted(obj, key=str):
-            yield from _tensors_in(obj[key])
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            yield from _tensors_in(item)
+def allgather_object(obj, name: str) -> list:
+    return import_horovod().allgather_object(obj, name=name)
 
 
-def state_digest(*states: dict) -> str:
-    """sha256 over every tensor of the given state dicts: equal digests = bitwise-equal states."""
-    h = hashlib.sha256()
-    for tensor in (t for state in states for t in _tensors_in(state)):
-        h.update(tensor.detach().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()
-
-
-def gather_digests(*states: dict) -> list[str]:
-    return import_horovod().allgather_object(state_digest(*states), name="state_digests")
-
-
-def allreduce_sum(tensor: torch.Tensor, name: str) -> torch.Tensor:
+def allreduce(tensor: torch.Tensor, name: str, average: bool = False) -> torch.Tensor:
     hvd = import_horovod()
-    return hvd.allreduce(tensor, op=hvd.Sum, name=name)
+    return hvd.allreduce(tensor, op=hvd.Average if average else hvd.Sum, name=name)
 
 
-def allreduce_mean_fp32(tensors: list[torch.Tensor], name: str) -> list[torch.Tensor]:
-    """Average tensors over ranks in FP32 (one fused call), whatever their own dtype."""
+def allreduce_differentiable(tensor: torch.Tensor) -> torch.Tensor:
+    """The sum over ranks, with its gradient (Horovod's allreduce is an autograd function)."""
     hvd = import_horovod()
-    flat = torch.cat([t.detach().float().reshape(-1) for t in tensors])
-    flat = hvd.allreduce(flat, op=hvd.Average, name=name)
-    return list(torch.split(flat, [t.numel() for t in tensors]))
+    return hvd.allreduce(tensor, op=hvd.Sum)
 
 
-# ----------------------------------------------------------------------------- gradient compression
-
-def dense_view(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...] | None]:
-    """(a view of ``t`` that is contiguous in the default sense, the permutation that made it), or (``t``,
-    None) when ``t`` is contiguous already. A channels_last (NHWC) tensor is dense in memory but not contiguous
-    as NCHW, which Horovod refuses; permuted to N,H,W,C it is contiguous and shares ``t``'s memory, and an
-    element-wise collective (all-reduce, broadcast) does not care about the order of the elements."""
-    if t.is_contiguous():
-        return t, None
-    order = tuple(sorted(range(t.dim()), key=lambda d: (-t.stride(d), -t.shape[d])))
-    view = t.permute(order)
-    if not view.is_contiguous():  # overlapping or gapped storage: no dense view exists
-        return t.contiguous(), ()
-    return view, order
+def allreduce_async(tensor: torch.Tensor, name: str):
+    hvd = import_horovod()
+    return hvd.allreduce_async(tensor, op=hvd.Sum, name=name)
 
 
-def undo_dense_view(t: torch.Tensor, order: tuple[int, ...] | None) -> torch.Tensor:
-    """The inverse of dense_view: the original shape with the original strides (``order`` () = a copy was made)."""
-    if not order:
-        return t
-    inverse = [0] * len(order)
-    for position, dim in enumerate(order):
-        inverse[dim] = position
-    return t.permute(inverse)
+def wait(handle) -> torch.Tensor:
+    return import_horovod().synchronize(handle)
 
+
+def allgather(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    return import_horovod().allgather(tensor, name=name)
+
+
+def barrier() -> None:
+    """Wait for every rank (no tensor is all-reduced, so Horovod's timeline stays clean)."""
+    import_horovod().barrier()
+
+
+def sync_batch_norm_class() -> type:
+    return import_horovod().SyncBatchNorm
+
+
+# ----------------------------------------------------------------------------- the data-parallel step
 
 class LayoutCompressor:
     """Horovod's Compressor interface for any memory layout: the gradient is sent as its dense view, cast to
@@ -351,23 +213,18 @@ class FP16Compression(LayoutCompressor):
 COMPRESSORS = {"none": NoCompression, "fp16": FP16Compression}  # Horovod 0.28.1's torch ops have no bfloat16
 
 
-def distributed_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module, horovod_cfg,
-                          backward_passes_per_step: int = 1, compression: str = "none"):
-    """Horovod's averaging all-reduce with ``compression`` (resolved: precision.gradient_compression) and the configured
-    pre-divide factor; gradients of ``backward_passes_per_step`` passes accumulate locally before one all-reduce."""
+def wrap_model(model: torch.nn.Module, cfg, compression: str = "none") -> torch.nn.Module:
+    """Horovod leaves the forward as it is: its hooks go on the gradients (wrap_optimizer)."""
+    return model
+
+
+def wrap_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module, cfg, backward_passes_per_step: int = 1,
+                   compression: str = "none"):
+    """Horovod's averaging all-reduce with ``compression`` (resolved: precision.gradient_compression) and the
+    configured pre-divide factor; gradients of ``backward_passes_per_step`` passes accumulate locally before one
+    all-reduce. The scaler calls its ``synchronize()`` before the unscale and steps under ``skip_synchronize()``."""
     hvd = import_horovod()
     return hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                     compression=COMPRESSORS[compression], op=hvd.Average,
-                                    gradient_predivide_factor=horovod_cfg.gradient_predivide_factor,
+                                    gradient_predivide_factor=cfg.horovod.gradient_predivide_factor,
                                     backward_passes_per_step=backward_passes_per_step)
-
-
-def barrier() -> None:
-    """Wait for every rank (no tensor is all-reduced, so Horovod's timeline stays clean)."""
-    import_horovod().barrier()
-
-
-def allgather_floats(values: list[float], name: str) -> list[float]:
-    """Every rank's ``values``, concatenated in rank order."""
-    hvd = import_horovod()
-    return hvd.allgather(torch.tensor(values, dtype=torch.float64), name=name).tolist()

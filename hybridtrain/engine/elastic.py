@@ -30,7 +30,8 @@ import torch
 from hybridtrain.config import Config, save_config
 from hybridtrain.data.loaders import create_loaders
 from hybridtrain.data.torchvision_loader import close_loader
-from hybridtrain.distributed import horovod as distributed
+from hybridtrain.distributed import collectives as distributed
+from hybridtrain.distributed import horovod
 from hybridtrain.engine import checkpoint
 from hybridtrain.engine.epoch import EpochProgress, compiles_in_epoch, train_one_epoch, warmup_steps
 from hybridtrain.engine.loop import end_epoch, finish
@@ -53,9 +54,9 @@ def check_elastic(cfg: Config) -> None:
     if cfg.data.backend != "torchvision":
         raise UserError(f"--elastic re-shards the data when ranks change, which data.backend={cfg.data.backend} "
                         f"cannot do yet: use data.backend=torchvision, or drop --elastic")
-    knobs = distributed.horovod_environment(cfg.horovod)
-    defaults = distributed.HOROVOD_DEFAULTS.items()
-    if not any(distributed.same_setting(knobs[name], default) for name, default in defaults):
+    knobs = horovod.horovod_environment(cfg.horovod)
+    defaults = horovod.HOROVOD_DEFAULTS.items()
+    if not any(horovod.same_setting(knobs[name], default) for name, default in defaults):
         raise UserError("--elastic with both horovod.fusion_threshold_mb and horovod.cycle_time_ms changed crashes "
                         "Horovod 0.28.1 when ranks change: keep one of them at its default (128, 1.0)")
     if cfg.bn.per_rank_batch != "fixed":
@@ -75,7 +76,7 @@ class Position:
 
 
 def import_elastic_state():
-    distributed.import_horovod()
+    horovod.import_horovod()
     from horovod.common.elastic import State
     return State
 
@@ -84,7 +85,7 @@ class ElasticState(import_elastic_state()):
     """Horovod's elastic state for one trainer: ``save`` (commit), ``restore`` (roll back), ``sync`` (rank 0's)."""
 
     def __init__(self, trainer: Trainer, position: Position):
-        hvd = distributed.import_horovod()
+        hvd = horovod.import_horovod()
         super().__init__(bcast_object=hvd.broadcast_object, get_rank=hvd.rank)
         self.trainer, self.position = trainer, position
         self.save()
@@ -156,7 +157,7 @@ def audit_path(cfg: Config) -> str | None:
 def fit_to_ranks(cfg: Config, t: Trainer) -> None:
     """What depends on the number of ranks, for the job Horovod formed last: loaders (shards), steps per epoch
     and the schedule's N."""
-    t.topo = distributed.current_topology(cfg.train.threads, device=cfg.train.device)
+    t.topo = horovod.current_topology(cfg.train.threads, device=cfg.train.device)
     if next(t.model.parameters()).device != t.topo.device:  # a new local rank: its own GPU (the state follows at
         t.model.to(t.topo.device)                           # the sync, which loads onto the parameters' device)
     close_loader(t.data.train.loader)
@@ -296,8 +297,9 @@ def save_state(cfg: Config, state: ElasticState, record: dict | None = None) -> 
 def run_elastic(cfg: Config, resume: str | None = None) -> dict | None:
     """Train under Horovod elastic; ``resume`` as for ``run_training``."""
     check_elastic(cfg)
-    hvd = distributed.import_horovod()
-    t = build_trainer(cfg, distributed.init(cfg.train.threads, cfg.horovod, elastic=True, device=cfg.train.device))
+    hvd = horovod.import_horovod()
+    t = build_trainer(cfg, distributed.init(cfg.train.threads, cfg.horovod, elastic=True,
+                                          device=cfg.train.device, engine="horovod"))
     t.data.train = SampleAudit(t.data.train, audit_path(cfg))
     state = ElasticState(t, Position())
     state.register_reset_callbacks([lambda: on_reset(cfg, state)])

@@ -9,7 +9,7 @@ import torch
 
 from hybridtrain.data.check import CLEAN_LIST_HINT
 from hybridtrain.data.torchvision_loader import UnreadableImage, device_images
-from hybridtrain.distributed import horovod as distributed
+from hybridtrain.distributed import collectives as distributed
 from hybridtrain.engine.step import EagerPasses, Precision, classification_loss, train_step
 from hybridtrain.errors import UserError
 from hybridtrain.models.batchnorm import RunningStatsGuard
@@ -202,6 +202,6 @@ def evaluate(model, loader, policy: Policy, tag: str) -> EvalResult:
 
 def first_failure(mine: str, tag: str) -> str:
     """The lowest failing rank's line, on every rank (one allgather, made only when some rank failed)."""
-    failures = distributed.import_horovod().allgather_object(mine, name=f"eval_failure.{tag}")
+    failures = distributed.allgather_object(mine, f"eval_failure.{tag}")
     rank, line = next((r, f) for r, f in enumerate(failures) if f)
     return f"rank {rank}: {line}"

@@ -9,8 +9,8 @@ import time
 import torch
 
 from hybridtrain.config import Config, save_config
+from hybridtrain.distributed import collectives as distributed
 from hybridtrain.distributed import failures
-from hybridtrain.distributed import horovod as distributed
 from hybridtrain.engine import checkpoint, rundir
 from hybridtrain.engine.epoch import EpochProgress, compiles_in_epoch, evaluate, train_one_epoch, warmup_steps
 from hybridtrain.engine.memory import reset_peak_memory
@@ -20,7 +20,7 @@ from hybridtrain.engine.resume import checkpoint_state, restore, resume_state, s
 from hybridtrain.engine.telemetry import ProgressBar, log, tensorboard_writer, truncate_metrics
 from hybridtrain.engine.trainer import Trainer, build_trainer
 from hybridtrain.engine.watchdog import StallWatchdog
-from hybridtrain.errors import UserError
+from hybridtrain.errors import UserError, is_peer_failure
 from hybridtrain.models.batchnorm import average_running_statistics
 
 
@@ -46,13 +46,13 @@ def run_training(cfg: Config, resume: str | None = None, move_aside: bool = Fals
     ``move_aside``: a fresh run moves a previous run's files out of run_dir instead of refusing.
     When another rank dies, this one raises PeerFailure naming it."""
     watch = PreemptionWatch()  # first: a SIGTERM during the setup also ends the run cleanly
-    topo = distributed.init(cfg.train.threads, cfg.horovod, device=cfg.train.device)
+    topo = distributed.init(cfg.train.threads, cfg.horovod, device=cfg.train.device, engine=cfg.distributed.engine)
     owner = claim_run_dir(cfg, topo, resume, move_aside)  # before the set-up: a refusal costs nothing
     try:
         t = build_trainer(cfg, topo)
         return train_epochs(cfg, t, watch, resume, owner)
     except RuntimeError as exc:
-        if distributed.is_peer_failure(exc):
+        if is_peer_failure(exc):
             raise failures.peer_failure(topo) from None
         raise
     finally:

@@ -1,6 +1,6 @@
 """Preemption: SIGTERM (what SLURM sends before a time limit) stops the run after a step, resumably.
 
-The signal handler only sets a flag. After every optimizer step, each rank starts an asynchronous Horovod
+The signal handler only sets a flag. After every optimizer step, each rank starts an asynchronous
 sum of its flag and collects the previous step's sum. The collection does not wait: that all-reduce
 finished while the gradients were being reduced. So every rank learns of a SIGTERM on any rank at the
 same step, one step after it arrived, and all ranks stop after the same step. A rank that stopped alone
@@ -12,7 +12,7 @@ import signal
 
 import torch
 
-from hybridtrain.distributed.horovod import import_horovod
+from hybridtrain.distributed import collectives as distributed
 
 
 class PreemptionWatch:
@@ -27,24 +27,21 @@ class PreemptionWatch:
     def after_step(self, snapshot=None) -> bool:
         """True on every rank at the same step once any rank got SIGTERM (no wait on the critical path).
         ``snapshot``, the epoch's progress, is not needed here."""
-        hvd = import_horovod()
         stop = self._collect()
         # one name for every step (the previous one has completed): Horovod's response cache then skips the
         # negotiation of this tensor after the first step
-        self.handle = hvd.allreduce_async(torch.tensor([int(self.requested)]), op=hvd.Sum, name="preemption")
+        self.handle = distributed.allreduce_async(torch.tensor([int(self.requested)]), "preemption")
         return stop
 
     def agreed_now(self) -> bool:
         """A blocking check: True on every rank when any rank has got SIGTERM by now."""
-        hvd = import_horovod()
         earlier = self._collect()
-        return earlier or bool(hvd.allreduce(torch.tensor([int(self.requested)]), op=hvd.Sum,
-                                             name="preemption.now").item())
+        return earlier or bool(distributed.allreduce_sum(torch.tensor([int(self.requested)]), "preemption.now").item())
 
     def _collect(self) -> bool:
         if self.handle is None:
             return False
-        total = import_horovod().synchronize(self.handle)
+        total = distributed.wait(self.handle)
         self.handle = None
         return bool(total.item())
 

@@ -5,7 +5,7 @@ import os
 import time
 
 from hybridtrain.config import Config
-from hybridtrain.distributed import horovod as distributed
+from hybridtrain.distributed import collectives as distributed
 from hybridtrain.engine.epoch import fused_switch_epoch
 from hybridtrain.engine.memory import memory_figures
 from hybridtrain.engine.telemetry import append_metrics, device_name, epoch_line, log, write_scalars

@@ -6,7 +6,7 @@ import dataclasses
 import torch
 
 from hybridtrain.config import Config
-from hybridtrain.distributed import horovod as distributed
+from hybridtrain.distributed import collectives as distributed
 from hybridtrain.engine import checkpoint
 from hybridtrain.engine.epoch import EpochProgress
 from hybridtrain.engine.telemetry import log
@@ -72,7 +72,7 @@ def save_stopped_epoch(cfg: Config, t: Trainer, epoch: int, stopped: EpochProgre
     """A preempted epoch's checkpoint: the averaged model, plus every rank's own BN buffers and progress."""
     mine = {"bn_buffers": [buf.detach().cpu().clone() for buf in running_buffers(t.model)],
             "progress": dataclasses.asdict(stopped)}
-    ranks = distributed.import_horovod().allgather_object(mine, name="stopped_epoch")
+    ranks = distributed.allgather_object(mine, "stopped_epoch")
     average_running_statistics(t.model, cfg.bn.combine)  # the checkpoint's model is the averaged one
     if t.topo.is_root:
         state = checkpoint_state(cfg, t, epoch - 1, elapsed_s)

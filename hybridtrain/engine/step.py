@@ -25,6 +25,7 @@ all-reduce, no overlap with the backward). Horovod re-points each ``p.grad`` at 
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import shutil
@@ -106,7 +107,8 @@ class GraphedStep:
         for p in self.params:
             p.grad = None
 
-    def backward_pass(self, precision, images: torch.Tensor, labels: torch.Tensor, weight: float = 1.0):
+    def backward_pass(self, precision, images: torch.Tensor, labels: torch.Tensor, weight: float = 1.0,
+                      sync: bool = True):
         """Copy the batch in and replay forward, loss and backward; the gradients are the graph's (weight 1:
         config validation keeps accumulation and random per-rank batches away from graphs)."""
         if images.shape != self.static_images.shape:
@@ -128,14 +130,22 @@ def static_batch(cfg, device: torch.device, dtype: torch.dtype) -> tuple[torch.T
     return images, torch.zeros(b, dtype=torch.long, device=device)
 
 
-def build_passes(model, cfg, precision, batch: tuple[torch.Tensor, torch.Tensor] | None = None):
+def build_passes(model, cfg, precision, batch: tuple[torch.Tensor, torch.Tensor] | None = None, wrap=None):
     """Forward and backward as train.compile and train.cuda_graphs ask: ``.backward_pass(precision, images,
-    labels, weight) -> (loss, logits)``.
+    labels, weight, sync) -> (loss, logits)``.
 
     Call it before Horovod wraps the optimizer (a graph must be captured without its hooks). ``batch``: the
-    static inputs to capture on; default zeros of the config's batch shape.
+    static inputs to capture on; default zeros of the config's batch shape. ``wrap``: the engine's wrapper of
+    the forward (collectives.wrap_model: DDP, or none), put around the compiled blocks, or inside the compiled
+    model (torch.compile of DDP is the order PyTorch's DDP optimizer splits at bucket boundaries).
     """
-    forward_model = compiled_forward(model, cfg.train.compile_scope) if cfg.train.compile else model
+    wrap = wrap or (lambda m: m)
+    if not cfg.train.compile:
+        forward_model = wrap(model)
+    elif cfg.train.compile_scope == "model":
+        forward_model = torch.compile(wrap(model))
+    else:
+        forward_model = wrap(compile_blocks(model))
     if not cfg.train.cuda_graphs:
         return EagerPasses(forward_model)
     device = next(model.parameters()).device
@@ -178,10 +188,14 @@ def classification_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: s
     return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), labels, reduction=reduction)
 
 
-def backward_pass(model, precision: Precision, images, labels,
-                  weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward (in the policy's precision), FP32 loss, scaled and weighted backward; gradients accumulate."""
-    with forward_context(precision.policy, images.device):
+def backward_pass(model, precision: Precision, images, labels, weight: float = 1.0,
+                  sync: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward (in the policy's precision), FP32 loss, scaled and weighted backward; gradients accumulate.
+    ``sync`` False: a pass of gradient accumulation before the last, whose gradients a DDP ``model`` keeps local
+    (its ``no_sync``); Horovod counts the passes itself (backward_passes_per_step)."""
+    no_sync = getattr(model, "no_sync", None)
+    with contextlib.nullcontext() if sync or no_sync is None else no_sync(), \
+            forward_context(precision.policy, images.device):
         logits = model(images)
     loss = classification_loss(logits, labels)
     precision.scaler.backward(loss * weight if weight != 1.0 else loss)
@@ -199,13 +213,26 @@ def train_step(passes, optimizer, precision: Precision, micro_batches, on_pass=N
     optimizer.zero_grad()
     if bn_guard is not None:
         bn_guard.save()
-    for images, labels, weight in micro_batches:
-        loss, logits = passes.backward_pass(precision, images, labels, weight)
+    for (images, labels, weight), last in flag_last(micro_batches):
+        loss, logits = passes.backward_pass(precision, images, labels, weight, sync=last)
         if on_pass is not None:
             on_pass(loss, logits, labels)
     if not precision.scaler.step(optimizer) and bn_guard is not None:  # Horovod's synchronize, unscale, update
         bn_guard.restore()
     return loss, logits
+
+
+def flag_last(items):
+    """(item, whether it is the last) for each item, reading one ahead."""
+    items = iter(items)
+    current = next(items, _END)
+    while current is not _END:
+        following = next(items, _END)
+        yield current, following is _END
+        current = following
+
+
+_END = object()
 
 
 class EagerPasses:
@@ -214,5 +241,5 @@ class EagerPasses:
     def __init__(self, model):
         self.model = model
 
-    def backward_pass(self, precision: Precision, images, labels, weight: float = 1.0):
-        return backward_pass(self.model, precision, images, labels, weight)
+    def backward_pass(self, precision: Precision, images, labels, weight: float = 1.0, sync: bool = True):
+        return backward_pass(self.model, precision, images, labels, weight, sync)

@@ -9,7 +9,7 @@ import torch
 
 from hybridtrain.config import Config
 from hybridtrain.data.loaders import create_loaders
-from hybridtrain.distributed import horovod as distributed
+from hybridtrain.distributed import collectives as distributed
 from hybridtrain.engine import step as speed
 from hybridtrain.engine.step import Precision
 from hybridtrain.engine.telemetry import log
@@ -38,7 +38,7 @@ class Trainer:
     updates: int  # optimizer steps per epoch
     k: int  # accumulation steps
     passes: object  # forward and backward, eager, compiled or graphed (speed.build_passes)
-    compression: str = "none"  # the gradient all-reduce's, resolved from horovod.compression
+    compression: str = "none"  # the gradient all-reduce's wire, resolved from horovod.compression
     fp32_math: str = "ieee"  # FP32 convolutions and matmuls: ieee or tf32
 
 
@@ -66,9 +66,11 @@ def build_trainer(cfg: Config, topo) -> Trainer:
     # N of lr*N and of the bounds counts per-rank batches per update: ranks x accumulation steps (global batch / b)
     bundle = create_optimizer(model, cfg, topo.size * k, updates)
     precision = Precision(policy, create_scaler(cfg.precision, policy))
-    passes = speed.build_passes(model, cfg, precision)  # a CUDA graph is captured before Horovod's hooks exist
+    # the engine's step contract: the forward through its wrapper (DDP), the update through its optimizer
+    # (Horovod's); a CUDA graph is captured before Horovod's hooks exist
+    passes = speed.build_passes(model, cfg, precision, wrap=lambda m: distributed.wrap_model(m, cfg, compression))
     # Wrap first: Horovod rebuilds the optimizer from its param_groups, so state loaded before would be lost.
-    bundle.optimizer = distributed.distributed_optimizer(bundle.optimizer, model, cfg.horovod, k, compression)
+    bundle.optimizer = distributed.wrap_optimizer(bundle.optimizer, model, cfg, k, compression)
     t = Trainer(topo, data, model, precision, bundle, updates, k, passes, compression, fp32_math)
     bundle.on_phase_change = lambda step, s: log(t.topo, f"hybridtrain: switching to {s['phase']} at step {step} "
                                                          f"(epoch {step // t.updates + 1}), lr {s['lr']:.4g}")

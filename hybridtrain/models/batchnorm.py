@@ -4,7 +4,7 @@ The paper's strategy, the default:
 - per-rank statistics in training: no communication in the forward pass, a fixed per-rank batch;
 - running statistics = those of the last training iteration (momentum 1), not a moving average;
 - before every validation and checkpoint, the running mean and variance are averaged over all ranks by a
-  Horovod all-reduce in FP32, after which every rank holds bitwise-identical buffers.
+  all-reduce in FP32, after which every rank holds bitwise-identical buffers.
 
 ``bn.combine: pooled`` replaces the plain average of the variances by the exact pooled variance of the
 union of the ranks' last batches (m_r values per channel on rank r, M = sum_r m_r; PyTorch's running_var
@@ -17,8 +17,8 @@ i.e. the mean of the (biased) variances plus the variance of the means, times M 
 unbiased like PyTorch's own running_var. With a moving average the per-rank estimates span many batches
 and m_r is the last batch's, so there it is a pooled combination of estimates rather than an exact one.
 
-``bn.sync`` computes the statistics over all ranks in every forward pass: ``hvd.SyncBatchNorm`` on GPUs;
-Horovod's implementation refuses CPU tensors, so on CPUs :class:`CrossRankBatchNorm` does the same with a
+``bn.sync`` computes the statistics over all ranks in every forward pass: the engine's SyncBatchNorm on GPUs;
+those refuse CPU tensors, so on CPUs :class:`CrossRankBatchNorm` does the same with a
 differentiable all-reduce of per-channel sums.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridtrain.distributed import horovod as distributed
+from hybridtrain.distributed import collectives as distributed
 
 
 def batch_norms(model: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
@@ -117,20 +117,19 @@ def pooled_statistics(bns: list) -> tuple[list[torch.Tensor], list[torch.Tensor]
 # ----------------------------------------------------------------------------- cross-rank statistics
 
 class CrossRankBatchNorm(nn.BatchNorm2d):
-    """BatchNorm over the union of all ranks' batches, for CPUs (``hvd.SyncBatchNorm`` needs CUDA).
+    """BatchNorm over the union of all ranks' batches, for CPUs (the engines' SyncBatchNorm needs CUDA).
 
-    Each forward pass all-reduces per-channel sums (sum x, sum x^2, count) with Horovod's differentiable
+    Each forward pass all-reduces per-channel sums (sum x, sum x^2, count) with the engine's differentiable
     all-reduce, so both the normalisation and the gradients are those of the global batch.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hvd = distributed.import_horovod()
-        if not self.training or hvd.size() == 1:
+        if not self.training or distributed.size() == 1:
             return super().forward(x)
         xf, c = x.float(), x.shape[1]
         dims = [0] + list(range(2, x.ndim))
         local = torch.cat([xf.sum(dims), (xf * xf).sum(dims), xf.new_full((1,), x.numel() // c)])
-        total = hvd.allreduce(local, op=hvd.Sum)
+        total = distributed.allreduce_differentiable(local)
         count = total[2 * c]
         mean = total[:c] / count
         var = (total[c:2 * c] / count - mean * mean).clamp_min(0.0)  # biased: E[x^2] - E[x]^2
@@ -150,7 +149,7 @@ class CrossRankBatchNorm(nn.BatchNorm2d):
 
 
 def cross_rank_class(device: torch.device) -> type:
-    return distributed.import_horovod().SyncBatchNorm if device.type == "cuda" else CrossRankBatchNorm
+    return distributed.sync_batch_norm_class() if device.type == "cuda" else CrossRankBatchNorm
 
 
 def convert_to_cross_rank(module: nn.Module, device: torch.device) -> nn.Module:

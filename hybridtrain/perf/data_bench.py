@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from hybridtrain.config import config_from_dict
 from hybridtrain.data.loaders import create_loaders
-from hybridtrain.distributed.horovod import Topology, cores_per_rank
+from hybridtrain.distributed.topology import Topology, cores_per_rank
 from hybridtrain.errors import UserError
 
 

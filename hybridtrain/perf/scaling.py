@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from hybridtrain.distributed.horovod import venv_tool
+from hybridtrain.distributed.launcher import venv_tool
 from hybridtrain.errors import UserError
 
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}

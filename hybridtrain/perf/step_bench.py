@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from hybridtrain.config import load_config
 from hybridtrain.data.loaders import SYNTHETIC_CLASSES
-from hybridtrain.distributed.horovod import cores_per_rank
+from hybridtrain.distributed.topology import cores_per_rank
 from hybridtrain.engine.memory import memory_figures, reset_peak_memory
 from hybridtrain.engine.step import Precision, build_train_step, check_speedups
 from hybridtrain.errors import UserError

@@ -12,7 +12,7 @@ import re
 import subprocess
 
 from hybridtrain.config import load_config
-from hybridtrain.distributed.horovod import venv_tool
+from hybridtrain.distributed.launcher import venv_tool
 from hybridtrain.errors import UserError
 from hybridtrain.reports.paper_metrics import convergence_epoch
 from hybridtrain.reports.report import load_run

@@ -1,0 +1,162 @@
+"""The one face of the engines: what ``engine/``, ``models/`` and ``perf/`` call, whichever engine formed the job.
+
+``init`` picks the engine (``distributed.engine``: horovod, torch, or auto from the launcher) and every call after
+it goes to that engine's module (``horovod.py``, ``torch_distributed.py``), which each provide the same functions:
+the collectives (broadcast from rank 0, FP32 all-reduces of statistics, gathers, a barrier) and the step contract
+(``wrap_model`` around the forward, ``wrap_optimizer`` around the update).
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib
+
+import torch
+
+from hybridtrain.distributed.launcher import resolve_engine
+from hybridtrain.distributed.layout import dense_view
+from hybridtrain.distributed.topology import Topology
+
+MODULES = {"horovod": "hybridtrain.distributed.horovod", "torch": "hybridtrain.distributed.torch_distributed"}
+_active = {"engine": None}
+
+
+def engine_module(name: str):
+    return importlib.import_module(MODULES[name])
+
+
+def backend():
+    """The engine module that formed this process's job (Horovod before any init: a 1-rank job of it)."""
+    if _active["engine"] is None:
+        _active["engine"] = engine_module("horovod")
+    return _active["engine"]
+
+
+def init(threads: int = 0, horovod_cfg=None, elastic: bool = False, device: str = "auto",
+         engine: str = "auto") -> Topology:
+    """Form (or join) the job on ``engine`` (distributed.engine), pin the threads, bind the rank to its device."""
+    module = engine_module(resolve_engine(engine))
+    _active["engine"] = module
+    return module.init(threads, horovod_cfg, elastic=elastic, device=device)
+
+
+def engine_name() -> str:
+    return backend().NAME
+
+
+def size() -> int:
+    return backend().size()
+
+
+# ----------------------------------------------------------------------------- broadcast from rank 0
+
+def broadcast_model(model: torch.nn.Module) -> None:
+    """Rank 0's parameters and buffers to every rank, in place, whatever their memory layout (channels_last
+    included: each tensor goes through its dense view, so no copy is made)."""
+    views = {name: (t, *dense_view(t)) for name, t in model.state_dict().items()}
+    backend().broadcast_tensors({name: view for name, (_, view, _) in views.items()})
+    with torch.no_grad():
+        for t, view, order in views.values():
+            if order == ():  # no dense view existed: the broadcast went to a copy
+                t.copy_(view)
+
+
+def on_cpu(obj):
+    """``obj`` with every tensor moved to the CPU (lists, tuples and dicts followed)."""
+    if torch.is_tensor(obj):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {key: on_cpu(value) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(on_cpu(item) for item in obj)
+    return obj
+
+
+def broadcast_object(obj, name: str):
+    """Rank 0's ``obj`` on every rank, its tensors on the CPU: a CUDA tensor would be unpickled onto rank 0's GPU
+    on every rank."""
+    return backend().broadcast_object(on_cpu(obj), name)
+
+
+def allgather_object(obj, name: str) -> list:
+    """Every rank's ``obj`` (picklable, on the CPU), in rank order."""
+    return backend().allgather_object(on_cpu(obj), name)
+
+
+# ----------------------------------------------------------------------------- reductions
+
+def allreduce_sum(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    return backend().allreduce(tensor, name)
+
+
+def allreduce_mean_fp32(tensors: list[torch.Tensor], name: str) -> list[torch.Tensor]:
+    """Average tensors over ranks in FP32 (one fused call), whatever their own dtype."""
+    flat = torch.cat([t.detach().float().reshape(-1) for t in tensors])
+    flat = backend().allreduce(flat, name, average=True)
+    return list(torch.split(flat, [t.numel() for t in tensors]))
+
+
+def allreduce_differentiable(tensor: torch.Tensor) -> torch.Tensor:
+    """The sum over ranks inside the autograd graph (cross-rank BatchNorm on CPUs)."""
+    return backend().allreduce_differentiable(tensor)
+
+
+def allreduce_async(tensor: torch.Tensor, name: str):
+    """Start a sum over ranks; ``wait(handle)`` gives it."""
+    return backend().allreduce_async(tensor, name)
+
+
+def wait(handle) -> torch.Tensor:
+    return backend().wait(handle)
+
+
+def allgather_floats(values: list[float], name: str) -> list[float]:
+    """Every rank's ``values`` (as many on every rank), concatenated in rank order."""
+    return backend().allgather(torch.tensor(values, dtype=torch.float64), name).tolist()
+
+
+def barrier() -> None:
+    backend().barrier()
+
+
+# ----------------------------------------------------------------------------- digests
+
+def _tensors_in(obj):
+    if torch.is_tensor(obj):
+        yield obj
+    elif isinstance(obj, dict):
+        for key in sorted(obj, key=str):
+            yield from _tensors_in(obj[key])
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _tensors_in(item)
+
+
+def state_digest(*states: dict) -> str:
+    """sha256 over every tensor of the given state dicts: equal digests = bitwise-equal states."""
+    h = hashlib.sha256()
+    for tensor in (t for state in states for t in _tensors_in(state)):
+        h.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def gather_digests(*states: dict) -> list[str]:
+    return allgather_object(state_digest(*states), "state_digests")
+
+
+# ----------------------------------------------------------------------------- the data-parallel step
+
+def sync_batch_norm_class() -> type:
+    """The engine's cross-rank BatchNorm for GPUs (bn.sync)."""
+    return backend().sync_batch_norm_class()
+
+
+def wrap_model(model: torch.nn.Module, cfg, compression: str = "none") -> torch.nn.Module:
+    """The module the training step's forward runs: ``model`` itself (Horovod), or DDP around it (torch)."""
+    return backend().wrap_model(model, cfg, compression)
+
+
+def wrap_optimizer(optimizer, model: torch.nn.Module, cfg, backward_passes_per_step: int = 1,
+                   compression: str = "none"):
+    """The optimizer the step updates with: Horovod's DistributedOptimizer (all-reduce hooks, ``synchronize()``
+    before the update), or the optimizer itself (DDP reduced in the backward)."""
+    return backend().wrap_optimizer(optimizer, model, cfg, backward_passes_per_step, compression)

@@ -1,0 +1,185 @@
+"""The torch.distributed engine: a process group from ``torchrun``'s (or ``srun``'s) environment, its collectives,
+and the data-parallel step on DDP (gradient buckets all-reduced during the backward, FP16 on the wire through
+``fp16_compress_hook``, ``no_sync()`` for the passes of gradient accumulation).
+
+On GPUs the group has two backends, ``cpu:gloo,cuda:nccl``: the gradients and everything on the GPU go over NCCL,
+the small CPU collectives of statistics, flags and objects over Gloo, as Horovod sends them over its controller.
+``distributed.collectives`` calls this module; nothing above ``distributed/`` imports it.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from hybridtrain.distributed.topology import Topology, bind, check_gpu_binding, gpu_id, select_device
+from hybridtrain.errors import UserError
+
+NAME = "torch"
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+SRUN_HINT = ("export MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1) MASTER_PORT=29500 "
+             "before srun (launch/slurm-torch.sbatch does)")
+
+
+def slurm_tasks_per_node(env) -> int:
+    """This node's task count under srun: SLURM_NTASKS_PER_NODE, else the first count of SLURM_STEP_TASKS_PER_NODE
+    or SLURM_TASKS_PER_NODE ('4(x2),3' -> 4)."""
+    for var in ("SLURM_NTASKS_PER_NODE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+        value = env.get(var, "").split("(")[0].split(",")[0]
+        if value.isdigit():
+            return int(value)
+    return 1
+
+
+def process_env(env=None) -> dict:
+    """(rank, size, local_rank, local_size) as the launcher set them, and whether a rendezvous is needed.
+
+    torchrun: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT. srun with one task per GPU and no
+    torchrun: SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, the tasks per node, and MASTER_ADDR/PORT from the batch
+    script. Neither: a job of one process."""
+    env = os.environ if env is None else env
+    if "RANK" in env and "WORLD_SIZE" in env:
+        rank, size = int(env["RANK"]), int(env["WORLD_SIZE"])
+        local_rank = int(env.get("LOCAL_RANK", 0))
+        local_size = int(env.get("LOCAL_WORLD_SIZE", size))
+    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        rank, size = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
+        local_rank, local_size = int(env.get("SLURM_LOCALID", 0)), slurm_tasks_per_node(env)
+    else:
+        return {"rank": 0, "size": 1, "local_rank": 0, "local_size": 1}
+    if size > 1 and not (env.get("MASTER_ADDR") and env.get("MASTER_PORT")):
+        raise UserError(f"the torch engine's ranks meet at MASTER_ADDR:MASTER_PORT and this {size}-rank job sets no "
+                        f"{'MASTER_ADDR' if not env.get('MASTER_ADDR') else 'MASTER_PORT'}: launch with torchrun, "
+                        f"or under srun {SRUN_HINT}")
+    return {"rank": rank, "size": size, "local_rank": local_rank, "local_size": local_size}
+
+
+def backend_for(device: torch.device) -> str:
+    """Gloo on CPUs; on GPUs NCCL for GPU tensors and Gloo for the CPU ones (objects, flags, statistics)."""
+    if device.type != "cuda":
+        return "gloo"
+    if not dist.is_nccl_available():
+        raise UserError("this torch was built without NCCL, so the torch engine cannot all-reduce on GPUs: install "
+                        "a CUDA build of torch (./install.sh), or set train.device=cpu")
+    return "cpu:gloo,cuda:nccl"
+
+
+def collective_timeout_s(horovod_cfg) -> int:
+    """How long one collective may wait for a peer before the group fails: the stall limit (the watchdog ends a
+    stuck rank first), at least the connect timeout; 30 minutes (torch's default) when the stall limit is off."""
+    if horovod_cfg is None:
+        return 1800
+    return max(horovod_cfg.gloo_timeout_s, horovod_cfg.stall_shutdown_s or 1800)
+
+
+def init(threads: int = 0, horovod_cfg=None, elastic: bool = False, device: str = "auto") -> Topology:
+    """Join (or form) the process group, bind the rank to its device and share (host, pid, GPU) of every rank."""
+    if elastic:
+        raise UserError("--elastic is Horovod's elastic training and this job runs the torch engine: use horovodrun "
+                        "--min-np/--max-np with --engine horovod, or drop --elastic and let torchrun --max-restarts "
+                        "rerun the job with --resume auto (docs/elastic.md)")
+    where = process_env()
+    chosen = select_device(device, where["local_rank"])
+    if chosen.type == "cuda":
+        torch.cuda.set_device(chosen)
+    if not dist.is_initialized():
+        timeout = timedelta(seconds=collective_timeout_s(horovod_cfg))
+        if where["size"] == 1 and "MASTER_ADDR" not in os.environ:  # alone: no port to open
+            dist.init_process_group(backend_for(chosen), store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        else:
+            dist.init_process_group(backend_for(chosen), init_method="env://", rank=where["rank"],
+                                    world_size=where["size"], timeout=timeout)
+    peers = tuple(allgather_object((socket.gethostname(), os.getpid(), gpu_id(chosen)), "peers"))
+    check_gpu_binding(peers)
+    topo = Topology(dist.get_rank(), dist.get_world_size(), where["local_rank"], where["local_size"], peers, chosen,
+                    NAME)
+    return bind(topo, threads)
+
+
+# ----------------------------------------------------------------------------- collectives
+
+def size() -> int:
+    return dist.get_world_size()
+
+
+def broadcast_tensors(tensors: dict[str, torch.Tensor]) -> None:
+    """Rank 0's tensors on every rank, in place (dense tensors: see layout.dense_view)."""
+    for tensor in tensors.values():
+        dist.broadcast(tensor, src=0)
+
+
+def broadcast_object(obj, name: str):
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def allgather_object(obj, name: str) -> list:
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def allreduce(tensor: torch.Tensor, name: str, average: bool = False) -> torch.Tensor:
+    """The sum (or mean) over ranks, in a new tensor as Horovod returns it (Gloo has no AVG: the mean divides)."""
+    out = tensor.clone()
+    dist.all_reduce(out)
+    return out / dist.get_world_size() if average else out
+
+
+def allreduce_differentiable(tensor: torch.Tensor) -> torch.Tensor:
+    """The sum over ranks, with its gradient (the sum of the ranks' gradients)."""
+    from torch.distributed.nn.functional import all_reduce
+    return all_reduce(tensor)
+
+
+def allreduce_async(tensor: torch.Tensor, name: str):
+    out = tensor.clone()
+    return dist.all_reduce(out, async_op=True), out
+
+
+def wait(handle) -> torch.Tensor:
+    work, out = handle
+    work.wait()
+    return out
+
+
+def allgather(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    """Every rank's ``tensor`` (the same shape on every rank), concatenated in rank order."""
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, tensor.contiguous())
+    return torch.cat(parts)
+
+
+def barrier() -> None:
+    dist.barrier()
+
+
+def sync_batch_norm_class() -> type:
+    return torch.nn.SyncBatchNorm
+
+
+# ----------------------------------------------------------------------------- the data-parallel step
+
+def wrap_model(model: torch.nn.Module, cfg, compression: str = "none") -> torch.nn.Module:
+    """DDP around the forward: gradient buckets all-reduced (averaged) as the backward produces them, each
+    gradient a view of its bucket (no copy, channels_last strides kept), the ranks' BN buffers left alone (the
+    per-GPU statistics of the paper; collectives.average_running_statistics averages them per epoch), and
+    FP16 on the wire when ``compression`` is fp16."""
+    from torch.nn.parallel import DistributedDataParallel
+    device = next(model.parameters()).device
+    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                  broadcast_buffers=False, gradient_as_bucket_view=True)
+    if compression == "fp16":
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+        ddp.register_comm_hook(None, fp16_compress_hook)
+    return ddp
+
+
+def wrap_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module, cfg, backward_passes_per_step: int = 1,
+                   compression: str = "none"):
+    """DDP reduces in the backward, so the optimizer stays as it is (no synchronize before the update)."""
+    return optimizer
