@@ -14,6 +14,7 @@ import yaml
 BIN = os.path.dirname(sys.executable)
 HYBRIDTRAIN = os.path.join(BIN, "hybridtrain")
 HOROVODRUN = os.path.join(BIN, "horovodrun")
+TORCHRUN = os.path.join(BIN, "torchrun")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -73,6 +74,12 @@ def run(cmd, timeout=600, cwd=None) -> subprocess.CompletedProcess:
 def horovodrun(np_: int, args: list[str], timeout=600) -> subprocess.CompletedProcess:
     hosts = f"localhost:{np_}"
     return run([HOROVODRUN, "--gloo", "-np", str(np_), "-H", hosts, HYBRIDTRAIN, *args], timeout=timeout)
+
+
+def torchrun(np_: int, args: list[str], timeout=600) -> subprocess.CompletedProcess:
+    """``hybridtrain ARGS`` on ``np_`` local ranks of the torch engine (torchrun, Gloo on the CPU)."""
+    return run([TORCHRUN, "--standalone", f"--nproc-per-node={np_}", "--no-python", HYBRIDTRAIN, *args],
+               timeout=timeout)
 
 
 def error_lines(stderr: str) -> list[str]:

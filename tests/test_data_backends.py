@@ -26,7 +26,7 @@ from conftest import (
 
 from hybridtrain.config import config_from_dict
 from hybridtrain.data.loaders import create_loaders
-from hybridtrain.distributed.horovod import Topology
+from hybridtrain.distributed.topology import Topology
 
 dali = pytest.importorskip("nvidia.dali", reason="NVIDIA DALI is not installed: ./install.sh")
 BACKENDS = ["torchvision", "dali_cpu"]

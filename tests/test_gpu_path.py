@@ -12,7 +12,7 @@ import torch
 from conftest import HOROVODRUN, REPO, rank_output, run
 
 from hybridtrain.config import load_config
-from hybridtrain.distributed import horovod as distributed
+from hybridtrain.distributed import horovod, layout, topology
 from hybridtrain.engine.epoch import compiles_in_epoch, warmup_steps
 from hybridtrain.errors import UserError
 from hybridtrain.perf.max_batch import is_out_of_memory, memory_budget_mb
@@ -30,9 +30,9 @@ def nhwc(*shape: int, dtype=torch.float32) -> torch.Tensor:
 @pytest.mark.parametrize("shape", [(64, 64, 3, 3), (64, 3, 7, 7), (256, 64, 1, 1), (8, 3, 5, 4)])
 def test_the_dense_view_of_an_nhwc_tensor_shares_its_memory_and_is_contiguous(shape):
     t = nhwc(*shape)
-    view, order = distributed.dense_view(t)
+    view, order = layout.dense_view(t)
     assert view.is_contiguous() and view.data_ptr() == t.data_ptr()
-    back = distributed.undo_dense_view(view, order)
+    back = layout.undo_dense_view(view, order)
     assert back.shape == t.shape and back.stride() == t.stride() and back.data_ptr() == t.data_ptr()
     # the view's element order is memory order: N, H, W, C for NHWC
     expected = t.numpy().transpose(0, 2, 3, 1) if order else t.numpy()
@@ -41,18 +41,18 @@ def test_the_dense_view_of_an_nhwc_tensor_shares_its_memory_and_is_contiguous(sh
 
 def test_no_compression_hands_horovod_the_gradients_own_memory_and_gives_back_its_strides():
     grad = nhwc(64, 64, 3, 3)
-    sent, ctx = distributed.NoCompression.compress(grad)
+    sent, ctx = horovod.NoCompression.compress(grad)
     assert sent.is_contiguous() and sent.data_ptr() == grad.data_ptr()  # no layout copy
     sent.mul_(2)  # what an in-place all-reduce does
-    back = distributed.NoCompression.decompress(sent, ctx)
+    back = horovod.NoCompression.decompress(sent, ctx)
     assert back.stride() == grad.stride() and back.data_ptr() == grad.data_ptr()
 
 
 def test_fp16_compression_casts_once_and_returns_fp32_with_the_nhwc_strides():
     grad = nhwc(64, 3, 7, 7) * 1e-3
-    sent, ctx = distributed.FP16Compression.compress(grad)
+    sent, ctx = horovod.FP16Compression.compress(grad)
     assert sent.dtype == torch.float16 and sent.is_contiguous()
-    back = distributed.FP16Compression.decompress(sent, ctx)
+    back = horovod.FP16Compression.decompress(sent, ctx)
     assert back.dtype == torch.float32 and back.stride() == grad.stride()
     expected = grad.numpy().astype(np.float16).astype(np.float32)  # NumPy's own round-to-nearest FP16
     np.testing.assert_array_equal(back.numpy(), expected)
@@ -60,8 +60,8 @@ def test_fp16_compression_casts_once_and_returns_fp32_with_the_nhwc_strides():
 
 def test_a_contiguous_gradient_passes_through_untouched():
     grad = torch.randn(1000, 512)
-    sent, ctx = distributed.NoCompression.compress(grad)
-    assert sent is grad and distributed.NoCompression.decompress(sent, ctx) is grad
+    sent, ctx = horovod.NoCompression.compress(grad)
+    assert sent is grad and horovod.NoCompression.decompress(sent, ctx) is grad
 
 
 @pytest.mark.parametrize("mode,extra,expected", [
@@ -110,13 +110,13 @@ def test_fp32_math_is_ieee_unless_tf32_is_asked_for():
 
 @pytest.mark.parametrize("local_rank,visible,expected", [(0, 8, 0), (5, 8, 5), (5, 1, 0), (3, 2, 1)])
 def test_a_rank_takes_its_own_gpu_or_the_one_it_sees(local_rank, visible, expected):
-    assert distributed.device_index(local_rank, visible) == expected
+    assert topology.device_index(local_rank, visible) == expected
 
 
 def test_ranks_sharing_one_gpu_are_found_per_host():
     peers = (("a", 1, "GPU-1"), ("a", 2, "GPU-2"), ("b", 3, "GPU-1"), ("b", 4, "GPU-1"), ("c", 5, ""), ("c", 6, ""))
-    assert distributed.shared_gpus(peers) == [[2, 3]]  # host a's GPU-1 and host b's GPU-1 are different GPUs
-    assert distributed.shared_gpus(peers[:2]) == []
+    assert topology.shared_gpus(peers) == [[2, 3]]  # host a's GPU-1 and host b's GPU-1 are different GPUs
+    assert topology.shared_gpus(peers[:2]) == []
 
 
 @pytest.mark.parametrize("affinity,node,local_size,expected", [
@@ -126,17 +126,17 @@ def test_ranks_sharing_one_gpu_are_found_per_host():
     (1, 64, 8, 1),
 ])
 def test_thread_counts_follow_the_ranks_own_affinity(affinity, node, local_size, expected):
-    assert distributed.rank_cores(affinity, node, local_size) == expected
+    assert topology.rank_cores(affinity, node, local_size) == expected
 
 
 def test_device_cpu_stays_on_the_cpu():
-    assert distributed.select_device("cpu", 3) == torch.device("cpu")
+    assert topology.select_device("cpu", 3) == torch.device("cpu")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal when CUDA is unusable")
 def test_device_cuda_without_a_usable_gpu_is_one_line_saying_why():
     with pytest.raises(UserError) as caught:
-        distributed.select_device("cuda", 0)
+        topology.select_device("cuda", 0)
     text = str(caught.value)
     assert "CUDA is unusable" in text and "train.device=cpu" in text and "\n" not in text
 

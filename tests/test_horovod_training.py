@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import (
     HOROVODRUN,
+    TORCHRUN,
     HYBRIDTRAIN,
     WITH_WORKERS,
     env_with_venv,
@@ -157,21 +158,27 @@ def test_interrupted_and_resumed_run_matches_uninterrupted(small_digits, tmp_pat
     assert [r["epoch"] for r in read_metrics(broken_dir)] == [1, 2]
 
 
+def launch_train(ranks: int, engine: str = "horovod") -> list[str]:
+    """The command that starts ``hybridtrain train`` on ``ranks`` local ranks of ``engine``."""
+    if engine == "torch":
+        return [TORCHRUN, "--standalone", f"--nproc-per-node={ranks}", "--no-python", HYBRIDTRAIN, "train"]
+    return [HOROVODRUN, "--gloo", "-np", str(ranks), "-H", f"localhost:{ranks}", HYBRIDTRAIN, "train"]
+
+
 def signal_a_rank_after_epoch_one(config: str, run_dir: str, ranks: int, victim: int, signum: int,
-                                   delay_s: float = 0.0) -> tuple[subprocess.Popen, str, float]:
+                                   delay_s: float = 0.0, engine: str = "horovod") -> tuple[subprocess.Popen, str, float]:
     """Start a ``ranks``-rank train job, send ``signum`` to rank ``victim`` ``delay_s`` after its first epoch's
     checkpoint appears, and wait (at most 120 s) for the job to end: (the job, its output, seconds it took).
     The victim is SIGKILLed and the job's process group killed on the way out, whatever happened."""
-    proc = subprocess.Popen([HOROVODRUN, "--gloo", "-np", str(ranks), "-H", f"localhost:{ranks}", HYBRIDTRAIN,
-                             "train", "--config", config], env=env_with_venv(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen([*launch_train(ranks, engine), "--config", config], env=env_with_venv(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     victims = []
     try:
         deadline = time.time() + 300
         while not os.path.exists(os.path.join(run_dir, "checkpoint-epoch0001.pt")) and time.time() < deadline:
             time.sleep(0.1)
         time.sleep(delay_s)
-        victims = rank_pids(config, victim)
+        victims = rank_pids(config, victim, engine)
         assert victims, f"rank {victim} not found"
         signalled_at = time.time()
         for pid in victims:
@@ -188,8 +195,10 @@ def signal_a_rank_after_epoch_one(config: str, run_dir: str, ranks: int, victim:
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-def rank_pids(config_path: str, rank: int) -> list[int]:
-    """PIDs of the trainer processes of ``rank`` running ``config_path`` (from /proc)."""
+def rank_pids(config_path: str, rank: int, engine: str = "horovod") -> list[int]:
+    """PIDs of the trainer processes of ``rank`` running ``config_path`` (from /proc): the launcher's rank variable
+    (HOROVOD_RANK, or torchrun's RANK)."""
+    variable = f"{'RANK' if engine == 'torch' else 'HOROVOD_RANK'}={rank}"
     pids = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -199,7 +208,7 @@ def rank_pids(config_path: str, rank: int) -> list[int]:
             environ = open(f"/proc/{entry}/environ", "rb").read().decode(errors="replace").split("\0")
         except OSError:
             continue
-        if config_path in cmdline and "train" in cmdline and f"HOROVOD_RANK={rank}" in environ:
+        if config_path in cmdline and "train" in cmdline and variable in environ:
             pids.append(int(entry))
     return pids
 

@@ -164,19 +164,47 @@ def sync_batch_norm_class() -> type:
 
 # ----------------------------------------------------------------------------- the data-parallel step
 
+HOROVOD_ONLY = ("gradient_predivide_factor", "fusion_threshold_mb", "cycle_time_ms", "autotune", "autotune_log")
+
+
+def check_config(cfg) -> None:
+    """What this engine cannot honour, as one line: Horovod's own knobs set away from their defaults (DDP's buckets
+    are its own), and CUDA graphs (captured before Horovod's hooks; DDP's reducer cannot be replayed)."""
+    defaults = type(cfg.horovod)()
+    changed = [key for key in HOROVOD_ONLY if getattr(cfg.horovod, key) != getattr(defaults, key)]
+    if changed:
+        raise UserError(f"horovod.{changed[0]} tunes the Horovod engine and this job runs the torch engine (DDP): "
+                        f"remove it from the config, or launch with horovodrun and --engine horovod")
+    if cfg.train.cuda_graphs:
+        raise UserError("train.cuda_graphs runs on the Horovod engine only (DDP's gradient hooks cannot be captured "
+                        "in the graph): set train.cuda_graphs=false (train.compile works on both), or use --engine "
+                        "horovod")
+
+
 def wrap_model(model: torch.nn.Module, cfg, compression: str = "none") -> torch.nn.Module:
     """DDP around the forward: gradient buckets all-reduced (averaged) as the backward produces them, each
     gradient a view of its bucket (no copy, channels_last strides kept), the ranks' BN buffers left alone (the
     per-GPU statistics of the paper; collectives.average_running_statistics averages them per epoch), and
     FP16 on the wire when ``compression`` is fp16."""
     from torch.nn.parallel import DistributedDataParallel
+    check_config(cfg)
     device = next(model.parameters()).device
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                  broadcast_buffers=False, gradient_as_bucket_view=True)
+                                  gradient_as_bucket_view=True, **no_buffer_sync(DistributedDataParallel))
     if compression == "fp16":
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
         ddp.register_comm_hook(None, fp16_compress_hook)
     return ddp
+
+
+def no_buffer_sync(ddp_class) -> dict:
+    """The keyword that keeps DDP from overwriting the ranks' BN buffers with rank 0's before every forward:
+    forward_sync_buffers=False where torch has it (2.13 on), else broadcast_buffers=False. Both still leave the
+    buffers as they are at construction, which is before a checkpoint's per-rank buffers are loaded."""
+    import inspect
+    if "forward_sync_buffers" in inspect.signature(ddp_class.__init__).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
 
 
 def wrap_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module, cfg, backward_passes_per_step: int = 1,

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from hybridtrain.config import load_config
-from hybridtrain.distributed.horovod import state_digest
+from hybridtrain.distributed.collectives import state_digest
 from hybridtrain.models import create_model
 from hybridtrain.models.batchnorm import average_running_statistics, batch_norms, configure_batch_norm
 

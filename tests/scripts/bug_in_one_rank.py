@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from hybridtrain.cli import run_guarded
-from hybridtrain.distributed import horovod as distributed
+from hybridtrain.distributed import collectives as distributed
 
 
 def work() -> int:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from hybridtrain.config import load_config
-from hybridtrain.distributed import horovod as distributed
+from hybridtrain.distributed import collectives as distributed
 
 
 def nhwc_model(seed: int) -> nn.Module:
@@ -36,8 +36,8 @@ def main(out: str) -> None:
         conv = replica[2].weight
         loss = nn.functional.cross_entropy(replica(images), labels)
         (local,) = torch.autograd.grad(loss, [conv], retain_graph=True)
-        optimizer = distributed.distributed_optimizer(torch.optim.SGD(replica.parameters(), lr=0.0), replica,
-                                                      cfg.horovod, compression=name)
+        optimizer = distributed.wrap_optimizer(torch.optim.SGD(replica.parameters(), lr=0.0), replica, cfg,
+                                               compression=name)
         optimizer.zero_grad()
         loss.backward()
         optimizer.synchronize()

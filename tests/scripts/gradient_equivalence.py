@@ -16,7 +16,7 @@ import torch
 
 from hybridtrain.config import load_config
 from hybridtrain.data.sharding import random_split_sizes
-from hybridtrain.distributed.horovod import distributed_optimizer
+from hybridtrain.distributed.collectives import wrap_optimizer
 from hybridtrain.engine.epoch import micro_batch_weight
 from hybridtrain.engine.step import Precision, backward_pass, classification_loss
 from hybridtrain.optim import create_optimizer
@@ -44,7 +44,7 @@ def random_split_run() -> dict:
     cfg = load_config(None, ["horovod.compression=none"])
     b, n = 4, hvd.size()
     model, reference = linear(), linear()
-    optimizer = distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9), model, cfg.horovod)
+    optimizer = wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9), model, cfg)
     plain = torch.optim.SGD(reference.parameters(), lr=0.5, momentum=0.9)
     precision = Precision(resolve_policy(cfg.precision), create_scaler(cfg.precision, resolve_policy(cfg.precision)))
     splits = []
@@ -66,7 +66,7 @@ def random_split_run() -> dict:
 def hybrid_run(cfg, k: int, b: int) -> list[float]:
     model = linear()
     bundle = create_optimizer(model, cfg, 4, 2)  # the same lr*N and bounds for both runs
-    optimizer = distributed_optimizer(bundle.optimizer, model, cfg.horovod, k)
+    optimizer = wrap_optimizer(bundle.optimizer, model, cfg, k)
     policy = resolve_policy(cfg.precision)
     precision = Precision(policy, create_scaler(cfg.precision, policy))
     for update in range(4):  # epochs 0 (AdaBound) and 1 (LARS-SGD), 2 updates each

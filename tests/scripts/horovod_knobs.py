@@ -12,7 +12,7 @@ import time
 import torch
 
 from hybridtrain.config import load_config
-from hybridtrain.distributed import horovod as distributed
+from hybridtrain.distributed import collectives as distributed
 
 ROUNDS, TENSORS = 8, 6
 

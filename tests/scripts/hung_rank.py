@@ -10,8 +10,9 @@ import torch
 
 from hybridtrain.cli import run_guarded
 from hybridtrain.config import load_config
+from hybridtrain.distributed import collectives as distributed
 from hybridtrain.distributed import failures
-from hybridtrain.distributed import horovod as distributed
+from hybridtrain.errors import is_peer_failure
 
 
 def work() -> int:
@@ -20,9 +21,9 @@ def work() -> int:
     if topo.rank == 1:
         os.kill(os.getpid(), signal.SIGSTOP)  # hung for good; horovodrun kills it when the job ends
     try:
-        distributed.allreduce_sum(torch.ones(3), name="hung")
+        distributed.allreduce_sum(torch.ones(3), "hung")
     except RuntimeError as exc:
-        if distributed.is_peer_failure(exc):
+        if is_peer_failure(exc):
             raise failures.peer_failure(topo) from None
         raise
     return 0

@@ -12,7 +12,7 @@ import sys
 import torch
 
 from hybridtrain.config import config_from_dict
-from hybridtrain.distributed import horovod as distributed
+from hybridtrain.distributed import collectives as distributed
 from hybridtrain.engine.step import EagerPasses, Precision, train_step
 from hybridtrain.errors import UserError
 from hybridtrain.models import create_model
@@ -35,8 +35,7 @@ def main(out: str) -> None:
     policy = resolve_policy(cfg.precision)
     model = create_model("resnet18", 10, seed=0, small_input_stem=True)
     distributed.broadcast_model(model)
-    optimizer = distributed.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model,
-                                                  cfg.horovod)
+    optimizer = distributed.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model, cfg)
     precision = Precision(policy, create_scaler(cfg.precision, policy))
     generator = torch.Generator().manual_seed(100 + topo.rank)
     records, stopped = [], None

@@ -9,7 +9,7 @@ import sys
 
 from hybridtrain.config import load_config
 from hybridtrain.data.loaders import create_loaders
-from hybridtrain.distributed import horovod as distributed
+from hybridtrain.distributed import collectives as distributed
 
 
 def indices_of(loader, epoch: int) -> list[list[int]]:

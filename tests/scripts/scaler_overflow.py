@@ -13,7 +13,7 @@ import sys
 import torch
 
 from hybridtrain.config import config_from_dict
-from hybridtrain.distributed import horovod as distributed
+from hybridtrain.distributed import collectives as distributed
 from hybridtrain.engine.step import EagerPasses, Precision, train_step
 from hybridtrain.models import create_model
 from hybridtrain.precision.policy import resolve_policy
@@ -34,8 +34,8 @@ def main(out: str) -> None:
     cfg = config_from_dict({"precision": {"mode": "mixed", "compute_dtype": "bf16", "loss_scaling": "dynamic"}})
     model = create_model("resnet18", 10, seed=0)
     distributed.broadcast_model(model)
-    optimizer = distributed.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model,
-                                                  cfg.horovod, compression="fp16")
+    optimizer = distributed.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model, cfg,
+                                           compression="fp16")
     precision = Precision(resolve_policy(cfg.precision), LossScaler("dynamic", 1024.0, GROWTH, 5))
     step = {"now": 0}
 

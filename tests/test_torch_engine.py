@@ -1,0 +1,262 @@
+"""The second engine: torch.distributed (DDP) under real ``torchrun`` processes, Gloo on the CPU. Only what differs
+from the Horovod engine is tested here; the shared loop, checkpoints and reports are covered by the Horovod tests.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+import yaml
+from conftest import (
+    HYBRIDTRAIN,
+    REPO,
+    TORCHRUN,
+    WITH_WORKERS,
+    digits_subset,
+    env_with_venv,
+    error_lines,
+    horovodrun,
+    read_metrics,
+    run,
+    tiny_config,
+    torchrun,
+    venv_without,
+)
+from test_horovod_training import rank_pids, signal_a_rank_after_epoch_one
+from test_preemption import file_digest
+
+from hybridtrain.distributed.collectives import state_digest
+from hybridtrain.distributed.launcher import launcher_engine, resolve_engine
+from hybridtrain.distributed.torch_distributed import process_env, slurm_tasks_per_node
+from hybridtrain.errors import UserError
+
+
+def our_frames(output: str) -> list[str]:
+    """Traceback frames in hybridtrain's own files (torchrun prints its own traceback when a rank fails)."""
+    return re.findall(r'File ".*hybridtrain/(?:hybridtrain|\.venv/bin)/[^"]*"', output)
+
+
+# ----------------------------------------------------------------------------- choosing the engine (pure)
+
+@pytest.mark.parametrize("env,wanted,expected", [
+    ({"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "LOCAL_WORLD_SIZE": "2"}, "auto", "torch"),
+    ({"HOROVOD_RANK": "1"}, "auto", "horovod"),
+    ({"OMPI_COMM_WORLD_RANK": "0"}, "auto", "horovod"),  # mpirun
+    ({"OMPI_COMM_WORLD_RANK": "0"}, "horovod", "horovod"),
+    ({}, "torch", "torch"),  # alone, or under srun: whichever is named
+    ({"SLURM_PROCID": "3"}, "horovod", "horovod"),
+])
+def test_the_engine_follows_the_launcher(env, wanted, expected):
+    assert resolve_engine(wanted, env) == expected
+
+
+@pytest.mark.parametrize("env,wanted,launcher", [({"TORCHELASTIC_RUN_ID": "x"}, "horovod", "horovodrun"),
+                                                  ({"HOROVOD_RANK": "0"}, "torch", "torchrun")])
+def test_an_engine_under_the_other_launcher_is_one_line_naming_the_right_launcher(env, wanted, launcher):
+    with pytest.raises(UserError, match=f"launch with {launcher}"):
+        resolve_engine(wanted, env)
+    assert launcher_engine({}) is None
+
+
+def test_the_rendezvous_comes_from_torchrun_or_from_srun():
+    torchrun_env = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
+                    "MASTER_ADDR": "n1", "MASTER_PORT": "29500", "SLURM_PROCID": "1"}
+    assert process_env(torchrun_env) == {"rank": 5, "size": 8, "local_rank": 1, "local_size": 4}
+    srun_env = {"SLURM_PROCID": "6", "SLURM_NTASKS": "8", "SLURM_LOCALID": "2", "SLURM_TASKS_PER_NODE": "4(x2)",
+                "MASTER_ADDR": "n1", "MASTER_PORT": "29500"}
+    assert process_env(srun_env) == {"rank": 6, "size": 8, "local_rank": 2, "local_size": 4}
+    assert slurm_tasks_per_node({"SLURM_STEP_TASKS_PER_NODE": "3,2"}) == 3
+    assert process_env({}) == {"rank": 0, "size": 1, "local_rank": 0, "local_size": 1}
+    with pytest.raises(UserError, match="MASTER_ADDR"):
+        process_env({k: v for k, v in srun_env.items() if k != "MASTER_ADDR"})
+
+
+# ----------------------------------------------------------------------------- the step on DDP (one torchrun job)
+
+def test_the_ddp_step_matches_numpy_fp16_wire_accumulation_channels_last_and_a_skipped_step(tmp_path):
+    out = tmp_path / "checks.json"
+    proc = run([TORCHRUN, "--standalone", "--nproc-per-node=2", os.path.join(REPO, "tests", "scripts",
+                                                                            "torch_engine_checks.py"), str(out)])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    for rank in (0, 1):
+        mine = {k.split(".", 1)[1]: v for k, v in r.items() if k.startswith(f"rank{rank}.")}
+        assert mine["fp16_wire_exact"], mine["fp16_wire_max_error"]  # fp16(fp16(g0)/2 + fp16(g1)/2), bit for bit
+        assert mine["no_sync_kept_local"]
+        assert mine["accumulated_max_error"] < 1e-6
+        assert mine["nhwc_grads_keep_strides"] and mine["nhwc_conv_grad_is_channels_last"]
+        assert mine["nhwc_max_error"] < 1e-6
+        # the inf was on rank 1 only: both ranks skipped, halved S, then stepped together
+        assert mine["skipped_on_this_rank"] and mine["skipped_steps"] == 1 and mine["scale_after"] == 512.0
+        assert mine["stepped_after"] and mine["ranks_equal_after"]
+
+
+# ----------------------------------------------------------------------------- parity with the Horovod engine
+
+def parity_recipe(data: str, run_dir: str) -> dict:
+    return tiny_config(data, run_dir, train={"epochs": 2, "batch_size": 16, "deterministic": True},
+                       optim={"name": "goyal", "lr": 0.05, "warmup_epochs": 1})
+
+
+@pytest.fixture(scope="module")
+def parity_runs(small_digits, tmp_path_factory):
+    """The same recipe (fp32, SGD) trained on 2 ranks by each engine."""
+    runs = {}
+    for engine, launch in (("torch", torchrun), ("horovod", horovodrun)):
+        run_dir = tmp_path_factory.mktemp(f"parity-{engine}")
+        config = run_dir / "config.yaml"
+        config.write_text(yaml.safe_dump(parity_recipe(small_digits, str(run_dir / "run"))))
+        args = ["train", "--config", str(config)] + (["--engine", "torch"] if engine == "torch" else [])
+        proc = launch(2, args)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        runs[engine] = (str(run_dir / "run"), proc.stdout)
+    return runs
+
+
+@pytest.mark.slow
+def test_both_engines_train_the_same_recipe_to_the_same_losses(parity_runs):
+    torch_dir, torch_out = parity_runs["torch"]
+    horovod_dir, _ = parity_runs["horovod"]
+    ours, theirs = read_metrics(torch_dir), read_metrics(horovod_dir)
+    assert [r["epoch"] for r in ours] == [1, 2]
+    for a, b in zip(ours, theirs, strict=True):
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-4)  # another summation order at most
+        assert a["samples_seen"] == b["samples_seen"]
+        assert abs(a["val_top1"] - b["val_top1"]) <= 0.01
+    assert "actual average single-GPU training time" in torch_out  # the same summary table
+    assert "2 rank(s) of the torch engine" in torch_out
+    report = json.loads(open(os.path.join(torch_dir, "report.json")).read())
+    assert len(set(report["rank_digests"])) == 1
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_either_engine_loads_bitwise_under_the_other(parity_runs, small_digits, tmp_path):
+    """The torch run's last checkpoint, resumed by the Horovod engine (nothing left to train): the state each rank
+    holds is the saved one, bit for bit (finish() digests it)."""
+    moved = str(tmp_path / "moved")
+    shutil.copytree(parity_runs["torch"][0], moved)
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(parity_recipe(small_digits, moved)))
+    proc = horovodrun(2, ["train", "--config", str(config), "--resume"])
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "resumed from epoch 2" in proc.stdout and "of the horovod engine" in proc.stdout
+    saved = torch.load(os.path.join(moved, "checkpoint-epoch0002.pt"), weights_only=True)
+    digests = json.loads(open(os.path.join(moved, "report.json")).read())["rank_digests"]
+    assert digests == [state_digest(saved["model"], saved["optimizer"])] * 2
+
+
+# ----------------------------------------------------------------------------- preemption, resume, failures
+
+def torchrun_until_sigterm(config: str, victim: int) -> str:
+    """A 2-rank torch-engine run whose rank ``victim`` gets SIGTERM once training has begun; its output."""
+    cmd = [TORCHRUN, "--standalone", "--nproc-per-node=2", "--no-python", HYBRIDTRAIN, "train", "--config", config]
+    proc = subprocess.Popen(cmd, env=env_with_venv(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if "steps/epoch" in line:  # the setup line: the signal handlers are in place
+                for pid in rank_pids(config, victim, "torch"):
+                    os.kill(pid, signal.SIGTERM)
+                break
+        lines += proc.stdout.readlines()
+        proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, "".join(lines)[-3000:]
+    return "".join(lines)
+
+
+@pytest.mark.slow
+def test_sigterm_then_resume_is_bitwise_on_torch_and_continues_at_the_same_step_on_horovod(small_digits, tmp_path):
+    few = digits_subset(small_digits, str(tmp_path / "few"), 8, 3)  # 5 steps of 2 x 8 per epoch
+    def recipe(run_dir, **data):
+        return tiny_config(few, str(tmp_path / run_dir), train={"epochs": 1, "batch_size": 8, "deterministic": True},
+                           optim={"name": "hybrid", "adabound_epochs": 0}, data=data)
+    def write(name, cfg):
+        (tmp_path / name).write_text(yaml.safe_dump(cfg))
+        return str(tmp_path / name)
+    straight = torchrun(2, ["train", "--config", write("straight.yaml", recipe("straight")), "--engine", "torch"])
+    assert straight.returncode == 0, straight.stdout[-3000:]
+    broken = write("broken.yaml", recipe("broken", **WITH_WORKERS))
+    stopped = torchrun_until_sigterm(broken, victim=1)
+    line = next(x for x in stopped.splitlines() if "stopped on SIGTERM" in x)
+    step = int(re.search(r"after step (\d+) of epoch 1;", line).group(1))
+    assert 0 < step < 5 and not our_frames(stopped)
+    shutil.copytree(tmp_path / "broken", tmp_path / "crossed")
+
+    resumed = torchrun(2, ["train", "--config", broken, "--resume", "auto"])
+    assert resumed.returncode == 0 and f"resumed from step {step} of epoch 1" in resumed.stdout
+    assert file_digest(tmp_path / "broken" / "final_model.pt") == file_digest(tmp_path / "straight" / "final_model.pt")
+
+    crossed = horovodrun(2, ["train", "--config", write("crossed.yaml", recipe("crossed", **WITH_WORKERS)),
+                             "--resume", "auto"])
+    assert crossed.returncode == 0, crossed.stdout[-3000:]
+    assert f"resumed from step {step} of epoch 1" in crossed.stdout  # the same step, so the same next sample
+    a, b = read_metrics(str(tmp_path / "straight"))[0], read_metrics(str(tmp_path / "crossed"))[0]
+    assert a["samples_seen"] == b["samples_seen"]
+    assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-4)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc to find the ranks")
+def test_a_killed_torch_rank_ends_the_job_quickly_naming_it(small_digits, tmp_path, write_config):
+    run_dir = str(tmp_path / "run")
+    cfg = write_config(tiny_config(small_digits, run_dir, train={"epochs": 20, "batch_size": 8}, data=WITH_WORKERS,
+                                   distributed={"engine": "torch"}))
+    proc, output, ended_after = signal_a_rank_after_epoch_one(cfg, run_dir, 2, 1, signal.SIGKILL, 0.3, "torch")
+    assert proc.returncode != 0 and ended_after < 60, f"the job took {ended_after:.0f} s to end"
+    lines = [x for x in output.splitlines() if "the job stopped because" in x]
+    assert len(lines) == 1, output[-3000:]
+    assert "rank 1 (its process is gone) died" in lines[0] and "--resume auto" in lines[0]
+    assert not our_frames(output), output[-3000:]
+    time.sleep(1)
+    assert all(rank_pids(cfg, r, "torch") == [] for r in range(2)), "a rank was left behind"
+
+
+# ----------------------------------------------------------------------------- refusals, one line each
+
+def test_horovod_under_torchrun_is_refused_in_one_line(small_digits, tmp_path, write_config):
+    cfg = write_config(tiny_config(small_digits, str(tmp_path / "run"), train={"epochs": 1}, optim={"name": "sgd"}))
+    proc = torchrun(2, ["train", "--config", cfg, "--engine", "horovod"])
+    lines = error_lines(proc.stdout + proc.stderr)
+    assert proc.returncode != 0 and len(lines) == 1, proc.stderr[-3000:]
+    assert "launch with horovodrun" in lines[0] and not our_frames(proc.stdout + proc.stderr)
+
+
+@pytest.mark.parametrize("sets,needle", [(["--elastic"], "--elastic is Horovod's"),
+                                         (["--set", "horovod.autotune=true"], "horovod.autotune tunes the Horovod"),
+                                         (["--set", "horovod.fusion_threshold_mb=64"], "horovod.fusion_threshold_mb")])
+def test_what_the_torch_engine_cannot_do_is_one_line(small_digits, tmp_path, write_config, sets, needle):
+    cfg = write_config(tiny_config(small_digits, str(tmp_path / "run"), train={"epochs": 1}, optim={"name": "sgd"}))
+    proc = run([HYBRIDTRAIN, "train", "--config", cfg, "--engine", "torch", *sets])
+    lines = error_lines(proc.stderr)
+    assert proc.returncode == 2 and len(lines) == 1 and needle in lines[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_without_horovod_the_horovod_engine_names_the_install_option_and_auto_trains_on_torch(small_digits, tmp_path,
+                                                                                             write_config):
+    python = venv_without(str(tmp_path / "venv"), ["horovod", "horovod-*"])
+    cfg = write_config(tiny_config(small_digits, str(tmp_path / "run"), train={"epochs": 1}, optim={"name": "sgd"}))
+    env = env_with_venv()
+    env["PATH"] = os.path.dirname(python) + os.pathsep + env["PATH"]
+    named = subprocess.run([python, "-m", "hybridtrain", "train", "--config", cfg, "--engine", "horovod"],
+                           capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=300)
+    lines = error_lines(named.stderr)
+    assert named.returncode == 2 and len(lines) == 1, named.stderr[-2000:]
+    assert "HYBRIDTRAIN_SKIP_HOROVOD" in lines[0] and "--engine torch" in lines[0]
+    auto = subprocess.run([python, "-m", "hybridtrain", "train", "--config", cfg], capture_output=True, text=True,
+                          env=env, cwd=str(tmp_path), timeout=300)
+    assert auto.returncode == 0, auto.stderr[-2000:]
+    assert "1 rank(s) of the torch engine" in auto.stdout
+    assert read_metrics(str(tmp_path / "run"))[0]["world_size"] == 1
