@@ -131,12 +131,17 @@ def cmd_bench(args) -> int:
         return cmd_find_max_batch(args, sets)
     from hybridtrain.perf.step_bench import bench, format_table
     rows = bench(args.config, sets, args.precision or [], args.batch_size or [], args.steps, args.warmup,
-                 args.baseline, args.profile, args.threads, args.horovod, args.phase)
+                 args.baseline, args.profile, args.threads, launched_engines(args), args.phase)
     print(format_table(rows))
     if args.json is not None:
         write_json_atomically(args.json, rows)
         print(f"rows written to {args.json}")
     return 0
+
+
+def launched_engines(args) -> list[str]:
+    """bench's rows of the whole step as train runs it: --engine, and --horovod as --engine horovod."""
+    return list(dict.fromkeys((["horovod"] if args.horovod else []) + (args.engine or [])))
 
 
 def cmd_find_max_batch(args, sets: list[str]) -> int:
@@ -184,7 +189,7 @@ def cmd_experiment(args) -> int:
     check_output_dir(args.out, "--out")
     if args.ranks < 1:
         raise UserError(f"--ranks must be >= 1, got {args.ranks}")
-    run_experiment(args.name, args.config, args.set, args.out, args.ranks, args.target)
+    run_experiment(args.name, args.config, with_engine(args), args.out, args.ranks, args.target)
     return 0
 
 
@@ -213,10 +218,18 @@ def cmd_scale(args) -> int:
     from hybridtrain.perf.scaling import format_table, parse_compressions, run_scale
     check_output_dir(args.out, "--out")
     rows = run_scale(args.config, args.set, args.np, parse_compressions(args.compression), args.steps,
-                     args.warmup, args.out, args.oversubscribe)
+                     args.warmup, args.out, args.oversubscribe, parse_engines(args.engine))
     print(format_table(rows))
     print(f"scale.json and scale.png written to {args.out}")
     return 0
+
+
+def parse_engines(text: str) -> tuple[str, ...]:
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    if not names or any(n not in ("horovod", "torch") for n in names) or len(set(names)) != len(names):
+        raise UserError(f"--engine must list horovod and/or torch, each once, got '{text}': e.g. --engine "
+                        f"horovod,torch")
+    return names
 
 
 def cmd_predict(args) -> int:
@@ -430,7 +443,11 @@ def build_parser() -> argparse.ArgumentParser:
     step.add_argument("--baseline", action="store_true", help="also time a plain torchvision + SGD + AMP loop")
     step.add_argument("--horovod", action="store_true",
                       help="also time the whole step as train runs it: one rank under horovodrun, with Horovod's "
-                           "DistributedOptimizer, the all-reduce compression, the loss scaler and the schedule")
+                           "DistributedOptimizer, the all-reduce compression, the loss scaler and the schedule "
+                           "(the same as --engine horovod)")
+    step.add_argument("--engine", action="append", choices=("horovod", "torch"),
+                      help="also time the whole step as train runs it on this engine: one rank under horovodrun "
+                           "or torchrun (DDP); repeatable, e.g. --engine horovod --engine torch")
     step.add_argument("--phase", choices=["adabound", "sgd"], default="adabound",
                       help="the hybrid optimizer's phase to time: its AdaBound warmup (default) or SGD + LARS")
     step.add_argument("--profile", metavar="DIR", help="write a torch profiler trace of 3 trainer steps here")
@@ -471,7 +488,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--warmup", type=WARMUP, default=5, help="untimed batches first (default 5)")
     bench.set_defaults(func=cmd_bench_data)
 
-    exp = sub.add_parser("experiment", help="run a named comparison on Horovod ranks (optimizers, warmup-epochs, "
+    exp = sub.add_parser("experiment", help="run a named comparison on 2+ ranks (optimizers, warmup-epochs, "
                                             "lars, precision, layered, bn, init, gamma)")
     exp.add_argument("name", help="optimizers (paper Fig 3.1), warmup-epochs (Fig 3.2), lars (LARS defaults), "
                                   "precision (seed 003, Fig 3.3), layered (seed 000), bn (Table 3.4), init "
@@ -479,7 +496,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_recipe_options(exp, "base recipe (default configs/demo.yaml)", "override for every row",
                        default="configs/demo.yaml")
     exp.add_argument("--out", default="runs/experiments", help="where tables, JSON and PNGs go")
-    exp.add_argument("--ranks", type=RANKS, default=2, help="Horovod ranks per row (default 2)")
+    exp.add_argument("--ranks", type=RANKS, default=2, help="ranks per row (default 2)")
+    add_engine_option(exp)
     exp.add_argument("--target", type=FRACTION_TARGET, help="val top-1 target for epochs-to-target (default: the "
                                                             "recipe's report.top1_target)")
     exp.set_defaults(func=cmd_experiment)
@@ -504,6 +522,9 @@ def build_parser() -> argparse.ArgumentParser:
     scale.add_argument("--steps", type=STEPS, default=20, help="timed steps (default 20)")
     scale.add_argument("--warmup", type=WARMUP, default=5, help="untimed steps first (default 5)")
     scale.add_argument("--out", default="runs/scale", help="where scale.json, scale.png and timelines go")
+    scale.add_argument("--engine", default="horovod",
+                       help="the engines to measure, e.g. horovod,torch: rows under horovodrun and under torchrun "
+                            "(default horovod)")
     scale.add_argument("--oversubscribe", action="store_true",
                        help="allow more ranks than cores (for calibrating predict on a small machine)")
     scale.set_defaults(func=cmd_scale)

@@ -14,8 +14,8 @@ import pytest
 import torch
 from conftest import (
     HOROVODRUN,
-    TORCHRUN,
     HYBRIDTRAIN,
+    TORCHRUN,
     WITH_WORKERS,
     env_with_venv,
     horovodrun,

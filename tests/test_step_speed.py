@@ -238,14 +238,14 @@ def test_bench_times_the_whole_step_as_train_runs_it_under_horovodrun(tmp_path):
                 "--threads", "1", "--phase", "sgd", "--json", str(out)], timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     trainer, train, baseline = json.loads(out.read_text())
-    assert (trainer["loop"], train["loop"], baseline["loop"]) == ("trainer", "train", "baseline")
+    assert (trainer["loop"], train["loop"], baseline["loop"]) == ("trainer", "train/horovod", "baseline")
     assert trainer["optimizer"] == train["optimizer"] == "hybrid/sgd+lars" and baseline["optimizer"] == "sgd"
     assert train["batch_size"] == 4 and train["images_per_sec"] > 0
     assert train["mean_ms"] == pytest.approx(4000 / train["images_per_sec"])  # one rank: b / step time
     for row in (trainer, train):
         assert row["over_baseline"] == pytest.approx(row["images_per_sec"] / baseline["images_per_sec"])
     assert "horovodrun --gloo -np 1" in proc.stdout
-    assert "| train | resnet18 | hybrid/sgd+lars | fp32 | 4 | 32 |" in proc.stdout
+    assert "| train/horovod | resnet18 | hybrid/sgd+lars | fp32 | 4 | 32 |" in proc.stdout
 
 
 def test_bench_phase_sgd_of_a_one_phase_optimizer_is_one_line():

@@ -27,7 +27,8 @@ def log_setup(cfg: Config, t: Trainer) -> None:
     if data.skipped_files:
         log(topo, f"hybridtrain: skipping {len(data.skipped_files)} non-image file(s), e.g. {data.skipped_files[0]}")
     dropped = data.dropped_per_epoch + (data.steps_per_epoch - t.updates * k) * topo.size * cfg.train.batch_size
-    log(topo, f"hybridtrain: {topo.size} rank(s) of the {topo.engine} engine on {device_name(topo.device)}, {cfg.data.backend} input, "
+    log(topo, f"hybridtrain: {topo.size} rank(s) of the {topo.engine} engine on {device_name(topo.device)}, "
+              f"{cfg.data.backend} input, "
               f"{'channels_last' if cfg.data.channels_last else 'NCHW'}, {t.precision.policy.mode} precision "
               f"(fp32 math {t.fp32_math}), all-reduce compression {t.compression}")
     log(topo, f"hybridtrain: {data.train_images} train / "

@@ -430,7 +430,7 @@ def read_bench(row: Row) -> str:
     row.peak_allocated_mb = trainer.get("peak_memory_mb")
     row.peak_reserved_mb = trainer.get("peak_memory_reserved_mb")
     row.device_used_mb = trainer.get("device_memory_used_mb")
-    train = next((r for r in results if r.get("loop") == "train"), None)
+    train = next((r for r in results if r.get("loop") == "train/horovod"), None)
     whole = f"; whole step under horovodrun {train['over_baseline']:.3f}x" if train and "over_baseline" in train else ""
     row.detail = (f"plain loop {row.baseline_images_per_sec:.0f} img/s; host syncs/step "
                   f"{trainer.get('host_syncs_per_step')}{whole}")

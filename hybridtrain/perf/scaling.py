@@ -1,6 +1,7 @@
-"""``hybridtrain scale``: the synthetic-data training benchmark at several rank counts, through horovodrun.
+"""``hybridtrain scale``: the synthetic-data training benchmark at several rank counts, on either engine.
 
-Each (ranks, compression) row launches ``horovodrun --gloo -np N`` with Horovod's timeline on, and every
+Each (engine, ranks, compression) row launches ``horovodrun --gloo -np N`` with Horovod's timeline on (or
+``torchrun --nproc-per-node=N`` for the torch engine, which has no timeline), and every
 rank runs ``warmup`` then ``steps`` of the trainer's own training steps (``engine.trainer.build_trainer``: the
 config's model, layout, optimizer and schedule, precision, compile and CUDA graphs) on the synthetic backend's
 fixed batch, one torch thread per rank (so 1 and 2 ranks on a 2-core machine compare fairly). From
@@ -20,7 +21,7 @@ import time
 
 import numpy as np
 
-from hybridtrain.distributed.launcher import venv_tool
+from hybridtrain.distributed.launcher import launch_command
 from hybridtrain.errors import UserError
 
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
@@ -42,13 +43,13 @@ def measured_config(config: str, overrides: list[str], compression: str | None =
 
 def worker(config: str, overrides: list[str], compression: str, steps: int, warmup: int, out: str,
            phase: str = "adabound") -> None:
-    from hybridtrain.distributed import horovod as distributed
+    from hybridtrain.distributed import collectives as distributed
     from hybridtrain.engine.step import train_step
     from hybridtrain.engine.trainer import build_trainer
     from hybridtrain.optim.schedules import hybrid_phase_start
 
     cfg = measured_config(config, overrides, compression)
-    topo = distributed.init(1, cfg.horovod, device=cfg.train.device)
+    topo = distributed.init(1, cfg.horovod, device=cfg.train.device, engine=cfg.distributed.engine)
     t = build_trainer(cfg, topo)
     distributed.broadcast_model(t.model)
     images, labels, _ = next(iter(t.data.train))
@@ -69,7 +70,8 @@ def worker(config: str, overrides: list[str], compression: str, steps: int, warm
     elapsed = time.perf_counter() - start
     if topo.is_root:
         b = cfg.train.batch_size * k
-        record = {"world_size": topo.size, "compression": compression, "steps": steps, "warmup": warmup,
+        record = {"world_size": topo.size, "engine": topo.engine, "compression": compression, "steps": steps,
+                  "warmup": warmup,
                   "batch_per_rank": b, "accumulation_steps": k, "step_time_s": elapsed / steps,
                   "images_per_sec": topo.size * b * steps / elapsed,
                   "parameters": sum(p.numel() for p in t.model.parameters()), "optimizer": cfg.optim.name,
@@ -140,24 +142,26 @@ def available_slots() -> int:
 
 
 def launch(config: str, overrides: list[str], n: int, compression: str, steps: int, warmup: int, out: str,
-           phase: str = "adabound", timeline: bool = True) -> dict:
-    """One ``scale`` row: ``n`` ranks under horovodrun, their record, and from Horovod's timeline (``timeline``;
-    it costs each step time: about 14 ms of a 130 ms CPU step at one rank) the all-reduce bytes and time."""
-    horovodrun = venv_tool("horovodrun")
-    tag = f"np{n}-{compression}"
+           phase: str = "adabound", timeline: bool = True, engine: str = "horovod") -> dict:
+    """One ``scale`` row: ``n`` ranks under ``engine``'s launcher, their record, and from Horovod's timeline
+    (``timeline``; it costs each step time: about 14 ms of a 130 ms CPU step at one rank) the all-reduce bytes
+    and time. The torch engine has no timeline: its rows leave those two figures out."""
+    timeline = timeline and engine == "horovod"
+    overrides = [*overrides, f"distributed.engine={engine}"]
+    tag = f"{engine}-np{n}-{compression}"
     record_path, timeline_path = os.path.join(out, f"{tag}.json"), os.path.join(out, f"{tag}.timeline.json")
     for stale in (record_path, timeline_path):
         if os.path.exists(stale):
             os.remove(stale)
-    cmd = [horovodrun, "--gloo", "-np", str(n), "-H", f"localhost:{n}",
-           *(["--timeline-filename", timeline_path] if timeline else []),
-           sys.executable, "-m", "hybridtrain.perf.scaling", config, compression, str(steps), str(warmup), record_path,
-           phase, *overrides]
+    cmd = launch_command(engine, n, [sys.executable, "-m", "hybridtrain.perf.scaling", config, compression, str(steps),
+                                     str(warmup), record_path, phase, *overrides],
+                         horovod_args=("--timeline-filename", timeline_path) if timeline else ())
     print("+ " + " ".join(cmd), flush=True)
     proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if proc.returncode != 0 or not os.path.isfile(record_path):
         tail = [line for line in proc.stdout.splitlines() if "hybridtrain: error" in line][-1:] or ["see its output"]
-        raise UserError(f"scale row np={n} compression={compression} failed: {tail[0]}", same_on_all_ranks=False)
+        raise UserError(f"scale row {engine} np={n} compression={compression} failed: {tail[0]}",
+                        same_on_all_ranks=False)
     with open(record_path) as fh:
         record = json.load(fh)
     if n > 1 and not timeline:  # not measured
@@ -171,7 +175,8 @@ def launch(config: str, overrides: list[str], n: int, compression: str, steps: i
 
 
 def run_scale(config: str, overrides: list[str], counts: list[int], compressions: list[str], steps: int,
-              warmup: int, out: str, oversubscribe: bool = False) -> list[dict]:
+              warmup: int, out: str, oversubscribe: bool = False,
+              engines: tuple[str, ...] = ("horovod",)) -> list[dict]:
     for compression in compressions:  # a bad recipe, or one the synthetic step cannot honour, fails before any launch
         measured_config(config, overrides, compression)
     if steps < 1 or warmup < 0:
@@ -184,10 +189,10 @@ def run_scale(config: str, overrides: list[str], counts: list[int], compressions
         counts = [1] + counts  # efficiency is measured against the 1-rank row
     os.makedirs(out, exist_ok=True)
     rows = []
-    for compression in compressions:
+    for engine, compression in ((e, c) for e in engines for c in compressions):
         single = None
         for n in counts:
-            record = launch(config, overrides, n, compression, steps, warmup, out)
+            record = launch(config, overrides, n, compression, steps, warmup, out, engine=engine)
             single = single or record["images_per_sec"]
             record["ideal_images_per_sec"] = n * single
             record["efficiency"] = record["images_per_sec"] / (n * single)  # actual / (N * S1)
@@ -200,14 +205,16 @@ def run_scale(config: str, overrides: list[str], counts: list[int], compressions
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = ["| N | compression | img/s | ideal img/s | efficiency | step ms | all-reduce ms/step | "
+    def measured(value, scale: float, digits: int) -> str:  # the torch engine's rows have no timeline
+        return "-" if value is None else f"{scale * value:.{digits}f}"
+    lines = ["| engine | N | compression | img/s | ideal img/s | efficiency | step ms | all-reduce ms/step | "
              "MB all-reduced/step |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    lines += [f"| {r['world_size']} | {r['compression']} | {r['images_per_sec']:.1f} | "
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {r.get('engine', 'horovod')} | {r['world_size']} | {r['compression']} | {r['images_per_sec']:.1f} | "
               f"{r['ideal_images_per_sec']:.1f} | "
               f"{100 * r['efficiency']:.1f}% | {1000 * r['step_time_s']:.1f} | "
-              f"{1000 * r['allreduce_time_per_step_s']:.1f} | "
-              f"{r['allreduce_bytes_per_step'] / 1e6:.2f} |" for r in rows]
+              f"{measured(r['allreduce_time_per_step_s'], 1000, 1)} | "
+              f"{measured(r['allreduce_bytes_per_step'], 1e-6, 2)} |" for r in rows]
     return "\n".join(lines)
 
 
@@ -217,12 +224,13 @@ def plot_scale(rows: list[dict], path: str) -> str:
     fig = Figure(figsize=(10, 4))
     FigureCanvasAgg(fig)
     speed_ax, eff_ax = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
-    for compression in sorted({r["compression"] for r in rows}):
-        mine = [r for r in rows if r["compression"] == compression]
+    for engine, compression in sorted({(r.get("engine", "horovod"), r["compression"]) for r in rows}):
+        mine = [r for r in rows if (r.get("engine", "horovod"), r["compression"]) == (engine, compression)]
+        label = compression if len({r.get("engine", "horovod") for r in rows}) == 1 else f"{engine} {compression}"
         n = [r["world_size"] for r in mine]
-        speed_ax.plot(n, [r["images_per_sec"] for r in mine], marker="o", label=f"{compression}")
-        speed_ax.plot(n, [r["ideal_images_per_sec"] for r in mine], linestyle=":", label=f"{compression} ideal")
-        eff_ax.plot(n, [100 * r["efficiency"] for r in mine], marker="o", label=compression)
+        speed_ax.plot(n, [r["images_per_sec"] for r in mine], marker="o", label=label)
+        speed_ax.plot(n, [r["ideal_images_per_sec"] for r in mine], linestyle=":", label=f"{label} ideal")
+        eff_ax.plot(n, [100 * r["efficiency"] for r in mine], marker="o", label=label)
     speed_ax.set(xlabel="ranks", ylabel="images/s", title="throughput")
     eff_ax.set(xlabel="ranks", ylabel="scaling efficiency (%)", title="actual / (N x S1)")
     speed_ax.legend(), eff_ax.legend()

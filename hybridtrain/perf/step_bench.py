@@ -1,4 +1,4 @@
-"""``hybridtrain bench``: the trainer's own training step on synthetic data, in one process (Horovod: ``--horovod``).
+"""``hybridtrain bench``: the trainer's own training step on synthetic data, in one process (engines: ``--engine``).
 
 Each row builds the recipe's model, optimizer (with its schedule applied every step, as in training),
 precision policy and loss scaler, puts one random batch on the device (the ``synthetic`` backend), runs
@@ -13,10 +13,11 @@ a PyTorch user would write: torchvision's ResNet, ``torch.optim.SGD`` (momentum,
 a ``GradScaler`` for FP16. The ratio trainer ÷ baseline is the trainer's overhead (or gain). The two loops'
 timed steps alternate (trainer, baseline, trainer, ...), so a drift in the machine's speed (a shared CPU, a GPU's
 clocks) falls on both alike; each loop's peak memory is taken over its own warmup, the baseline's above what the
-trainer holds. ``--horovod`` adds
-the row ``train``: the whole step as ``train`` runs it, on one rank under horovodrun (Horovod's
+trainer holds. ``--engine horovod`` (or ``--horovod``) adds
+the row ``train/horovod``: the whole step as ``train`` runs it, on one rank under horovodrun (Horovod's
 DistributedOptimizer, the compression, the scaler and the schedule), whose ratio to the baseline is the honest
-one. ``--profile DIR`` writes a torch profiler trace of a few trainer steps. ``--phase sgd`` times the hybrid
+one; ``--engine torch`` the same on one rank of DDP under torchrun. ``--profile DIR`` writes a torch profiler
+trace of a few trainer steps. ``--phase sgd`` times the hybrid
 optimizer's second phase (SGD + LARS; the schedule starts at epoch T's first step) instead of its AdaBound warmup.
 """
 from __future__ import annotations
@@ -217,18 +218,19 @@ def trainer_and_baseline_rows(cfg, steps: int, warmup: int, profile_dir: str | N
             summarise("baseline", cfg, times["baseline"], device, memory=baseline_memory))
 
 
-def horovod_row(config: str | None, sets: list[str], cfg, steps: int, warmup: int, threads: int,
-                phase: str = "adabound") -> dict:
-    """The whole step as ``train`` runs it, on one rank under ``horovodrun``: the trainer built by
-    ``build_trainer`` with Horovod's DistributedOptimizer, the all-reduce compression, the loss scaler and the
-    schedule (``scale``'s worker). Its steps run back to back, so it gives the mean step time, not the median."""
+def engine_row(config: str | None, sets: list[str], cfg, steps: int, warmup: int, threads: int,
+               phase: str = "adabound", engine: str = "horovod") -> dict:
+    """The whole step as ``train`` runs it, on one rank of ``engine`` (under horovodrun or torchrun): the trainer
+    built by ``build_trainer`` with the engine's step contract (Horovod's DistributedOptimizer, or DDP), the
+    all-reduce compression, the loss scaler and the schedule (``scale``'s worker). Its steps run back to back, so
+    it gives the mean step time, not the median. The row's loop is ``train/ENGINE``."""
     import tempfile
 
     from hybridtrain.perf.scaling import launch
     with tempfile.TemporaryDirectory(prefix="hybridtrain-bench-") as out:
         record = launch(config, [*sets, f"train.threads={threads}"], 1, cfg.horovod.compression, steps, warmup, out,
-                        phase, timeline=False)  # Horovod's timeline would cost the step time it measures
-    row = summarise("train", cfg, [record["step_time_s"]] * steps, torch.device(record["device"]),
+                        phase, timeline=False, engine=engine)  # Horovod's timeline would cost the step time
+    row = summarise(f"train/{engine}", cfg, [record["step_time_s"]] * steps, torch.device(record["device"]),
                     phase=record.get("phase"))
     row.update(median_ms=None, p90_ms=None, mean_ms=1000 * record["step_time_s"], peak_memory_mb=None,
                peak_memory_reserved_mb=None, images_per_sec=record["images_per_sec"], skipped_steps=None)
@@ -276,7 +278,7 @@ def write_profile(step, device: torch.device, out_dir: str, steps: int = 3) -> s
 
 
 def bench(config: str | None, overrides: list[str], precisions: list[str], batch_sizes: list[int], steps: int,
-          warmup: int, baseline: bool, profile_dir: str | None, threads: int, horovod: bool = False,
+          warmup: int, baseline: bool, profile_dir: str | None, threads: int, engines: list[str] = (),
           phase: str = "adabound") -> list[dict]:
     if steps < 1 or warmup < 0:
         raise UserError("--steps must be >= 1 and --warmup >= 0")
@@ -302,8 +304,7 @@ def bench(config: str | None, overrides: list[str], precisions: list[str], batch
             else:
                 trainer = trainer_row(cfg, steps, warmup, profile_dir, phase)
             timed = [trainer]
-            if horovod:
-                timed.append(horovod_row(config, sets, cfg, steps, warmup, threads, phase))
+            timed += [engine_row(config, sets, cfg, steps, warmup, threads, phase, engine) for engine in engines]
             rows += timed
             if baseline:
                 rows.append(plain)

@@ -12,7 +12,7 @@ import re
 import subprocess
 
 from hybridtrain.config import load_config
-from hybridtrain.distributed.launcher import venv_tool
+from hybridtrain.distributed.launcher import launch_command, resolve_engine, venv_tool
 from hybridtrain.errors import UserError
 from hybridtrain.reports.paper_metrics import convergence_epoch
 from hybridtrain.reports.report import load_run
@@ -99,11 +99,9 @@ EXPERIMENTS = {"optimizers": optimizer_rows, "warmup-epochs": warmup_epoch_rows,
                "gamma": gamma_rows}
 
 
-def launch_row(config: str, overrides: list[str], run_dir: str, ranks: int) -> None:
-    horovodrun, hybridtrain = venv_tool("horovodrun"), venv_tool("hybridtrain")
+def launch_row(config: str, overrides: list[str], run_dir: str, ranks: int, engine: str = "horovod") -> None:
     sets = [arg for o in overrides + [f"run_dir={run_dir}", "train.progress=false"] for arg in ("--set", o)]
-    cmd = [horovodrun, "--gloo", "-np", str(ranks), "-H", f"localhost:{ranks}", hybridtrain, "train",
-           "--config", config, *sets]
+    cmd = launch_command(engine, ranks, [venv_tool("hybridtrain"), "train", "--config", config, *sets])
     print("+ " + " ".join(cmd), flush=True)
     proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if proc.returncode != 0:
@@ -168,7 +166,7 @@ def run_experiment(name: str, config: str, overrides: list[str], out: str, ranks
     rows = []
     for row_name, row_sets in EXPERIMENTS[name](cfg):
         run_dir = os.path.join(out, "runs", re.sub(r"[^A-Za-z0-9.+-]+", "_", row_name.replace("=", "-")).strip("_"))
-        launch_row(config, overrides + row_sets, run_dir, ranks)
+        launch_row(config, overrides + row_sets, run_dir, ranks, resolve_engine(cfg.distributed.engine))
         rows.append(summarise_row(row_name, run_dir, target))
     with open(os.path.join(out, f"{name}.json"), "w") as fh:
         json.dump([{k: v for k, v in r.items() if k != "history"} for r in rows], fh, indent=2)
