@@ -28,7 +28,7 @@ VENV_BIN = Path(sys.executable).parent
 DOCKERFILES = {"gpu": DOCKER / "Dockerfile.gpu", "cpu": DOCKER / "Dockerfile.cpu"}
 HOST_LAUNCHERS = ["horovodrun.sh", "mpirun.sh"]
 
-SHELL_FILES = sorted(LAUNCH.glob("*.sh")) + [LAUNCH / "slurm.sbatch"] + sorted(DOCKER.glob("*.sh"))
+SHELL_FILES = sorted(LAUNCH.glob("*.sh")) + sorted(LAUNCH.glob("*.sbatch")) + sorted(DOCKER.glob("*.sh"))
 
 
 def clean_env(**extra: str) -> dict:
@@ -101,6 +101,7 @@ def test_scripts_are_executable_and_strict(path):
 
 @pytest.mark.parametrize("cmd", [
     launcher("horovodrun.sh"), launcher("mpirun.sh"), launcher("local.sh"), launcher("slurm.sbatch"),
+    launcher("torchrun.sh"), launcher("slurm-torch.sbatch"),
     [DOCKER / "entrypoint.sh"], [DOCKER / "healthcheck.sh"]], ids=lambda c: Path(c[-1]).name)
 def test_help_prints_usage(cmd):
     proc = run([*cmd, "--help"])
@@ -188,6 +189,46 @@ def test_slurm_dry_run(config):
                             "--config", config, "--resume") + "\n"
     proc = run([*launcher("slurm.sbatch"), "--config", config, "--dry-run"], env=clean_env(SRUN_MPI="pmi2"))
     assert "--mpi=pmi2" in proc.stdout
+
+
+def test_torchrun_dry_run_one_node_and_many(config):
+    proc = run([*launcher("torchrun.sh"), "--nproc-per-node", "2", "--config", config, "--dry-run", "--", "--resume",
+                "auto"])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == q("torchrun", "--standalone", "--nproc-per-node", 2, "--max-restarts", 0, "--no-python",
+                            "hybridtrain", "train", "--config", config, "--engine", "torch", "--resume", "auto") + "\n"
+    proc = run([*launcher("torchrun.sh"), "--nnodes", "2", "--rdzv-endpoint", "node1:29500", "--nproc-per-node", "4",
+                "--max-restarts", "3", "--config", config, "--dry-run"], env=clean_env(SLURM_JOB_ID="77"))
+    assert proc.stdout == q("torchrun", "--nnodes", 2, "--rdzv-backend=c10d", "--rdzv-endpoint", "node1:29500",
+                            "--rdzv-id", 77, "--nproc-per-node", 4, "--max-restarts", 3, "--no-python", "hybridtrain",
+                            "train", "--config", config, "--engine", "torch") + "\n"
+
+
+def test_torchrun_bad_input_is_one_line(config):
+    assert_one_error(run([*launcher("torchrun.sh"), "--nnodes", "2", "--config", config, "--dry-run"]),
+                     "needs --rdzv-endpoint")
+    assert_one_error(run([*launcher("torchrun.sh"), "--nnodes", "1:4", "--rdzv-endpoint", "n:1", "--config", config,
+                          "--dry-run"]), "fixed number of nodes")
+    assert_one_error(run([*launcher("torchrun.sh"), "--nproc-per-node", "0", "--config", config, "--dry-run"]),
+                     "positive integer")
+    assert_one_error(run([*launcher("torchrun.sh"), "--nproc-per-node", "1", "--config", config]),
+                     "torchrun is not on PATH")
+
+
+def test_slurm_torch_dry_run_takes_the_rendezvous_from_the_job(config, tmp_path):
+    scontrol = tmp_path / "scontrol"  # a stand-in for Slurm's own tool: the expansion of a node list
+    scontrol.write_text("#!/bin/sh\nprintf 'gpu-a07\\ngpu-a08\\n'\n")
+    scontrol.chmod(0o755)
+    env = clean_env(PATH=f"{tmp_path}:/usr/bin:/bin", SLURM_JOB_NODELIST="gpu-a[07-08]")
+    proc = run([*launcher("slurm-torch.sbatch"), "--config", config, "--dry-run", "--", "--resume", "auto"], env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == q("srun", "--kill-on-bad-exit=1", "hybridtrain", "train", "--config", config, "--engine",
+                            "torch", "--resume", "auto") + "\n"
+    srun = tmp_path / "srun"  # and of srun: what each rank would see
+    srun.write_text("#!/bin/sh\necho \"rendezvous $MASTER_ADDR:$MASTER_PORT\"\n")
+    srun.chmod(0o755)
+    proc = run([*launcher("slurm-torch.sbatch"), "--config", config], env={**env, "SLURM_JOB_ID": "5"})
+    assert proc.returncode == 0 and proc.stdout.splitlines()[-1] == "rendezvous gpu-a07:29500", proc.stderr
 
 
 def test_slurm_directives():
@@ -331,6 +372,17 @@ def test_local_launch_reaches_the_trainer():
                 "--", PROBE], env=venv_env(), timeout=120)
     assert proc.stdout.splitlines()[0] == q("horovodrun", "-np", 1, "-H", "localhost:1", "--start-timeout", 60,
                                             "hybridtrain", "train", "--config", "configs/demo.yaml", PROBE)
+    assert proc.returncode != 0
+    assert f"hybridtrain: error: unrecognized arguments: {PROBE}" in proc.stdout + proc.stderr
+
+
+@needs_venv
+def test_torchrun_launch_reaches_the_trainer():
+    proc = run([*launcher("torchrun.sh"), "--nproc-per-node", "1", "--config", "configs/demo.yaml", "--", PROBE],
+               env=venv_env(), timeout=120)
+    assert proc.stdout.splitlines()[0] == q("torchrun", "--standalone", "--nproc-per-node", 1, "--max-restarts", 0,
+                                            "--no-python", "hybridtrain", "train", "--config", "configs/demo.yaml",
+                                            "--engine", "torch", PROBE)
     assert proc.returncode != 0
     assert f"hybridtrain: error: unrecognized arguments: {PROBE}" in proc.stdout + proc.stderr
 
