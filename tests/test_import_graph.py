@@ -117,3 +117,37 @@ def test_no_module_calls_anything_at_import():
                 if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
                     calls.append(f"{os.path.relpath(path, PACKAGE)}:{node.lineno}")
     assert calls == []
+
+
+ENGINE_MODULES = ("hybridtrain.distributed.horovod", "hybridtrain.distributed.torch_distributed")
+# the one place above distributed/ allowed to name Horovod: its elastic loop, and the tool that times its compressor
+NAMES_HOROVOD = ("hybridtrain.engine.elastic", "hybridtrain.perf.compression_cost")
+
+
+def library_imports(path: str) -> set[str]:
+    """The top-level and dotted names ``path`` imports from outside the package (horovod.torch, torch.distributed)."""
+    found = set()
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return found
+
+
+def test_each_engine_stays_behind_the_distributed_face():
+    """engine/, models/, precision/, data/, perf/ and reports/ call distributed.collectives (and topology, launcher,
+    layout); only distributed/ imports an engine module, horovod or torch.distributed (and Horovod's elastic loop)."""
+    leaks = []
+    for root, _, files in os.walk(PACKAGE):
+        for f in (f for f in files if f.endswith(".py")):
+            path = os.path.join(root, f)
+            name = module_name(path)
+            if name.startswith("hybridtrain.distributed") or name in NAMES_HOROVOD:
+                continue
+            modules = imported_modules(path, set(import_graph())) | library_imports(path)
+            leaks += [f"{name} imports {m}" for m in modules
+                      if m in ENGINE_MODULES or m.split(".")[0] == "horovod" or m.startswith("torch.distributed")]
+            leaks += [f"{name} calls import_horovod"] if "import_horovod" in open(path).read() else []
+    assert leaks == []
+    assert "hybridtrain.distributed.collectives" in import_graph()["hybridtrain.engine.trainer"]
