@@ -3,13 +3,19 @@ VENV ?= .venv
 BIN := $(abspath $(VENV))/bin
 export PATH := $(BIN):$(PATH)
 
-.PHONY: install demo test
+.PHONY: install demo demo-torch test
 install:
 	./install.sh
 
 demo: install
 	hybridtrain prepare-data digits --out data/digits
 	horovodrun -np 2 -H localhost:2 hybridtrain train --config configs/demo.yaml --resume auto
+
+# the same demo on the torch engine (DDP under torchrun; needs no Horovod), into its own run_dir
+demo-torch: install
+	hybridtrain prepare-data digits --out data/digits
+	torchrun --standalone --nproc-per-node=2 -m hybridtrain train --config configs/demo.yaml --engine torch \
+		--set run_dir=runs/demo-torch --resume auto
 
 test: install
 	# a full run writes about 13 GB of checkpoints and data under pytest's temp folder: keep only failed tests'
