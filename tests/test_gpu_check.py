@@ -78,7 +78,7 @@ def names(rows):
 
 def test_one_gpu_matrix_runs_every_precision_and_mode_and_says_why_not_two_ranks(tmp_path):
     rows = gc.build_rows(1, False, str(tmp_path), "/venv/bin")
-    trains = [r for r in rows if r.kind == "train"]
+    trains = [r for r in rows if r.kind == "train" and not r.name.endswith("-torch")]
     assert {(r.precision, r.mode) for r in trains} == {(p, m) for p in gc.PRECISIONS for m in gc.MODES}
     assert all(r.ranks == 1 and r.argv[:6] == ["/venv/bin/horovodrun", "--gloo", "-np", "1", "-H", "localhost:1"]
                for r in trains)
@@ -91,13 +91,17 @@ def test_one_gpu_matrix_runs_every_precision_and_mode_and_says_why_not_two_ranks
     assert fused.argv[-2:] == ["--set", "optim.fused=true"] and "--horovod" not in fused.argv
     (optimizer,) = [r for r in rows if r.kind == "bench-optim"]
     assert optimizer.argv[1:3] == ["bench-optim", "--fused"] and optimizer.output.endswith("bench-optim.json")
+    (ddp,) = [r for r in rows if r.name.endswith("-torch")]  # the second engine once: DDP and NCCL on the GPU
+    assert ddp.argv[:4] == ["/venv/bin/torchrun", "--standalone", "--nproc-per-node=1", "--no-python"]
+    assert ddp.argv[ddp.argv.index("--engine") + 1] == "torch" and ddp.ranks == 1
     assert names(rows)[0] == "gpu-tests" and names(rows)[-1].endswith("-compiled")  # the slow compiles last
     assert len(set(names(rows))) == len(rows)  # one log per row
 
 
 def test_two_gpus_add_a_two_rank_row_and_quick_keeps_one_precision_for_the_slow_modes(tmp_path):
     rows = gc.build_rows(2, True, str(tmp_path), "/venv/bin")
-    (two,) = [r for r in rows if r.ranks == 2]
+    (two, ddp) = [r for r in rows if r.ranks == 2]
+    assert ddp.name.endswith("-torch") and "--nproc-per-node=2" in ddp.argv
     assert two.kind == "train" and two.argv[3:6] == ["2", "-H", "localhost:2"]
     assert f"data.synthetic_images={2 * gc.BATCH * gc.STEPS_PER_EPOCH}" in two.argv
     assert not [r for r in rows if r.kind == "note"]

@@ -12,7 +12,6 @@ import subprocess
 import pytest
 import yaml
 from conftest import (
-    HOROVODRUN,
     HYBRIDTRAIN,
     WITH_WORKERS,
     digits_subset,
@@ -21,7 +20,7 @@ from conftest import (
     rank_output,
     tiny_config,
 )
-from test_horovod_training import rank_pids
+from test_horovod_training import launch_train, rank_pids
 
 PRECISIONS = {
     "fp32": {"mode": "fp32"},
@@ -47,10 +46,11 @@ def file_digest(path) -> str:
     return hashlib.sha256(open(path, "rb").read()).hexdigest()
 
 
-def train_until_sigterm(config: str, ranks_to_signal: tuple[int, ...], resume: bool) -> subprocess.CompletedProcess:
-    """Start a 2-rank run, SIGTERM the given ranks once training has begun (as SLURM does before a time
-    limit), and wait for the job to end."""
-    cmd = [HOROVODRUN, "--gloo", "-np", "2", "-H", "localhost:2", HYBRIDTRAIN, "train", "--config", config]
+def train_until_sigterm(config: str, ranks_to_signal: tuple[int, ...], resume: bool,
+                        engine: str = "horovod") -> subprocess.CompletedProcess:
+    """Start a 2-rank run of ``engine``, SIGTERM the given ranks once training has begun (as SLURM does before a
+    time limit), and wait for the job to end."""
+    cmd = [*launch_train(2, engine), "--config", config]
     proc = subprocess.Popen(cmd + (["--resume", "auto"] if resume else []), env=env_with_venv(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines = []
@@ -59,7 +59,7 @@ def train_until_sigterm(config: str, ranks_to_signal: tuple[int, ...], resume: b
             lines.append(line)
             if "steps/epoch" in line:  # the setup line: the signal handlers are in place
                 for rank in ranks_to_signal:
-                    for pid in rank_pids(config, rank):
+                    for pid in rank_pids(config, rank, engine):
                         os.kill(pid, signal.SIGTERM)
                 break
         lines += proc.stdout.readlines()

@@ -30,7 +30,7 @@ from conftest import (
     venv_without,
 )
 from test_horovod_training import rank_pids, signal_a_rank_after_epoch_one
-from test_preemption import file_digest
+from test_preemption import file_digest, train_until_sigterm
 
 from hybridtrain.distributed.collectives import state_digest
 from hybridtrain.distributed.launcher import launcher_engine, resolve_engine
@@ -154,28 +154,6 @@ def test_a_checkpoint_of_either_engine_loads_bitwise_under_the_other(parity_runs
 
 # ----------------------------------------------------------------------------- preemption, resume, failures
 
-def torchrun_until_sigterm(config: str, victim: int) -> str:
-    """A 2-rank torch-engine run whose rank ``victim`` gets SIGTERM once training has begun; its output."""
-    cmd = [TORCHRUN, "--standalone", "--nproc-per-node=2", "--no-python", HYBRIDTRAIN, "train", "--config", config]
-    proc = subprocess.Popen(cmd, env=env_with_venv(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    lines = []
-    try:
-        for line in proc.stdout:
-            lines.append(line)
-            if "steps/epoch" in line:  # the setup line: the signal handlers are in place
-                for pid in rank_pids(config, victim, "torch"):
-                    os.kill(pid, signal.SIGTERM)
-                break
-        lines += proc.stdout.readlines()
-        proc.wait(timeout=600)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, "".join(lines)[-3000:]
-    return "".join(lines)
-
-
 @pytest.mark.slow
 def test_sigterm_then_resume_is_bitwise_on_torch_and_continues_at_the_same_step_on_horovod(small_digits, tmp_path):
     few = digits_subset(small_digits, str(tmp_path / "few"), 8, 3)  # 5 steps of 2 x 8 per epoch
@@ -188,10 +166,11 @@ def test_sigterm_then_resume_is_bitwise_on_torch_and_continues_at_the_same_step_
     straight = torchrun(2, ["train", "--config", write("straight.yaml", recipe("straight")), "--engine", "torch"])
     assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
     broken = write("broken.yaml", recipe("broken", **WITH_WORKERS))
-    stopped = torchrun_until_sigterm(broken, victim=1)
-    line = next(x for x in stopped.splitlines() if "stopped on SIGTERM" in x)
+    stopped = train_until_sigterm(broken, (1,), resume=False, engine="torch")
+    assert stopped.returncode == 0, stopped.stdout[-3000:]
+    line = next(x for x in stopped.stdout.splitlines() if "stopped on SIGTERM" in x)
     step = int(re.search(r"after step (\d+) of epoch 1;", line).group(1))
-    assert 0 < step < 5 and not our_frames(stopped)
+    assert 0 < step < 5 and not our_frames(stopped.stdout)
     shutil.copytree(tmp_path / "broken", tmp_path / "crossed")
 
     resumed = torchrun(2, ["train", "--config", broken, "--resume", "auto"])

@@ -216,11 +216,17 @@ def train_sets(run_dir: str, precision: str, mode: str, ranks: int) -> list[str]
             "report.tensorboard=false", *precision_sets(precision), *MODES[mode]]
 
 
-def train_row(bin_dir: str, out: str, precision: str, mode: str, ranks: int, repo: str = REPO) -> Row:
-    name = f"train-{ranks}rank{'s' if ranks > 1 else ''}-{precision}-{mode}"
+def train_row(bin_dir: str, out: str, precision: str, mode: str, ranks: int, repo: str = REPO,
+              engine: str = "horovod") -> Row:
+    """A short training run of the H100 recipe under horovodrun, or (``engine`` torch) under torchrun: DDP with
+    NCCL from the torch wheel and Gloo for the CPU collectives."""
+    name = f"train-{ranks}rank{'s' if ranks > 1 else ''}-{precision}-{mode}" + ("-torch" if engine == "torch" else "")
     run_dir = os.path.join(out, "runs", name)
-    argv = [os.path.join(bin_dir, "horovodrun"), "--gloo", "-np", str(ranks), "-H", f"localhost:{ranks}",
-            os.path.join(bin_dir, "hybridtrain"), "train", "--config", os.path.join(repo, RECIPE)]
+    launcher = ([os.path.join(bin_dir, "torchrun"), "--standalone", f"--nproc-per-node={ranks}", "--no-python"]
+                if engine == "torch" else
+                [os.path.join(bin_dir, "horovodrun"), "--gloo", "-np", str(ranks), "-H", f"localhost:{ranks}"])
+    argv = [*launcher, os.path.join(bin_dir, "hybridtrain"), "train", "--config", os.path.join(repo, RECIPE),
+            "--engine", engine]
     argv += [a for s in train_sets(run_dir, precision, mode, ranks) for a in ("--set", s)]
     timeout = TIMEOUT_S["2ranks"] if ranks > 1 else TIMEOUT_S[mode]
     return Row(name, "train", argv, timeout, precision, mode, ranks, output=run_dir)
@@ -247,7 +253,8 @@ def bench_optim_row(bin_dir: str, out: str) -> Row:
 def build_rows(gpus: int, quick: bool, out: str, bin_dir: str, repo: str = REPO) -> list[Row]:
     """The check's rows in the order they run: the GPU tests, eager training per precision, the bench against
     the plain loop (eager, then with the fused optimizer), the optimizer alone, CUDA graphs, two ranks (or the row
-    saying why not), torch.compile (slowest: compiling)."""
+    saying why not), the torch engine (DDP, NCCL; two ranks when there are two GPUs), torch.compile (slowest:
+    compiling)."""
     python = os.path.join(bin_dir, "python")
     rows = [Row("gpu-tests", "tests", [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *GPU_TESTS],
                 TIMEOUT_S["tests"])]
@@ -261,6 +268,7 @@ def build_rows(gpus: int, quick: bool, out: str, bin_dir: str, repo: str = REPO)
     else:
         rows.append(Row(f"train-2ranks-{QUICK_MODE_PRECISION}-eager", "note", precision=QUICK_MODE_PRECISION,
                         mode="eager", ranks=2, status=NOT_RUN, detail=ONE_GPU_NOTE))
+    rows.append(train_row(bin_dir, out, QUICK_MODE_PRECISION, "eager", min(gpus, 2), repo, engine="torch"))
     rows += [train_row(bin_dir, out, p, "compiled", 1, repo) for p in heavy]
     return rows
 
