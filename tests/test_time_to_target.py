@@ -12,7 +12,7 @@ from conftest import HYBRIDTRAIN, assert_one_error_line, run
 from hybridtrain.perf import cluster_model as cm
 from hybridtrain.perf import time_to_target as ttt
 
-I = cm.IMAGENET_TRAIN_IMAGES
+IMAGES = cm.IMAGENET_TRAIN_IMAGES
 P = cm.RESNET50_PARAMETERS
 
 
@@ -133,10 +133,10 @@ def test_a_row_by_hand():
     assert row.efficiency == pytest.approx(compute / (compute + exposed))
     e = 30 + 30 * math.log2(6400 / 1000) / math.log2(100)
     assert row.epochs == pytest.approx(e)
-    assert row.minutes == pytest.approx(e * I / (64 * 100 / (compute + exposed)) / 60)
+    assert row.minutes == pytest.approx(e * IMAGES / (64 * 100 / (compute + exposed)) / 60)
     # the paper's two forms of the actual average single-GPU time agree: N x minutes = E x I / (S1 x efficiency)
     assert row.single_gpu_minutes == pytest.approx(64 * row.minutes)
-    assert row.single_gpu_minutes == pytest.approx(e * I / (100 / compute * row.efficiency) / 60)
+    assert row.single_gpu_minutes == pytest.approx(e * IMAGES / (100 / compute * row.efficiency) / 60)
 
 
 def test_the_plan_is_the_fastest_batch_within_the_published_range():
@@ -164,7 +164,7 @@ def test_the_model_meets_the_issue_limits_against_the_three_mlperf_runs():
         assert abs(c.throughput_error) <= 0.15, (c.run, c.model)
         assert abs(c.minutes_error) <= 0.25, (c.run, c.model)
         assert c.model.batch_per_gpu == c.run.batch_per_gpu
-        assert c.model.minutes == pytest.approx(c.model.epochs * I / (c.run.gpus * c.model.images_per_second_per_gpu)
+        assert c.model.minutes == pytest.approx(c.model.epochs * IMAGES / (c.run.gpus * c.model.images_per_second_per_gpu)
                                                 / 60)
 
 
@@ -173,7 +173,7 @@ def test_tables_3_7_to_3_9_from_the_time_model():
     rows = ttt.paper_time_check(check)
     eff = check.rows[0].predicted_efficiency
     c1_90 = next(r for r in rows if r.label == "cluster 1" and r.epochs == 90)
-    assert c1_90.model_minutes == pytest.approx(90 * I / (24 * 1542 * eff) / 60)
+    assert c1_90.model_minutes == pytest.approx(90 * IMAGES / (24 * 1542 * eff) / 60)
     assert round(c1_90.model_minutes) in (53, 54)  # Table 3.7: 53 min
     c1_39 = next(r for r in rows if r.label == "cluster 1" and r.epochs == 39)
     assert abs(c1_39.model_single_gpu_minutes / 552 - 1) < 0.02  # Table 3.9: 552 min

@@ -14,8 +14,13 @@ import math
 import os
 from dataclasses import replace
 
-from hybridtrain.data.files import (atomic_path, check_image_format, check_input_file, check_output_file,
-                                    write_json_atomically)
+from hybridtrain.data.files import (
+    atomic_path,
+    check_image_format,
+    check_input_file,
+    check_output_file,
+    write_json_atomically,
+)
 from hybridtrain.errors import UserError
 from hybridtrain.perf import cluster_model as predict
 from hybridtrain.perf import time_to_target as ttt
@@ -89,7 +94,8 @@ def add_predict_arguments(p) -> None:
     p.add_argument("--gpus", type=gpu_counts, metavar="N,N,...",
                    help="time to --target-top1 at these GPU counts (docs/predict.md): the per-GPU batch, img/s, "
                         "efficiency, epochs, minutes and actual average single-GPU time of each")
-    p.add_argument("--target-top1", type=top1_fraction, help="with --gpus: the top-1 to reach (default 0.759, MLPerf's)")
+    p.add_argument("--target-top1", type=top1_fraction,
+                   help="with --gpus: the top-1 to reach (default 0.759, MLPerf's)")
     p.add_argument("--optimizer", choices=list(ttt.OPTIMIZERS),
                    help="with --gpus: whose published epochs-to-target to use (default lars)")
     p.add_argument("--throughput", metavar="BENCH_JSON",
@@ -259,8 +265,9 @@ def plan_table(rows: list[ttt.PlanRow]) -> str:
              "actual average single-GPU time (min) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         mark = " *" if r.epochs_status == "beyond" else ""
-        lines.append(f"| {r.gpus:,} | {r.batch_per_gpu} | {r.global_batch:,}{mark} | {r.images_per_second_per_gpu:,.0f} | "
-                     f"{100 * r.efficiency:.1f}% | {r.epochs:.1f} | {r.minutes:.3g} | {r.single_gpu_minutes:,.0f} |")
+        lines.append(f"| {r.gpus:,} | {r.batch_per_gpu} | {r.global_batch:,}{mark} | "
+                     f"{r.images_per_second_per_gpu:,.0f} | {100 * r.efficiency:.1f}% | {r.epochs:.1f} | "
+                     f"{r.minutes:.3g} | {r.single_gpu_minutes:,.0f} |")
     return "\n".join(lines)
 
 
@@ -268,9 +275,9 @@ def batch_notes(rows: list[ttt.PlanRow], epochs: ttt.EpochCurve) -> list[str]:
     notes = []
     for r in rows:
         if r.epochs_status == "beyond":
-            notes.append(f"* {r.gpus:,} GPUs: global batch {r.global_batch:,} is beyond any published {epochs.optimizer} "
-                         f"run to top-1 {epochs.target:g} (largest: {epochs.largest_batch:,}); its {r.epochs:.1f} "
-                         f"epochs are extrapolated, not measured")
+            notes.append(f"* {r.gpus:,} GPUs: global batch {r.global_batch:,} is beyond any published "
+                         f"{epochs.optimizer} run to top-1 {epochs.target:g} (largest: {epochs.largest_batch:,}); "
+                         f"its {r.epochs:.1f} epochs are extrapolated, not measured")
         elif r.epochs_status == "below":
             notes.append(f"{r.gpus:,} GPUs: global batch {r.global_batch:,} is below the smallest published batch "
                          f"({epochs.batches[0]:,}); epochs held at its {epochs.epochs[0]:.1f}")
@@ -366,9 +373,10 @@ def run_time_to_target(args) -> None:
             "target_top1": target, "optimizer": optimizer, "images_per_epoch": args.images_per_epoch,
             "throughput": {"source": curve.source, "fixed_s": curve.fixed, "per_image_s": curve.per_image,
                            "max_batch": curve.max_batch},
-            "cluster": {"algorithm": template.algorithm, "gpus_per_node": g, "bytes_per_element":
-                        template.bytes_per_element, "overlap": template.overlap,
-                        "intra_bandwidth_Bps": template.intra_bandwidth, "inter_bandwidth_Bps": template.inter_bandwidth,
+            "cluster": {"algorithm": template.algorithm, "gpus_per_node": g,
+                        "bytes_per_element": template.bytes_per_element, "overlap": template.overlap,
+                        "intra_bandwidth_Bps": template.intra_bandwidth,
+                        "inter_bandwidth_Bps": template.inter_bandwidth,
                         "intra_latency_s": template.intra_latency, "inter_latency_s": template.inter_latency},
             "epochs_sources": list(epochs.sources),
             "rows": [r.as_dict() for r in rows],
