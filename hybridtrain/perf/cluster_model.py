@@ -19,7 +19,7 @@ Model (every assumption is stated here and nowhere else):
   After the intra-node reduce-scatter each local rank owns bytes/g and runs a ring all-reduce of it
   with its peers on the other nodes; the g rings of a node run at once and share the node's one NIC,
   so each gets inter_bandwidth/g.
-* ``tree``: as ``hierarchical``, with the inter-node stage a binary-tree all-reduce (NCCL's tree, or an
+* ``hierarchical-tree``: as ``hierarchical``, with the inter-node stage a binary-tree all-reduce (NCCL's tree, or an
   in-network reduction such as SHARP), whose latency grows with log2 of the node count, not with it:
       AR_inter = 2 ceil(log2 M) * inter_latency + 2 * (bytes/g) / (inter_bandwidth/g)
 * Efficiency = compute / step time (section 3.2.2: 1 / (1 + exposed comm / compute)); a single GPU
@@ -41,7 +41,7 @@ from hybridtrain.reports import paper_metrics as metrics
 
 RESNET50_PARAMETERS = 25_557_032  # torchvision ResNet-50 (1000 classes), the paper's Table 3.1 model
 IMAGENET_TRAIN_IMAGES = 1_281_167  # ILSVRC-2012 training set ("1.28 million" in section 3.1)
-ALGORITHMS = ("ring", "hierarchical", "tree")
+ALGORITHMS = ("ring", "hierarchical", "hierarchical-tree")
 
 
 @dataclass(frozen=True)
@@ -165,7 +165,7 @@ def allreduce_time(spec: ClusterSpec) -> float:
         return 0.0
     if spec.algorithm == "ring":
         return flat_ring_allreduce_time(spec)
-    if spec.algorithm == "tree":
+    if spec.algorithm == "hierarchical-tree":
         return hierarchical_tree_allreduce_time(spec)
     return hierarchical_allreduce_time(spec)
 

@@ -84,7 +84,7 @@ def add_predict_arguments(p) -> None:
                                                          "--gpus 400 = 8 x 400 Gb/s)")
     p.add_argument("--inter-latency", type=float, help="microseconds per message between nodes (default 10)")
     p.add_argument("--algorithm", choices=list(predict.ALGORITHMS),
-                   help="flat ring (default), hierarchical, or tree (hierarchical with a tree between nodes; the "
+                   help="flat ring (default), hierarchical, or hierarchical-tree (a tree between nodes; the "
                         "default with --gpus)")
     p.add_argument("--overlap", type=float, help="fraction of the all-reduce hidden by backward (default: the one "
                                                   "fitted to the paper's clusters; with --gpus 0, as MLPerf runs)")

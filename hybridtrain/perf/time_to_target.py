@@ -8,7 +8,7 @@ Model (docs/predict.md has the sources of every number below):
   least squares to (batch, img/s) points: a ``hybridtrain bench`` sweep on one's own GPU, or the default
   H100 curve (:func:`default_throughput_curve`).
 * The all-reduce of every gradient once per step is :mod:`hybridtrain.perf.cluster_model`'s (ring,
-  hierarchical or tree; FP16 or FP32 gradients; a fraction ``overlap`` hidden behind backward).
+  hierarchical or hierarchical-tree; FP16 or FP32 gradients; a fraction ``overlap`` hidden behind backward).
   step = t(b) + exposed all-reduce; img/s per GPU = b / step; efficiency = t(b) / step (section 3.2.2).
 * Epochs to the target top-1 are a function of the global batch N * b, one per optimizer, read from published
   runs (:data:`CONVERGENCE_POINTS`): the mean epochs of each published batch, joined by straight lines in
@@ -79,7 +79,8 @@ NDR_NODE = 8 * 400e9 / 8  # bytes/s per node: 8 ConnectX-7 NICs at 400 Gb/s each
 H100_OVERLAP = 0.0  # MLPerf v4.0 NVIDIA ResNet configs: "Default is no NCCL and BWD overlap"
 
 
-def h100_cluster(algorithm: str = "tree", overlap: float = H100_OVERLAP, bytes_per_element: int = 2) -> cm.ClusterSpec:
+def h100_cluster(algorithm: str = "hierarchical-tree", overlap: float = H100_OVERLAP,
+                 bytes_per_element: int = 2) -> cm.ClusterSpec:
     """A DGX H100 node (8 GPUs, NVLink 4, 8 x 400 Gb/s) as a template; compute time and size are set per row."""
     return cm.ClusterSpec(
         compute_time=1.0, batch_per_gpu=1, parameter_count=cm.RESNET50_PARAMETERS,
