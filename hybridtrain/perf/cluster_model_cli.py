@@ -353,8 +353,9 @@ def run_time_to_target(args) -> None:
     print(f"throughput: {curve.source}: t(b) = {1e3 * curve.fixed:.3g} ms + b x {1e3 * curve.per_image:.4g} ms, "
           f"b <= {curve.max_batch}")
     print(link)
-    print(f"epochs: {optimizer} to {target:g} at {len(epochs.batches)} published global batch(es) "
-          f"{epochs.batches[0]:,}-{epochs.largest_batch:,} (docs/predict.md)")
+    span = (f"{len(epochs.batches)} published global batches, {epochs.batches[0]:,}-{epochs.largest_batch:,}"
+            if len(epochs.batches) > 1 else f"one published global batch, {epochs.largest_batch:,}")
+    print(f"epochs: {optimizer} to {target:g} at {span} (docs/predict.md)")
     chosen = "fixed by --batch-per-gpu" if args.batch_per_gpu is not None else "chosen for the shortest time"
     print(f"per-GPU batch: {chosen}\n")
     print(plan_table(rows))
