@@ -194,7 +194,7 @@ def test_predict_gpus_prints_the_rows_the_checks_the_plot_and_the_json(tmp_path)
         line = next(x for x in proc.stdout.splitlines() if x.startswith(f"| {r['gpus']:,} | "))
         cells = [c.strip() for c in line.split("|")[1:-1]]
         assert int(cells[1]) == r["batch_per_gpu"] and cells[4] == f"{100 * r['efficiency']:.1f}%"
-        assert cells[6] == f"{r['minutes']:.3g}" and cells[7] == f"{r['single_gpu_minutes']:,.0f}"
+        assert float(cells[6].replace(",", "")) == pytest.approx(r["minutes"], rel=5e-3) and cells[7] == f"{r['single_gpu_minutes']:,.0f}"
     assert data["rows"][-1]["epochs_status"] == "beyond"
     assert "131,072 GPUs: global batch 131,072 is beyond any published lars run" in proc.stdout
     assert len(data["mlperf_check"]) == 3 and "limit 15%" in proc.stdout and "limit 25%" in proc.stdout
@@ -216,6 +216,24 @@ def test_predict_gpus_takes_the_curve_from_a_bench_sweep(tmp_path):
     one = json.loads(out.read_text())["rows"][0]
     assert one["batch_per_gpu"] == 64 and one["images_per_second_per_gpu"] == pytest.approx(64 / 0.074)
     assert one["efficiency"] == 1.0
+
+
+def test_predict_gpus_reads_a_real_bench_sweep(tmp_path):
+    bench = tmp_path / "bench.json"
+    proc = run([HYBRIDTRAIN, "bench", "--arch", "resnet18", "--image-size", "32", "--batch-size", "2", "--batch-size",
+                "32", "--steps", "3", "--warmup", "2", "--threads", "1", "--json", str(bench)], timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    measured = {r["batch_size"]: r["images_per_sec"] for r in json.loads(bench.read_text())}
+    out = tmp_path / "t.json"
+    proc = run([HYBRIDTRAIN, "predict", "--gpus", "1", "--throughput", str(bench), "--out", str(tmp_path / "t.png"),
+                "--json", str(out)])
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(out.read_text())
+    fixed, per_image = data["throughput"]["fixed_s"], data["throughput"]["per_image_s"]
+    for b, speed in measured.items():  # two points: the line passes through both
+        assert b / (fixed + b * per_image) == pytest.approx(speed, rel=1e-6)
+    assert data["rows"][0]["batch_per_gpu"] == 32  # the larger measured batch is the faster one
+    assert "note: the throughput is resnet18's" in proc.stdout
 
 
 @pytest.mark.parametrize("argv, needles", [

@@ -212,11 +212,12 @@ BENCH_FIX = ("run 'hybridtrain bench --arch resnet50 --batch-size 32 --batch-siz
              "bench.json' on your GPU and pass --throughput bench.json")
 
 
-def read_bench_curve(path: str) -> ttt.ThroughputCurve:
+def read_bench_curve(path: str) -> tuple[ttt.ThroughputCurve, str]:
     """The throughput line fitted to a ``hybridtrain bench --json`` sweep, or one line saying what to pass instead.
 
     Uses the rows of the trainer's own step: those of ``--horovod`` ('train') when there are any, else 'trainer';
-    the plain-PyTorch 'baseline' rows are not the trainer's and are left out."""
+    the plain-PyTorch 'baseline' rows are not the trainer's and are left out. Returns the curve and the model
+    the sweep ran."""
     check_input_file(path, "--throughput", BENCH_FIX)
     try:
         with open(path) as fh:
@@ -227,6 +228,7 @@ def read_bench_curve(path: str) -> ttt.ThroughputCurve:
         rows = [r for r in rows if r["loop"] == loop]
         points = [(int(r["batch_size"]), float(r["images_per_sec"])) for r in rows]
         kinds = sorted({f"{r.get('arch')} {r.get('precision')} {r.get('image_size')} px" for r in rows})
+        arch = str(rows[0].get("arch")) if rows else ""
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
         raise UserError(f"--throughput {path} is not the JSON of 'hybridtrain bench --json' ({type(exc).__name__}: "
                         f"{str(exc)[:80]}): {BENCH_FIX}") from None
@@ -236,7 +238,7 @@ def read_bench_curve(path: str) -> ttt.ThroughputCurve:
         raise UserError(f"--throughput {path} mixes {len(kinds)} models/precisions ({'; '.join(kinds)[:120]}): sweep "
                         f"one, e.g. bench --precision mixed --batch-size 32 --batch-size 256 --json FILE")
     try:
-        return ttt.fit_throughput_curve(points, f"{path} ({kinds[0]})")
+        return ttt.fit_throughput_curve(points, f"{path} ({kinds[0]})"), arch
     except ValueError as exc:
         raise UserError(f"--throughput {path}: {exc}: {BENCH_FIX}") from None
 
@@ -256,8 +258,8 @@ def gpus_template(args) -> predict.ClusterSpec:
         raise UserError(f"predict: {exc}") from None
 
 
-def number(value: float) -> str:
-    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
+def minutes_text(value: float) -> str:
+    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"  # 3 significant digits, no exponent
 
 
 def plan_table(rows: list[ttt.PlanRow]) -> str:
@@ -267,7 +269,7 @@ def plan_table(rows: list[ttt.PlanRow]) -> str:
         mark = " *" if r.epochs_status == "beyond" else ""
         lines.append(f"| {r.gpus:,} | {r.batch_per_gpu} | {r.global_batch:,}{mark} | "
                      f"{r.images_per_second_per_gpu:,.0f} | {100 * r.efficiency:.1f}% | {r.epochs:.1f} | "
-                     f"{r.minutes:.3g} | {r.single_gpu_minutes:,.0f} |")
+                     f"{minutes_text(r.minutes)} | {r.single_gpu_minutes:,.0f} |")
     return "\n".join(lines)
 
 
@@ -332,7 +334,8 @@ def run_time_to_target(args) -> None:
     except ValueError as exc:
         raise UserError(f"predict: {exc}: lower --target-top1 or pick another --optimizer (docs/predict.md lists "
                         f"the published runs)") from None
-    curve = ttt.default_throughput_curve() if args.throughput is None else read_bench_curve(args.throughput)
+    curve, arch = (ttt.default_throughput_curve(), "resnet50") if args.throughput is None else \
+        read_bench_curve(args.throughput)
     template = gpus_template(args)
     g = template.gpus_per_node
     bad = [n for n in args.gpus if n > g and n % g]
@@ -353,6 +356,9 @@ def run_time_to_target(args) -> None:
     print(f"throughput: {curve.source}: t(b) = {1e3 * curve.fixed:.3g} ms + b x {1e3 * curve.per_image:.4g} ms, "
           f"b <= {curve.max_batch}")
     print(link)
+    if arch != "resnet50":
+        print(f"note: the throughput is {arch}'s, while the epochs are ResNet-50's on ImageNet and the gradients "
+              f"{args.params:,} parameters (--params)")
     span = (f"{len(epochs.batches)} published global batches, {epochs.batches[0]:,}-{epochs.largest_batch:,}"
             if len(epochs.batches) > 1 else f"one published global batch, {epochs.largest_batch:,}")
     print(f"epochs: {optimizer} to {target:g} at {span} (docs/predict.md)")
