@@ -34,8 +34,12 @@ GB = 1e9
 TABLE_DEFAULTS = dict(single_gpu_speed=1542.0, batch_per_gpu=256, bytes=2, gpus_per_node=8,
                       nodes=[1, 2, 3, 4, 8, 16, 32, 64, 128], intra_bandwidth=100.0, intra_latency=5.0,
                       inter_bandwidth=5.0, inter_latency=10.0, algorithm="ring", convergence_epoch=32)
-TABLE_ONLY = {"single_gpu_speed": "--single-gpu-speed", "nodes": "--nodes", "convergence_epoch": "--convergence-epoch",
-              "calibrate": "--calibrate"}
+TABLE_ONLY = {  # option: why it has no meaning with --gpus
+    "single_gpu_speed": ("--single-gpu-speed", "the per-GPU speed comes from the throughput curve (--throughput)"),
+    "nodes": ("--nodes", "--gpus gives the sizes"),
+    "convergence_epoch": ("--convergence-epoch", "the epochs come from published runs (--optimizer, --target-top1)"),
+    "calibrate": ("--calibrate", "the time model takes its links from the link options, not from a scale fit"),
+}
 GPUS_ONLY = {"target_top1": "--target-top1", "optimizer": "--optimizer", "throughput": "--throughput",
              "json": "--json"}
 
@@ -319,10 +323,11 @@ def paper_time_table(rows: list[ttt.PaperTimeRow]) -> str:
 
 
 def run_time_to_target(args) -> None:
-    given = [option for name, option in TABLE_ONLY.items() if getattr(args, name) is not None]
+    given = [(option, why) for name, (option, why) in TABLE_ONLY.items() if getattr(args, name) is not None]
     if given:
-        raise UserError(f"{given[0]} does not apply with --gpus (the per-GPU speed comes from the throughput curve, "
-                        f"the epochs from published runs): drop it, or drop --gpus for the efficiency table")
+        option, why = given[0]
+        raise UserError(f"{option} does not apply with --gpus ({why}): drop it, or drop --gpus for the efficiency "
+                        f"table")
     if args.json is not None:
         check_output_file(args.json, "--json", "predict.json")
     if args.images_per_epoch < 1:
