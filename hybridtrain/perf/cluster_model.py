@@ -19,6 +19,9 @@ Model (every assumption is stated here and nowhere else):
   After the intra-node reduce-scatter each local rank owns bytes/g and runs a ring all-reduce of it
   with its peers on the other nodes; the g rings of a node run at once and share the node's one NIC,
   so each gets inter_bandwidth/g.
+* ``hierarchical-tree``: as ``hierarchical``, with the inter-node stage a binary-tree all-reduce (NCCL's tree, or an
+  in-network reduction such as SHARP), whose latency grows with log2 of the node count, not with it:
+      AR_inter = 2 ceil(log2 M) * inter_latency + 2 * (bytes/g) / (inter_bandwidth/g)
 * Efficiency = compute / step time (section 3.2.2: 1 / (1 + exposed comm / compute)); a single GPU
   has no all-reduce.
 
@@ -38,7 +41,7 @@ from hybridtrain.reports import paper_metrics as metrics
 
 RESNET50_PARAMETERS = 25_557_032  # torchvision ResNet-50 (1000 classes), the paper's Table 3.1 model
 IMAGENET_TRAIN_IMAGES = 1_281_167  # ILSVRC-2012 training set ("1.28 million" in section 3.1)
-ALGORITHMS = ("ring", "hierarchical")
+ALGORITHMS = ("ring", "hierarchical", "hierarchical-tree")
 
 
 @dataclass(frozen=True)
@@ -129,6 +132,24 @@ def hierarchical_allreduce_time(spec: ClusterSpec) -> float:
     return intra + inter + intra  # RS_intra + AR_inter + AG_intra
 
 
+def tree_allreduce_time(world_size: int, message_bytes: float, bandwidth: float, latency: float) -> float:
+    """Binary-tree all-reduce (reduce up, broadcast down) of ``message_bytes``, pipelined in chunks."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size!r}")
+    if world_size == 1:
+        return 0.0
+    depth = math.ceil(math.log2(world_size))
+    return 2 * depth * latency + 2 * message_bytes / bandwidth  # 2 ceil(log2 N) a + 2 b/B
+
+
+def hierarchical_tree_allreduce_time(spec: ClusterSpec) -> float:
+    """Intra-node reduce-scatter, inter-node tree all-reduce of 1/g of the data, intra-node allgather."""
+    g, m, size = spec.gpus_per_node, spec.nodes, spec.gradient_bytes
+    intra = ring_reduce_scatter_time(g, size, spec.intra_bandwidth, spec.intra_latency)
+    inter = tree_allreduce_time(m, size / g, spec.inter_bandwidth / g, spec.inter_latency)
+    return intra + inter + intra  # RS_intra + AR_inter(tree) + AG_intra
+
+
 def flat_ring_allreduce_time(spec: ClusterSpec) -> float:
     """Flat ring over all GPUs, every step at the slowest link (inter-node when nodes > 1)."""
     if spec.nodes == 1:
@@ -144,6 +165,8 @@ def allreduce_time(spec: ClusterSpec) -> float:
         return 0.0
     if spec.algorithm == "ring":
         return flat_ring_allreduce_time(spec)
+    if spec.algorithm == "hierarchical-tree":
+        return hierarchical_tree_allreduce_time(spec)
     return hierarchical_allreduce_time(spec)
 
 

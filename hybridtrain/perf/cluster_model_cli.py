@@ -3,39 +3,116 @@
 Prints predicted step time, img/s, efficiency and actual average single-GPU training time for growing
 clusters, the model's check against the paper's 24-GPU efficiencies, and, given ``--calibrate scale.json``
 with three or more rank counts, the ring model fitted to what ``hybridtrain scale`` measured and its error.
+With ``--gpus``: the time to a target top-1 at each GPU count (``time_to_target``), its check against the
+MLPerf v4.0 runs, and the paper's Tables 3.7-3.9 from the same time model.
 """
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import os
 from dataclasses import replace
 
-from hybridtrain.data.files import atomic_path, check_image_format, check_input_file, check_output_file
+from hybridtrain.data.files import (
+    atomic_path,
+    check_image_format,
+    check_input_file,
+    check_output_file,
+    write_json_atomically,
+)
 from hybridtrain.errors import UserError
 from hybridtrain.perf import cluster_model as predict
+from hybridtrain.perf import time_to_target as ttt
 
 GB = 1e9
 
 
+# Defaults of the options the two modes share, for the efficiency table (no --gpus); --gpus has its own (the
+# DGX H100 template of time_to_target). They are None in the parser so that a value given on the command line
+# can be told from a default.
+TABLE_DEFAULTS = dict(single_gpu_speed=1542.0, batch_per_gpu=256, bytes=2, gpus_per_node=8,
+                      nodes=[1, 2, 3, 4, 8, 16, 32, 64, 128], intra_bandwidth=100.0, intra_latency=5.0,
+                      inter_bandwidth=5.0, inter_latency=10.0, algorithm="ring", convergence_epoch=32)
+TABLE_ONLY = {  # option: why it has no meaning with --gpus
+    "single_gpu_speed": ("--single-gpu-speed", "the per-GPU speed comes from the throughput curve (--throughput)"),
+    "nodes": ("--nodes", "--gpus gives the sizes"),
+    "convergence_epoch": ("--convergence-epoch", "the epochs come from published runs (--optimizer, --target-top1)"),
+    "calibrate": ("--calibrate", "the time model takes its links from the link options, not from a scale fit"),
+}
+GPUS_ONLY = {"target_top1": "--target-top1", "optimizer": "--optimizer", "throughput": "--throughput",
+             "json": "--json"}
+
+
+def gpu_counts(text: str) -> list[int]:
+    """argparse ``type=`` of --gpus: comma-separated GPU counts in [1, 10^7], returned sorted and distinct."""
+    parts = [x.strip() for x in text.split(",") if x.strip()]
+    if not parts or not all(x.isdigit() and len(x) < 9 and 1 <= int(x) <= 10**7 for x in parts):
+        raise argparse.ArgumentTypeError(f"must be comma-separated GPU counts in [1, 10000000] such as 8,64,512; "
+                                         f"got {text[:40]!r}")
+    return sorted({int(x) for x in parts})
+
+
+gpu_counts.bounds = (1, 10**7, False, False)
+
+
+def top1_fraction(text: str) -> float:
+    """argparse ``type=`` of --target-top1: a top-1 accuracy as a fraction in (0, 1)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and 0 < value < 1):
+        raise argparse.ArgumentTypeError(f"must be a top-1 accuracy as a fraction in (0, 1) such as 0.759; "
+                                         f"got {text[:40]!r}")
+    return value
+
+
+top1_fraction.bounds = (0, 1, True, True)
+
+
 def add_predict_arguments(p) -> None:
-    p.add_argument("--single-gpu-speed", type=float, default=1542.0,
-                   help="S1, img/s of one GPU (default 1542, the paper's V100 mixed precision)")
-    p.add_argument("--batch-per-gpu", type=int, default=256, help="per-GPU batch (default 256)")
+    d = TABLE_DEFAULTS
+    p.add_argument("--single-gpu-speed", type=float,
+                   help=f"S1, img/s of one GPU (default {d['single_gpu_speed']:g}, the paper's V100 mixed precision)")
+    p.add_argument("--batch-per-gpu", type=int, help=f"per-GPU batch (default {d['batch_per_gpu']}; with --gpus: "
+                                                     "fixed at this instead of chosen per size)")
     p.add_argument("--params", type=int, default=predict.RESNET50_PARAMETERS, help="parameters (default ResNet-50)")
-    p.add_argument("--bytes", type=int, default=2, choices=[2, 4], help="gradient bytes per element: 2 FP16, 4 FP32")
-    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
-    p.add_argument("--nodes", default="1,2,3,4,8,16,32,64,128", help="node counts to predict (comma-separated)")
-    p.add_argument("--intra-bandwidth", type=float, default=100.0, help="GB/s inside a node (default 100, NVLink)")
-    p.add_argument("--intra-latency", type=float, default=5.0, help="microseconds per message inside a node")
-    p.add_argument("--inter-bandwidth", type=float, default=5.0, help="GB/s between nodes (default 5 = 40 GbE)")
-    p.add_argument("--inter-latency", type=float, default=10.0, help="microseconds per message between nodes")
-    p.add_argument("--algorithm", default="ring", choices=list(predict.ALGORITHMS), help="flat ring or hierarchical")
+    p.add_argument("--bytes", type=int, choices=[2, 4], help="gradient bytes per element: 2 FP16 (default), 4 FP32")
+    p.add_argument("--gpus-per-node", type=int, help="GPUs per node (default 8)")
+    p.add_argument("--nodes", help="node counts to predict (comma-separated; default 1,2,3,4,8,16,32,64,128)")
+    p.add_argument("--intra-bandwidth", type=float,
+                   help="GB/s inside a node (default 100, V100 NVLink; with --gpus 450, H100 NVLink 4)")
+    p.add_argument("--intra-latency", type=float, help="microseconds per message inside a node (default 5)")
+    p.add_argument("--inter-bandwidth", type=float, help="GB/s between nodes, per node (default 5 = 40 GbE; with "
+                                                         "--gpus 400 = 8 x 400 Gb/s)")
+    p.add_argument("--inter-latency", type=float, help="microseconds per message between nodes (default 10)")
+    p.add_argument("--algorithm", choices=list(predict.ALGORITHMS),
+                   help="flat ring (default), hierarchical, or hierarchical-tree (a tree between nodes; the "
+                        "default with --gpus)")
     p.add_argument("--overlap", type=float, help="fraction of the all-reduce hidden by backward (default: the one "
-                                                  "fitted to the paper's clusters)")
-    p.add_argument("--convergence-epoch", type=int, default=32, help="for the single-GPU time (default 32)")
+                                                  "fitted to the paper's clusters; with --gpus 0, as MLPerf runs)")
+    p.add_argument("--convergence-epoch", type=int, help="for the single-GPU time (default 32)")
     p.add_argument("--images-per-epoch", type=int, default=predict.IMAGENET_TRAIN_IMAGES, help="default ImageNet")
     p.add_argument("--calibrate", metavar="SCALE_JSON", help="fit the ring model to a hybridtrain scale result")
-    p.add_argument("--out", default="predict.png", help="efficiency against GPU count (PNG)")
+    p.add_argument("--gpus", type=gpu_counts, metavar="N,N,...",
+                   help="time to --target-top1 at these GPU counts (docs/predict.md): the per-GPU batch, img/s, "
+                        "efficiency, epochs, minutes and actual average single-GPU time of each")
+    p.add_argument("--target-top1", type=top1_fraction,
+                   help="with --gpus: the top-1 to reach (default 0.759, MLPerf's)")
+    p.add_argument("--optimizer", choices=list(ttt.OPTIMIZERS),
+                   help="with --gpus: whose published epochs-to-target to use (default lars)")
+    p.add_argument("--throughput", metavar="BENCH_JSON",
+                   help="with --gpus: per-GPU img/s against batch from 'hybridtrain bench --batch-size B "
+                        "--batch-size B2 ... --json FILE' on your GPU (default: the H100 curve of docs/predict.md)")
+    p.add_argument("--json", metavar="FILE", help="with --gpus: also write the rows and the checks to this JSON file")
+    p.add_argument("--out", default="predict.png",
+                   help="efficiency against GPU count (PNG); with --gpus, minutes to target against GPUs")
+
+
+def table_value(args, name: str):
+    value = getattr(args, name)
+    return TABLE_DEFAULTS[name] if value is None else value
 
 
 def spec_from(args, overlap: float) -> predict.ClusterSpec:
@@ -106,6 +183,12 @@ def calibration_text(path: str, gradient_bytes: float) -> str:
 def run_predict(args) -> None:
     check_output_file(args.out, "--out", "predict.png")
     check_image_format(args.out, "--out")
+    if args.gpus is not None:
+        return run_time_to_target(args)
+    given = [option for name, option in GPUS_ONLY.items() if getattr(args, name) is not None]
+    if given:
+        raise UserError(f"{given[0]} needs --gpus: e.g. predict --gpus 8,64,512 {given[0]} ...")
+    args = argparse.Namespace(**{**vars(args), **{k: table_value(args, k) for k in TABLE_DEFAULTS}})
     if args.calibrate is not None:
         read_scale_rows(args.calibrate)  # a bad --calibrate costs one line before the tables
     check = predict.paper_cluster_check()
@@ -124,3 +207,194 @@ def run_predict(args) -> None:
     with atomic_path(args.out) as tmp:
         predict.plot_efficiency({f"{args.algorithm}, {args.gpus_per_node}/node": curve}, tmp)
     print(f"\nwrote {args.out}")
+
+
+# ---------------------------------------------------------------------------------------------- --gpus
+
+
+BENCH_FIX = ("run 'hybridtrain bench --arch resnet50 --batch-size 32 --batch-size 128 --batch-size 256 --json "
+             "bench.json' on your GPU and pass --throughput bench.json")
+
+
+def read_bench_curve(path: str) -> tuple[ttt.ThroughputCurve, str]:
+    """The throughput line fitted to a ``hybridtrain bench --json`` sweep, or one line saying what to pass instead.
+
+    Uses the rows of the trainer's own step: those of ``--horovod`` ('train') when there are any, else 'trainer';
+    the plain-PyTorch 'baseline' rows are not the trainer's and are left out. Returns the curve and the model
+    the sweep ran."""
+    check_input_file(path, "--throughput", BENCH_FIX)
+    try:
+        with open(path) as fh:
+            rows = json.load(fh)
+        rows = rows["rows"] if isinstance(rows, dict) else rows
+        rows = [r for r in rows if r["loop"] != "baseline"]
+        loop = "train" if any(r["loop"] == "train" for r in rows) else "trainer"
+        rows = [r for r in rows if r["loop"] == loop]
+        points = [(int(r["batch_size"]), float(r["images_per_sec"])) for r in rows]
+        kinds = sorted({f"{r.get('arch')} {r.get('precision')} {r.get('image_size')} px" for r in rows})
+        arch = str(rows[0].get("arch")) if rows else ""
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"--throughput {path} is not the JSON of 'hybridtrain bench --json' ({type(exc).__name__}: "
+                        f"{str(exc)[:80]}): {BENCH_FIX}") from None
+    if not points:
+        raise UserError(f"--throughput {path} holds no rows of the trainer's step: {BENCH_FIX}")
+    if len(kinds) > 1:
+        raise UserError(f"--throughput {path} mixes {len(kinds)} models/precisions ({'; '.join(kinds)[:120]}): sweep "
+                        f"one, e.g. bench --precision mixed --batch-size 32 --batch-size 256 --json FILE")
+    try:
+        return ttt.fit_throughput_curve(points, f"{path} ({kinds[0]})"), arch
+    except ValueError as exc:
+        raise UserError(f"--throughput {path}: {exc}: {BENCH_FIX}") from None
+
+
+def gpus_template(args) -> predict.ClusterSpec:
+    """The DGX H100 template with every link option the command line gives."""
+    h = ttt.h100_cluster()
+    given = dict(gpus_per_node=args.gpus_per_node, bytes_per_element=args.bytes, algorithm=args.algorithm,
+                 overlap=args.overlap, parameter_count=args.params,
+                 intra_bandwidth=None if args.intra_bandwidth is None else args.intra_bandwidth * GB,
+                 inter_bandwidth=None if args.inter_bandwidth is None else args.inter_bandwidth * GB,
+                 intra_latency=None if args.intra_latency is None else args.intra_latency * 1e-6,
+                 inter_latency=None if args.inter_latency is None else args.inter_latency * 1e-6)
+    try:
+        return replace(h, **{k: v for k, v in given.items() if v is not None})
+    except ValueError as exc:
+        raise UserError(f"predict: {exc}") from None
+
+
+def minutes_text(value: float) -> str:
+    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"  # 3 significant digits, no exponent
+
+
+def plan_table(rows: list[ttt.PlanRow]) -> str:
+    lines = ["| GPUs | per-GPU batch | global batch | img/s per GPU | efficiency | epochs | minutes to target | "
+             "actual average single-GPU time (min) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        mark = " *" if r.epochs_status == "beyond" else ""
+        lines.append(f"| {r.gpus:,} | {r.batch_per_gpu} | {r.global_batch:,}{mark} | "
+                     f"{r.images_per_second_per_gpu:,.0f} | {100 * r.efficiency:.1f}% | {r.epochs:.1f} | "
+                     f"{minutes_text(r.minutes)} | {r.single_gpu_minutes:,.0f} |")
+    return "\n".join(lines)
+
+
+def batch_notes(rows: list[ttt.PlanRow], epochs: ttt.EpochCurve) -> list[str]:
+    notes = []
+    for r in rows:
+        if r.epochs_status == "beyond":
+            notes.append(f"* {r.gpus:,} GPUs: global batch {r.global_batch:,} is beyond any published "
+                         f"{epochs.optimizer} run to top-1 {epochs.target:g} (largest: {epochs.largest_batch:,}); "
+                         f"its {r.epochs:.1f} epochs are extrapolated, not measured")
+        elif r.epochs_status == "below":
+            notes.append(f"{r.gpus:,} GPUs: global batch {r.global_batch:,} is below the smallest published batch "
+                         f"({epochs.batches[0]:,}); epochs held at its {epochs.epochs[0]:.1f}")
+    return notes
+
+
+def mlperf_table(checks: list[ttt.RunCheck]) -> str:
+    lines = ["Check against MLPerf Training v4.0 (NVIDIA, H100, LARS to 75.9%; the img/s curve of each row is fitted "
+             "to the other two rows only, epochs from the reference convergence points, DGX H100 all-reduce)", "",
+             "| GPUs | per-GPU batch | img/s per GPU: model | published | error | epochs: model | published | "
+             "minutes: model | published | error |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for c in checks:
+        m, r = c.model, c.run
+        lines.append(f"| {r.gpus:,} | {r.batch_per_gpu} | {m.images_per_second_per_gpu:,.0f} | "
+                     f"{r.images_per_second_per_gpu:,.0f} | {100 * c.throughput_error:+.1f}% | {m.epochs:.1f} | "
+                     f"{r.epochs} | {m.minutes:.3g} | {r.minutes:g} | {100 * c.minutes_error:+.1f}% |")
+    worst_speed = max(abs(c.throughput_error) for c in checks)
+    worst_time = max(abs(c.minutes_error) for c in checks)
+    lines.append(f"\nmax error: img/s per GPU {100 * worst_speed:.1f}% (limit 15%), minutes {100 * worst_time:.1f}% "
+                 f"(limit 25%)")
+    return "\n".join(lines)
+
+
+def paper_time_table(rows: list[ttt.PaperTimeRow]) -> str:
+    lines = ["Paper Tables 3.7-3.9 from the time model (24 GPUs; per-GPU speed of Table 3.2 / section 3.2.2, "
+             "efficiency of the check above)", "",
+             "| table | cluster | epochs | minutes: paper | model | error | single-GPU min: paper | model |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    tables = {90: "3.7", 32: "3.8", 33: "3.8", 39: "3.9", 42: "3.9"}
+    for r in rows:
+        paper_single = "-" if r.paper_single_gpu_minutes is None else f"{r.paper_single_gpu_minutes:g}"
+        lines.append(f"| {tables[r.epochs]} | {r.label} | {r.epochs} | {r.paper_minutes:g} | {r.model_minutes:.1f} | "
+                     f"{100 * r.error:+.1f}% | {paper_single} | {r.model_single_gpu_minutes:.0f} |")
+    lines.append("\ncluster 2's times are about 2.5x shorter than its own measured 24 x 295 img/s allows "
+                 "(docs/paper_arithmetic.md), so no throughput model reproduces them")
+    return "\n".join(lines)
+
+
+def run_time_to_target(args) -> None:
+    given = [(option, why) for name, (option, why) in TABLE_ONLY.items() if getattr(args, name) is not None]
+    if given:
+        option, why = given[0]
+        raise UserError(f"{option} does not apply with --gpus ({why}): drop it, or drop --gpus for the efficiency "
+                        f"table")
+    if args.json is not None:
+        check_output_file(args.json, "--json", "predict.json")
+    if args.images_per_epoch < 1:
+        raise UserError("--images-per-epoch must be >= 1")
+    target = 0.759 if args.target_top1 is None else args.target_top1
+    optimizer = args.optimizer or "lars"
+    try:
+        epochs = ttt.epoch_curve(optimizer, target)
+    except ValueError as exc:
+        raise UserError(f"predict: {exc}: lower --target-top1 or pick another --optimizer (docs/predict.md lists "
+                        f"the published runs)") from None
+    curve, arch = (ttt.default_throughput_curve(), "resnet50") if args.throughput is None else \
+        read_bench_curve(args.throughput)
+    template = gpus_template(args)
+    g = template.gpus_per_node
+    bad = [n for n in args.gpus if n > g and n % g]
+    if bad:
+        raise UserError(f"--gpus {bad[0]} is neither at most one node ({g}) nor a whole number of {g}-GPU nodes: "
+                        f"use a multiple of {g}, or set --gpus-per-node")
+    if args.batch_per_gpu is not None and args.batch_per_gpu > curve.max_batch:
+        raise UserError(f"--batch-per-gpu {args.batch_per_gpu} is above the throughput curve's largest batch "
+                        f"({curve.max_batch}): pick at most {curve.max_batch}, or measure larger batches with bench")
+    rows = [ttt.plan(n, curve, epochs, template, args.images_per_epoch, args.batch_per_gpu) for n in args.gpus]
+    check = predict.paper_cluster_check()
+    checks = ttt.mlperf_check()
+    paper_times = ttt.paper_time_check(check)
+    link = (f"{template.algorithm} all-reduce, {g} GPUs/node, {template.intra_bandwidth / GB:g} GB/s inside a node, "
+            f"{template.inter_bandwidth / GB:g} GB/s per node between nodes, {template.bytes_per_element}-byte "
+            f"gradients, overlap {template.overlap:.2f}")
+    print(f"Time to top-1 {target:g} with {optimizer} (ResNet-50, {args.images_per_epoch:,} images per epoch)")
+    print(f"throughput: {curve.source}: t(b) = {1e3 * curve.fixed:.3g} ms + b x {1e3 * curve.per_image:.4g} ms, "
+          f"b <= {curve.max_batch}")
+    print(link)
+    if arch != "resnet50":
+        print(f"note: the throughput is {arch}'s, while the epochs are ResNet-50's on ImageNet and the gradients "
+              f"{args.params:,} parameters (--params)")
+    span = (f"{len(epochs.batches)} published global batches, {epochs.batches[0]:,}-{epochs.largest_batch:,}"
+            if len(epochs.batches) > 1 else f"one published global batch, {epochs.largest_batch:,}")
+    print(f"epochs: {optimizer} to {target:g} at {span} (docs/predict.md)")
+    chosen = "fixed by --batch-per-gpu" if args.batch_per_gpu is not None else "chosen for the shortest time"
+    print(f"per-GPU batch: {chosen}\n")
+    print(plan_table(rows))
+    notes = batch_notes(rows, epochs)
+    if notes:
+        print("\n" + "\n".join(notes))
+    print("\n" + mlperf_table(checks))
+    print("\n" + paper_table(check))
+    print("\n" + paper_time_table(paper_times))
+    with atomic_path(args.out) as tmp:
+        ttt.plot_time_to_target(rows, tmp, f"ResNet-50 to top-1 {target:g}, {optimizer}; {curve.source}"[:90],
+                                ttt.MLPERF_V40_RUNS if optimizer == "lars" and target == 0.759 else ())
+    print(f"\nwrote {args.out}")
+    if args.json is not None:
+        write_json_atomically(args.json, {
+            "target_top1": target, "optimizer": optimizer, "images_per_epoch": args.images_per_epoch,
+            "throughput": {"source": curve.source, "fixed_s": curve.fixed, "per_image_s": curve.per_image,
+                           "max_batch": curve.max_batch},
+            "cluster": {"algorithm": template.algorithm, "gpus_per_node": g,
+                        "bytes_per_element": template.bytes_per_element, "overlap": template.overlap,
+                        "intra_bandwidth_Bps": template.intra_bandwidth,
+                        "inter_bandwidth_Bps": template.inter_bandwidth,
+                        "intra_latency_s": template.intra_latency, "inter_latency_s": template.inter_latency},
+            "epochs_sources": list(epochs.sources),
+            "rows": [r.as_dict() for r in rows],
+            "mlperf_check": [{"gpus": c.run.gpus, "batch_per_gpu": c.run.batch_per_gpu,
+                              "published_images_per_second_per_gpu": c.run.images_per_second_per_gpu,
+                              "published_minutes": c.run.minutes, "published_epochs": c.run.epochs,
+                              "model": c.model.as_dict(), "images_per_second_error": c.throughput_error,
+                              "minutes_error": c.minutes_error} for c in checks]})
+        print(f"rows written to {args.json}")
