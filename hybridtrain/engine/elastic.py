@@ -33,11 +33,11 @@ from hybridtrain.data.torchvision_loader import close_loader
 from hybridtrain.distributed import collectives as distributed
 from hybridtrain.distributed import horovod
 from hybridtrain.engine import checkpoint
-from hybridtrain.engine.epoch import EpochProgress, compiles_in_epoch, train_one_epoch, warmup_steps
-from hybridtrain.engine.loop import end_epoch, finish
+from hybridtrain.engine.epoch import EpochProgress
+from hybridtrain.engine.loop import end_epoch, finish, run_epoch
 from hybridtrain.engine.records import log_setup
 from hybridtrain.engine.resume import checkpoint_state, resume_state
-from hybridtrain.engine.telemetry import ProgressBar, log, tensorboard_writer, truncate_metrics
+from hybridtrain.engine.telemetry import log, tensorboard_writer, truncate_metrics
 from hybridtrain.engine.trainer import Trainer, build_trainer
 from hybridtrain.errors import UserError
 from hybridtrain.optim import create_schedule
@@ -266,17 +266,10 @@ def train_elastic(state: ElasticState, cfg: Config, resume: str | None) -> dict 
     while state.position.epoch < cfg.train.epochs:
         pos, b, epoch_start = state.position, cfg.train.batch_size, time.perf_counter()
         committer = Committer(state, cfg.elastic.commit_steps, b, run_start)
-        bar = ProgressBar(t.updates * t.k, pos.epoch, cfg.train.epochs, t.topo.size) \
-            if t.topo.is_root and cfg.train.progress else None
-        result = train_one_epoch(t.model, t.bundle, t.precision, t.data.train, pos.epoch, t.updates, b, t.k, bar,
-                                 resume=segment_base(pos, t.topo), stop_after_step=committer.after_step,
-                                 passes=t.passes, start=pos.consumed,
-                                 first_step=step_in_epoch(pos.consumed, t.topo.size, b, t.k),
-                                 warmup=warmup_steps(compiles_in_epoch(pos.epoch, first_epoch_of_process,
-                                                                       cfg.optim), t.updates))
+        result = run_epoch(cfg, t, pos.epoch, first_epoch_of_process, committer.after_step,
+                           resume=segment_base(pos, t.topo), start=pos.consumed,
+                           first_step=step_in_epoch(pos.consumed, t.topo.size, b, t.k))
         first_epoch_of_process = False
-        if bar:
-            bar.close()
         def save(record, pos=pos):
             truncate_metrics(metrics_path, pos.epoch)  # a rolled-back epoch end may have written it already
             pos.elapsed_s = time.perf_counter() - run_start

@@ -119,27 +119,36 @@ def train_epochs(cfg: Config, t: Trainer, watch: PreemptionWatch, resume: str | 
         watchdog.close()
 
 
+def run_epoch(cfg: Config, t: Trainer, epoch: int, first_of_process: bool, after_step, resume=None,
+              start: int = 0, first_step: int = 0):
+    """One epoch's training, as the static and the elastic loop both run it: the progress bar, the peak-memory
+    reset, the batches (``train_one_epoch``: ``resume``, ``start``, ``first_step`` and ``after_step`` as there),
+    with the compiling epoch's first steps timed apart as warmup."""
+    bar = ProgressBar(t.updates * t.k, epoch, cfg.train.epochs, t.topo.size) \
+        if t.topo.is_root and cfg.train.progress else None
+    reset_peak_memory(t.topo.device)
+    result = train_one_epoch(t.model, t.bundle, t.precision, t.data.train, epoch, t.updates, cfg.train.batch_size,
+                             t.k, bar, resume=resume, stop_after_step=after_step, passes=t.passes, start=start,
+                             first_step=first_step,
+                             warmup=warmup_steps(compiles_in_epoch(epoch, first_of_process, cfg.optim), t.updates))
+    if bar:
+        bar.close()
+    return result
+
+
 def train_epoch_range(cfg: Config, t: Trainer, watch: PreemptionWatch, watchdog: StallWatchdog, start_epoch: int,
                       progress: EpochProgress | None, run_start: float, history: list, board,
                       owner: rundir.RunDir | None) -> dict | None:
     """Epochs ``start_epoch`` to the end, each followed by the end-of-epoch path; a SIGTERM stops after a step."""
-    topo, data = t.topo, t.data
+    topo = t.topo
 
     def after_step(snapshot):
         watchdog.beat()
         return watch.after_step(snapshot)
     for epoch in range(start_epoch, cfg.train.epochs):
         epoch_start = time.perf_counter()
-        bar = ProgressBar(t.updates * t.k, epoch, cfg.train.epochs, topo.size) \
-            if topo.is_root and cfg.train.progress else None
-        reset_peak_memory(topo.device)
-        result = train_one_epoch(t.model, t.bundle, t.precision, data.train, epoch, t.updates, cfg.train.batch_size,
-                                 t.k, bar, resume=progress if epoch == start_epoch else None,
-                                 stop_after_step=after_step, passes=t.passes,
-                                 warmup=warmup_steps(compiles_in_epoch(epoch, epoch == start_epoch, cfg.optim),
-                                                     t.updates))
-        if bar:
-            bar.close()
+        result = run_epoch(cfg, t, epoch, epoch == start_epoch, after_step,
+                           resume=progress if epoch == start_epoch else None)
         if result.stopped:
             watch.close()
             save_stopped_epoch(cfg, t, epoch, result.stopped, time.perf_counter() - run_start)
