@@ -159,9 +159,12 @@ def test_interrupted_and_resumed_run_matches_uninterrupted(small_digits, tmp_pat
 
 
 def launch_train(ranks: int, engine: str = "horovod") -> list[str]:
-    """The command that starts ``hybridtrain train`` on ``ranks`` local ranks of ``engine``."""
+    """The command that starts ``hybridtrain train`` on ``ranks`` local ranks of ``engine`` (``horovod-mpi``: the
+    README's ``horovodrun -np N -H localhost:N``, which runs on MPI where it is installed)."""
     if engine == "torch":
         return [TORCHRUN, "--standalone", f"--nproc-per-node={ranks}", "--no-python", HYBRIDTRAIN, "train"]
+    if engine == "horovod-mpi":
+        return [HOROVODRUN, "-np", str(ranks), "-H", f"localhost:{ranks}", HYBRIDTRAIN, "train"]
     return [HOROVODRUN, "--gloo", "-np", str(ranks), "-H", f"localhost:{ranks}", HYBRIDTRAIN, "train"]
 
 
@@ -195,10 +198,13 @@ def signal_a_rank_after_epoch_one(config: str, run_dir: str, ranks: int, victim:
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+RANK_VARIABLES = {"torch": "RANK", "horovod-mpi": "OMPI_COMM_WORLD_RANK"}
+
+
 def rank_pids(config_path: str, rank: int, engine: str = "horovod") -> list[int]:
     """PIDs of the trainer processes of ``rank`` running ``config_path`` (from /proc): the launcher's rank variable
     (HOROVOD_RANK, or torchrun's RANK)."""
-    variable = f"{'RANK' if engine == 'torch' else 'HOROVOD_RANK'}={rank}"
+    variable = f"{RANK_VARIABLES.get(engine, 'HOROVOD_RANK')}={rank}"
     pids = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -230,3 +236,18 @@ def test_a_killed_rank_ends_the_whole_job_quickly_naming_it(small_digits, tmp_pa
     assert "Traceback" not in rank_output(output)
     time.sleep(1)
     assert all(rank_pids(cfg, r) == [] for r in range(ranks)), "a rank was left behind"
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI's mpirun is not installed")
+def test_a_killed_rank_is_named_under_the_readmes_horovodrun_on_mpi(small_digits, tmp_path, write_config):
+    """The README's `horovodrun -np 2 -H localhost:2` runs on MPI here, and mpirun ends the survivors with SIGTERM at
+    once, before a collective could fail: the SIGTERM watcher sees that a rank of this host is gone and names it."""
+    run_dir = str(tmp_path / "run")
+    cfg = write_config(tiny_config(small_digits, run_dir, train={"epochs": 20, "batch_size": 8}, data=WITH_WORKERS))
+    proc, output, ended_after = signal_a_rank_after_epoch_one(cfg, run_dir, 2, 1, signal.SIGKILL, 0.3, "horovod-mpi")
+    assert proc.returncode != 0 and ended_after < 60, f"the job took {ended_after:.0f} s to end"
+    lines = [x for x in output.splitlines() if "the job stopped because" in x]
+    assert len(lines) == 1 and "rank 1 (its process is gone) died" in lines[0], output[-3000:]
+    assert "Traceback" not in rank_output(output)
+    time.sleep(1)
+    assert all(rank_pids(cfg, r, "horovod-mpi") == [] for r in range(2)), "a rank was left behind"

@@ -1,7 +1,10 @@
 """Naming a rank that died or hung, from the (host, pid, GPU) table gathered at init."""
 from __future__ import annotations
 
+import hashlib
+import os
 import socket
+import tempfile
 
 from hybridtrain.errors import PeerFailure
 
@@ -38,4 +41,21 @@ def peer_failure(topo) -> PeerFailure:
     else:
         cause = "a rank on another host died, hung or failed (its error line, if any, says why)"
     return PeerFailure(f"the job stopped because {cause}; checkpoints are intact: rerun the same command with "
-                       f"--resume auto", announce=topo.rank == min(alive, default=topo.rank))
+                       f"--resume auto", announce=first_to_report(topo))
+
+
+def first_to_report(topo) -> bool:
+    """True for the first surviving rank of this host to report the failure: the survivors learn of it at
+    different moments and by different ways (a failed collective, the launcher's SIGTERM), and one line is
+    enough. A file created exclusively, named after the job's processes, decides."""
+    if not topo.peers:
+        return True
+    job = hashlib.sha256(repr(topo.peers).encode()).hexdigest()[:16]
+    try:
+        os.close(os.open(os.path.join(tempfile.gettempdir(), f"hybridtrain-failure-{job}"),
+                         os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        return True
+    except FileExistsError:
+        return False
+    except OSError:  # no writable temp folder: the lowest rank still alive speaks
+        return topo.rank == min(departed(topo)[1], default=topo.rank)

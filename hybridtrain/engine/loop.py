@@ -47,6 +47,7 @@ def run_training(cfg: Config, resume: str | None = None, move_aside: bool = Fals
     When another rank dies, this one raises PeerFailure naming it."""
     watch = PreemptionWatch()  # first: a SIGTERM during the setup also ends the run cleanly
     topo = distributed.init(cfg.train.threads, cfg.horovod, device=cfg.train.device, engine=cfg.distributed.engine)
+    watch.topo = topo
     owner = claim_run_dir(cfg, topo, resume, move_aside)  # before the set-up: a refusal costs nothing
     try:
         t = build_trainer(cfg, topo)

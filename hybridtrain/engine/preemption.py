@@ -5,24 +5,65 @@ sum of its flag and collects the previous step's sum. The collection does not wa
 finished while the gradients were being reduced. So every rank learns of a SIGTERM on any rank at the
 same step, one step after it arrived, and all ranks stop after the same step. A rank that stopped alone
 would leave the others hanging in the next all-reduce. At epoch boundaries the check is a blocking sum.
+
+A SIGTERM can also be a launcher ending the job because a rank died: mpirun (and horovodrun on MPI) and
+torchrun terminate the survivors at once, before any collective could fail and name the dead rank. So a
+thread wakes on every signal (Python's wakeup fd, which the interpreter writes even while the main thread is
+blocked in a collective) and, when a rank of this host is gone, prints the one line naming it and ends the
+rank (exit 3), as a failed collective would have.
 """
 from __future__ import annotations
 
+import os
+import select
 import signal
+import sys
+import threading
 
 import torch
 
 from hybridtrain.distributed import collectives as distributed
+from hybridtrain.distributed import failures
 
 
 class PreemptionWatch:
     def __init__(self):
         self.requested = False
         self.handle = None
+        self.topo = None  # the job's (set once it is formed): a SIGTERM first looks for a dead peer in it
         self.previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._wake_read, wake_write = os.pipe()
+        for fd in (self._wake_read, wake_write):
+            os.set_blocking(fd, False)
+        self._wake_write = wake_write
+        self._previous_fd = signal.set_wakeup_fd(wake_write, warn_on_full_buffer=False)
+        threading.Thread(target=self._watch_signals, name="hybridtrain-sigterm", daemon=True).start()
 
     def _on_sigterm(self, signum, frame) -> None:
         self.requested = True
+
+    def _watch_signals(self) -> None:
+        while True:
+            select.select([self._wake_read], [], [])
+            try:
+                received = os.read(self._wake_read, 64)
+            except BlockingIOError:
+                continue
+            except OSError:
+                return
+            if not received:  # closed
+                return
+            if signal.SIGTERM in received:
+                self._end_if_a_peer_died()
+
+    def _end_if_a_peer_died(self) -> None:
+        topo = self.topo
+        if topo is None or not topo.peers or not failures.departed(topo)[0]:
+            return  # a real preemption (or no job yet): the flag stops the run after a step
+        failure = failures.peer_failure(topo)
+        if failure.announce:
+            print(f"hybridtrain: {failure}", file=sys.stderr, flush=True)
+        os._exit(3)
 
     def after_step(self, snapshot=None) -> bool:
         """True on every rank at the same step once any rank got SIGTERM (no wait on the critical path).
@@ -48,3 +89,5 @@ class PreemptionWatch:
     def close(self) -> None:
         self._collect()
         signal.signal(signal.SIGTERM, self.previous)
+        signal.set_wakeup_fd(self._previous_fd)
+        os.close(self._wake_write)  # the watching thread reads the end of the pipe and returns
