@@ -6,6 +6,8 @@
 #   HOROVOD_GPU_OPERATIONS=NCCL ./install.sh     # GPU clusters: NCCL all-reduce
 #   HYBRIDTRAIN_WHEELHOUSE=DIR HYBRIDTRAIN_TORCH=system HOROVOD_GPU_OPERATIONS=NCCL ./install.sh
 #                                                # offline GPU node that already has its torch (NGC, site installs)
+#   ./install.sh --plan                          # what it would install on this node and why; installs nothing
+#   HYBRIDTRAIN_SKIP_HOROVOD=1 ./install.sh      # everything but Horovod (a cluster where Horovod cannot build)
 #   ./install.sh --patch-horovod-source DIR      # only apply the Horovod source fixes to an unpacked sdist
 #
 # Environment knobs:
@@ -15,7 +17,7 @@
 #       on PATH, else /usr/local/cuda, else the nvidia-cuda-nvcc wheels matching torch's CUDA. NCCL is
 #       HOROVOD_NCCL_HOME/_INCLUDE/_LIB when set, else a system NCCL, else torch's own nvidia-nccl wheel.
 #   HYBRIDTRAIN_TORCH=pinned (default): torch 2.13.0 and torchvision 0.28.0 from the registry.
-#       HYBRIDTRAIN_TORCH=system: the venv is made with --system-site-packages and uses the torch (>= 2.1) and
+#       HYBRIDTRAIN_TORCH=system: the venv is made with --system-site-packages and uses the torch (>= 2.3) and
 #       torchvision that $PYTHON already has, e.g. an NGC image's; no torch is installed.
 #   HYBRIDTRAIN_WHEELHOUSE=DIR  offline: every package comes from DIR (pip --no-index --find-links DIR), the
 #       Horovod source horovod-0.28.1.tar.gz too (unless $HYBRIDTRAIN_CACHE/sdist has it); pip is not upgraded.
@@ -215,7 +217,8 @@ make_venv() {
   run vpip install --upgrade pip || fail "could not upgrade pip in $VENV (no registry? use HYBRIDTRAIN_WHEELHOUSE=DIR)"
 }
 
-# pinned: exactly TORCH_VERSION / TORCHVISION_VERSION; system: any torch >= 2.1. Both: torchvision's ops load.
+# pinned: exactly TORCH_VERSION / TORCHVISION_VERSION; <version>: that release; system: any torch >= OLDEST_TORCH;
+# the CUDA build the node needs (PLAN_CUDA) on a GPU node. All: torchvision's ops load.
 torch_ok() {
   vpy - "$TORCH_MODE" "$(want_torch)" "$(want_torchvision)" "$OLDEST_TORCH" "$PLAN_CUDA" <<'EOF' >>"$LOG" 2>&1
 import sys

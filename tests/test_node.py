@@ -215,6 +215,7 @@ def test_check_node_on_this_machine():
     """The real torch: the CPU device passes (a warning only when a GPU driver is there but too old)."""
     import torch
     assert isinstance(node.check_node(torch.device("cpu"), "mixed-fp16"), list)
+    assert node.driver_api_version() >= 0  # 0 here without a driver; 12020-style on a GPU node
     if torch.cuda.is_available():
         with pytest.raises(UserError) if not torch.cuda.is_bf16_supported() else _nothing():
             node.check_node(torch.device("cuda", 0), "mixed-bf16")

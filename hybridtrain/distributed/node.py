@@ -342,7 +342,7 @@ def kernel_refusal(cap: tuple, name: str, archs, torch_version: str, torch_cuda:
 
 def driver_refusal(driver_api: int, torch_cuda: str) -> str:
     """'' when the driver runs torch's CUDA, else the one line. ``driver_api``: the CUDA version the driver
-    supports (cudaDriverGetVersion: 12020 = 12.2). CUDA 12.x runs on any 12.x driver (r525+) through minor
+    supports (cuDriverGetVersion: 12020 = 12.2). CUDA 12.x runs on any 12.x driver (r525+) through minor
     version compatibility; CUDA 13.x needs a 13.x driver (r580+)."""
     if not torch_cuda or driver_api <= 0:
         return ""
@@ -392,7 +392,7 @@ def check_node(device, precision) -> list[str]:
     import torch
     dtypes = compute_dtypes(precision)
     torch_cuda = torch.version.cuda or ""
-    driver_api = driver_api_version(torch)
+    driver_api = driver_api_version() if torch_cuda else 0
     if getattr(device, "type", str(device)) != "cuda":
         line = driver_refusal(driver_api, torch_cuda)
         return [f"warning: the GPUs are not used: {line}"] if line and driver_api > 0 else []
@@ -407,14 +407,17 @@ def check_node(device, precision) -> list[str]:
     return [warning] if warning else []
 
 
-def driver_api_version(torch) -> int:
-    """The CUDA version the driver supports (12020 = 12.2), 0 when torch cannot tell (no driver, CPU build)."""
-    getter = getattr(torch._C, "_cuda_getDriverVersion", None)
-    if getter is None or not torch.version.cuda:
-        return 0
+def driver_api_version() -> int:
+    """The CUDA version the installed driver supports (cuDriverGetVersion: 12020 = 12.2), read from libcuda
+    without creating a context; 0 when there is no driver. torch has no public getter for it."""
+    import ctypes
     try:
-        return int(getter())
-    except (RuntimeError, TypeError, ValueError):
+        libcuda = ctypes.CDLL("libcuda.so.1")
+        version = ctypes.c_int(0)
+        if libcuda.cuDriverGetVersion(ctypes.byref(version)) != 0:
+            return 0
+        return version.value
+    except (OSError, AttributeError):
         return 0
 
 
