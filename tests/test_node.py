@@ -111,6 +111,16 @@ def test_a_torch_without_a_build_for_the_gpu_names_what_to_install():
     assert (old.variant, old.torchvision, old.index) == ("cu121", "0.18", f"{node.PYTORCH_INDEX}/cu121")
 
 
+@pytest.mark.parametrize("version, ok", [("2.2.2+cu121", False), ("2.1.0a0+32f93b1", False), ("2.3.0", True),
+                                         ("2.3.0a0+6ddf5cf85e.nv24.04", True), ("2.13.0+cu130", True)])
+def test_a_system_torch_older_than_the_oldest_is_refused(version, ok):
+    """The versions NGC images and site installs report (the plan reads torch.__version__ with the system Python)."""
+    line = node.check_system_torch(version)
+    assert (line == "") == ok, line
+    if not ok:
+        assert line.startswith("HYBRIDTRAIN_TORCH=system: this Python's torch") and "older than 2.3" in line
+
+
 def test_system_torch_is_checked_against_the_driver():
     plan = node.choose([(8, 0)], "550.127.05", "2.9.0", torch_cuda="13.0")
     assert "built for CUDA 13.0, which needs driver r580" in plan.error

@@ -444,6 +444,7 @@ def main(argv: list[str]) -> int:
         version, _, cuda = os.environ.get("PLAN_SYSTEM_TORCH", "").partition(" ")
         plan = choose(caps, driver, version, torch_cuda=cuda or "none", **kwargs)
         plan.torch = plan.torchvision = ""
+        plan.error = (check_system_torch(version) if version else "") or plan.error
         if plan.cuda == "none":
             plan.cuda = ""
     else:
