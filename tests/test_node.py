@@ -245,3 +245,25 @@ def test_node_module_imports_no_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_skip_horovod_needs_no_compiler_or_cmake(tmp_path):
+    """HYBRIDTRAIN_SKIP_HOROVOD=1: check_tools asks for Python and venv only (a cluster without a compiler), and
+    the plan says Horovod is not installed; without it the same PATH is refused for the missing compiler."""
+    env = fake_smi(tmp_path, None)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for tool in ("bash", "dirname", "sed", "cat", "head", "date", "awk", "grep", "tr", "cut", "cksum", "mkdir"):
+        found = subprocess.run(["bash", "-c", f"command -v {tool}"], capture_output=True, text=True).stdout.strip()
+        if found:
+            (bare / tool).symlink_to(found)
+    env["PATH"] = f"{bare}{os.pathsep}{Path(sys.executable).parent}"
+    env["CXX"] = "no-such-compiler"
+    script = f". '{INSTALL}'; check_tools"
+    skipped = subprocess.run(["bash", "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60,
+                             env=dict(env, HYBRIDTRAIN_SKIP_HOROVOD="1"))
+    assert skipped.returncode == 0, skipped.stderr
+    built = subprocess.run(["bash", "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60, env=env)
+    assert built.returncode == 1 and "no C++ compiler (no-such-compiler)" in built.stderr, built.stderr
+    plan = plan_of(tmp_path, None, HYBRIDTRAIN_SKIP_HOROVOD="1")
+    assert "plan: Horovod: not installed (HYBRIDTRAIN_SKIP_HOROVOD=1)" in plan.stdout
