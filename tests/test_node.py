@@ -94,9 +94,10 @@ def test_install_plan_without_a_gpu_is_the_cpu_install(tmp_path):
 @pytest.mark.parametrize("smi, needle", [
     ("10.0, 570.86.10\n", "older than r580 (580.65.06)"),
     ("7.0, 470.82.01\n", "older than r525 (525.60.13)"),
+    ("Field \"compute_cap\" is not a valid field to query.\n-, 470.82.01\n", "older than r525 (525.60.13)"),
     ("3.7, 535.183.01\n", "compute capability 5.0 or newer"),
     ("6.1, 580.95.05\n10.0, 580.95.05\n", "no single torch 2.13.0 build has kernels for every GPU"),
-], ids=["B200-r570", "V100-r470", "K80", "P40+B200"])
+], ids=["B200-r570", "V100-r470", "r470-without-compute_cap", "K80", "P40+B200"])
 def test_install_refuses_a_node_no_build_fits_in_one_line(tmp_path, smi, needle):
     result = plan_of(tmp_path, smi)
     assert result.returncode == 1

@@ -239,6 +239,10 @@ def choose(caps: list, driver: str, torch_version: str = PINNED_TORCH, torch_cud
     (HYBRIDTRAIN_TORCH=system: nothing is chosen, its fit is checked); ``index``: HYBRIDTRAIN_TORCH_INDEX;
     ``dali``: DALI_CUDA_MAJOR; ``gpu_operations``: HOROVOD_GPU_OPERATIONS as set (None: unset)."""
     plan = Plan(torch=torch_version, torchvision=torchvision_for(torch_version), gpu_operations=gpu_operations or "")
+    if not caps and driver and not driver_ok(driver, "12.0"):  # a driver too old to report compute_cap
+        plan.error = (f"the NVIDIA driver {driver} is older than r525 (525.60.13), the oldest that any torch "
+                      f"build hybridtrain installs runs on (CUDA 12): upgrade the driver (r580+ for CUDA 13)")
+        return plan
     if not caps:
         what = "no NVIDIA GPU" + (f" (driver {driver} but no GPU compute capability reported)" if driver else "")
         plan.lines.append(f"node: {what}: the install is the one for CPUs")
