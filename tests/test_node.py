@@ -268,3 +268,16 @@ def test_skip_horovod_needs_no_compiler_or_cmake(tmp_path):
     assert built.returncode == 1 and "no C++ compiler (no-such-compiler)" in built.stderr, built.stderr
     plan = plan_of(tmp_path, None, HYBRIDTRAIN_SKIP_HOROVOD="1")
     assert "plan: Horovod: not installed (HYBRIDTRAIN_SKIP_HOROVOD=1)" in plan.stdout
+
+
+def test_system_torch_without_torch_is_one_line(tmp_path):
+    """HYBRIDTRAIN_TORCH=system with a real Python that has no torch (the base interpreter, -I: no user site)."""
+    bare = tmp_path / "python"
+    bare.write_text(f'#!/bin/sh\nexec {getattr(sys, "_base_executable", sys.executable)} -s "$@"\n')
+    bare.chmod(0o755)
+    probe = subprocess.run([str(bare), "-c", "import torch"], capture_output=True)
+    if probe.returncode == 0:
+        pytest.skip("the base interpreter has torch")
+    result = plan_of(tmp_path, None, HYBRIDTRAIN_TORCH="system", PYTHON=str(bare))
+    assert result.returncode == 1
+    assert result.stderr.startswith(f"install: error: HYBRIDTRAIN_TORCH=system: {bare} has no torch that imports")

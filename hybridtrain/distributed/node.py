@@ -448,7 +448,10 @@ def main(argv: list[str]) -> int:
         version, _, cuda = os.environ.get("PLAN_SYSTEM_TORCH", "").partition(" ")
         plan = choose(caps, driver, version, torch_cuda=cuda or "none", **kwargs)
         plan.torch = plan.torchvision = ""
-        plan.error = (check_system_torch(version) if version else "") or plan.error
+        plan.error = (check_system_torch(version) if version else
+                      f"HYBRIDTRAIN_TORCH=system: {os.environ.get('PYTHON') or 'python3'} has no torch that imports: "
+                      f"install torch (2.{OLDEST_TORCH[1]} or newer) for it, or leave HYBRIDTRAIN_TORCH unset for "
+                      f"torch {PINNED_TORCH}") or plan.error
         if plan.cuda == "none":
             plan.cuda = ""
     else:
