@@ -6,6 +6,8 @@
 #   HOROVOD_GPU_OPERATIONS=NCCL ./install.sh     # GPU clusters: NCCL all-reduce
 #   HYBRIDTRAIN_WHEELHOUSE=DIR HYBRIDTRAIN_TORCH=system HOROVOD_GPU_OPERATIONS=NCCL ./install.sh
 #                                                # offline GPU node that already has its torch (NGC, site installs)
+#   ./install.sh --plan                          # what it would install on this node and why; installs nothing
+#   HYBRIDTRAIN_SKIP_HOROVOD=1 ./install.sh      # everything but Horovod (a cluster where Horovod cannot build)
 #   ./install.sh --patch-horovod-source DIR      # only apply the Horovod source fixes to an unpacked sdist
 #
 # Environment knobs:
@@ -15,7 +17,7 @@
 #       on PATH, else /usr/local/cuda, else the nvidia-cuda-nvcc wheels matching torch's CUDA. NCCL is
 #       HOROVOD_NCCL_HOME/_INCLUDE/_LIB when set, else a system NCCL, else torch's own nvidia-nccl wheel.
 #   HYBRIDTRAIN_TORCH=pinned (default): torch 2.13.0 and torchvision 0.28.0 from the registry.
-#       HYBRIDTRAIN_TORCH=system: the venv is made with --system-site-packages and uses the torch (>= 2.1) and
+#       HYBRIDTRAIN_TORCH=system: the venv is made with --system-site-packages and uses the torch (>= 2.3) and
 #       torchvision that $PYTHON already has, e.g. an NGC image's; no torch is installed.
 #   HYBRIDTRAIN_WHEELHOUSE=DIR  offline: every package comes from DIR (pip --no-index --find-links DIR), the
 #       Horovod source horovod-0.28.1.tar.gz too (unless $HYBRIDTRAIN_CACHE/sdist has it); pip is not upgraded.
@@ -26,11 +28,33 @@
 #       PIP_* as they are, for a cluster mirror. auto (default): site when the pip configuration sets
 #       index-url (a mirror that replaces the registry), else clean. A wheelhouse overrides all three.
 #   DALI_CUDA_MAJOR  the DALI build, nvidia-dali-cuda${DALI_CUDA_MAJOR}: default from torch's CUDA (120, 130).
+#   HYBRIDTRAIN_TORCH=<version> (e.g. 2.14.1, 2.3.1): that torch release and its torchvision; the oldest
+#       hybridtrain supports is 2.3 (docs/hardware.md), anything older is refused, with =system too.
+#   HYBRIDTRAIN_TORCH_INDEX=URL|DIR  where torch and torchvision come from: an index URL (pip --index-url) or a
+#       folder of wheels (pip --no-index --find-links DIR). Default: chosen for this node (below).
+#   HYBRIDTRAIN_SKIP_HOROVOD=1  everything but Horovod (a cluster where Horovod cannot build; torchrun engine):
+#       torch, torchvision, DALI, mpi4py (when an MPI is installed) and hybridtrain; no compiler or cmake needed.
+#
+# On a GPU node the install chooses by what `nvidia-smi --query-gpu=compute_cap,driver_version` reports
+# (hybridtrain/distributed/node.py; docs/hardware.md has the table and its sources):
+#   - torch: the registry's default build (CUDA 13.0) for Turing (sm_75) and newer on an r580+ driver; the
+#     CUDA 12.6 build from PyTorch's own wheel index for Pascal/Volta or an r525-r570 driver; one error line
+#     when no build of the pinned torch fits, naming what to install instead;
+#   - DALI: nvidia-dali-cuda130 or -cuda120 to match torch's CUDA;
+#   - Horovod: HOROVOD_GPU_OPERATIONS=NCCL (unless set), its kernels for the node's compute capabilities
+#     (HOROVOD_BUILD_CUDA_CC_LIST, unless set), NCCL from the system or from torch's matching NCCL wheel.
+# Without a GPU (no nvidia-smi) the install is the one for CPUs, as before.
+#
+#   ./install.sh --plan        prints what it would install on this node and why, and installs nothing
+#                              (run it on a login node, or in a job on the GPU node, before the real install)
+#
+# Every setting above is checked before the first step; a bad value is one line naming it.
 # The full log is in $VENV/install.log; the console shows one line per step.
 set -euo pipefail
 
-TORCH_VERSION="2.13.0"
+TORCH_VERSION="2.13.0"          # hybridtrain/distributed/node.py's PINNED_TORCH (a test checks they agree)
 TORCHVISION_VERSION="0.28.0"
+OLDEST_TORCH="2.3"              # node.py's OLDEST_TORCH
 HOROVOD_VERSION="0.28.1"
 HOROVOD_RUNTIME_REQS=(cloudpickle psutil pyyaml packaging "cffi>=1.4.0")
 # Everything Horovod's setup.py imports or asks for at build time (setup_requires has cffi, which setuptools
@@ -43,6 +67,7 @@ CACHE="${HYBRIDTRAIN_CACHE:-$HOME/.cache/hybridtrain}"
 PYTHON="${PYTHON:-python3}"
 HVD_CXX="${CXX:-g++}"
 TORCH_MODE="${HYBRIDTRAIN_TORCH:-pinned}"
+SKIP_HOROVOD="${HYBRIDTRAIN_SKIP_HOROVOD:-0}"
 WHEELHOUSE="${HYBRIDTRAIN_WHEELHOUSE:-}"
 LOG="/dev/null"
 STEP=0
@@ -110,6 +135,7 @@ check_tools() {
   command -v "$PYTHON" >/dev/null || fail "python3 not found: install Python >= 3.9 (Debian: apt-get install python3 python3-venv python3-dev)"
   "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 9))' || fail "Python >= 3.9 is required, found $("$PYTHON" --version 2>&1)"
   "$PYTHON" -c 'import venv, ensurepip' 2>/dev/null || fail "Python's venv module is missing: apt-get install python3-venv"
+  if [ "$SKIP_HOROVOD" = 1 ]; then return 0; fi   # no Horovod build: no compiler, no cmake
   command -v "$HVD_CXX" >/dev/null || fail "no C++ compiler ($HVD_CXX) for the Horovod build: apt-get install g++ (or build-essential), or set CXX"
   command -v cmake >/dev/null || fail "cmake not found for the Horovod build: apt-get install cmake (>= 3.13), or pip install cmake"
   local cmake_v
@@ -121,8 +147,59 @@ check_tools() {
     export CMAKE_POLICY_VERSION_MINIMUM="${CMAKE_POLICY_VERSION_MINIMUM:-3.5}"
     note "cmake $cmake_v: building with CMAKE_POLICY_VERSION_MINIMUM=$CMAKE_POLICY_VERSION_MINIMUM (Gloo's old cmake minimum)"
   fi
-  case "$TORCH_MODE" in pinned|system) ;; *) fail "HYBRIDTRAIN_TORCH=$TORCH_MODE: use pinned (default) or system" ;; esac
-  case "${HOROVOD_GPU_OPERATIONS:-}" in ""|NCCL|MPI) ;; *) fail "HOROVOD_GPU_OPERATIONS=$HOROVOD_GPU_OPERATIONS: use NCCL (or MPI, or leave it unset)" ;; esac
+}
+
+# Every setting this script reads, checked before its first step: one line for a bad value.
+check_settings() {
+  case "$TORCH_MODE" in
+    pinned|system) ;;
+    *) [[ "$TORCH_MODE" =~ ^([0-9]+)\.([0-9]+)(\.[0-9]+)?$ ]] \
+         || fail "HYBRIDTRAIN_TORCH=$TORCH_MODE: use pinned (default), system, or a torch version such as 2.14.1"
+       local major="${BASH_REMATCH[1]}" minor="${BASH_REMATCH[2]}"
+       if [ "$major" -lt "${OLDEST_TORCH%%.*}" ] || { [ "$major" = "${OLDEST_TORCH%%.*}" ] && [ "$minor" -lt "${OLDEST_TORCH#*.}" ]; }; then
+         fail "HYBRIDTRAIN_TORCH=$TORCH_MODE: torch $TORCH_MODE is older than $OLDEST_TORCH, the oldest release hybridtrain supports (docs/hardware.md): use $OLDEST_TORCH or newer, or leave it unset for torch $TORCH_VERSION"
+       fi ;;
+  esac
+  case "${HOROVOD_GPU_OPERATIONS-unset}" in unset|""|NCCL|MPI) ;; *) fail "HOROVOD_GPU_OPERATIONS=${HOROVOD_GPU_OPERATIONS}: use NCCL (or MPI, or leave it unset)" ;; esac
+  case "${DALI_CUDA_MAJOR:-}" in ""|110|120|130) ;; *) fail "DALI_CUDA_MAJOR=$DALI_CUDA_MAJOR: use 120 or 130 (DALI's nvidia-dali-cuda120/-cuda130 builds), or leave it unset to match torch's CUDA" ;; esac
+  local var
+  for var in HYBRIDTRAIN_SKIP_DALI HYBRIDTRAIN_SKIP_HOROVOD HYBRIDTRAIN_SYSTEM_PACKAGES; do
+    case "${!var:-0}" in 0|1) ;; *) fail "$var=${!var}: use 1 (yes) or 0 (no)" ;; esac
+  done
+  case "${HYBRIDTRAIN_PIP_CONFIG:-auto}" in auto|site|clean) ;; *) fail "HYBRIDTRAIN_PIP_CONFIG=${HYBRIDTRAIN_PIP_CONFIG}: use auto, site or clean" ;; esac
+  if [ -n "$WHEELHOUSE" ] && [ ! -d "$WHEELHOUSE" ]; then
+    fail "HYBRIDTRAIN_WHEELHOUSE=$WHEELHOUSE is not a folder: make it with 'pip download' or 'pip wheel -w DIR' where the registry is reachable"
+  fi
+  case "${HYBRIDTRAIN_TORCH_INDEX:-}" in
+    ""|http://*|https://*|file://*) ;;
+    *) [ -d "$HYBRIDTRAIN_TORCH_INDEX" ] || fail "HYBRIDTRAIN_TORCH_INDEX=$HYBRIDTRAIN_TORCH_INDEX is neither an index URL (https://...) nor a folder of wheels" ;;
+  esac
+  if [ -n "${HYBRIDTRAIN_TORCH_INDEX:-}" ] && [ "$TORCH_MODE" = system ]; then
+    fail "HYBRIDTRAIN_TORCH_INDEX is set but HYBRIDTRAIN_TORCH=system installs no torch: unset one of them"
+  fi
+  [[ "${HOROVOD_BUILD_CUDA_CC_LIST:-70}" =~ ^[0-9]{2,3}(,[0-9]{2,3})*$ ]] \
+    || fail "HOROVOD_BUILD_CUDA_CC_LIST=$HOROVOD_BUILD_CUDA_CC_LIST: use compute capabilities without dots, comma-separated, e.g. 70 or 80,90"
+  if [ -n "${CUDA_HOME:-}" ] && [ ! -d "$CUDA_HOME" ]; then fail "CUDA_HOME=$CUDA_HOME is not a folder: point it at a CUDA toolkit, or unset it"; fi
+}
+
+# What this node's GPUs and driver need (hybridtrain/distributed/node.py, run with $PYTHON: no venv and no torch
+# needed): sets PLAN_* (torch, torchvision, variant, CUDA, index, DALI, Horovod GPU operations and CC list) and
+# PLAN_LINES, the why. No nvidia-smi: no GPU, the CPU install as before.
+PLAN_TORCH="" PLAN_TORCHVISION="" PLAN_VARIANT="" PLAN_CUDA="" PLAN_INDEX="" PLAN_DALI="" PLAN_GPU_OPERATIONS=""
+PLAN_CC_LIST="" PLAN_ERROR="" PLAN_LINES=""
+plan_node() {
+  command -v "$PYTHON" >/dev/null || fail "python3 not found: install Python >= 3.9 (Debian: apt-get install python3 python3-venv python3-dev), or set PYTHON"
+  local smi="" system_torch="" out
+  if command -v nvidia-smi >/dev/null; then
+    smi="$(nvidia-smi --query-gpu=compute_cap,driver_version --format=csv,noheader 2>&1)" \
+      || smi="$smi"$'\n'"$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | sed 's/^/-, /')"
+  fi
+  if [ "$TORCH_MODE" = system ]; then
+    system_torch="$("$PYTHON" -c 'import torch; print(torch.__version__, torch.version.cuda or "none")' 2>/dev/null)" || system_torch=""
+  fi
+  out="$(printf '%s\n' "$smi" | PLAN_SYSTEM_TORCH="$system_torch" PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" \
+         "$PYTHON" -m hybridtrain.distributed.node plan)" || fail "could not work out this node's plan with $PYTHON (hybridtrain/distributed/node.py): see its error above"
+  eval "$out"
 }
 
 make_venv() {
@@ -140,22 +217,31 @@ make_venv() {
   run vpip install --upgrade pip || fail "could not upgrade pip in $VENV (no registry? use HYBRIDTRAIN_WHEELHOUSE=DIR)"
 }
 
-# pinned: exactly TORCH_VERSION / TORCHVISION_VERSION; system: any torch >= 2.1. Both: torchvision's ops load.
+# pinned: exactly TORCH_VERSION / TORCHVISION_VERSION; <version>: that release; system: any torch >= OLDEST_TORCH;
+# the CUDA build the node needs (PLAN_CUDA) on a GPU node. All: torchvision's ops load.
 torch_ok() {
-  vpy - "$TORCH_MODE" "$TORCH_VERSION" "$TORCHVISION_VERSION" <<'EOF' >>"$LOG" 2>&1
+  vpy - "$TORCH_MODE" "$(want_torch)" "$(want_torchvision)" "$OLDEST_TORCH" "$PLAN_CUDA" <<'EOF' >>"$LOG" 2>&1
 import sys
-mode, want_torch, want_tv = sys.argv[1:4]
+mode, want_torch, want_tv, oldest, want_cuda = sys.argv[1:6]
 import torch, torchvision, torchvision.ops
 t, tv = torch.__version__.split("+")[0], torchvision.__version__.split("+")[0]
-if mode == "pinned":
-    assert t == want_torch, torch.__version__
-    assert tv == want_tv, torchvision.__version__
+def minor(v):
+    return tuple(int("".join(c for c in x if c.isdigit()) or 0) for x in v.split(".")[:2])
+if mode != "system":
+    assert t == want_torch or (want_torch.count(".") == 1 and minor(t) == minor(want_torch)), torch.__version__
+    assert tv == want_tv or minor(tv) == minor(want_tv) and want_tv.count(".") == 1, torchvision.__version__
+    assert not want_cuda or torch.version.cuda == want_cuda, f"torch's CUDA {torch.version.cuda}, this node needs {want_cuda}"
 else:
-    assert tuple(int("".join(c for c in x if c.isdigit()) or 0) for x in t.split(".")[:2]) >= (2, 1), torch.__version__
+    assert minor(t) >= minor(oldest), torch.__version__
 torchvision.ops.nms(torch.zeros(1, 4), torch.zeros(1), 0.5)
 print("torch", torch.__version__, "cuda", torch.version.cuda, "torchvision", torchvision.__version__, torch.__file__)
 EOF
 }
+
+# The torch release to install: the pin, or HYBRIDTRAIN_TORCH=<version>; its torchvision from the node's plan.
+want_torch() { if [ "$TORCH_MODE" = pinned ]; then echo "$TORCH_VERSION"; else echo "${PLAN_TORCH:-$TORCH_MODE}"; fi; }
+want_torchvision() { if [ "$TORCH_MODE" = pinned ]; then echo "$TORCHVISION_VERSION"; else echo "$PLAN_TORCHVISION"; fi; }
+pip_spec() { case "$1" in *.*.*) echo "==$1" ;; *) echo "==$1.*" ;; esac; }
 
 torch_desc() { vpy -c 'import torch, torchvision; print(f"torch {torch.__version__} and torchvision {torchvision.__version__}")'; }
 # torch's version and CUDA version, read once (install_torch) or on demand (when the functions are sourced).
@@ -167,13 +253,25 @@ torch_cuda() { [ "$TORCH_CUDA" != "-" ] || read_torch; echo "$TORCH_CUDA"; }
 
 install_torch() {
   if [ "$TORCH_MODE" = system ]; then
-    torch_ok || fail "HYBRIDTRAIN_TORCH=system: $PYTHON has no torch >= 2.1 whose torchvision ops load (see the log); install torch and torchvision for $PYTHON, or leave HYBRIDTRAIN_TORCH unset for torch $TORCH_VERSION"
+    torch_ok || fail "HYBRIDTRAIN_TORCH=system: $PYTHON has no torch >= $OLDEST_TORCH whose torchvision ops load (see the log); install torch and torchvision for $PYTHON, or leave HYBRIDTRAIN_TORCH unset for torch $TORCH_VERSION"
     step "using the installed $(torch_desc) (HYBRIDTRAIN_TORCH=system)"; read_torch; return
   fi
-  if torch_ok; then step "torch $TORCH_VERSION and torchvision $TORCHVISION_VERSION already load their ops"; read_torch; return; fi
-  step "installing torch $TORCH_VERSION and torchvision $TORCHVISION_VERSION ($PIP_MODE; about 1 min)"
-  run vpip install "torch==$TORCH_VERSION" "torchvision==$TORCHVISION_VERSION" || fail "torch install failed: see the log"
-  torch_ok || fail "torchvision's compiled ops do not load with this torch: run 'pip uninstall -y torch torchvision' in $VENV and re-run"
+  local tv t build="" index="${HYBRIDTRAIN_TORCH_INDEX:-$PLAN_INDEX}"
+  t="$(want_torch)"; tv="$(want_torchvision)"
+  [ -z "$PLAN_VARIANT" ] || build=", the CUDA $PLAN_CUDA build"
+  if torch_ok; then step "torch $t and torchvision $tv$build already load their ops"; read_torch; return; fi
+  local -a from=()
+  if [ -n "$index" ] && [ "$PIP_MODE" != wheelhouse ]; then
+    if [ -d "$index" ]; then from=(--no-index --find-links "$index"); else from=(--index-url "$index"); fi
+  fi
+  step "installing torch $t and torchvision $tv$build (${index:-$PIP_MODE}; about 1 min)"
+  # --force-reinstall only when another build of the same version is there (a CUDA 13 torch on a Volta node)
+  local -a again=()
+  vpy -c 'import torch' >/dev/null 2>&1 && again=(--force-reinstall --no-deps)
+  [ ${#again[@]} -eq 0 ] || run vpip install "${again[@]}" "${from[@]}" "torch$(pip_spec "$t")" "torchvision$(pip_spec "$tv")" || true
+  run vpip install "${from[@]}" "torch$(pip_spec "$t")" "torchvision$(pip_spec "$tv")" \
+    || fail "torch install failed${index:+ (from $index)}: see the log"
+  torch_ok || fail "torch $t and torchvision $tv do not load their ops${PLAN_CUDA:+, or are not the CUDA $PLAN_CUDA build this node needs}: run 'pip uninstall -y torch torchvision' in $VENV and re-run${PIP_MODE:+ (offline: the wheelhouse must hold the ${PLAN_VARIANT:-matching} build)}"
   read_torch
 }
 
@@ -443,6 +541,7 @@ EOF
 
 dali_cuda_major() {
   if [ -n "${DALI_CUDA_MAJOR:-}" ]; then echo "$DALI_CUDA_MAJOR"; return; fi
+  if [ -n "$PLAN_DALI" ]; then echo "$PLAN_DALI"; return; fi
   local c; c="$(torch_cuda)"
   if [ -n "$c" ]; then echo "${c%%.*}0"; else echo 130; fi   # CPU torch: DALI's CPU operators of the CUDA 13 build
 }
@@ -462,6 +561,11 @@ install_rest() {
 }
 
 check_build() {
+  if [ "$SKIP_HOROVOD" = 1 ]; then
+    cp "$LOG" "$VENV/install.log"
+    echo "install: ok ($VENV, without Horovod: HYBRIDTRAIN_SKIP_HOROVOD=1; log $VENV/install.log)"
+    return
+  fi
   step "horovodrun --check-build"
   local out
   out="$("$VENV/bin/horovodrun" --check-build 2>&1)" || { echo "$out" >>"$LOG"; fail "horovodrun --check-build failed"; }
@@ -475,17 +579,40 @@ check_build() {
   echo "install: ok ($VENV; log $VENV/install.log)"
 }
 
+# The node's plan (see the header), as notes, or its one error line; the plan's Horovod settings become the
+# build's unless HOROVOD_GPU_OPERATIONS / HOROVOD_BUILD_CUDA_CC_LIST are set.
+apply_plan() {
+  plan_node
+  [ -z "$PLAN_ERROR" ] || fail "$PLAN_ERROR"
+  if [ -n "$PLAN_GPU_OPERATIONS" ] && [ -z "${HOROVOD_GPU_OPERATIONS+set}" ]; then export HOROVOD_GPU_OPERATIONS="$PLAN_GPU_OPERATIONS"; fi
+  if [ -n "$PLAN_CC_LIST" ] && [ -z "${HOROVOD_BUILD_CUDA_CC_LIST:-}" ]; then export HOROVOD_BUILD_CUDA_CC_LIST="$PLAN_CC_LIST"; fi
+}
+
+show_plan() {
+  check_settings
+  plan_node
+  local line
+  while IFS= read -r line; do [ -z "$line" ] || echo "plan: $line"; done <<<"$PLAN_LINES"
+  [ -z "$PLAN_ERROR" ] || fail "$PLAN_ERROR"
+  [ "$SKIP_HOROVOD" != 1 ] || echo "plan: Horovod: not installed (HYBRIDTRAIN_SKIP_HOROVOD=1)"
+  [ "${HYBRIDTRAIN_SKIP_DALI:-0}" != 1 ] || echo "plan: DALI: not installed (HYBRIDTRAIN_SKIP_DALI=1)"
+  echo "plan: into $VENV; nothing was installed (--plan)"
+}
+
 main() {
+  check_settings
   mkdir -p "$CACHE"
   LOG="$CACHE/install-$(date +%Y%m%d-%H%M%S)-$$.log"
   : >"$LOG"
   install_system_packages
   check_tools
+  apply_plan
+  [ -z "$PLAN_VARIANT" ] || note "this node: $(head -n1 <<<"$PLAN_LINES")"
   choose_pip_mode
   [ "$PIP_MODE" = clean ] || note "pip: $PIP_MODE${WHEELHOUSE:+ ($WHEELHOUSE)}"
   make_venv
   install_torch
-  install_horovod
+  if [ "$SKIP_HOROVOD" = 1 ]; then step "skipping Horovod (HYBRIDTRAIN_SKIP_HOROVOD=1)"; else install_horovod; fi
   install_rest
   check_build
 }
@@ -496,7 +623,8 @@ if [ "${BASH_SOURCE[0]}" = "$0" ]; then
     --patch-horovod-source)
       [ -d "${2:-}" ] || fail "usage: $0 --patch-horovod-source DIR (an unpacked horovod-$HOROVOD_VERSION sdist)"
       patch_horovod_source "$2" ;;
+    --plan) show_plan ;;
     "") main ;;
-    *) fail "unknown argument $1 (usage: $0 [--patch-horovod-source DIR])" ;;
+    *) fail "unknown argument $1 (usage: $0 [--plan | --patch-horovod-source DIR])" ;;
   esac
 fi

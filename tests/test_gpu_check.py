@@ -220,3 +220,28 @@ def test_a_training_row_starts_from_an_empty_run_directory_and_fails_without_met
     gc.run_row(row, str(tmp_path), time.monotonic() + 60, dict(os.environ), lambda line: None)
     assert not run_dir.exists()
     assert row.status == gc.FAIL and row.detail == "no metrics.jsonl (FileNotFoundError)"
+
+
+# ----------------------------------------------------------------------------- the node checks, first
+
+def test_the_node_probe_is_valid_python_that_runs_check_node():
+    compile(gc.NODE_PROBE % (gc.PRECISIONS,), "probe", "exec")
+    assert "check_node(torch.device('cuda', 0), p)" in gc.NODE_PROBE
+
+
+def test_an_fp32_refusal_ends_the_check_in_one_line():
+    line = "Tesla V100 is sm_70 (Volta, e.g. V100), and this torch 2.13.0 has kernels only for sm_75: reinstall"
+    with pytest.raises(gc.UserError, match="reinstall"):
+        gc.node_row({"fp32": (line, []), "mixed-fp16": (line, []), "mixed-bf16": (line, [])})
+
+
+def test_a_bf16_refusal_turns_its_rows_into_not_run(tmp_path):
+    bf16 = "precision bf16 needs a GPU with native BF16 (compute capability 8.0 or newer)"
+    warning = "warning: Tesla P40 (sm_61) computes FP16 at 1/64 of its FP32 rate"
+    checks = {"fp32": ("", []), "mixed-fp16": ("", [warning]), "mixed-bf16": (bf16, [])}
+    first = gc.node_row(checks)
+    assert first.status == gc.PASS and bf16 in first.detail and warning in first.detail
+    rows = gc.skip_refused(gc.build_rows(1, False, str(tmp_path), "/venv/bin"), checks)
+    refused = [r for r in rows if r.precision == "mixed-bf16" and "2ranks" not in r.name]
+    assert refused and all(r.status == gc.NOT_RUN and bf16 in r.detail and r.kind == "note" for r in refused)
+    assert all(r.status == "pending" for r in rows if r.precision == "fp32")

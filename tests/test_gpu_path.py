@@ -98,12 +98,18 @@ def test_every_recipe_sends_fp16_only_scaled_gradients():
 
 
 def test_fp32_math_is_ieee_unless_tf32_is_asked_for():
+    """On every torch from the oldest supported (no per-op settings before 2.9) to the pin, and with the legacy
+    getters that inductor reads still answering (a per-op write alone makes them raise on 2.13)."""
+    per_op = hasattr(getattr(torch.backends.cudnn, "conv", None), "fp32_precision")
     try:
-        assert set_fp32_math(False) == "ieee"
-        assert torch.backends.cudnn.conv.fp32_precision == "ieee"
-        assert torch.backends.cuda.matmul.fp32_precision == "ieee"
-        assert set_fp32_math(True) == "tf32"
-        assert torch.backends.cudnn.conv.fp32_precision == "tf32"
+        for tf32 in (False, True):
+            assert set_fp32_math(tf32) == ("tf32" if tf32 else "ieee")
+            assert torch.backends.cudnn.allow_tf32 is tf32
+            assert torch.backends.cuda.matmul.allow_tf32 is tf32
+            assert torch.get_float32_matmul_precision() == ("high" if tf32 else "highest")
+            if per_op:
+                assert torch.backends.cudnn.conv.fp32_precision == ("tf32" if tf32 else "ieee")
+                assert torch.backends.cuda.matmul.fp32_precision == ("tf32" if tf32 else "ieee")
     finally:
         set_fp32_math(False)
 

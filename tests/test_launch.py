@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = ROOT / "launch"
 DOCKER = ROOT / "docker"
 VENV_BIN = Path(sys.executable).parent
-DOCKERFILES = {"gpu": DOCKER / "Dockerfile.gpu", "cpu": DOCKER / "Dockerfile.cpu"}
+DOCKERFILES = {"gpu": DOCKER / "Dockerfile.gpu", "cpu": DOCKER / "Dockerfile.cpu",
+               "gpu-pascal-volta": DOCKER / "Dockerfile.gpu-pascal-volta"}
 HOST_LAUNCHERS = ["horovodrun.sh", "mpirun.sh"]
 
 SHELL_FILES = sorted(LAUNCH.glob("*.sh")) + sorted(LAUNCH.glob("*.sbatch")) + sorted(DOCKER.glob("*.sh"))
@@ -438,8 +439,15 @@ def shell_commands(run_args: str) -> list[list[str]]:
 def test_dockerfile_runs_install_sh(kind):
     install_runs = [r for r in runs(DOCKERFILES[kind]) if any(w == "./install.sh" for c in shell_commands(r) for w in c[:1])]
     assert len(install_runs) == 1, "exactly one RUN of ./install.sh"
-    if kind == "gpu":
+    if kind.startswith("gpu"):
         assert "HOROVOD_GPU_OPERATIONS=NCCL" in install_runs[0]
+    if kind == "gpu-pascal-volta":  # the choice a Pascal/Volta node makes (hybridtrain/distributed/node.py)
+        from hybridtrain.distributed import node
+        plan = node.choose([(6, 0), (6, 1), (7, 0)], "525.60.13")
+        assert f"HOROVOD_BUILD_CUDA_CC_LIST={plan.cc_list}" in install_runs[0] and f"DALI_CUDA_MAJOR={plan.dali}" in install_runs[0]
+        assert f"ARG TORCH_INDEX={plan.index}" in DOCKERFILES[kind].read_text()
+        base = dict(dockerfile_instructions(DOCKERFILES[kind]))["FROM"]
+        assert re.match(rf"nvidia/cuda:{re.escape(plan.cuda)}\.\d+-cudnn-devel-", base), base
 
 
 @pytest.mark.parametrize("kind", DOCKERFILES)

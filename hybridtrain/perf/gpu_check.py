@@ -4,6 +4,9 @@ It starts from a bare GPU machine (Python, torch and torchvision installed syste
 Horovod) and a wheelhouse folder (docs/benchmarks.md lists its files). Every step is a row of one table and
 one real process whose whole output goes to ``OUT/<row>.log``:
 
+0. ``node-check``: the trainer's own node checks (``hybridtrain.distributed.node.check_node``: torch's kernels for
+   this GPU, the driver against torch's CUDA, bf16 below sm_80, FP16 on a P40) per precision, first; a refusal
+   in fp32 ends the check in one line, and the rows of a refused precision say ``not run`` and why;
 1. ``build``: Horovod with NCCL, by the project's ``install.sh`` into a venv that sees the system torch
    (skipped when ``horovod.torch`` with NCCL already imports, here or in that venv);
 2. ``gpu-tests``: the tests that run on the GPU when it has one (host syncs, compiled and graphed steps);
@@ -167,6 +170,47 @@ def cuda_devices(python: str = sys.executable) -> tuple[int, str]:
     if not count:
         raise UserError(NO_GPU)
     return count, name
+
+
+NODE_PROBE = ("import json, torch\nfrom hybridtrain.distributed.node import check_node\n"
+              "from hybridtrain.errors import UserError\nout = {}\nfor p in %r:\n    try:\n"
+              "        out[p] = ['', check_node(torch.device('cuda', 0), p)]\n"
+              "    except UserError as e:\n        out[p] = [str(e), []]\nprint(json.dumps(out))")
+
+
+def node_checks(python: str = sys.executable, repo: str = REPO) -> dict:
+    """The trainer's node checks (hybridtrain.distributed.node.check_node) on GPU 0 for every precision the check
+    trains in, asked in a child process: {precision: (refusal line or '', [warnings])}."""
+    env = {**os.environ, "PYTHONPATH": repo + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    try:
+        proc = subprocess.run([python, "-c", NODE_PROBE % (PRECISIONS,)], capture_output=True, text=True,
+                              timeout=180, stdin=subprocess.DEVNULL, env=env, cwd=repo)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise UserError(f"gpu-check could not run the node checks with {python}: {exc}") from None
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+        raise UserError(f"gpu-check's node checks failed in {python}: {last}")
+    return {p: (line, warnings) for p, (line, warnings) in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
+
+
+def node_row(checks: dict) -> Row:
+    """The table's first row: what the node checks said. A refusal in fp32 (no kernels for this GPU, a driver too
+    old for torch's CUDA) is a UserError before any work: nothing else could run."""
+    if checks.get("fp32", ("", []))[0]:
+        raise UserError(checks["fp32"][0])
+    refused = {p: line for p, (line, _) in checks.items() if line}
+    warnings = sorted({w for _, ws in checks.values() for w in ws})
+    detail = "; ".join([f"{p}: {line}" for p, line in refused.items()] + warnings) or "kernels, driver, bf16: ok"
+    return Row("node-check", "note", status=PASS, detail=detail)
+
+
+def skip_refused(rows: list[Row], checks: dict) -> list[Row]:
+    """Rows in a precision the node refuses (bf16 below sm_80) become 'not run' rows that say why."""
+    for row in rows:
+        line = checks.get(row.precision, ("", []))[0]
+        if line and row.kind != "note":
+            row.kind, row.status, row.detail = "note", NOT_RUN, f"not run: {line}"
+    return rows
 
 
 # ----------------------------------------------------------------------------- Horovod with NCCL
@@ -509,6 +553,8 @@ def run_gpu_check(out: str, wheelhouse: str | None = None, quick: bool = False, 
     wheelhouse = check_wheelhouse(wheelhouse)
     check_checkout()
     gpus, device = cuda_devices()
+    checks = node_checks()
+    first = node_row(checks)
     os.makedirs(out, exist_ok=True)
     deadline = time.monotonic() + budget_s
     meta = {"device": device, "gpus": gpus, "quick": quick, "budget_s": budget_s, "python": sys.executable}
@@ -528,11 +574,12 @@ def run_gpu_check(out: str, wheelhouse: str | None = None, quick: bool = False, 
         if build.status == PASS and not nccl_ready(bin_dir):
             build.status, build.detail = FAIL, f"install.sh ended but {bin_dir}/python has no horovod.torch with NCCL"
     meta["bin"] = bin_dir
-    rows = [build]
+    rows = [first, build]
+    say(f"gpu-check: node checks: {first.detail}")
     if build.status == PASS:
         say(f"gpu-check: Horovod with NCCL from {bin_dir}")
         base_env["PATH"] = bin_dir + os.pathsep + base_env.get("PATH", "")
-        for row in build_rows(gpus, quick, out, bin_dir):
+        for row in skip_refused(build_rows(gpus, quick, out, bin_dir), checks):
             rows.append(run_row(row, out, deadline, base_env, say))
     else:
         say("gpu-check: no Horovod with NCCL, so no other row can run")

@@ -1,0 +1,464 @@
+"""What this node's GPUs and driver can run: the torch build ``install.sh`` installs, and the checks a rank makes
+before it trains (``check_node``). docs/hardware.md is the table this module encodes, with its sources.
+
+Two halves, both pure where they decide:
+- the install's choice, :func:`choose` (compute capabilities, driver version, torch version or torch's CUDA) ->
+  :class:`Plan`; ``install.sh`` runs ``python -m hybridtrain.distributed.node plan`` with the system Python
+  (no venv and no torch yet), so this module imports the standard library only;
+- the trainer's checks: :func:`kernel_refusal`, :func:`driver_refusal`, :func:`bf16_refusal`,
+  :func:`fp16_rate_warning`, and :func:`check_node`, which asks torch (imported inside the function) and raises
+  :class:`~hybridtrain.errors.UserError` with the first refusal.
+
+May import: errors.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import sys
+from dataclasses import dataclass, field
+
+from hybridtrain.errors import UserError
+
+PINNED_TORCH = "2.13.0"         # install.sh's TORCH_VERSION (tests check they agree)
+PINNED_TORCHVISION = "0.28.0"
+OLDEST_TORCH = (2, 3)           # the oldest torch the code supports (docs/hardware.md says why)
+# torch minor -> torchvision minor (0.x) of the same release
+TORCHVISION_MINOR = {(2, m): m + 15 for m in range(3, 16)}
+PYTORCH_INDEX = "https://download.pytorch.org/whl"   # PyTorch's own wheel index: <index>/<variant>
+
+# The driver each CUDA major needs (CUDA's release notes, "minimum required driver for minor version
+# compatibility", Linux x86_64): CUDA 12.x >= 525.60.13, CUDA 13.x >= 580.65.06.
+MIN_DRIVER = {12: (525, 60, 13), 13: (580, 65, 6)}
+SM_50_TO_90 = ("sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90")
+SM_75_TO_120 = ("sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120")
+
+# Names for messages: (first capability of the generation, its name, the data-centre GPUs people have).
+GENERATIONS = (((3, 0), "Kepler", "K80"), ((5, 0), "Maxwell", "M40"), ((6, 0), "Pascal", "P100/P40"),
+               ((7, 0), "Volta", "V100"), ((7, 5), "Turing", "T4"), ((8, 0), "Ampere", "A100"),
+               ((8, 9), "Ada", "L40/L4"), ((9, 0), "Hopper", "H100/H200"), ((10, 0), "Blackwell", "B200"),
+               ((12, 0), "Blackwell", "RTX PRO 6000"))
+# GPUs whose FP16 arithmetic runs at a small fraction of FP32 (GP102/GP104: 1/64), so FP16 compute is slower
+# than FP32; the P40 recipe trains in FP32 with the FP16 wire.
+SLOW_FP16 = {(6, 1): "1/64"}
+P40_RECIPE = "configs/resnet50_cluster2_p40.yaml"
+
+
+@dataclass(frozen=True)
+class Build:
+    """One torch build: its CUDA, where it comes from ('' = the registry's default wheel), its kernels."""
+    variant: str                 # cu130, cu126, cu121
+    cuda: str                    # 13.0, 12.6, 12.1
+    index: str                   # '' (the registry) or an index URL
+    archs: tuple
+
+    @property
+    def min_driver(self) -> tuple:
+        return MIN_DRIVER[int(self.cuda.split(".")[0])]
+
+
+def index_build(variant: str) -> Build:
+    cuda = f"{variant[2:-1]}.{variant[-1]}"
+    return Build(variant, cuda, f"{PYTORCH_INDEX}/{variant}", SM_75_TO_120 if cuda >= "13" else SM_50_TO_90)
+
+
+def builds_for(torch_version: str) -> list[Build]:
+    """The CUDA builds of a torch release that hybridtrain chooses from, preferred first (PyTorch's RELEASE.md
+    and its CUDA-matrix RFCs, pytorch/pytorch#172352, #190355, #190385): the CUDA 13.0 build (the registry's
+    default for the pin, from PyTorch's index otherwise) for Turing and newer on r580+; the CUDA 12.6 build
+    (2.6 to 2.14; Maxwell to Hopper, r525+); the CUDA 12.1 build for 2.3 to 2.5."""
+    minor = version_tuple(torch_version)[:2]
+    found = []
+    if minor >= (2, 9):
+        cu130 = index_build("cu130")
+        found.append(Build("cu130", "13.0", "", cu130.archs) if torch_version == PINNED_TORCH else cu130)
+    if (2, 6) <= minor <= (2, 14):
+        found.append(index_build("cu126"))
+    if minor <= (2, 5):
+        found.append(index_build("cu121"))
+    return found
+
+
+# ----------------------------------------------------------------------------- small parsers
+
+def version_tuple(text: str) -> tuple:
+    """'2.13.0+cu130' -> (2, 13, 0); '535.104.05' -> (535, 104, 5)."""
+    parts = []
+    for piece in text.split("+")[0].split("."):
+        digits = re.match(r"\d*", piece).group()
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+def parse_capability(text: str) -> tuple:
+    """'8.0' or '80' or 'sm_80' -> (8, 0)."""
+    text = text.strip().lower().replace("sm_", "").replace("compute_", "")
+    if "." in text:
+        major, minor = text.split(".", 1)
+        return int(major), int(minor)
+    return int(text[:-1]), int(text[-1])
+
+
+def sm(cap: tuple) -> str:
+    return f"sm_{cap[0]}{cap[1]}"
+
+
+def generation(cap: tuple) -> str:
+    """'sm_70 (Volta, V100)'."""
+    name = [g for g in GENERATIONS if g[0] <= cap]
+    return f"{sm(cap)} ({name[-1][1]}, e.g. {name[-1][2]})" if name else sm(cap)
+
+
+def parse_smi(text: str) -> tuple[list, str]:
+    """``nvidia-smi --query-gpu=compute_cap,driver_version --format=csv,noheader`` -> ([capability per GPU],
+    driver version). A line that is not 'X.Y, N.N' (an old driver that cannot report compute_cap says
+    '[N/A]' or 'Field ... is not a valid field') is skipped; the driver is taken from any line that has one."""
+    caps, driver = [], ""
+    for line in text.splitlines():
+        fields = [f.strip() for f in line.split(",")]
+        if len(fields) >= 2 and re.fullmatch(r"\d+(\.\d+)+", fields[1]):
+            driver = fields[1]
+        if fields and re.fullmatch(r"\d+\.\d+", fields[0]):
+            caps.append(parse_capability(fields[0]))
+    return caps, driver
+
+
+# ----------------------------------------------------------------------------- kernels and drivers
+
+def kernels_for(cap: tuple, archs) -> str:
+    """The entry of ``archs`` (torch.cuda.get_arch_list()) that runs on a GPU of capability ``cap``, or ''.
+    A cubin for sm_XY runs on the same major X with minor >= Y; PTX (compute_XY) is compiled by the driver for
+    any capability >= XY (CUDA's binary and PTX compatibility rules)."""
+    best = ""
+    for arch in archs:
+        kind, _, number = arch.partition("_")
+        if not number.isdigit():
+            continue
+        a = parse_capability(number)
+        if kind == "sm" and a[0] == cap[0] and a[1] <= cap[1]:
+            return arch
+        if kind == "compute" and a <= cap and not best:
+            best = f"{arch} (PTX, compiled by the driver at first use)"
+    return best
+
+
+def driver_ok(driver: str, cuda: str) -> bool:
+    return version_tuple(driver) >= MIN_DRIVER.get(version_tuple(cuda)[0], (0,))
+
+
+def driver_name(version: tuple) -> str:
+    return ".".join(str(v) if i == 0 else f"{v:02d}" for i, v in enumerate(version))
+
+
+# ----------------------------------------------------------------------------- the install's choice
+
+@dataclass
+class Plan:
+    """What install.sh installs on this node, and why (lines), or the one line saying why nothing fits."""
+    torch: str = ""              # version to install ('' with HYBRIDTRAIN_TORCH=system)
+    torchvision: str = ""
+    variant: str = ""            # cu130, cu126, ... ('' = the registry's default, no GPU to fit)
+    cuda: str = ""               # the CUDA of the chosen build ('' = whatever the registry's default has)
+    index: str = ""              # '' = the registry; a URL or a wheel folder
+    dali: str = ""               # 120 or 130 ('' = from torch's CUDA, as without a GPU)
+    gpu_operations: str = ""     # Horovod: NCCL on a GPU node
+    cc_list: str = ""            # HOROVOD_BUILD_CUDA_CC_LIST: this node's capabilities
+    error: str = ""
+    lines: list = field(default_factory=list)
+
+
+def torchvision_for(torch_version: str) -> str:
+    minor = version_tuple(torch_version)[:2]
+    tv = TORCHVISION_MINOR.get(minor)
+    if tv is None:
+        return ""
+    return PINNED_TORCHVISION if torch_version == PINNED_TORCH else f"0.{tv}"
+
+
+def check_torch_version(text: str) -> str:
+    """'' when HYBRIDTRAIN_TORCH=<version> names a release hybridtrain supports, else the one line."""
+    v = version_tuple(text)
+    if len(v) < 2 or not re.fullmatch(r"\d+\.\d+(\.\d+)?", text):
+        return (f"HYBRIDTRAIN_TORCH={text}: use pinned, system, or a torch version such as 2.14.1 "
+                f"(2.{OLDEST_TORCH[1]} or newer)")
+    if v[:2] < OLDEST_TORCH:
+        return (f"HYBRIDTRAIN_TORCH={text}: torch {text} is older than 2.{OLDEST_TORCH[1]}, the oldest release "
+                f"hybridtrain supports (docs/hardware.md): use 2.{OLDEST_TORCH[1]} or newer, or leave it unset "
+                f"for torch {PINNED_TORCH}")
+    if v[:2] not in TORCHVISION_MINOR:
+        return (f"HYBRIDTRAIN_TORCH={text}: torch {text} is newer than any release hybridtrain knows "
+                f"(2.{OLDEST_TORCH[1]} to 2.15): leave it unset for torch {PINNED_TORCH}")
+    return ""
+
+
+def check_system_torch(version: str) -> str:
+    """'' when an installed torch (HYBRIDTRAIN_TORCH=system) is new enough, else the one line."""
+    if version_tuple(version)[:2] >= OLDEST_TORCH:
+        return ""
+    return (f"HYBRIDTRAIN_TORCH=system: this Python's torch {version} is older than 2.{OLDEST_TORCH[1]}, the "
+            f"oldest release hybridtrain supports (docs/hardware.md): upgrade it, or leave HYBRIDTRAIN_TORCH "
+            f"unset for torch {PINNED_TORCH}")
+
+
+def refusal_for(caps: list, driver: str, torch_version: str, builds: list[Build]) -> str:
+    """Why no build of ``torch_version`` runs on this node, and what to install instead, in one line."""
+    node = f"{', '.join(sorted({generation(c) for c in caps}))} with driver {driver or 'unknown'}"
+    unserved = [c for c in caps if not any(kernels_for(c, b.archs) for b in builds)]
+    if unserved:
+        old = min(unserved)
+        if old < (5, 0):
+            return (f"no torch {torch_version} build has kernels for {generation(old)}: hybridtrain needs a GPU "
+                    f"of compute capability 5.0 or newer (docs/hardware.md)")
+        if old < (7, 5):
+            return (f"torch {torch_version} has no build with kernels for {generation(old)} (its CUDA 13 builds "
+                    f"start at sm_75, and PyTorch stopped the CUDA 12.6 build after 2.14): install with "
+                    f"HYBRIDTRAIN_TORCH=2.14.1 (its CUDA 12.6 build), see docs/hardware.md")
+        return (f"torch {torch_version} has no build with kernels for {generation(old)}: use HYBRIDTRAIN_TORCH="
+                f"{PINNED_TORCH}, or HYBRIDTRAIN_TORCH_INDEX with a build for it")
+    fitting_kernels = [b for b in builds if all(kernels_for(c, b.archs) for c in caps)]
+    if not fitting_kernels:
+        return (f"no single torch {torch_version} build has kernels for every GPU of this node ({node}): the "
+                f"CUDA 13 build starts at sm_75 and the CUDA 12 build stops at sm_90; give the job GPUs of one "
+                f"kind (CUDA_VISIBLE_DEVICES)")
+    need = min(b.min_driver for b in fitting_kernels)
+    return (f"the NVIDIA driver {driver or '(unknown)'} is older than r{need[0]} ({driver_name(need)}), which "
+            f"the torch {torch_version} build for {node.split(' with ')[0]} needs (CUDA "
+            f"{min(fitting_kernels, key=lambda b: b.min_driver).cuda}): upgrade the driver to {driver_name(need)} "
+            f"or newer")
+
+
+def choose(caps: list, driver: str, torch_version: str = PINNED_TORCH, torch_cuda: str = "",
+           index: str = "", dali: str = "", gpu_operations: str | None = None) -> Plan:
+    """The torch build, DALI build and Horovod GPU operations for a node with GPUs of capabilities ``caps`` and
+    driver ``driver`` (both from nvidia-smi; no GPU: ``caps == []``).
+
+    ``torch_version``: the release to install; ``torch_cuda``: the CUDA of a torch that is already there
+    (HYBRIDTRAIN_TORCH=system: nothing is chosen, its fit is checked); ``index``: HYBRIDTRAIN_TORCH_INDEX;
+    ``dali``: DALI_CUDA_MAJOR; ``gpu_operations``: HOROVOD_GPU_OPERATIONS as set (None: unset)."""
+    plan = Plan(torch=torch_version, torchvision=torchvision_for(torch_version), gpu_operations=gpu_operations or "")
+    if not caps and driver and not driver_ok(driver, "12.0"):  # a driver too old to report compute_cap
+        plan.error = (f"the NVIDIA driver {driver} is older than r525 (525.60.13), the oldest that any torch "
+                      f"build hybridtrain installs runs on (CUDA 12): upgrade the driver (r580+ for CUDA 13)")
+        return plan
+    if not caps:
+        what = "no NVIDIA GPU" + (f" (driver {driver} but no GPU compute capability reported)" if driver else "")
+        plan.lines.append(f"node: {what}: the install is the one for CPUs")
+        if torch_cuda:
+            plan.lines.append(f"torch: the installed torch {torch_version} (CUDA {torch_cuda or 'none'}), "
+                              f"HYBRIDTRAIN_TORCH=system")
+        else:
+            plan.index = index
+            plan.lines.append(f"torch {plan.torch} and torchvision {plan.torchvision} from "
+                              f"{index or 'the registry'} (its default build)")
+        plan.dali = dali
+        plan.lines.append(f"DALI: nvidia-dali-cuda{dali or '<torch CUDA major>0'} (its CPU operators)")
+        plan.lines.append(f"Horovod: GPU operations {gpu_operations or 'none (Gloo, MPI on the CPU)'}")
+        return plan
+    node = ", ".join(f"{n} x {generation(c)}" for c, n in sorted(count(caps).items()))
+    plan.lines.append(f"node: {node}, driver {driver or 'unknown'}")
+    if driver and not driver_ok(driver, "12.0"):
+        plan.error = (f"the NVIDIA driver {driver} is older than r525 (525.60.13), the oldest that any torch "
+                      f"build hybridtrain installs runs on (CUDA 12): upgrade the driver (r580+ for CUDA 13)")
+        return plan
+    if torch_cuda == "none":  # HYBRIDTRAIN_TORCH=system with a CPU build of torch
+        plan.lines.append(f"torch: the installed torch {torch_version} is a CPU build (HYBRIDTRAIN_TORCH=system): "
+                          f"this node's GPUs will not be used")
+        plan.dali, plan.gpu_operations = dali, gpu_operations or ""
+        return plan
+    if torch_cuda:  # HYBRIDTRAIN_TORCH=system: check the installed torch against the node
+        build = Build("system", torch_cuda, "", ())
+        plan.cuda = torch_cuda
+        if driver and not driver_ok(driver, torch_cuda):
+            need = build.min_driver
+            plan.error = (f"HYBRIDTRAIN_TORCH=system: the installed torch {torch_version} is built for CUDA "
+                          f"{torch_cuda}, which needs driver r{need[0]} ({driver_name(need)}) or newer, and this "
+                          f"node has {driver}: upgrade the driver, or install torch's CUDA 12.6 build "
+                          f"(leave HYBRIDTRAIN_TORCH unset)")
+            return plan
+        plan.lines.append(f"torch: the installed torch {torch_version} (CUDA {torch_cuda}), HYBRIDTRAIN_TORCH=system")
+    else:
+        builds = builds_for(torch_version)
+        fits = [b for b in builds if all(kernels_for(c, b.archs) for c in caps) and
+                (not driver or driver_ok(driver, b.cuda))]
+        if not fits:
+            plan.error = refusal_for(caps, driver, torch_version, builds)
+            return plan
+        build = fits[0]
+        plan.variant, plan.cuda, plan.index = build.variant, build.cuda, index or build.index
+        why = ""
+        if build is not builds[0]:
+            first = builds[0]
+            lacks = [c for c in caps if not kernels_for(c, first.archs)]
+            why = (f": the CUDA {first.cuda} build has no kernels for {sm(lacks[0])}" if lacks else
+                   f": the CUDA {first.cuda} build needs driver r{first.min_driver[0]}+")
+        source = ("your HYBRIDTRAIN_TORCH_INDEX " + index) if index else (
+            "PyTorch's own wheel index " + build.index if build.index else "the registry (its default build)")
+        plan.lines.append(f"torch {plan.torch} and torchvision {plan.torchvision}, the CUDA {build.cuda} build "
+                          f"({build.variant}), from {source}{why}")
+    cuda_major = version_tuple(build.cuda)[0]
+    plan.dali = dali or f"{cuda_major}0"
+    dali_major = int(plan.dali) // 10
+    if dali_major >= 13 and (min(caps) < (7, 5) or (driver and not driver_ok(driver, "13.0"))):
+        plan.error = (f"DALI_CUDA_MAJOR={plan.dali}: DALI's cuda130 build needs sm_75+ and driver r580+, and this "
+                      f"node has {node}, driver {driver}: use DALI_CUDA_MAJOR=120, or leave it unset")
+        return plan
+    plan.lines.append(f"DALI: nvidia-dali-cuda{plan.dali}" + ("" if dali else f", to match torch's CUDA {cuda_major}"))
+    plan.gpu_operations = gpu_operations if gpu_operations is not None else "NCCL"
+    plan.cc_list = ",".join(sorted({f"{c[0]}{c[1]}" for c in caps}))
+    nccl = f"a system NCCL, else torch's CUDA {cuda_major} NCCL wheel"
+    plan.lines.append(f"Horovod: GPU operations {plan.gpu_operations or 'none'}"
+                      + (" (a GPU node; set HOROVOD_GPU_OPERATIONS to change it)" if gpu_operations is None else "")
+                      + (f", NCCL: {nccl}, kernels for HOROVOD_BUILD_CUDA_CC_LIST={plan.cc_list}"
+                         if plan.gpu_operations == "NCCL" else ""))
+    return plan
+
+
+def count(items: list) -> dict:
+    counted: dict = {}
+    for item in items:
+        counted[item] = counted.get(item, 0) + 1
+    return counted
+
+
+def shell_assignments(plan: Plan) -> str:
+    """The plan as shell assignments (PLAN_*), for install.sh's eval."""
+    values = {"PLAN_TORCH": plan.torch, "PLAN_TORCHVISION": plan.torchvision, "PLAN_VARIANT": plan.variant,
+              "PLAN_CUDA": plan.cuda, "PLAN_INDEX": plan.index, "PLAN_DALI": plan.dali,
+              "PLAN_GPU_OPERATIONS": plan.gpu_operations, "PLAN_CC_LIST": plan.cc_list, "PLAN_ERROR": plan.error,
+              "PLAN_LINES": "\n".join(plan.lines)}
+    return "".join(f"{key}={shlex.quote(value)}\n" for key, value in values.items())
+
+
+# ----------------------------------------------------------------------------- the trainer's checks
+
+def kernel_refusal(cap: tuple, name: str, archs, torch_version: str, torch_cuda: str) -> str:
+    """'' when torch has kernels for this GPU (``archs``: torch.cuda.get_arch_list()), else the one line."""
+    if kernels_for(cap, archs):
+        return ""
+    fix = ("reinstall with ./install.sh, which picks the CUDA 12.6 build for it" if (5, 0) <= cap < (7, 5) else
+           "reinstall with ./install.sh, which picks the build for it")
+    return (f"{name} is {generation(cap)}, and this torch {torch_version} (CUDA {torch_cuda}) has kernels only for "
+            f"{', '.join(archs) or 'no GPU'}: {fix} (docs/hardware.md)")
+
+
+def driver_refusal(driver_api: int, torch_cuda: str) -> str:
+    """'' when the driver runs torch's CUDA, else the one line. ``driver_api``: the CUDA version the driver
+    supports (cuDriverGetVersion: 12020 = 12.2). CUDA 12.x runs on any 12.x driver (r525+) through minor
+    version compatibility; CUDA 13.x needs a 13.x driver (r580+)."""
+    if not torch_cuda or driver_api <= 0:
+        return ""
+    need = version_tuple(torch_cuda)[0]
+    have = (driver_api // 1000, driver_api % 1000 // 10)
+    if have[0] >= need:
+        return ""
+    minimum = MIN_DRIVER.get(need, (0,))
+    return (f"the NVIDIA driver supports CUDA {have[0]}.{have[1]} and this torch is built for CUDA {torch_cuda}, "
+            f"which needs driver r{minimum[0]} ({driver_name(minimum)}) or newer: upgrade the driver, or reinstall "
+            f"with ./install.sh, which picks torch's CUDA {have[0]} build for this driver (docs/hardware.md)")
+
+
+def bf16_refusal(cap: tuple, name: str, dtypes) -> str:
+    if "bf16" not in dtypes or cap >= (8, 0):
+        return ""
+    return (f"precision bf16 needs a GPU with native BF16 (compute capability 8.0 or newer) and {name} is "
+            f"{generation(cap)}: use precision.compute_dtype=fp16")
+
+
+def fp16_rate_warning(cap: tuple, name: str, dtypes) -> str:
+    rate = SLOW_FP16.get(cap)
+    if "fp16" not in dtypes or rate is None:
+        return ""
+    return (f"warning: {name} ({sm(cap)}) computes FP16 at {rate} of its FP32 rate, so FP16 compute is slower "
+            f"than FP32 here: train in FP32 with the FP16 wire, as {P40_RECIPE} does (precision.mode=fp32, "
+            f"horovod.compression=fp16)")
+
+
+def compute_dtypes(precision) -> set:
+    """The reduced dtypes ('fp16', 'bf16') a precision setting computes in: a ``precision`` config section, or a
+    string such as 'fp32', 'mixed' (fp16), 'mixed-bf16', 'fp16_pure'."""
+    if isinstance(precision, str):
+        mode, _, dtype = precision.partition("-")
+        return {dtype or "fp16"} if mode == "mixed" else ({"fp16"} if mode == "fp16_pure" else set())
+    if precision.mode == "mixed":
+        return {precision.compute_dtype}
+    if precision.mode == "layered":
+        return {d for d in precision.layers.values() if d in ("fp16", "bf16")}
+    return {"fp16"} if precision.mode == "fp16_pure" else set()
+
+
+def check_node(device, precision) -> list[str]:
+    """The checks before a rank trains on ``device`` (a torch.device) in ``precision`` (see compute_dtypes):
+    raises UserError with the first refusal (no kernels for this GPU, a driver too old for torch's CUDA, bf16
+    below sm_80); returns the warnings (FP16 compute on a P40)."""
+    import torch
+    dtypes = compute_dtypes(precision)
+    torch_cuda = torch.version.cuda or ""
+    driver_api = driver_api_version() if torch_cuda else 0
+    if getattr(device, "type", str(device)) != "cuda":
+        line = driver_refusal(driver_api, torch_cuda)
+        return [f"warning: the GPUs are not used: {line}"] if line and driver_api > 0 else []
+    cap = tuple(torch.cuda.get_device_capability(device))
+    name = torch.cuda.get_device_name(device)
+    for line in (driver_refusal(driver_api, torch_cuda),
+                 kernel_refusal(cap, name, torch.cuda.get_arch_list(), torch.__version__, torch_cuda),
+                 bf16_refusal(cap, name, dtypes)):
+        if line:
+            raise UserError(line)
+    warning = fp16_rate_warning(cap, name, dtypes)
+    return [warning] if warning else []
+
+
+def driver_api_version() -> int:
+    """The CUDA version the installed driver supports (cuDriverGetVersion: 12020 = 12.2), read from libcuda
+    without creating a context; 0 when there is no driver. torch has no public getter for it."""
+    import ctypes
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+        version = ctypes.c_int(0)
+        if libcuda.cuDriverGetVersion(ctypes.byref(version)) != 0:
+            return 0
+        return version.value
+    except (OSError, AttributeError):
+        return 0
+
+
+# ----------------------------------------------------------------------------- install.sh's entry point
+
+def main(argv: list[str]) -> int:
+    """``plan``: read nvidia-smi's CSV from stdin, the settings from the environment (HYBRIDTRAIN_TORCH,
+    HYBRIDTRAIN_TORCH_INDEX, DALI_CUDA_MAJOR, HOROVOD_GPU_OPERATIONS, and PLAN_SYSTEM_TORCH='version cuda' for
+    HYBRIDTRAIN_TORCH=system); print PLAN_* shell assignments. ``check-torch VERSION``: the refusal line, if any."""
+    if argv[:1] == ["check-torch"] and len(argv) == 2:
+        line = check_torch_version(argv[1])
+        print(line)
+        return 1 if line else 0
+    if argv[:1] != ["plan"]:
+        print("usage: python -m hybridtrain.distributed.node plan < nvidia-smi.csv | check-torch VERSION",
+              file=sys.stderr)
+        return 2
+    caps, driver = parse_smi(sys.stdin.read())
+    mode = os.environ.get("HYBRIDTRAIN_TORCH", "pinned") or "pinned"
+    ops = os.environ.get("HOROVOD_GPU_OPERATIONS")
+    kwargs = {"index": os.environ.get("HYBRIDTRAIN_TORCH_INDEX", ""), "dali": os.environ.get("DALI_CUDA_MAJOR", ""),
+              "gpu_operations": ops if ops is not None else None}
+    if mode == "system":
+        version, _, cuda = os.environ.get("PLAN_SYSTEM_TORCH", "").partition(" ")
+        plan = choose(caps, driver, version, torch_cuda=cuda or "none", **kwargs)
+        plan.torch = plan.torchvision = ""
+        plan.error = (check_system_torch(version) if version else
+                      f"HYBRIDTRAIN_TORCH=system: {os.environ.get('PYTHON') or 'python3'} has no torch that imports: "
+                      f"install torch (2.{OLDEST_TORCH[1]} or newer) for it, or leave HYBRIDTRAIN_TORCH unset for "
+                      f"torch {PINNED_TORCH}") or plan.error
+        if plan.cuda == "none":
+            plan.cuda = ""
+    else:
+        plan = choose(caps, driver, PINNED_TORCH if mode == "pinned" else mode, **kwargs)
+    sys.stdout.write(shell_assignments(plan))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
