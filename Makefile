@@ -3,9 +3,14 @@ VENV ?= .venv
 BIN := $(abspath $(VENV))/bin
 export PATH := $(BIN):$(PATH)
 
-.PHONY: install demo demo-torch test
+.PHONY: install install-oldest-torch demo demo-torch test
 install:
 	./install.sh
+
+# a second venv with the oldest torch the code supports (docs/hardware.md), no Horovod, no DALI: the tests run a
+# smoke subset in it (tests/test_oldest_torch.py) on the torch engine; idempotent, seconds once made
+install-oldest-torch:
+	HYBRIDTRAIN_TORCH=2.3.1 HYBRIDTRAIN_SKIP_HOROVOD=1 HYBRIDTRAIN_SKIP_DALI=1 HYBRIDTRAIN_VENV=.venv-oldest ./install.sh
 
 demo: install
 	hybridtrain prepare-data digits --out data/digits
@@ -17,6 +22,6 @@ demo-torch: install
 	torchrun --standalone --nproc-per-node=2 -m hybridtrain train --config configs/demo.yaml --engine torch \
 		--set run_dir=runs/demo-torch --resume auto
 
-test: install
+test: install install-oldest-torch
 	# a full run writes about 13 GB of checkpoints and data under pytest's temp folder: keep only failed tests'
 	python -m pytest tests -q -rs -o tmp_path_retention_policy=failed -o tmp_path_retention_count=1

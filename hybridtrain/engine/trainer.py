@@ -10,6 +10,7 @@ import torch
 from hybridtrain.config import Config
 from hybridtrain.data.loaders import create_loaders
 from hybridtrain.distributed import collectives as distributed
+from hybridtrain.distributed.node import check_node
 from hybridtrain.engine import step as speed
 from hybridtrain.engine.step import Precision
 from hybridtrain.engine.telemetry import log
@@ -51,6 +52,8 @@ def build_trainer(cfg: Config, topo) -> Trainer:
     fp32_math = set_fp32_math(cfg.precision.tf32)
     policy = resolve_policy(cfg.precision)
     compression = gradient_compression(cfg.horovod.compression, policy)
+    for warning in check_node(topo.device, cfg.precision):  # kernels, driver, bf16: one refusal line, or warnings
+        log(topo, f"hybridtrain: {warning}")
     check_hardware(policy, topo.device)
     speed.check_speedups(cfg, topo.device)
     data = create_loaders(cfg, topo)
