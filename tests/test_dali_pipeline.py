@@ -20,7 +20,7 @@ from hybridtrain.data.check import check_data, format_report, problem_count, rea
 from hybridtrain.data.folder import scan_dataset, scan_split  # noqa: E402
 from hybridtrain.data.prepare.flat_val import reorganise_flat_val
 from hybridtrain.data.prepare.synthetic_imagenet import prepare_synthetic_imagenet
-from hybridtrain.data.torchvision_loader import val_transform  # noqa: E402
+from hybridtrain.data.presets import val_transform  # noqa: E402
 from hybridtrain.errors import UserError  # noqa: E402
 
 BATCH = 4

@@ -89,7 +89,7 @@ def test_uint8_batches_normalised_on_the_device_equal_the_float_transform(channe
     ToTensor + Normalize give, in the configured layout, in FP32 or cast to FP16."""
     from PIL import Image
 
-    from hybridtrain.data.torchvision_loader import device_images, val_transform
+    from hybridtrain.data.presets import device_images, val_transform
     cfg = config_from_dict({"data": {"path": small_digits, "crop_size": 32, "val_resize": 32,
                                      "channels_last": channels_last, "in_process": True}, "train": {"batch_size": 8}})
     data = create_loaders(cfg, Topology(0, 1, 0, 1))
@@ -150,7 +150,7 @@ def test_a_sigterm_to_a_starting_worker_does_not_kill_it(small_digits):
 def test_the_worker_wrapper_replaces_a_planted_file_and_is_never_group_writable(tmp_path, monkeypatch):
     """The /bin/sh wrapper that starts loader workers lives at a predictable name: a file planted there, or one
     others may write, is replaced by the real wrapper before anything runs it."""
-    from hybridtrain.data.torchvision_loader import signal_proof_python
+    from hybridtrain.data.workers import signal_proof_python
     monkeypatch.setenv("HOME", str(tmp_path))
     path = signal_proof_python()
     assert path.startswith(str(tmp_path)) and "trap '' TERM INT" in open(path).read()

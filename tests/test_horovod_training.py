@@ -26,7 +26,7 @@ from conftest import (
 )
 
 from hybridtrain.data.folder import scan_split
-from hybridtrain.data.torchvision_loader import val_transform
+from hybridtrain.data.presets import val_transform
 from hybridtrain.models import create_model
 
 

@@ -142,7 +142,9 @@ def png_claiming(width: int, height: int) -> bytes:
 
 @pytest.mark.parametrize("content", [b"not an image", png_claiming(60000, 60000)], ids=["garbage", "pixel-bomb"])
 def test_every_decoder_failure_is_an_unreadable_image(tmp_path, content):
-    from hybridtrain.data.torchvision_loader import ImageListDataset, UnreadableImage, val_transform
+    from hybridtrain.data.folder import UnreadableImage
+    from hybridtrain.data.presets import val_transform
+    from hybridtrain.data.torchvision_loader import ImageListDataset
     path = tmp_path / "x.jpg"
     path.write_bytes(content)
 

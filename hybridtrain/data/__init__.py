@@ -1,4 +1,4 @@
 """Datasets and input pipelines.
 
-May import: precision, distributed, config, errors (``prepare/``: the offline tools above).
+May import: distributed, config, errors (``prepare/``: the offline tools above).
 """

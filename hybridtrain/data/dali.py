@@ -46,7 +46,7 @@ import torch
 
 from hybridtrain.data.check import CLEAN_LIST_HINT, decode_error
 from hybridtrain.data.folder import ImageList
-from hybridtrain.data.torchvision_loader import IMAGENET_MEAN, IMAGENET_STD
+from hybridtrain.data.presets import IMAGENET_MEAN, IMAGENET_STD
 from hybridtrain.distributed.topology import cores_per_rank
 from hybridtrain.errors import UserError
 
@@ -206,7 +206,9 @@ class DaliLoader:
         """Training samples left out each epoch (the same on every rank); 0 for validation."""
         return train_dropped(len(self.images), self.world_size, self.batch_size) if self.spec.training else 0
 
-    def set_epoch(self, epoch: int) -> None:
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """``start`` > 0 (samples of the epoch already consumed, elastic training only) is refused before any
+        rank starts (engine.elastic.check_elastic), so DALI's readers always begin an epoch at its start."""
         self.epoch = epoch
 
     def __len__(self) -> int:

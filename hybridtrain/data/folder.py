@@ -71,3 +71,10 @@ def scan_dataset(root: str) -> tuple[ImageList, ImageList]:
         raise UserError(f"train and val class folders differ in {root} (only in train: {only_train}, "
                         f"only in val: {only_val}): both splits need the same class folders")
     return train, val
+
+
+@dataclass
+class UnreadableImage:
+    """Stands in for a batch that holds an image the decoder rejected."""
+    path: str
+    error: str

@@ -1,25 +1,41 @@
-"""``create_loaders``: the one place where ``data.backend`` becomes this rank's training and validation loaders.
+"""``create_loaders``: the one place where ``data.backend`` becomes this rank's training and validation loaders,
+and ``to_device``: the one place where a batch reaches the model's device.
 
-Every backend yields ``(images, labels, indices)`` batches, has ``len()`` = batches per epoch (equal on every
-rank) and ``loader.batch_sampler.set_epoch(e)``. The torchvision and DALI backends cover the same images:
-the class folders, or the clean file lists written by ``hybridtrain check-data --write-filelist``.
+Every backend meets :class:`Loader`: it yields ``(images, labels, indices)`` batches (or an ``UnreadableImage``),
+has ``len()`` = batches per epoch (equal on every rank) and ``batch_sampler.set_epoch(epoch, start)``. The
+torchvision and DALI backends cover the same images: the class folders, or the clean file lists written by
+``hybridtrain check-data --write-filelist``.
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Iterator, Protocol
 
 import torch
 
 from hybridtrain.data import dali, sharding
-from hybridtrain.data.check import read_filelist
-from hybridtrain.data.folder import ImageList, scan_dataset
+from hybridtrain.data.check import CLEAN_LIST_HINT, read_filelist
+from hybridtrain.data.folder import ImageList, UnreadableImage, scan_dataset
+from hybridtrain.data.presets import device_images
 from hybridtrain.data.synthetic import SyntheticLoader
 from hybridtrain.distributed.topology import cores_per_rank
 from hybridtrain.errors import UserError
-from hybridtrain.precision.policy import resolve_policy
 
 SYNTHETIC_CLASSES = 1000
+
+
+class EpochSampler(Protocol):
+    def set_epoch(self, epoch: int, start: int = 0) -> None: ...
+
+
+class Loader(Protocol):
+    """What the engine asks of every backend's loader."""
+    batch_sampler: EpochSampler
+
+    def __iter__(self) -> Iterator: ...
+
+    def __len__(self) -> int: ...
 
 
 @dataclass
@@ -36,10 +52,34 @@ class Loaders:
     def steps_per_epoch(self) -> int:
         return len(self.train)
 
+    def close(self) -> None:
+        """Stop the loaders' persistent workers now rather than when the garbage collector finds them (elastic
+        training replaces the loaders at every resize)."""
+        for loader in (self.train, self.val):
+            close_loader(getattr(loader, "loader", loader))  # elastic's SampleAudit wraps the training loader
 
-def input_dtype(cfg) -> torch.dtype:
+
+def close_loader(loader) -> None:
+    """Stop a loader's persistent workers now rather than when the garbage collector finds it (elastic
+    training replaces the loaders at every resize)."""
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+        iterator._shutdown_workers()
+        loader._iterator = None
+
+
+def to_device(batch, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(images in the model's input dtype, labels) on its device, or this rank's one-line error naming an
+    unreadable file."""
+    if isinstance(batch, UnreadableImage):
+        raise UserError(f"cannot read image {batch.path} ({batch.error}): {CLEAN_LIST_HINT}", same_on_all_ranks=False)
+    images, labels, _ = batch
+    return device_images(images, device, dtype), labels.to(device, non_blocking=True)
+
+
+def delivered_dtype(model_dtype: torch.dtype) -> torch.dtype:
     """The dtype the pipelines deliver: FP16 when the model takes FP16 input, else FP32 (FP64 is cast later)."""
-    return torch.float16 if resolve_policy(cfg.precision).input_dtype == torch.float16 else torch.float32
+    return torch.float16 if model_dtype == torch.float16 else torch.float32
 
 
 def read_splits(cfg) -> tuple[ImageList, ImageList]:
@@ -63,10 +103,12 @@ def resolve_num_classes(cfg, classes: list[str]) -> int:
     return len(classes)
 
 
-def create_loaders(cfg, topo) -> Loaders:
+def create_loaders(cfg, topo, model_dtype: torch.dtype = torch.float32) -> Loaders:
+    """This rank's loaders; ``model_dtype``, the model's input dtype (precision.policy), picks what the DALI and
+    synthetic pipelines deliver."""
     backend = cfg.data.backend
     if backend == "synthetic":
-        return synthetic_loaders(cfg, topo)
+        return synthetic_loaders(cfg, topo, model_dtype)
     if backend.startswith("dali"):
         dali.require_dali()
         if backend == "dali_gpu":
@@ -86,7 +128,7 @@ def create_loaders(cfg, topo) -> Loaders:
         dropped = sharding.dropped_per_epoch(len(train_set), topo.size, cfg.train.batch_size)
     else:
         device = "gpu" if backend == "dali_gpu" else "cpu"
-        args = (topo.rank, topo.size, topo.local_size, device, input_dtype(cfg), cfg.data.channels_last)
+        args = (topo.rank, topo.size, topo.local_size, device, delivered_dtype(model_dtype), cfg.data.channels_last)
         pin = device == "cpu" and topo.device.type == "cuda"  # dali_cpu on a GPU node: asynchronous copies
         train = dali.create_dali_train_loader(train_set, cfg, *args, pin=pin)
         val = dali.create_dali_val_loader(val_set, cfg, *args, pin=pin)
@@ -94,7 +136,7 @@ def create_loaders(cfg, topo) -> Loaders:
     return Loaders(train, val, num_classes, len(train_set), len(val_set), dropped, skipped)
 
 
-def synthetic_loaders(cfg, topo) -> Loaders:
+def synthetic_loaders(cfg, topo, model_dtype: torch.dtype = torch.float32) -> Loaders:
     num_classes = cfg.model.num_classes or SYNTHETIC_CLASSES
     b, d = cfg.train.batch_size, cfg.data
     steps = d.synthetic_images // (topo.size * b)
@@ -102,7 +144,7 @@ def synthetic_loaders(cfg, topo) -> Loaders:
         raise UserError(f"data.synthetic_images={d.synthetic_images} is less than one global batch "
                         f"({topo.size} x {b}): raise it")
     val_batch = d.val_batch_size or b
-    shape = (d.crop_size, num_classes, input_dtype(cfg), d.channels_last, topo.device)
+    shape = (d.crop_size, num_classes, delivered_dtype(model_dtype), d.channels_last, topo.device)
     train = SyntheticLoader(steps, b, *shape, seed=cfg.seed * 7919 + topo.rank)
     val = SyntheticLoader(1, val_batch, *shape, seed=cfg.seed * 7919 + topo.rank + 104729)
     dropped = d.synthetic_images - steps * topo.size * b

@@ -25,7 +25,8 @@ class SyntheticLoader:
     def batch_sampler(self):
         return self
 
-    def set_epoch(self, epoch: int) -> None:
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """``start``: no sample order to resume within (every batch is the same random one)."""
         self.epoch = epoch
 
     def __len__(self) -> int:

@@ -7,66 +7,14 @@ augmented images as an uninterrupted one. An unreadable image turns its batch in
 """
 from __future__ import annotations
 
-import atexit
-import functools
-import hashlib
-import multiprocessing
-import os
-import shlex
-import signal
-import stat
-import sys
-import tempfile
-from dataclasses import dataclass
-
 import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
-from torchvision import transforms
 
 from hybridtrain.data import sharding
-from hybridtrain.data.folder import ImageList
-
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
-
-
-def train_transform(crop_size: int, min_crop_area: float, hflip: bool, as_uint8: bool = False):
-    """The training augmentation: a normalised float CHW image, or with ``as_uint8`` its uint8 pixels, which
-    ``device_images`` normalises on the device to the same numbers."""
-    steps = [transforms.RandomResizedCrop(crop_size, scale=(min_crop_area, 1.0))]
-    if hflip:
-        steps.append(transforms.RandomHorizontalFlip())
-    return transforms.Compose(steps + to_tensor(as_uint8))
-
-
-def val_transform(crop_size: int, resize: int, as_uint8: bool = False):
-    return transforms.Compose([transforms.Resize(resize), transforms.CenterCrop(crop_size)] + to_tensor(as_uint8))
-
-
-def to_tensor(as_uint8: bool) -> list:
-    if as_uint8:
-        return [transforms.PILToTensor()]
-    return [transforms.ToTensor(), transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
-
-
-def device_images(images: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """A batch on ``device`` in the model's input dtype, its layout kept. uint8 batches (this backend's) cross
-    to the device as pixels, a quarter of the float bytes, in the layout they have (the dtype does not change on
-    the copy, so nothing is transposed on the host), and are normalised there with the same operations, in the
-    same order, as ToTensor and Normalize: x / 255, then (x - mean) / std, in FP32."""
-    images = images.to(device, non_blocking=True)
-    if images.dtype == torch.uint8:
-        mean, std = normalisation(device)
-        images = images.float().div_(255).sub_(mean).div_(std)
-    return images.to(dtype)
-
-
-@functools.lru_cache(maxsize=None)
-def normalisation(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """ImageNet's mean and std as (3, 1, 1) FP32 tensors on ``device``, made once (not one copy per batch)."""
-    return tuple(torch.tensor(v, dtype=torch.float32, device=device).view(3, 1, 1) for v in (IMAGENET_MEAN,
-                                                                                              IMAGENET_STD))
+from hybridtrain.data.folder import ImageList, UnreadableImage
+from hybridtrain.data.presets import train_transform, val_transform
+from hybridtrain.data.workers import die_with_the_rank, spawn_context
 
 
 def sample_seed(seed: int, epoch: int, index: int) -> int:
@@ -97,13 +45,6 @@ class ImageListDataset(Dataset):
                     return self.transform(img.convert("RGB")), label, index
             except Exception as exc:  # every decoder failure: OSError, SyntaxError, DecompressionBombError, ...
                 return UnreadableImage(path, f"{type(exc).__name__}: {str(exc)[:200]}")
-
-
-@dataclass
-class UnreadableImage:
-    """Stands in for a batch that holds an image the decoder rejected."""
-    path: str
-    error: str
 
 
 class Collate:
@@ -138,105 +79,6 @@ class EpochBatches:
 
     def __len__(self) -> int:
         return len(self.batches_for_epoch(self.epoch, self.start))
-
-
-def die_with_the_rank(worker_id: int) -> None:
-    """Worker init: the kernel kills this worker when the rank that spawned it dies (Linux PR_SET_PDEATHSIG).
-
-    A rank killed with SIGKILL cannot stop its workers; left alive they would keep horovodrun's output pipe
-    open, and horovodrun would wait on them forever instead of ending the job. SIGTERM and SIGINT are the
-    rank's to handle (preemption: finish the step, checkpoint): a scheduler that signals the whole process
-    group must not kill the workers under it. Until this runs, the wrapper of :func:`spawn_context` keeps
-    them ignored.
-    """
-    import ctypes
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: no such guard
-        pass
-
-
-def kill_workers_at_exit() -> None:
-    """Workers ignore SIGTERM (above), so multiprocessing's own exit handler, which terminates its children
-    with SIGTERM and then joins them, would wait forever: kill them first. atexit runs the handlers in
-    reverse order, and this one is registered after multiprocessing's. torch's SIGCHLD handler would raise
-    "worker killed" from inside this loop and leave the rest alive, so it is switched off first."""
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    for child in multiprocessing.active_children():
-        child.kill()
-        child.join(timeout=5)
-
-
-def close_loader(loader) -> None:
-    """Stop a loader's persistent workers now rather than when the garbage collector finds it (elastic
-    training replaces the loaders at every resize)."""
-    iterator = getattr(loader, "_iterator", None)
-    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
-        iterator._shutdown_workers()
-        loader._iterator = None
-
-
-@functools.cache
-def kill_workers_at_exit_once() -> None:
-    """Register kill_workers_at_exit when the first loader with workers is made, not at import (no side effect
-    for a process that only imports the package); still after multiprocessing's own handler, so it runs first."""
-    atexit.register(kill_workers_at_exit)
-
-
-def spawn_context():
-    """The spawn context, with each child started by a tiny /bin/sh wrapper that ignores SIGTERM and SIGINT and
-    then execs this Python: an ignored signal stays ignored across exec.
-
-    A spawned worker imports torch for seconds before ``die_with_the_rank`` runs; a scheduler's SIGTERM to the
-    process group in that window would kill it and fail the rank. (A blocked signal mask would not do: Python
-    clears it in the child.) The rank's only spawned children are its loader workers."""
-    kill_workers_at_exit_once()
-    context = multiprocessing.get_context("spawn")
-    context.set_executable(signal_proof_python())
-    return context
-
-
-def signal_proof_python() -> str:
-    """The wrapper, in the first folder where it can be kept safely and run: ~/.cache/hybridtrain, else the
-    temp folder (skipped when mounted noexec, as it often is on clusters). Without one, plain Python. It ignores
-    SIGTERM/SIGINT and, where setpriv exists, dies with the rank from its first instruction."""
-    python = shlex.quote(sys.executable)
-    # setpriv (util-linux) sets the parent-death signal before Python starts, so a rank killed while its workers
-    # still import torch (seconds) takes them along; die_with_the_rank sets it again once they run
-    script = (f"#!/bin/sh\ntrap '' TERM INT\n"
-              f"if setpriv --pdeathsig KILL true 2>/dev/null; then exec setpriv --pdeathsig KILL {python} \"$@\"; fi\n"
-              f"exec {python} \"$@\"\n")
-    name = f"worker-python-{os.getuid()}-{hashlib.sha256(script.encode()).hexdigest()[:16]}"
-    for folder in (os.path.join(os.path.expanduser("~"), ".cache", "hybridtrain"), tempfile.gettempdir()):
-        path = os.path.join(folder, name)
-        try:
-            os.makedirs(folder, mode=0o700, exist_ok=True)
-            if os.statvfs(folder).f_flag & os.ST_NOEXEC:
-                continue
-            if not is_ours(path, script):
-                staging = f"{path}.{os.getpid()}"
-                with open(os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o755), "w") as fh:
-                    fh.write(script)
-                os.replace(staging, path)  # atomic: ranks on one host may race here
-            if is_ours(path, script):
-                return path
-        except OSError:
-            continue
-    return sys.executable
-
-
-def is_ours(path: str, script: str) -> bool:
-    """A file this user owns, that nobody else may write, holding exactly ``script``: anything else in a
-    shared folder such as /tmp could be someone's planted program, and is never run."""
-    try:
-        st = os.lstat(path)
-        with open(path) as fh:
-            content = fh.read()
-    except OSError:
-        return False
-    return stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022 and content == script
 
 
 def _loader(dataset, batch_sampler, cfg, workers: int, pin: bool) -> DataLoader:

@@ -29,7 +29,6 @@ import torch
 
 from hybridtrain.config import Config, save_config
 from hybridtrain.data.loaders import create_loaders
-from hybridtrain.data.torchvision_loader import close_loader
 from hybridtrain.distributed import collectives as distributed
 from hybridtrain.distributed import horovod
 from hybridtrain.engine import checkpoint
@@ -160,9 +159,8 @@ def fit_to_ranks(cfg: Config, t: Trainer) -> None:
     t.topo = horovod.current_topology(cfg.train.threads, device=cfg.train.device)
     if next(t.model.parameters()).device != t.topo.device:  # a new local rank: its own GPU (the state follows at
         t.model.to(t.topo.device)                           # the sync, which loads onto the parameters' device)
-    close_loader(t.data.train.loader)
-    close_loader(t.data.val)
-    t.data = create_loaders(cfg, t.topo)
+    t.data.close()
+    t.data = create_loaders(cfg, t.topo, t.precision.policy.input_dtype)
     t.updates = t.data.steps_per_epoch // t.k
     if t.updates == 0:
         raise UserError(f"train.accumulation_steps={t.k} is more than the {t.data.steps_per_epoch} batches per "

@@ -7,10 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridtrain.data.check import CLEAN_LIST_HINT
-from hybridtrain.data.torchvision_loader import UnreadableImage, device_images
+from hybridtrain.data.loaders import to_device
 from hybridtrain.distributed import collectives as distributed
-from hybridtrain.engine.step import EagerPasses, Precision, classification_loss, train_step
+from hybridtrain.engine.step import EagerStep, Precision, classification_loss, train_step
 from hybridtrain.errors import UserError
 from hybridtrain.models.batchnorm import RunningStatsGuard
 from hybridtrain.precision.policy import Policy, forward_context
@@ -54,15 +53,6 @@ def topk_correct(logits: torch.Tensor, labels: torch.Tensor, ks=(1, 5)) -> list[
     return [hits[:, :min(k, k_max)].any(dim=1).sum() for k in ks]
 
 
-def readable(batch, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(images in the model's input dtype, labels) on its device, or this rank's one-line error naming an
-    unreadable file."""
-    if isinstance(batch, UnreadableImage):
-        raise UserError(f"cannot read image {batch.path} ({batch.error}): {CLEAN_LIST_HINT}", same_on_all_ranks=False)
-    images, labels, _ = batch
-    return device_images(images, device, dtype), labels.to(device, non_blocking=True)
-
-
 def micro_batch_weight(samples: int, batch_size: int, accumulation_steps: int) -> float:
     """w = n / (b k): Horovod's average over N ranks of k weighted per-pass mean losses is then the mean loss
     of the global batch, (1/N) sum_r sum_j w_rj L_rj = (1/(k N b)) sum_{r,j} n_rj L_rj. It is 1 for fixed
@@ -89,12 +79,12 @@ def warmup_steps(compiles: bool, updates_per_epoch: int, steps: int = 3) -> int:
 
 def train_one_epoch(model, bundle, precision: Precision, loader, epoch: int, updates_per_epoch: int,
                     batch_size: int, accumulation_steps: int = 1, progress=None, resume: EpochProgress | None = None,
-                    stop_after_step=None, passes=None, start: int = 0, first_step: int = 0,
+                    stop_after_step=None, step=None, start: int = 0, first_step: int = 0,
                     warmup: int = 0) -> EpochResult:
     """``updates_per_epoch`` optimizer steps of ``accumulation_steps`` passes each; one all-reduce per step
     (Horovod's backward_passes_per_step). Left-over batches that cannot fill a step are not trained on.
-    Each step is ``step.train_step``; ``passes``: how forward and backward run (``step.build_passes``: compiled,
-    or replayed from a CUDA graph); default ``model`` eagerly.
+    Each step is ``step.train_step``; ``step``: how its forward and backward run (``step.build_step``: eager,
+    compiled, or replayed from a CUDA graph); default ``model`` eagerly.
 
     ``resume`` continues a stopped epoch: the batches it had done are drawn again and skipped, so the data
     and the augmentation continue exactly. ``stop_after_step(snapshot)`` is asked after every step, on every
@@ -107,16 +97,13 @@ def train_one_epoch(model, bundle, precision: Precision, loader, epoch: int, upd
     steady speeds and S1 leave out compilation and autotuning; one device sync marks their end.
     """
     model.train()
-    if start:
-        loader.batch_sampler.set_epoch(epoch, start)
-    else:
-        loader.batch_sampler.set_epoch(epoch)
+    loader.batch_sampler.set_epoch(epoch, start)
     device = next(model.parameters()).device
     done = resume or EpochProgress()
     loss_sum, correct, seen = (torch.tensor(v, dtype=torch.float64, device=device)
                                for v in (done.loss_sum, done.correct, done.seen))
     skipped_before = precision.scaler.skipped_steps - done.skipped_steps
-    passes = passes or EagerPasses(model)
+    step = step or EagerStep(model)
     k, dtype = accumulation_steps, precision.policy.input_dtype
     steps = min(updates_per_epoch - first_step, len(loader) // k)
     total_passes = steps * k
@@ -130,7 +117,7 @@ def train_one_epoch(model, bundle, precision: Precision, loader, epoch: int, upd
 
     def micro_batches():
         for batch in itertools.islice(batches, k):
-            images, labels = readable(batch, device, dtype)
+            images, labels = to_device(batch, device, dtype)
             yield images, labels, micro_batch_weight(labels.numel(), batch_size, k)
 
     def record(loss, logits, labels) -> None:
@@ -143,10 +130,10 @@ def train_one_epoch(model, bundle, precision: Precision, loader, epoch: int, upd
             progress.update(loss_sum, seen, passes_done)
 
     passes_done = done.passes
-    for step in range(done.passes // k, steps):
-        bundle.apply_schedule(epoch * updates_per_epoch + first_step + step)
-        train_step(passes, bundle.optimizer, precision, micro_batches(), on_pass=record, bn_guard=bn_guard)
-        if step + 1 == warmup_end:
+    for i in range(done.passes // k, steps):
+        bundle.apply_schedule(epoch * updates_per_epoch + first_step + i)
+        train_step(step, bundle.optimizer, precision, micro_batches(), on_pass=record, bn_guard=bn_guard)
+        if i + 1 == warmup_end:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             warmup_time, warmup_seen = time.perf_counter() - began - done.train_time_s, seen - done.seen
@@ -154,7 +141,7 @@ def train_one_epoch(model, bundle, precision: Precision, loader, epoch: int, upd
         def snapshot(passes_at_step=passes_done):
             return EpochProgress(passes_at_step, float(loss_sum), float(correct), float(seen),
                                  time.perf_counter() - began, precision.scaler.skipped_steps - skipped_before)
-        if step + 1 < steps and stop_after_step is not None and stop_after_step(snapshot):
+        if i + 1 < steps and stop_after_step is not None and stop_after_step(snapshot):
             stopped = snapshot()
             return EpochResult(float("nan"), float("nan"), 0, stopped.train_time_s, stopped.skipped_steps, stopped)
     elapsed = time.perf_counter() - began
@@ -181,7 +168,7 @@ def evaluate(model, loader, policy: Policy, tag: str) -> EvalResult:
             batch = next(batches, None)
             if batch is None:
                 break
-            images, labels = readable(batch, device, policy.input_dtype)
+            images, labels = to_device(batch, device, policy.input_dtype)
         except UserError as exc:
             failure, sums[4] = str(exc), 1
             break

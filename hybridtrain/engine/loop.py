@@ -129,7 +129,7 @@ def run_epoch(cfg: Config, t: Trainer, epoch: int, first_of_process: bool, after
         if t.topo.is_root and cfg.train.progress else None
     reset_peak_memory(t.topo.device)
     result = train_one_epoch(t.model, t.bundle, t.precision, t.data.train, epoch, t.updates, cfg.train.batch_size,
-                             t.k, bar, resume=resume, stop_after_step=after_step, passes=t.passes, start=start,
+                             t.k, bar, resume=resume, stop_after_step=after_step, step=t.step, start=start,
                              first_step=first_step,
                              warmup=warmup_steps(compiles_in_epoch(epoch, first_of_process, cfg.optim), t.updates))
     if bar:

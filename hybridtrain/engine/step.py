@@ -69,7 +69,7 @@ def check_speedups(cfg, device: torch.device) -> None:
 class GraphedStep:
     """The training step with forward, loss and backward replayed from one CUDA graph (see the module doc).
 
-    ``backward_pass`` as EagerPasses', returning the graph's static (loss, logits), valid until the next replay;
+    ``backward_pass`` as EagerStep', returning the graph's static (loss, logits), valid until the next replay;
     ``train_step(graphed, ...)`` is the whole step.
     """
 
@@ -130,7 +130,7 @@ def static_batch(cfg, device: torch.device, dtype: torch.dtype) -> tuple[torch.T
     return images, torch.zeros(b, dtype=torch.long, device=device)
 
 
-def build_passes(model, cfg, precision, batch: tuple[torch.Tensor, torch.Tensor] | None = None, wrap=None):
+def build_step(model, cfg, precision, batch: tuple[torch.Tensor, torch.Tensor] | None = None, wrap=None):
     """Forward and backward as train.compile and train.cuda_graphs ask: ``.backward_pass(precision, images,
     labels, weight, sync) -> (loss, logits)``.
 
@@ -147,7 +147,7 @@ def build_passes(model, cfg, precision, batch: tuple[torch.Tensor, torch.Tensor]
     else:
         forward_model = wrap(compile_blocks(model))
     if not cfg.train.cuda_graphs:
-        return EagerPasses(forward_model)
+        return EagerStep(forward_model)
     device = next(model.parameters()).device
     images, labels = batch or static_batch(cfg, device, precision.policy.input_dtype)
     return GraphedStep(forward_model, precision, images, labels)
@@ -155,7 +155,7 @@ def build_passes(model, cfg, precision, batch: tuple[torch.Tensor, torch.Tensor]
 
 def build_train_step(model, cfg, precision, batch: tuple[torch.Tensor, torch.Tensor] | None = None):
     """``step(optimizer, precision, micro_batches) -> (loss, logits)``: ``train_step`` as the config runs it."""
-    return partial(train_step, build_passes(model, cfg, precision, batch))
+    return partial(train_step, build_step(model, cfg, precision, batch))
 
 
 def compiled_forward(model: torch.nn.Module, scope: str) -> torch.nn.Module:
@@ -202,9 +202,9 @@ def backward_pass(model, precision: Precision, images, labels, weight: float = 1
     return loss.detach(), logits.detach()
 
 
-def train_step(passes, optimizer, precision: Precision, micro_batches, on_pass=None,
+def train_step(step, optimizer, precision: Precision, micro_batches, on_pass=None,
                bn_guard=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step however ``passes`` runs forward and backward (EagerPasses, compiled, or GraphedStep), as
+    """One optimizer step however ``step`` runs forward and backward (EagerStep, compiled, or GraphedStep), as
     ``train``, ``bench``, ``scale`` and the tests run it: zero the gradients; a forward and scaled backward of each
     ``(images, labels, weight)`` in ``micro_batches`` (the gradients accumulate; Horovod all-reduces once, as its
     backward_passes_per_step says); unscale; the update unless the gradients overflowed, in which case
@@ -214,7 +214,7 @@ def train_step(passes, optimizer, precision: Precision, micro_batches, on_pass=N
     if bn_guard is not None:
         bn_guard.save()
     for (images, labels, weight), last in flag_last(micro_batches):
-        loss, logits = passes.backward_pass(precision, images, labels, weight, sync=last)
+        loss, logits = step.backward_pass(precision, images, labels, weight, sync=last)
         if on_pass is not None:
             on_pass(loss, logits, labels)
     if not precision.scaler.step(optimizer) and bn_guard is not None:  # Horovod's synchronize, unscale, update
@@ -235,7 +235,7 @@ def flag_last(items):
 _END = object()
 
 
-class EagerPasses:
+class EagerStep:
     """Forward and backward passes of ``model`` (compiled or not), run as written."""
 
     def __init__(self, model):

@@ -11,8 +11,7 @@ from hybridtrain.config import Config
 from hybridtrain.data.loaders import create_loaders
 from hybridtrain.distributed import collectives as distributed
 from hybridtrain.distributed.node import check_node
-from hybridtrain.engine import step as speed
-from hybridtrain.engine.step import Precision
+from hybridtrain.engine.step import Precision, build_step, check_speedups
 from hybridtrain.engine.telemetry import log
 from hybridtrain.errors import UserError
 from hybridtrain.models import model_from_config
@@ -38,7 +37,7 @@ class Trainer:
     bundle: object
     updates: int  # optimizer steps per epoch
     k: int  # accumulation steps
-    passes: object  # forward and backward, eager, compiled or graphed (speed.build_passes)
+    step: object  # forward and backward, eager, compiled or graphed (step.build_step)
     compression: str = "none"  # the gradient all-reduce's wire, resolved from horovod.compression
     fp32_math: str = "ieee"  # FP32 convolutions and matmuls: ieee or tf32
 
@@ -55,8 +54,8 @@ def build_trainer(cfg: Config, topo) -> Trainer:
     for warning in check_node(topo.device, cfg.precision):  # kernels, driver, bf16: one refusal line, or warnings
         log(topo, f"hybridtrain: {warning}")
     check_hardware(policy, topo.device)
-    speed.check_speedups(cfg, topo.device)
-    data = create_loaders(cfg, topo)
+    check_speedups(cfg, topo.device)
+    data = create_loaders(cfg, topo, policy.input_dtype)
     model = model_from_config(cfg.model, data.num_classes, seed=cfg.seed).to(topo.device)
     model = prepare_model(configure_batch_norm(model, cfg.bn, topo.device), policy)
     if cfg.data.channels_last:
@@ -71,10 +70,10 @@ def build_trainer(cfg: Config, topo) -> Trainer:
     precision = Precision(policy, create_scaler(cfg.precision, policy))
     # the engine's step contract: the forward through its wrapper (DDP), the update through its optimizer
     # (Horovod's); a CUDA graph is captured before Horovod's hooks exist
-    passes = speed.build_passes(model, cfg, precision, wrap=lambda m: distributed.wrap_model(m, cfg, compression))
+    step = build_step(model, cfg, precision, wrap=lambda m: distributed.wrap_model(m, cfg, compression))
     # Wrap first: Horovod rebuilds the optimizer from its param_groups, so state loaded before would be lost.
     bundle.optimizer = distributed.wrap_optimizer(bundle.optimizer, model, cfg, k, compression)
-    t = Trainer(topo, data, model, precision, bundle, updates, k, passes, compression, fp32_math)
+    t = Trainer(topo, data, model, precision, bundle, updates, k, step, compression, fp32_math)
     bundle.on_phase_change = lambda step, s: log(t.topo, f"hybridtrain: switching to {s['phase']} at step {step} "
                                                          f"(epoch {step // t.updates + 1}), lr {s['lr']:.4g}")
     return t

@@ -59,7 +59,7 @@ def worker(config: str, overrides: list[str], compression: str, steps: int, warm
 
     def scheduled_step(step: int) -> None:
         t.bundle.apply_schedule(start_step + step)
-        train_step(t.passes, t.bundle.optimizer, t.precision, micro_batches)
+        train_step(t.step, t.bundle.optimizer, t.precision, micro_batches)
     for step in range(warmup):
         scheduled_step(step)
     distributed.barrier()  # start the clock together

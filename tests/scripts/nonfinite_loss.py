@@ -13,7 +13,7 @@ import torch
 
 from hybridtrain.config import config_from_dict
 from hybridtrain.distributed import collectives as distributed
-from hybridtrain.engine.step import EagerPasses, Precision, train_step
+from hybridtrain.engine.step import EagerStep, Precision, train_step
 from hybridtrain.errors import UserError
 from hybridtrain.models import create_model
 from hybridtrain.precision.policy import resolve_policy
@@ -46,7 +46,7 @@ def main(out: str) -> None:
         labels = torch.randint(10, (4,), generator=generator)
         before = precision.scaler.skipped_steps
         try:
-            loss, _ = train_step(EagerPasses(model), optimizer, precision, [(images, labels, 1.0)])
+            loss, _ = train_step(EagerStep(model), optimizer, precision, [(images, labels, 1.0)])
         except UserError as exc:
             stopped = {"step": step, "error": str(exc)}
             break

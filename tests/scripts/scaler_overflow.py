@@ -14,7 +14,7 @@ import torch
 
 from hybridtrain.config import config_from_dict
 from hybridtrain.distributed import collectives as distributed
-from hybridtrain.engine.step import EagerPasses, Precision, train_step
+from hybridtrain.engine.step import EagerStep, Precision, train_step
 from hybridtrain.models import create_model
 from hybridtrain.precision.policy import resolve_policy
 from hybridtrain.precision.scaler import LossScaler
@@ -49,7 +49,7 @@ def main(out: str) -> None:
         images = torch.randn(4, 3, 32, 32, generator=generator)  # >= 32 px: see docs/precision.md
         labels = torch.randint(10, (4,), generator=generator)
         before = precision.scaler.skipped_steps
-        train_step(EagerPasses(model), optimizer, precision, [(images, labels, 1.0)])
+        train_step(EagerStep(model), optimizer, precision, [(images, labels, 1.0)])
         records.append({"scale": precision.scaler.scale, "stepped": precision.scaler.skipped_steps == before,
                         "digest": digest(model)})
     os.makedirs(out, exist_ok=True)

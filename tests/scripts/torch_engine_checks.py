@@ -19,7 +19,7 @@ from torch import nn
 
 from hybridtrain.config import load_config
 from hybridtrain.distributed import collectives as distributed
-from hybridtrain.engine.step import EagerPasses, Precision, train_step
+from hybridtrain.engine.step import EagerStep, Precision, train_step
 from hybridtrain.precision.policy import resolve_policy
 from hybridtrain.precision.scaler import LossScaler
 
@@ -67,7 +67,7 @@ def accumulation(cfg, rank: int) -> dict:
     mine = [a + b for a, b in zip(*(local_grads(x, y, 0.5) for x, y in parts))]  # weight 1/k per pass
     expected = [(a.astype(np.float64) + b) / 2 for a, b in zip(*gathered(mine))]
     ddp = distributed.wrap_model(small_net(), cfg)
-    passes, precision = EagerPasses(ddp), Precision(resolve_policy(cfg.precision), LossScaler("none", 1.0, 1, 5))
+    passes, precision = EagerStep(ddp), Precision(resolve_policy(cfg.precision), LossScaler("none", 1.0, 1, 5))
     passes.backward_pass(precision, *parts[0], weight=0.5, sync=False)
     after_first = [p.grad.detach().clone() for p in ddp.module.parameters()]
     first_own = local_grads(*parts[0], 0.5)
@@ -97,9 +97,9 @@ def skipped_step(cfg, rank: int) -> dict:
     poisoned = images.clone()
     if rank == 1:
         poisoned[0, 0, 0, 0] = float("inf")
-    train_step(EagerPasses(ddp), optimizer, precision, [(poisoned, labels, 1.0)])
+    train_step(EagerStep(ddp), optimizer, precision, [(poisoned, labels, 1.0)])
     skipped = distributed.state_digest(ddp.module.state_dict()) == before
-    train_step(EagerPasses(ddp), optimizer, precision, [(images, labels, 1.0)])
+    train_step(EagerStep(ddp), optimizer, precision, [(images, labels, 1.0)])
     after = distributed.gather_digests(ddp.module.state_dict())
     return {"skipped_on_this_rank": skipped, "scale_after": precision.scaler.scale,
             "skipped_steps": precision.scaler.skipped_steps, "stepped_after": after[rank] != before,
