@@ -1,6 +1,7 @@
 """User-facing errors: one clear line that names the problem and the fix, never a traceback."""
 from __future__ import annotations
 
+import errno
 import os
 import sys
 import tempfile
@@ -92,8 +93,63 @@ def run_guarded(action, crash_log_dir=lambda: None) -> int:
     except KeyboardInterrupt:
         print("hybridtrain: interrupted", file=sys.stderr)
         return 130
+    except OSError as exc:
+        line = environment_fault(exc)
+        if line is None:
+            return report_bug(exc, crash_log_dir())
+        rank = launcher_rank()
+        print(f"hybridtrain: error: {'' if rank == 0 else f'rank {rank}: '}{line}", file=sys.stderr, flush=True)
+        return 2
     except Exception as exc:
         return report_bug(exc, crash_log_dir())
+
+
+# What the machine (not hybridtrain, not the input) did wrong, and the fix, by errno.
+ENVIRONMENT_FIXES = {
+    errno.EROFS: "the file system is read-only: choose a folder on a writable file system (or remount it read-write)",
+    errno.ENOSPC: "the disk is full: free space there, or choose a folder on another disk",
+    errno.EDQUOT: "the disk quota is used up: free space there, or choose a folder on another disk",
+    errno.EFBIG: "the file would pass the file-size limit: raise it (ulimit -f unlimited) or choose another folder",
+    errno.EACCES: "permission denied: fix its permissions, or choose another path",
+    errno.EPERM: "the operation is not permitted there: fix its permissions, or choose another path",
+    errno.EISDIR: "is a folder where a file should be: move the folder away, or choose another path",
+    errno.ENOTDIR: "a part of the path is a file where a folder should be: fix the path",
+    errno.ELOOP: "is a loop of symbolic links: fix or remove the link",
+    errno.ENAMETOOLONG: "the name is too long for the file system: choose a shorter path",
+    errno.EMFILE: "this process may open no more files: raise the limit (ulimit -n)",
+    errno.EIO: "the device reported an input/output error: check the disk",
+}
+
+
+def environment_fault(exc: OSError) -> str | None:
+    """The one line (without the prefix) for an OSError the environment caused: a read-only folder, a full disk, a
+    dangling symbolic link, a folder where a file should be, ...: the path, what is wrong, and the fix. None for an
+    OSError that is not about the machine (then it is a bug, reported as one)."""
+    path = exc.filename
+    shown = f"{path}" if path is not None else "a write or read of an open file"
+    if exc.errno == errno.ENOENT and path is not None:
+        target = _dangling_link(os.fsdecode(path))
+        if target is not None:
+            return f"{shown}: {target} is a symbolic link to {os.readlink(target)}, which does not exist: fix or " \
+                   f"remove the link"
+        return f"{shown} does not exist (No such file or directory): check the path, or create it"
+    fix = ENVIRONMENT_FIXES.get(exc.errno)
+    if fix is None:
+        return None
+    strerror = exc.strerror or os.strerror(exc.errno)
+    return f"{shown}: {strerror}: {fix}" if not fix.startswith("is ") else f"{shown} {fix} ({strerror})"
+
+
+def _dangling_link(path: str) -> str | None:
+    """``path`` or its nearest ancestor that is a symbolic link pointing nowhere, or None."""
+    current = os.path.abspath(path)
+    while True:
+        if os.path.islink(current) and not os.path.exists(current):
+            return current
+        parent = os.path.dirname(current)
+        if parent == current:
+            return None
+        current = parent
 
 
 def report_bug(exc: Exception, log_dir: str | None) -> int:
