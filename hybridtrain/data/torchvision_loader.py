@@ -26,6 +26,7 @@ from torchvision import transforms
 
 from hybridtrain.data import sharding
 from hybridtrain.data.folder import ImageList
+from hybridtrain.data.images import to_rgb
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -94,7 +95,7 @@ class ImageListDataset(Dataset):
             torch.manual_seed(sample_seed(self.seed, epoch, index))
             try:
                 with Image.open(path) as img:
-                    return self.transform(img.convert("RGB")), label, index
+                    return self.transform(to_rgb(img)), label, index
             except Exception as exc:  # every decoder failure: OSError, SyntaxError, DecompressionBombError, ...
                 return UnreadableImage(path, f"{type(exc).__name__}: {str(exc)[:200]}")
 
