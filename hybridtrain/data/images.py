@@ -39,8 +39,8 @@ def to_rgb(img: Image.Image) -> Image.Image:
                                    f"16 bits: convert it to an 8-bit image (e.g. PNG or JPEG) and retry")
         return Image.fromarray(((values * 255 + 32767) // 65535).astype(np.uint8), "L").convert("RGB")
     if mode == "F":
-        raise UnsupportedImage(f"its pixels are floating-point numbers (mode F), which have no agreed 8-bit "
-                               f"scale: convert it to an 8-bit image (e.g. PNG or JPEG) and retry")
+        raise UnsupportedImage("its pixels are floating-point numbers (mode F), which have no agreed 8-bit "
+                               "scale: convert it to an 8-bit image (e.g. PNG or JPEG) and retry")
     if mode == "CMYK":
         return _cmyk_to_rgb(img)
     if mode in ALPHA_MODES or "transparency" in img.info:
