@@ -11,6 +11,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import reprlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,8 @@ from typing import Any
 import yaml
 
 from hybridtrain.errors import UserError
+
+MAX_STEP_SIZE = 1e4  # lr, alpha, weight decay, trust coefficient, gamma: see OptimConfig
 
 
 def choice(default, choices, doc=""):
@@ -140,15 +143,19 @@ class TrainConfig:
 class OptimConfig:
     name: str = choice("hybrid", ["hybrid", "adabound", "goyal", "sgd"],
                        "hybrid (AdaBound warmup -> LARS-SGD, the paper), adabound, goyal or sgd (baselines)")
-    lr: float = number(0.1, lo=0.0, lo_open=True, doc="single-GPU SGD learning rate; scaled by the number of ranks")
+    # The step sizes are bounded far above any that trains (the paper's largest is lr x N = 0.1 x 24) and far below
+    # the float range, which lr x ranks x warmup and the bounds' arithmetic would otherwise leave (inf, then NaN).
+    lr: float = number(0.1, lo=0.0, hi=MAX_STEP_SIZE, lo_open=True,
+                       doc="single-GPU SGD learning rate; scaled by the number of ranks")
     momentum: float = number(0.9, lo=0.0, hi=1.0, hi_open=True, doc="SGD momentum")
-    weight_decay: float = number(1e-4, lo=0.0, doc="L2 weight decay")
+    weight_decay: float = number(1e-4, lo=0.0, hi=MAX_STEP_SIZE, doc="L2 weight decay")
     decay_bn_and_bias: bool = plain(False, "apply weight decay and LARS to BN parameters and biases too")
     # hybrid / adabound
     adabound_epochs: int = number(10, lo=0, hi=10_000, lo_open=True, doc="hybrid: T, the AdaBound warmup epochs")
-    alpha: float = number(1e-3, lo=0.0, lo_open=True, doc="hybrid/adabound: Adam-phase learning rate alpha")
+    alpha: float = number(1e-3, lo=0.0, hi=MAX_STEP_SIZE, lo_open=True,
+                          doc="hybrid/adabound: Adam-phase learning rate alpha")
     betas: list = numbers([0.9, 0.999], lo=0.0, hi=1.0, hi_open=True, length=2, doc="hybrid/adabound: (beta1, beta2)")
-    eps: float = number(1e-8, lo=0.0, lo_open=True, doc="hybrid/adabound: epsilon")
+    eps: float = number(1e-8, lo=0.0, hi=1.0, lo_open=True, doc="hybrid/adabound: epsilon")
     bound_granularity: str = choice("iteration", ["iteration", "epoch"],
                                     "hybrid: t in B_l(t), B_u(t) advances per iteration or per epoch")
     kappa: float = number(0.9, lo=0.0, hi=1.0, lo_open=True, doc="hybrid: SGD-phase decay lr*N*kappa^epoch")
@@ -156,9 +163,10 @@ class OptimConfig:
     lars: str = choice("scale", ["scale", "clip", "none"], "hybrid: LARS trust-ratio scaling, LARC clipping, or none")
     fused: bool = plain(False, "hybrid and adabound: the updates as compiled kernels (torch.compile, one fused loop "
                                "per tensor) with the schedule's values in device tensors; the first steps compile")
-    trust_coefficient: float = number(0.02, lo=0.0, lo_open=True,
+    trust_coefficient: float = number(0.02, lo=0.0, hi=MAX_STEP_SIZE, lo_open=True,
                                       doc="hybrid: LARS trust coefficient eta (chosen by experiment lars)")
-    adabound_gamma: float = number(1e-3, lo=0.0, lo_open=True, doc="adabound: convergence speed gamma of the bounds")
+    adabound_gamma: float = number(1e-3, lo=0.0, hi=MAX_STEP_SIZE, lo_open=True,
+                                   doc="adabound: convergence speed gamma of the bounds")
     # goyal / sgd
     warmup_epochs: float = number(5.0, lo=0.0, hi=10_000.0,
                                   doc="goyal: gradual warmup from lr to lr x N over this many epochs")
@@ -441,9 +449,35 @@ class StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+# Numbers as people write them: YAML 1.1 (PyYAML) reads 6.5e4, 1e-3 and 1.0e300 as text, wanting a dot and a signed
+# exponent; YAML 1.2 and every other reader take them as numbers, and so does the config.
+StrictLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*)?(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789."))
+
+
+class UnsafeTag(yaml.YAMLError):
+    """A ``!!python/...`` tag: it asks the reader to build (or run) Python objects."""
+
+    def __init__(self, tag: str, line: int):
+        super().__init__(f"tag {tag} at line {line}")
+        self.tag, self.line = tag, line
+
+
 def yaml_load(text_or_stream):
-    """YAML with duplicate keys refused (:class:`StrictLoader`)."""
-    return yaml.load(text_or_stream, Loader=StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    """YAML with duplicate keys refused (:class:`StrictLoader`); :class:`UnsafeTag` for a ``!!python/...`` tag."""
+    try:
+        return yaml.load(text_or_stream, Loader=StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.constructor.ConstructorError as exc:
+        tag = re.search(r"'tag:yaml\.org,2002:(python/[^']*)'", str(exc.problem or ""))
+        if tag:
+            mark = exc.problem_mark
+            raise UnsafeTag(f"!!{tag.group(1)}", mark.line + 1 if mark else 0) from None
+        raise
+
+
+UNSAFE_FIX = ("asks to build or run Python objects, which a recipe never needs, so hybridtrain refuses it as "
+              "unsafe: write plain values (numbers, text, lists)")
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -455,6 +489,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         value = yaml_load(raw) if raw != "" else ""
     except DuplicateKey as exc:
         raise UserError(f"bad --set {show(text)}: key {show(exc.key)} appears twice in the value: keep one") from None
+    except UnsafeTag as exc:
+        raise UserError(f"bad --set {show(key)}=...: the tag {show(exc.tag)} {UNSAFE_FIX}") from None
     except RecursionError:
         raise UserError(f"bad --set {show(key)}=...: the value nests too deeply: give a plain value") from None
     except (yaml.YAMLError, ValueError):  # not YAML, or a date YAML cannot build (2020-13-45): the text itself
@@ -484,6 +520,8 @@ def read_yaml(path: str) -> dict:
         raise UserError(f"config file {shown} line {exc.line}: key {show(exc.key)} appears twice in one section "
                         f"(first at line {exc.first_line}), and YAML would keep only the second: merge them into "
                         f"one") from None
+    except UnsafeTag as exc:
+        raise UserError(f"config file {shown} line {exc.line}: the tag {show(exc.tag)} {UNSAFE_FIX}") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
