@@ -1,7 +1,9 @@
 """User-facing errors: one clear line that names the problem and the fix, never a traceback."""
 from __future__ import annotations
 
+import contextlib
 import errno
+import io
 import os
 import sys
 import tempfile
@@ -68,9 +70,74 @@ def unexpected_error_line(exc: BaseException, rank: int, log_path: str) -> str:
             else "") + f" (a bug in hybridtrain or a library: the full traceback is in {log_path}; please report it)")
 
 
+class WholeLines(io.TextIOBase):
+    """A text stream that hands its stream only whole lines, each batch in one write, flushed at once.
+
+    ``print(text)`` writes ``text`` and ``"\\n"`` apart, and an unbuffered stream (``python -u``,
+    ``PYTHONUNBUFFERED``) or a full buffer passes each on by itself. ``mpirun --tag-output`` tags every write, so the
+    newline then arrives as a line of its own and the text's line ends with a stray ``[1,0]<stdout>:``. Here a line
+    leaves only with its newline; ``flush()`` still passes on a partial line (a prompt, a progress bar)."""
+
+    def __init__(self, stream):
+        super().__init__()
+        self.stream, self.pending = stream, ""
+
+    def write(self, text: str) -> int:
+        self.pending += text
+        cut = self.pending.rfind("\n") + 1
+        if cut:
+            whole, self.pending = self.pending[:cut], self.pending[cut:]
+            self.stream.write(whole)
+            self.stream.flush()
+        return len(text)
+
+    def flush(self) -> None:
+        if self.pending:
+            self.stream.write(self.pending)
+            self.pending = ""
+        self.stream.flush()
+
+    def writable(self) -> bool:
+        return True
+
+    def isatty(self) -> bool:
+        return self.stream.isatty()
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+    def __getattr__(self, name):  # encoding, errors, buffer, reconfigure, ...
+        return getattr(self.stream, name)
+
+
+@contextlib.contextmanager
+def whole_lines():
+    """sys.stdout and sys.stderr as :class:`WholeLines` for the block (once: nested blocks keep the outer one)."""
+    saved = sys.stdout, sys.stderr
+    if isinstance(sys.stdout, WholeLines) or sys.stdout is None or sys.stderr is None:
+        yield
+        return
+    sys.stdout, sys.stderr = WholeLines(sys.stdout), WholeLines(sys.stderr)
+    try:
+        yield
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # a closed pipe: nothing more can reach the reader
+                pass
+        sys.stdout, sys.stderr = saved
+
+
 def run_guarded(action, crash_log_dir=lambda: None) -> int:
     """Run ``action()``; bad input becomes one error line (rank 0 only when every rank has it), exit 2; a bug
-    becomes one line naming the rank and the error, its traceback in a log under ``crash_log_dir()``, exit 1."""
+    becomes one line naming the rank and the error, its traceback in a log under ``crash_log_dir()``, exit 1.
+    Every line leaves whole (:class:`WholeLines`)."""
+    with whole_lines():
+        return _run_guarded(action, crash_log_dir)
+
+
+def _run_guarded(action, crash_log_dir) -> int:
     try:
         return action() or 0
     except UserError as exc:
