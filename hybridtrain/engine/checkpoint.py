@@ -43,6 +43,12 @@ def is_own_name(name: str) -> bool:
     return isinstance(name, str) and NAME_RE.fullmatch(name) is not None
 
 
+def is_run_file_name(name: str) -> bool:
+    """A checkpoint's name, its sidecar's, or a save's temp file's: the checkpoint-epoch* files a run writes."""
+    base = name[:-len(CHECKSUM_SUFFIX)] if name.endswith(CHECKSUM_SUFFIX) else name
+    return is_own_name(base) or TEMP_RE.fullmatch(name) is not None
+
+
 def is_plain_file(path: str) -> bool:
     """A regular file that is not a symbolic link: the only kind of file a run replaces or removes."""
     return os.path.isfile(path) and not os.path.islink(path)

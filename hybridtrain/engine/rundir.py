@@ -19,7 +19,13 @@ import time
 import uuid
 
 from hybridtrain.config import check_run_dir
-from hybridtrain.engine.checkpoint import is_own_name, refuse_unless_plain, remove_stale_temp_files
+from hybridtrain.engine.checkpoint import (
+    is_own_name,
+    is_run_file_name,
+    list_checkpoints,
+    refuse_unless_plain,
+    remove_stale_temp_files,
+)
 from hybridtrain.errors import UserError, environment_fault
 
 MARKER = "run.json"
@@ -36,6 +42,8 @@ def run_files(run_dir: str, patterns: tuple[str, ...] = RUN_FILES) -> list[str]:
     found: list[str] = []
     for pattern in patterns:
         for name in sorted(os.path.basename(p) for p in glob.glob(os.path.join(glob.escape(run_dir), pattern))):
+            if pattern.startswith("checkpoint-epoch") and not is_run_file_name(name):
+                continue  # the user's checkpoint-epoch3-notes.txt is not the run's
             if name not in found:
                 found.append(name)
     return found
@@ -142,9 +150,8 @@ def check_own_files(run_dir: str) -> None:
     symbolic link or a folder: the run would write through the link or fail half-way."""
     for name in OWN_FILES:
         refuse_unless_plain(os.path.join(run_dir, name))
-    for path in glob.glob(os.path.join(glob.escape(run_dir), "checkpoint-epoch*.pt*")):
-        name = os.path.basename(path)
-        if is_own_name(name) or (name.endswith(".sha256") and is_own_name(name[:-len(".sha256")])):
+    for path in glob.glob(os.path.join(glob.escape(run_dir), "checkpoint-epoch*")):
+        if is_run_file_name(os.path.basename(path)):
             refuse_unless_plain(path)
 
 
@@ -186,8 +193,7 @@ def claim_run_dir(run_dir: str, resume: str | None, move: bool = False) -> tuple
         marker, note = read_marker(run_dir), ""
         existing = run_files(run_dir)
         worth_keeping = run_files(run_dir, RESULT_FILES) or (marker is None and "config.yaml" in existing)
-        resuming = resume == "required" or (resume == "auto" and glob.glob(os.path.join(glob.escape(run_dir),
-                                                                                      "checkpoint-epoch*.pt")))
+        resuming = resume == "required" or (resume == "auto" and bool(list_checkpoints(run_dir)))
         if not resuming and worth_keeping:
             if not move:
                 raise UserError(f"run_dir {run_dir} holds another run's files ({', '.join(existing[:4])}"
@@ -196,8 +202,7 @@ def claim_run_dir(run_dir: str, resume: str | None, move: bool = False) -> tuple
             note = f"hybridtrain: moved the previous run's files to {move_aside(run_dir, existing)}"
             marker = None
         if marker is None or not resuming:
-            adopted = sorted(os.path.basename(p) for p in glob.glob(os.path.join(glob.escape(run_dir),
-                                                                                "checkpoint-epoch*.pt")))
+            adopted = sorted(os.path.basename(path) for _, path in list_checkpoints(run_dir))
             marker = {"run_id": uuid.uuid4().hex, "created": time.time(), "checkpoints": adopted if resuming else []}
         held = RunDir(run_dir, fd, marker)
         held._write_marker()
