@@ -382,7 +382,7 @@ def test_the_fixes_that_the_launch_scripts_print_are_right(tmp_path):
 
     if not shutil.which("horovodrun", path=bare["PATH"]):
         proc = subprocess.run([str(ROOT / "launch/horovodrun.sh"), "--hosts", "a:1", "-np", "1", "--config",
-                               "configs/demo.yaml"], cwd=tmp_path, capture_output=True, text=True, env=bare)
+                               str(ROOT / "configs/demo.yaml")], cwd=tmp_path, capture_output=True, text=True, env=bare)
         assert f"source {ROOT}/.venv/bin/activate" in proc.stderr  # absolute: right from any folder
     fixes = {cmd: subprocess.run(["bash", "-c", f"source launch/common.sh && missing_command_fix {cmd}"], cwd=ROOT,
                                  capture_output=True, text=True, env=bare).stdout for cmd in ("mpirun", "srun")}
