@@ -451,9 +451,15 @@ class StrictLoader(yaml.SafeLoader):
 
 # Numbers as people write them: YAML 1.1 (PyYAML) reads 6.5e4, 1e-3 and 1.0e300 as text, wanting a dot and a signed
 # exponent; YAML 1.2 and every other reader take them as numbers, and so does the config.
-StrictLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*)?(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789."))
+YAML12_FLOAT = r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)[eE][-+]?[0-9]+$"
+
+
+def _read_numbers_as_yaml12() -> None:
+    """Once, at the first load (nothing runs at import): the float resolver for exponents without a dot or sign."""
+    if "yaml12_floats" not in StrictLoader.__dict__:
+        StrictLoader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(YAML12_FLOAT),
+                                           list("-+0123456789."))
+        StrictLoader.yaml12_floats = True
 
 
 class UnsafeTag(yaml.YAMLError):
@@ -466,6 +472,7 @@ class UnsafeTag(yaml.YAMLError):
 
 def yaml_load(text_or_stream):
     """YAML with duplicate keys refused (:class:`StrictLoader`); :class:`UnsafeTag` for a ``!!python/...`` tag."""
+    _read_numbers_as_yaml12()
     try:
         return yaml.load(text_or_stream, Loader=StrictLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.constructor.ConstructorError as exc:
