@@ -100,6 +100,14 @@ class WholeLines(io.TextIOBase):
     def writable(self) -> bool:
         return True
 
+    @property
+    def encoding(self):  # io.TextIOBase's own would say None
+        return self.stream.encoding
+
+    @property
+    def errors(self):
+        return self.stream.errors
+
     def isatty(self) -> bool:
         return self.stream.isatty()
 
