@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from hybridtrain.errors import UserError
+from hybridtrain.errors import UserError, dangling_link
 
 MAX_STEP_SIZE = 1e4  # lr, alpha, weight decay, trust coefficient, gamma: see OptimConfig
 
@@ -351,11 +351,10 @@ def _as_float(value, meta, dotted) -> float:
     """A real, finite number as float: NaN and +-inf are refused for every key (none gives infinity a meaning)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         hint = ""
-        if isinstance(value, str) and "e" in value.lower() and "." not in value:
+        if isinstance(value, str):
             try:
-                float(value)
-                dotted_form = value.lower().replace("e", ".0e", 1)
-                hint = f" (YAML reads {value} as text: write it with a dot, e.g. {dotted_form})"
+                if math.isfinite(float(value)):
+                    hint = f" (quoted, {value} is text: write it without quotes)"
             except ValueError:
                 pass
         raise UserError(f"config error: {dotted} must be a number, got {show(value)}{hint}")
@@ -518,6 +517,11 @@ def _apply_override(tree: dict, path: list[str], value: Any) -> None:
 
 def read_yaml(path: str) -> dict:
     shown = printable(path)
+    if "\0" not in path and os.path.isdir(path):
+        raise UserError(f"config file {shown} is a folder, not a file: name the recipe YAML in it, e.g. --config "
+                        f"configs/demo.yaml")
+    if "\0" not in path:
+        _not_dangling("--config", path)
     if "\0" in path or not os.path.isfile(path):
         raise UserError(f"config file not found: {shown} (pass an existing YAML, e.g. --config configs/demo.yaml)")
     try:
@@ -689,6 +693,7 @@ def _check_data_path(path: str) -> None:
         raise UserError("data.path is empty: set it to the dataset folder holding train/<class>/*.jpg and "
                         "val/<class>/*.jpg, e.g. --set data.path=data/digits")
     _not_expanded("data.path", path)
+    _not_dangling("data.path", path)
     if not os.path.exists(path):
         raise UserError(f"data directory not found: {path} (set data.path, or create it with "
                         f"'hybridtrain prepare-data digits --out {path}')")
@@ -710,11 +715,21 @@ def _check_file_lists(folder: str, data_path: str) -> None:
             raise UserError(f"data.file_lists={folder} has no {split}.txt: {fix}")
 
 
+def _not_dangling(key: str, path: str) -> None:
+    """One line when ``path``, or a folder on its way, is a symbolic link to nothing (an unmounted disk, a moved
+    dataset): the link is what to fix, not the path."""
+    link = dangling_link(path)
+    if link is not None:
+        raise UserError(f"{key}={path}: {link} is a symbolic link to {os.readlink(link)}, which does not exist (an "
+                        f"unmounted disk or a moved folder?): fix or remove the link")
+
+
 def check_run_dir(run_dir: str) -> None:
     """One line when ``run_dir`` cannot hold a run: empty, '~', a file, or under a folder this user cannot write."""
     if not run_dir.strip():
         raise UserError("run_dir is empty: set it to a folder for checkpoints and metrics, e.g. --set run_dir=runs/x")
     _not_expanded("run_dir", run_dir)
+    _not_dangling("run_dir", run_dir)
     if os.path.exists(run_dir) and not os.path.isdir(run_dir):
         raise UserError(f"run_dir {run_dir} is a file, not a folder: choose another run_dir")
     parent = os.path.abspath(run_dir)

@@ -203,7 +203,7 @@ def environment_fault(exc: OSError) -> str | None:
     path = exc.filename
     shown = f"{path}" if path is not None else "a write or read of an open file"
     if exc.errno == errno.ENOENT and path is not None:
-        target = _dangling_link(os.fsdecode(path))
+        target = dangling_link(os.fsdecode(path))
         if target is not None:
             return f"{shown}: {target} is a symbolic link to {os.readlink(target)}, which does not exist: fix or " \
                    f"remove the link"
@@ -215,7 +215,7 @@ def environment_fault(exc: OSError) -> str | None:
     return f"{shown}: {strerror}: {fix}" if not fix.startswith("is ") else f"{shown} {fix} ({strerror})"
 
 
-def _dangling_link(path: str) -> str | None:
+def dangling_link(path: str) -> str | None:
     """``path`` or its nearest ancestor that is a symbolic link pointing nowhere, or None."""
     current = os.path.abspath(path)
     while True:
