@@ -287,6 +287,17 @@ def test_a_read_only_folder_a_full_disk_and_a_dangling_link_are_one_line_naming_
                             "fix or remove the link")
 
 
+def test_a_dangling_link_as_data_path_or_config_and_a_folder_as_config_are_named_as_such(small_digits, tmp_path,
+                                                                                         write_config):
+    (tmp_path / "moved").symlink_to(tmp_path / "the-dataset-before-it-moved")
+    proc = train(write_config(tiny_config(str(tmp_path / "moved"), str(tmp_path / "run"))))
+    assert_environment_line(proc, "data.path=", "is a symbolic link to", "fix or remove the link")
+    proc = train(str(tmp_path / "moved"))
+    assert_environment_line(proc, "--config", "is a symbolic link to")
+    proc = train(str(tmp_path))
+    assert_environment_line(proc, f"config file {tmp_path} is a folder, not a file")
+
+
 @pytest.mark.parametrize("fault", ["folder", "dangling", "not a folder"])
 def test_an_os_error_of_the_machine_is_an_error_line_not_a_bug(fault, tmp_path, capfd):
     path = tmp_path / "out.json"
