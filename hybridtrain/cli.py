@@ -202,7 +202,12 @@ def cmd_report(args) -> int:
     reports = [report_run(d, args.top1_target, args.top5_target, args.single_gpu_speed) for d in args.run_dirs]
     names = [os.path.basename(os.path.abspath(d)) for d in args.run_dirs]
     for name, directory, report in zip(names, args.run_dirs, reports):
-        print(f"{name}: report.md, report.json and PNGs written to {directory}")
+        if "not_saved" in report:  # a read-only run_dir, a full disk: shown here all the same
+            print(f"hybridtrain: warning: {name}: could not save report.md, report.json and PNGs in {directory} "
+                  f"({report['not_saved']}): the report is below; make the folder writable, or free space, to save "
+                  f"it", file=sys.stderr, flush=True)
+        else:
+            print(f"{name}: report.md, report.json and PNGs written to {directory}")
         print(summary_table(report))
     if len(reports) > 1 or args.out is not None:
         table = comparison_markdown(names, reports)

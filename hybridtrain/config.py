@@ -11,13 +11,16 @@ import hashlib
 import json
 import math
 import os
+import re
 import reprlib
 from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
 
-from hybridtrain.errors import UserError
+from hybridtrain.errors import UserError, dangling_link
+
+MAX_STEP_SIZE = 1e4  # lr, alpha, weight decay, trust coefficient, gamma: see OptimConfig
 
 
 def choice(default, choices, doc=""):
@@ -140,15 +143,19 @@ class TrainConfig:
 class OptimConfig:
     name: str = choice("hybrid", ["hybrid", "adabound", "goyal", "sgd"],
                        "hybrid (AdaBound warmup -> LARS-SGD, the paper), adabound, goyal or sgd (baselines)")
-    lr: float = number(0.1, lo=0.0, lo_open=True, doc="single-GPU SGD learning rate; scaled by the number of ranks")
+    # The step sizes are bounded far above any that trains (the paper's largest is lr x N = 0.1 x 24) and far below
+    # the float range, which lr x ranks x warmup and the bounds' arithmetic would otherwise leave (inf, then NaN).
+    lr: float = number(0.1, lo=0.0, hi=MAX_STEP_SIZE, lo_open=True,
+                       doc="single-GPU SGD learning rate; scaled by the number of ranks")
     momentum: float = number(0.9, lo=0.0, hi=1.0, hi_open=True, doc="SGD momentum")
-    weight_decay: float = number(1e-4, lo=0.0, doc="L2 weight decay")
+    weight_decay: float = number(1e-4, lo=0.0, hi=MAX_STEP_SIZE, doc="L2 weight decay")
     decay_bn_and_bias: bool = plain(False, "apply weight decay and LARS to BN parameters and biases too")
     # hybrid / adabound
     adabound_epochs: int = number(10, lo=0, hi=10_000, lo_open=True, doc="hybrid: T, the AdaBound warmup epochs")
-    alpha: float = number(1e-3, lo=0.0, lo_open=True, doc="hybrid/adabound: Adam-phase learning rate alpha")
+    alpha: float = number(1e-3, lo=0.0, hi=MAX_STEP_SIZE, lo_open=True,
+                          doc="hybrid/adabound: Adam-phase learning rate alpha")
     betas: list = numbers([0.9, 0.999], lo=0.0, hi=1.0, hi_open=True, length=2, doc="hybrid/adabound: (beta1, beta2)")
-    eps: float = number(1e-8, lo=0.0, lo_open=True, doc="hybrid/adabound: epsilon")
+    eps: float = number(1e-8, lo=0.0, hi=1.0, lo_open=True, doc="hybrid/adabound: epsilon")
     bound_granularity: str = choice("iteration", ["iteration", "epoch"],
                                     "hybrid: t in B_l(t), B_u(t) advances per iteration or per epoch")
     kappa: float = number(0.9, lo=0.0, hi=1.0, lo_open=True, doc="hybrid: SGD-phase decay lr*N*kappa^epoch")
@@ -156,9 +163,10 @@ class OptimConfig:
     lars: str = choice("scale", ["scale", "clip", "none"], "hybrid: LARS trust-ratio scaling, LARC clipping, or none")
     fused: bool = plain(False, "hybrid and adabound: the updates as compiled kernels (torch.compile, one fused loop "
                                "per tensor) with the schedule's values in device tensors; the first steps compile")
-    trust_coefficient: float = number(0.02, lo=0.0, lo_open=True,
+    trust_coefficient: float = number(0.02, lo=0.0, hi=MAX_STEP_SIZE, lo_open=True,
                                       doc="hybrid: LARS trust coefficient eta (chosen by experiment lars)")
-    adabound_gamma: float = number(1e-3, lo=0.0, lo_open=True, doc="adabound: convergence speed gamma of the bounds")
+    adabound_gamma: float = number(1e-3, lo=0.0, hi=MAX_STEP_SIZE, lo_open=True,
+                                   doc="adabound: convergence speed gamma of the bounds")
     # goyal / sgd
     warmup_epochs: float = number(5.0, lo=0.0, hi=10_000.0,
                                   doc="goyal: gradual warmup from lr to lr x N over this many epochs")
@@ -353,11 +361,10 @@ def _as_float(value, meta, dotted) -> float:
     """A real, finite number as float: NaN and +-inf are refused for every key (none gives infinity a meaning)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         hint = ""
-        if isinstance(value, str) and "e" in value.lower() and "." not in value:
+        if isinstance(value, str):
             try:
-                float(value)
-                dotted_form = value.lower().replace("e", ".0e", 1)
-                hint = f" (YAML reads {value} as text: write it with a dot, e.g. {dotted_form})"
+                if math.isfinite(float(value)):
+                    hint = f" (quoted, {value} is text: write it without quotes)"
             except ValueError:
                 pass
         raise UserError(f"config error: {dotted} must be a number, got {show(value)}{hint}")
@@ -451,9 +458,42 @@ class StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+# Numbers as people write them: YAML 1.1 (PyYAML) reads 6.5e4, 1e-3 and 1.0e300 as text, wanting a dot and a signed
+# exponent; YAML 1.2 and every other reader take them as numbers, and so does the config.
+YAML12_FLOAT = r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)[eE][-+]?[0-9]+$"
+
+
+def _read_numbers_as_yaml12() -> None:
+    """Once, at the first load (nothing runs at import): the float resolver for exponents without a dot or sign."""
+    if "yaml12_floats" not in StrictLoader.__dict__:
+        StrictLoader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(YAML12_FLOAT),
+                                           list("-+0123456789."))
+        StrictLoader.yaml12_floats = True
+
+
+class UnsafeTag(yaml.YAMLError):
+    """A ``!!python/...`` tag: it asks the reader to build (or run) Python objects."""
+
+    def __init__(self, tag: str, line: int):
+        super().__init__(f"tag {tag} at line {line}")
+        self.tag, self.line = tag, line
+
+
 def yaml_load(text_or_stream):
-    """YAML with duplicate keys refused (:class:`StrictLoader`)."""
-    return yaml.load(text_or_stream, Loader=StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    """YAML with duplicate keys refused (:class:`StrictLoader`); :class:`UnsafeTag` for a ``!!python/...`` tag."""
+    _read_numbers_as_yaml12()
+    try:
+        return yaml.load(text_or_stream, Loader=StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.constructor.ConstructorError as exc:
+        tag = re.search(r"'tag:yaml\.org,2002:(python/[^']*)'", str(exc.problem or ""))
+        if tag:
+            mark = exc.problem_mark
+            raise UnsafeTag(f"!!{tag.group(1)}", mark.line + 1 if mark else 0) from None
+        raise
+
+
+UNSAFE_FIX = ("asks to build or run Python objects, which a recipe never needs, so hybridtrain refuses it as "
+              "unsafe: write plain values (numbers, text, lists)")
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -465,6 +505,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         value = yaml_load(raw) if raw != "" else ""
     except DuplicateKey as exc:
         raise UserError(f"bad --set {show(text)}: key {show(exc.key)} appears twice in the value: keep one") from None
+    except UnsafeTag as exc:
+        raise UserError(f"bad --set {show(key)}=...: the tag {show(exc.tag)} {UNSAFE_FIX}") from None
     except RecursionError:
         raise UserError(f"bad --set {show(key)}=...: the value nests too deeply: give a plain value") from None
     except (yaml.YAMLError, ValueError):  # not YAML, or a date YAML cannot build (2020-13-45): the text itself
@@ -485,6 +527,11 @@ def _apply_override(tree: dict, path: list[str], value: Any) -> None:
 
 def read_yaml(path: str) -> dict:
     shown = printable(path)
+    if "\0" not in path and os.path.isdir(path):
+        raise UserError(f"config file {shown} is a folder, not a file: name the recipe YAML in it, e.g. --config "
+                        f"configs/demo.yaml")
+    if "\0" not in path:
+        _not_dangling("--config", path)
     if "\0" in path or not os.path.isfile(path):
         raise UserError(f"config file not found: {shown} (pass an existing YAML, e.g. --config configs/demo.yaml)")
     try:
@@ -494,6 +541,8 @@ def read_yaml(path: str) -> dict:
         raise UserError(f"config file {shown} line {exc.line}: key {show(exc.key)} appears twice in one section "
                         f"(first at line {exc.first_line}), and YAML would keep only the second: merge them into "
                         f"one") from None
+    except UnsafeTag as exc:
+        raise UserError(f"config file {shown} line {exc.line}: the tag {show(exc.tag)} {UNSAFE_FIX}") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
@@ -654,6 +703,7 @@ def _check_data_path(path: str) -> None:
         raise UserError("data.path is empty: set it to the dataset folder holding train/<class>/*.jpg and "
                         "val/<class>/*.jpg, e.g. --set data.path=data/digits")
     _not_expanded("data.path", path)
+    _not_dangling("data.path", path)
     if not os.path.exists(path):
         raise UserError(f"data directory not found: {path} (set data.path, or create it with "
                         f"'hybridtrain prepare-data digits --out {path}')")
@@ -675,11 +725,21 @@ def _check_file_lists(folder: str, data_path: str) -> None:
             raise UserError(f"data.file_lists={folder} has no {split}.txt: {fix}")
 
 
+def _not_dangling(key: str, path: str) -> None:
+    """One line when ``path``, or a folder on its way, is a symbolic link to nothing (an unmounted disk, a moved
+    dataset): the link is what to fix, not the path."""
+    link = dangling_link(path)
+    if link is not None:
+        raise UserError(f"{key}={path}: {link} is a symbolic link to {os.readlink(link)}, which does not exist (an "
+                        f"unmounted disk or a moved folder?): fix or remove the link")
+
+
 def check_run_dir(run_dir: str) -> None:
     """One line when ``run_dir`` cannot hold a run: empty, '~', a file, or under a folder this user cannot write."""
     if not run_dir.strip():
         raise UserError("run_dir is empty: set it to a folder for checkpoints and metrics, e.g. --set run_dir=runs/x")
     _not_expanded("run_dir", run_dir)
+    _not_dangling("run_dir", run_dir)
     if os.path.exists(run_dir) and not os.path.isdir(run_dir):
         raise UserError(f"run_dir {run_dir} is a file, not a folder: choose another run_dir")
     parent = os.path.abspath(run_dir)

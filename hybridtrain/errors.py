@@ -1,6 +1,9 @@
 """User-facing errors: one clear line that names the problem and the fix, never a traceback."""
 from __future__ import annotations
 
+import contextlib
+import errno
+import io
 import os
 import sys
 import tempfile
@@ -77,9 +80,82 @@ def unexpected_error_line(exc: BaseException, rank: int, log_path: str) -> str:
             else "") + f" (a bug in hybridtrain or a library: the full traceback is in {log_path}; please report it)")
 
 
+class WholeLines(io.TextIOBase):
+    """A text stream that hands its stream only whole lines, each batch in one write, flushed at once.
+
+    ``print(text)`` writes ``text`` and ``"\\n"`` apart, and an unbuffered stream (``python -u``,
+    ``PYTHONUNBUFFERED``) or a full buffer passes each on by itself. ``mpirun --tag-output`` tags every write, so the
+    newline then arrives as a line of its own and the text's line ends with a stray ``[1,0]<stdout>:``. Here a line
+    leaves only with its newline; ``flush()`` still passes on a partial line (a prompt, a progress bar)."""
+
+    def __init__(self, stream):
+        super().__init__()
+        self.stream, self.pending = stream, ""
+
+    def write(self, text: str) -> int:
+        self.pending += text
+        cut = self.pending.rfind("\n") + 1
+        if cut:
+            whole, self.pending = self.pending[:cut], self.pending[cut:]
+            self.stream.write(whole)
+            self.stream.flush()
+        return len(text)
+
+    def flush(self) -> None:
+        if self.pending:
+            self.stream.write(self.pending)
+            self.pending = ""
+        self.stream.flush()
+
+    def writable(self) -> bool:
+        return True
+
+    @property
+    def encoding(self):  # io.TextIOBase's own would say None
+        return self.stream.encoding
+
+    @property
+    def errors(self):
+        return self.stream.errors
+
+    def isatty(self) -> bool:
+        return self.stream.isatty()
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+    def __getattr__(self, name):  # encoding, errors, buffer, reconfigure, ...
+        return getattr(self.stream, name)
+
+
+@contextlib.contextmanager
+def whole_lines():
+    """sys.stdout and sys.stderr as :class:`WholeLines` for the block (once: nested blocks keep the outer one)."""
+    saved = sys.stdout, sys.stderr
+    if isinstance(sys.stdout, WholeLines) or sys.stdout is None or sys.stderr is None:
+        yield
+        return
+    sys.stdout, sys.stderr = WholeLines(sys.stdout), WholeLines(sys.stderr)
+    try:
+        yield
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # a closed pipe: nothing more can reach the reader
+                pass
+        sys.stdout, sys.stderr = saved
+
+
 def run_guarded(action, crash_log_dir=lambda: None) -> int:
     """Run ``action()``; bad input becomes one error line (rank 0 only when every rank has it), exit 2; a bug
-    becomes one line naming the rank and the error, its traceback in a log under ``crash_log_dir()``, exit 1."""
+    becomes one line naming the rank and the error, its traceback in a log under ``crash_log_dir()``, exit 1.
+    Every line leaves whole (:class:`WholeLines`)."""
+    with whole_lines():
+        return _run_guarded(action, crash_log_dir)
+
+
+def _run_guarded(action, crash_log_dir) -> int:
     try:
         return action() or 0
     except UserError as exc:
@@ -102,8 +178,63 @@ def run_guarded(action, crash_log_dir=lambda: None) -> int:
     except KeyboardInterrupt:
         print("hybridtrain: interrupted", file=sys.stderr)
         return 130
+    except OSError as exc:
+        line = environment_fault(exc)
+        if line is None:
+            return report_bug(exc, crash_log_dir())
+        rank = launcher_rank()
+        print(f"hybridtrain: error: {'' if rank == 0 else f'rank {rank}: '}{line}", file=sys.stderr, flush=True)
+        return 2
     except Exception as exc:
         return report_bug(exc, crash_log_dir())
+
+
+# What the machine (not hybridtrain, not the input) did wrong, and the fix, by errno.
+ENVIRONMENT_FIXES = {
+    errno.EROFS: "the file system is read-only: choose a folder on a writable file system (or remount it read-write)",
+    errno.ENOSPC: "the disk is full: free space there, or choose a folder on another disk",
+    errno.EDQUOT: "the disk quota is used up: free space there, or choose a folder on another disk",
+    errno.EFBIG: "the file would pass the file-size limit: raise it (ulimit -f unlimited) or choose another folder",
+    errno.EACCES: "permission denied: fix its permissions, or choose another path",
+    errno.EPERM: "the operation is not permitted there: fix its permissions, or choose another path",
+    errno.EISDIR: "is a folder where a file should be: move the folder away, or choose another path",
+    errno.ENOTDIR: "a part of the path is a file where a folder should be: fix the path",
+    errno.ELOOP: "is a loop of symbolic links: fix or remove the link",
+    errno.ENAMETOOLONG: "the name is too long for the file system: choose a shorter path",
+    errno.EMFILE: "this process may open no more files: raise the limit (ulimit -n)",
+    errno.EIO: "the device reported an input/output error: check the disk",
+}
+
+
+def environment_fault(exc: OSError) -> str | None:
+    """The one line (without the prefix) for an OSError the environment caused: a read-only folder, a full disk, a
+    dangling symbolic link, a folder where a file should be, ...: the path, what is wrong, and the fix. None for an
+    OSError that is not about the machine (then it is a bug, reported as one)."""
+    path = exc.filename
+    shown = f"{path}" if path is not None else "a write or read of an open file"
+    if exc.errno == errno.ENOENT and path is not None:
+        target = dangling_link(os.fsdecode(path))
+        if target is not None:
+            return f"{shown}: {target} is a symbolic link to {os.readlink(target)}, which does not exist: fix or " \
+                   f"remove the link"
+        return f"{shown} does not exist (No such file or directory): check the path, or create it"
+    fix = ENVIRONMENT_FIXES.get(exc.errno)
+    if fix is None:
+        return None
+    strerror = exc.strerror or os.strerror(exc.errno)
+    return f"{shown}: {strerror}: {fix}" if not fix.startswith("is ") else f"{shown} {fix} ({strerror})"
+
+
+def dangling_link(path: str) -> str | None:
+    """``path`` or its nearest ancestor that is a symbolic link pointing nowhere, or None."""
+    current = os.path.abspath(path)
+    while True:
+        if os.path.islink(current) and not os.path.exists(current):
+            return current
+        parent = os.path.dirname(current)
+        if parent == current:
+            return None
+        current = parent
 
 
 def report_bug(exc: Exception, log_dir: str | None) -> int:

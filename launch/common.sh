@@ -18,6 +18,7 @@ LAUNCH_HOSTS=()   # "host:slots", in the order given
 LAUNCH_WHERE=()   # where each host was given (for duplicate messages)
 LAUNCH_SLOTS=0    # total slots
 DRY_RUN=0
+LAUNCH_REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"  # the checkout (install.sh's .venv is in it)
 
 die() {
   printf 'launch: error: %s\n' "$*" >&2
@@ -97,7 +98,7 @@ trim() {
 
 parse_hostfile() {
   local file="$1" line n=0
-  [ -e "$file" ] || die "hostfile not found: $file"
+  [ -e "$file" ] || die "hostfile not found: $file (give a file of 'host slots=N' lines, or --hosts h1:N,h2:N)"
   if [ ! -f "$file" ] || [ ! -r "$file" ]; then die "hostfile is not a readable file: $file"; fi
   while IFS= read -r line || [ -n "$line" ]; do
     n=$((n + 1))
@@ -143,12 +144,13 @@ hosts_csv() {
 check_np() {
   [ -n "$1" ] || die "-np N is required (see --help)"
   check_posint "-np" "$1"
-  [ "$1" -le "$LAUNCH_SLOTS" ] || die "-np $1 exceeds the $LAUNCH_SLOTS slots of $(hosts_csv)"
+  [ "$1" -le "$LAUNCH_SLOTS" ] \
+    || die "-np $1 exceeds the $LAUNCH_SLOTS slots of $(hosts_csv): pass -np $LAUNCH_SLOTS or fewer, or list more slots"
 }
 
 check_config() {
   [ -n "$1" ] || die "--config FILE is required (see --help)"
-  [ -f "$1" ] || die "config file not found: $1"
+  [ -f "$1" ] || die "config file not found: $1 (give an existing recipe, e.g. --config configs/demo.yaml)"
 }
 
 slurm_hostfile() {
@@ -162,6 +164,17 @@ slurm_hostfile() {
     printf '%s slots=%s\n' "$line" "$slots"
   done
   [ "${#LAUNCH_HOSTS[@]}" -gt 0 ] || die "no hosts on stdin (expected the output of 'scontrol show hostnames')"
+}
+
+# missing_command_fix CMD: where CMD comes from. horovodrun and hybridtrain live in install.sh's virtual environment;
+# mpirun is the system's MPI (install.sh builds Horovod against it), srun is Slurm's.
+missing_command_fix() {
+  local venv="${HYBRIDTRAIN_VENV:-$LAUNCH_REPO/.venv}"
+  case "$1" in
+    mpirun) printf '%s' "install Open MPI (the openmpi-bin package; ./install.sh builds Horovod against it), or put its bin folder on PATH" ;;
+    srun) printf '%s' "run this inside a Slurm job (sbatch launch/slurm.sbatch ...), on a node with Slurm's commands" ;;
+    *) printf '%s' "activate the environment (source $venv/bin/activate), or create it with ./install.sh" ;;
+  esac
 }
 
 quote_arg() {
@@ -181,7 +194,7 @@ print_cmd() {
 run_cmd() {
   print_cmd "$@"
   [ "$DRY_RUN" != 1 ] || exit 0
-  command -v "$1" >/dev/null || die "$1 not found on PATH: activate the environment (source .venv/bin/activate) or run ./install.sh"
+  command -v "$1" >/dev/null || die "$1 not found on PATH: $(missing_command_fix "$1")"
   if [ -n "${BEFORE_EXEC:-}" ]; then "$BEFORE_EXEC"; fi
   exec "$@"
 }

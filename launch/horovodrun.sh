@@ -60,7 +60,7 @@ check_ssh_reachable() {
     host="${entry%:*}"
     case "$host" in localhost | 127.0.0.1 | "$(hostname)") continue ;; esac
     timeout 15 "${ssh_cmd[@]}" "$host" true </dev/null >/dev/null 2>&1 \
-      || die "cannot reach $host over ssh${ssh_port:+ (port $ssh_port)}: check the host name, sshd and the key (ssh $host true must work without a password)"
+      || die "cannot reach $host over ssh${ssh_port:+ (port $ssh_port)}: check the host name, sshd and the key ('ssh${ssh_port:+ -p $ssh_port}${identity:+ -i $identity} $host true' must work without a password)"
   done
 }
 

@@ -35,7 +35,7 @@ def test_table_marks_the_largest_batch():
     assert "| 256 (largest) | 1500.0 | 30000 | yes |" in text and "| 512 | - | - | no: out of memory |" in text
 
 
-def test_on_a_cpu_it_explains_that_it_needs_a_gpu_and_exits_cleanly():
+def test_on_a_cpu_it_explains_that_it_needs_a_gpu_and_exits_non_zero():
     proc = run([HYBRIDTRAIN, "bench", "--find-max-batch", "--arch", "resnet18"])
-    assert proc.returncode == 0 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip() == NEEDS_GPU
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr  # it measured nothing: a script must not go on
+    assert proc.stderr.strip() == f"hybridtrain: error: {NEEDS_GPU}" and proc.stdout == ""

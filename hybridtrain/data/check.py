@@ -16,7 +16,8 @@ from PIL import Image
 from tqdm import tqdm
 
 from hybridtrain.data.files import check_input_dir, write_text_atomically
-from hybridtrain.data.folder import ImageList, is_image_file, require_two_classes
+from hybridtrain.data.folder import ImageList, is_image_file, refuse_lookalike_names, require_two_classes
+from hybridtrain.data.images import to_rgb
 from hybridtrain.errors import UserError
 
 SPLITS = ("train", "val")
@@ -29,7 +30,7 @@ def decode_error(path: str) -> str | None:
     """None when the image decodes completely, else the decoder's complaint."""
     try:
         with Image.open(path) as img:
-            img.convert("RGB")
+            to_rgb(img)
     except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError, DecompressionBombError...
         return f"{type(exc).__name__}: {exc}"
     return None
@@ -38,7 +39,7 @@ def decode_error(path: str) -> str | None:
 def list_split(split_dir: str) -> tuple[list[str], list[tuple[str, int]], list[str]]:
     """Class names, image candidates (relative path, label) and non-image files of one split."""
     entries = sorted(os.listdir(split_dir))
-    classes = [d for d in entries if os.path.isdir(os.path.join(split_dir, d))]
+    classes = refuse_lookalike_names([d for d in entries if os.path.isdir(os.path.join(split_dir, d))], split_dir)
     candidates, non_images = [], [e for e in entries if e not in classes]
     for label, name in enumerate(classes):
         for f in sorted(os.listdir(os.path.join(split_dir, name))):
@@ -125,11 +126,11 @@ def read_filelist(split_dir: str, path: str) -> ImageList:
     classes = sorted(d for d in os.listdir(split_dir) if os.path.isdir(os.path.join(split_dir, d)))
     label_of = {name: label for label, name in enumerate(classes)}
     samples = []
-    with open(path) as fh:
+    with open(path, encoding="utf-8-sig") as fh:  # a spreadsheet's BOM and CRLF too
         for n, line in enumerate(fh, 1):
             if not line.strip():
                 continue
-            rel, _, label = line.rstrip("\n").rpartition(" ")
+            rel, _, label = line.rstrip("\r\n").rpartition(" ")
             folder = rel.split("/", 1)[0]
             if not label.isdigit() or label_of.get(folder) != int(label):
                 data_root = os.path.dirname(os.path.normpath(split_dir))

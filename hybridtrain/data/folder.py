@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import unicodedata
 from dataclasses import dataclass
 
 from hybridtrain.errors import UserError
@@ -34,6 +35,22 @@ def require_two_classes(images: ImageList) -> ImageList:
     return images
 
 
+NFC_FIX = "rename them all in one form (e.g. convmv -r -f utf8 -t utf8 --nfc --notest DIR)"
+
+
+def refuse_lookalike_names(names: list[str], where: str) -> list[str]:
+    """``names``, or one line when two of them differ only in Unicode normalisation (e.g. 'café' typed on Linux
+    and copied from macOS): they look the same but would be two classes."""
+    seen: dict[str, str] = {}
+    for name in names:
+        first = seen.setdefault(unicodedata.normalize("NFC", name), name)
+        if first != name:
+            raise UserError(f"{where} has two class folders, {first!r} and {name!r}, whose names differ only in "
+                            f"Unicode normalisation, so they would be two classes: merge them into one folder, or "
+                            f"{NFC_FIX}")
+    return names
+
+
 def scan_split(root: str, split: str) -> ImageList:
     split_dir = os.path.join(root, split)
     if root.startswith("~") and not os.path.exists(root):
@@ -48,6 +65,7 @@ def scan_split(root: str, split: str) -> ImageList:
     if not os.path.isdir(split_dir):
         raise UserError(f"data directory {root} has no '{split}' folder: expected {root}/{split}/<class>/*.jpg")
     classes = sorted(d for d in os.listdir(split_dir) if os.path.isdir(os.path.join(split_dir, d)))
+    refuse_lookalike_names(classes, split_dir)
     if not classes:
         raise UserError(f"{split_dir} has no class folders: expected {split_dir}/<class>/*.jpg")
     samples, skipped = [], []
@@ -66,6 +84,11 @@ def scan_dataset(root: str) -> tuple[ImageList, ImageList]:
     """Both splits, checked to share the same classes."""
     train, val = scan_split(root, "train"), scan_split(root, "val")
     if train.classes != val.classes:
+        if sorted(unicodedata.normalize("NFC", c) for c in train.classes) == \
+                sorted(unicodedata.normalize("NFC", c) for c in val.classes):
+            differ = next(c for c in train.classes if c not in val.classes)
+            raise UserError(f"the class folders of train and val in {root} differ only in Unicode normalisation "
+                            f"(e.g. {differ!r} in train is spelled another way in val): {NFC_FIX}")
         only_train = sorted(set(train.classes) - set(val.classes))[:3]
         only_val = sorted(set(val.classes) - set(train.classes))[:3]
         raise UserError(f"train and val class folders differ in {root} (only in train: {only_train}, "

@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from hybridtrain.data import sharding
 from hybridtrain.data.folder import ImageList, UnreadableImage
+from hybridtrain.data.images import to_rgb
 from hybridtrain.data.presets import train_transform, val_transform
 from hybridtrain.data.workers import die_with_the_rank, spawn_context
 
@@ -42,7 +43,7 @@ class ImageListDataset(Dataset):
             torch.manual_seed(sample_seed(self.seed, epoch, index))
             try:
                 with Image.open(path) as img:
-                    return self.transform(img.convert("RGB")), label, index
+                    return self.transform(to_rgb(img)), label, index
             except Exception as exc:  # every decoder failure: OSError, SyntaxError, DecompressionBombError, ...
                 return UnreadableImage(path, f"{type(exc).__name__}: {str(exc)[:200]}")
 

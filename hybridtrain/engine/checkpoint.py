@@ -26,13 +26,59 @@ from hybridtrain.optim.optimizers import RUN_CHOICE_KEYS
 PATTERN = "checkpoint-epoch{epoch:04d}.pt"
 STOPPED_PATTERN = "checkpoint-epoch{epoch:04d}-step{step:06d}.pt"  # a preempted epoch, after ``step`` steps
 EPOCH_RE = re.compile(r"checkpoint-epoch(\d+)(?:-step(\d+))?\.pt$")
+NAME_RE = re.compile(r"checkpoint-epoch\d+(?:-step\d+)?\.pt")  # the whole name of a checkpoint this code writes
+TEMP_RE = re.compile(r"(?:checkpoint-epoch\d+(?:-step\d+)?\.pt(?:\.sha256)?|run\.json)\.tmp-\d+")  # a save's temp
 WHOLE_EPOCH = 1 << 30  # sorts a finished epoch after every stopped checkpoint of the same epoch
 CHECKSUM_SUFFIX = ".sha256"
+MARKER_NAME = "run.json"
 SHA256SUM_LINE = re.compile(r"^([0-9a-f]{64}) [ *](.+)$")
 
 
 def checksum_path(path: str) -> str:
     return path + CHECKSUM_SUFFIX
+
+
+def is_own_name(name: str) -> bool:
+    """True for a bare checkpoint file name this code writes (never a path: run.json's names are data)."""
+    return isinstance(name, str) and NAME_RE.fullmatch(name) is not None
+
+
+def is_run_file_name(name: str) -> bool:
+    """A checkpoint's name, its sidecar's, or a save's temp file's: the checkpoint-epoch* files a run writes."""
+    base = name[:-len(CHECKSUM_SUFFIX)] if name.endswith(CHECKSUM_SUFFIX) else name
+    return is_own_name(base) or TEMP_RE.fullmatch(name) is not None
+
+
+def is_plain_file(path: str) -> bool:
+    """A regular file that is not a symbolic link: the only kind of file a run replaces or removes."""
+    return os.path.isfile(path) and not os.path.islink(path)
+
+
+def refuse_unless_plain(path: str) -> None:
+    """One line when ``path`` exists as a symbolic link, a folder or another non-file: a run never writes through
+    or removes what is not its own plain file."""
+    if os.path.lexists(path) and not is_plain_file(path):
+        kind = ("a symbolic link" + ("" if os.path.exists(path) else " that points nowhere")
+                if os.path.islink(path) else "a folder" if os.path.isdir(path) else "not a regular file")
+        raise UserError(f"{path} is {kind}, where the run keeps its own file: hybridtrain never writes through or "
+                        f"removes it: move it out of the run_dir, or choose another run_dir", same_on_all_ranks=False)
+
+
+def _create_new(path: str, mode: str):
+    """A new file at ``path``: never follows a symbolic link, never opens an existing file."""
+    return open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644), mode)
+
+
+def remove_stale_temp_files(directory: str) -> list[str]:
+    """Remove the temp files of saves that were killed mid-write (plain files named as a save names them); only
+    the holder of the run_dir's lock calls this, so no save of this run is under way. Returns their names."""
+    removed = []
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        if TEMP_RE.fullmatch(name) and is_plain_file(path):
+            os.remove(path)
+            removed.append(name)
+    return removed
 
 
 def _fsync_dir(path: str) -> None:
@@ -70,7 +116,7 @@ def _fsync(fh) -> None:
 
 def _save_hashed(obj, path: str) -> str:
     """torch.save ``obj`` to ``path`` and fsync it; returns the SHA-256 of the bytes written."""
-    with open(path, "wb") as fh:
+    with _create_new(path, "wb") as fh:
         writer = _HashingWriter(fh)
         try:
             torch.save(obj, writer)
@@ -84,7 +130,7 @@ def _save_hashed(obj, path: str) -> str:
 
 def _write_checksum(path: str, digest: str, tmp: str) -> None:
     """``path.sha256`` as a sha256sum line, through ``tmp`` + fsync + rename."""
-    with open(tmp, "w") as fh:
+    with _create_new(tmp, "w") as fh:
         fh.write(f"{digest}  {os.path.basename(path)}\n")
         _fsync(fh)
     os.replace(tmp, checksum_path(path))
@@ -97,6 +143,11 @@ def atomic_save(obj, path: str) -> None:
     """
     directory = os.path.dirname(os.path.abspath(path))
     tmp, tmp_sum = f"{path}.tmp-{os.getpid()}", f"{checksum_path(path)}.tmp-{os.getpid()}"
+    for own in (path, checksum_path(path), tmp, tmp_sum):
+        refuse_unless_plain(own)
+    for leftover in (tmp, tmp_sum):  # a save of an earlier process with this pid, killed mid-write
+        if os.path.lexists(leftover):
+            os.remove(leftover)
     try:
         digest = _save_hashed(obj, tmp)
         _write_checksum(path, digest, tmp_sum)
@@ -105,7 +156,7 @@ def atomic_save(obj, path: str) -> None:
         _fsync_dir(directory)
     except OSError as exc:
         for leftover in (tmp, tmp_sum):
-            if os.path.exists(leftover):
+            if is_plain_file(leftover):
                 os.remove(leftover)
         raise UserError(f"could not write checkpoint {path} ({exc.strerror or exc}): free disk space or "
                         f"choose another run_dir; the previous checkpoint is intact", same_on_all_ranks=False) from None
@@ -114,9 +165,9 @@ def atomic_save(obj, path: str) -> None:
 def list_checkpoints(directory: str) -> list[tuple[tuple[int, int], str]]:
     """((epoch, step), path), oldest first; a finished epoch's step is WHOLE_EPOCH."""
     found = []
-    for path in glob.glob(os.path.join(directory, "checkpoint-epoch*.pt")):
+    for path in glob.glob(os.path.join(glob.escape(directory), "checkpoint-epoch*.pt")):
         m = EPOCH_RE.search(path)
-        if m:
+        if m and is_own_name(os.path.basename(path)):
             found.append(((int(m.group(1)), int(m.group(2)) if m.group(2) else WHOLE_EPOCH), path))
     return sorted(found)
 
@@ -125,21 +176,29 @@ def _prune(directory: str, keep: int) -> None:
     """Remove all but the newest ``keep`` checkpoints, their sidecars, orphaned sidecars and the temp files
     a killed save left behind."""
     for _, old in list_checkpoints(directory)[:-keep]:
-        os.remove(old)
-    for leftover in glob.glob(os.path.join(directory, "checkpoint-epoch*.tmp-*")):
-        os.remove(leftover)
-    for sidecar in glob.glob(os.path.join(directory, f"checkpoint-epoch*.pt{CHECKSUM_SUFFIX}")):
-        if not os.path.exists(sidecar[:-len(CHECKSUM_SUFFIX)]):
+        for path in (old, checksum_path(old)):
+            if is_plain_file(path):
+                os.remove(path)
+    remove_stale_temp_files(directory)
+    for sidecar in glob.glob(os.path.join(glob.escape(directory), f"checkpoint-epoch*.pt{CHECKSUM_SUFFIX}")):
+        if (is_own_name(os.path.basename(sidecar)[:-len(CHECKSUM_SUFFIX)]) and is_plain_file(sidecar)
+                and not os.path.lexists(sidecar[:-len(CHECKSUM_SUFFIX)])):
             os.remove(sidecar)
 
 
 def _prune_owned(owner, keep: int) -> None:
     """Remove all but the newest ``keep`` of the checkpoints this run wrote (``owner``: rundir.RunDir); files
-    of other runs or of the user are never considered."""
-    ordered = sorted(owner.checkpoints(), key=lambda name: _order(EPOCH_RE.search(name)))
+    of other runs or of the user are never considered. The names come from run.json, so they are data: only a bare
+    checkpoint name (no folder) is ever joined to run_dir, and only a plain file (no link, no folder) removed."""
+    ordered = sorted((n for n in owner.checkpoints() if is_own_name(n)), key=lambda n: _order(EPOCH_RE.search(n)))
+    for name in [n for n in owner.checkpoints() if not is_own_name(n)]:
+        print(f"hybridtrain: warning: {os.path.join(owner.path, MARKER_NAME)} lists {name!r}, which is not a "
+              f"checkpoint name of this run: ignored (nothing outside the run's own files is removed)",
+              file=sys.stderr)
+        owner.forget_checkpoint(name)
     for name in ordered[:-keep]:
         for path in (os.path.join(owner.path, name), checksum_path(os.path.join(owner.path, name))):
-            if os.path.exists(path):
+            if is_plain_file(path):
                 os.remove(path)
         owner.forget_checkpoint(name)
 

@@ -19,7 +19,14 @@ import time
 import uuid
 
 from hybridtrain.config import check_run_dir
-from hybridtrain.errors import UserError
+from hybridtrain.engine.checkpoint import (
+    is_own_name,
+    is_run_file_name,
+    list_checkpoints,
+    refuse_unless_plain,
+    remove_stale_temp_files,
+)
+from hybridtrain.errors import UserError, environment_fault
 
 MARKER = "run.json"
 LOCK = ".lock"
@@ -35,6 +42,8 @@ def run_files(run_dir: str, patterns: tuple[str, ...] = RUN_FILES) -> list[str]:
     found: list[str] = []
     for pattern in patterns:
         for name in sorted(os.path.basename(p) for p in glob.glob(os.path.join(glob.escape(run_dir), pattern))):
+            if pattern.startswith("checkpoint-epoch") and not is_run_file_name(name):
+                continue  # the user's checkpoint-epoch3-notes.txt is not the run's
             if name not in found:
                 found.append(name)
     return found
@@ -72,18 +81,30 @@ class RunDir:
 
 
 def write_json_atomically(path: str, obj) -> None:
+    """``obj`` as JSON through a new temp file (never one that exists, never through a link) renamed over ``path``;
+    ``path`` itself must be absent or a plain file."""
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as fh:
-        json.dump(obj, fh, indent=1)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    refuse_unless_plain(path)
+    refuse_unless_plain(tmp)
+    if os.path.lexists(tmp):  # left by a killed write of an earlier process with this pid
+        os.remove(tmp)
+    try:
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644), "w") as fh:
+            json.dump(obj, fh, indent=1)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:  # a full disk, a read-only folder: named by its path (errors.environment_fault)
+        if os.path.isfile(tmp) and not os.path.islink(tmp):
+            os.remove(tmp)
+        raise OSError(exc.errno, exc.strerror, path) from None
 
 
 def lock(run_dir: str) -> int:
     """Hold ``run_dir/.lock`` (an fd, kept until release or exit), or one line naming the run that holds it."""
     path = os.path.join(run_dir, LOCK)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    refuse_unless_plain(path)  # a link would have the lock line written into the file it points to
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -91,25 +112,47 @@ def lock(run_dir: str) -> int:
         os.close(fd)
         raise UserError(f"run_dir {run_dir} is in use by another run ({holder}): wait for it to end, or choose "
                         f"another run_dir") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"hybridtrain pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"hybridtrain pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+    except OSError as exc:  # a full disk: named by its path
+        os.close(fd)
+        raise OSError(exc.errno, exc.strerror, path) from None
     return fd
 
 
 def read_marker(run_dir: str) -> dict | None:
     """``run.json``, or None when there is none; one line when it is damaged."""
     path = os.path.join(run_dir, MARKER)
-    if not os.path.exists(path):
+    if not os.path.lexists(path):
         return None
+    refuse_unless_plain(path)
     try:
         with open(path) as fh:
             marker = json.load(fh)
         if not isinstance(marker.get("run_id"), str) or not isinstance(marker.get("checkpoints"), list):
             raise ValueError("run_id or checkpoints missing")
+        strange = [name for name in marker["checkpoints"] if not is_own_name(name)]
+        if strange:  # names are data: pruning would join them to run_dir and remove what they name
+            raise ValueError(f"its checkpoints list {str(strange[0])[:80]!r}, which is not a checkpoint file name "
+                             f"such as checkpoint-epoch0003.pt")
         return marker
     except (OSError, ValueError) as exc:
         raise UserError(f"{path} is damaged ({exc}): move the run_dir aside and start a new run, or restore "
                         f"run.json from a backup") from None
+
+
+OWN_FILES = (MARKER, "config.yaml", "metrics.jsonl", "final_model.pt", "report.json", "report.md")
+
+
+def check_own_files(run_dir: str) -> None:
+    """One line when a file the run writes (run.json, config.yaml, metrics.jsonl, a checkpoint or its .sha256) is a
+    symbolic link or a folder: the run would write through the link or fail half-way."""
+    for name in OWN_FILES:
+        refuse_unless_plain(os.path.join(run_dir, name))
+    for path in glob.glob(os.path.join(glob.escape(run_dir), "checkpoint-epoch*")):
+        if is_run_file_name(os.path.basename(path)):
+            refuse_unless_plain(path)
 
 
 def move_aside(run_dir: str, names: list[str]) -> str:
@@ -124,6 +167,18 @@ def move_aside(run_dir: str, names: list[str]) -> str:
 
 
 def claim(run_dir: str, resume: str | None, move: bool = False) -> tuple[RunDir, str]:
+    """:func:`claim_run_dir`, with a fault of the machine (read-only folder, full disk, dangling link) as the one
+    line that names its path and the fix, which every rank then raises."""
+    try:
+        return claim_run_dir(run_dir, resume, move)
+    except OSError as exc:
+        line = environment_fault(exc)
+        if line is None:
+            raise
+        raise UserError(line) from None
+
+
+def claim_run_dir(run_dir: str, resume: str | None, move: bool = False) -> tuple[RunDir, str]:
     """Lock ``run_dir`` for this run and name the run; (the hold, a line for the log or '').
 
     Fresh (``resume`` None, or "auto" with no checkpoint): refused when the folder holds a run's files, unless
@@ -133,11 +188,12 @@ def claim(run_dir: str, resume: str | None, move: bool = False) -> tuple[RunDir,
     os.makedirs(run_dir, exist_ok=True)
     fd = lock(run_dir)
     try:
+        check_own_files(run_dir)
+        remove_stale_temp_files(run_dir)  # saves killed mid-write; we hold the lock, so none is under way
         marker, note = read_marker(run_dir), ""
         existing = run_files(run_dir)
         worth_keeping = run_files(run_dir, RESULT_FILES) or (marker is None and "config.yaml" in existing)
-        resuming = resume == "required" or (resume == "auto" and glob.glob(os.path.join(glob.escape(run_dir),
-                                                                                      "checkpoint-epoch*.pt")))
+        resuming = resume == "required" or (resume == "auto" and bool(list_checkpoints(run_dir)))
         if not resuming and worth_keeping:
             if not move:
                 raise UserError(f"run_dir {run_dir} holds another run's files ({', '.join(existing[:4])}"
@@ -146,8 +202,7 @@ def claim(run_dir: str, resume: str | None, move: bool = False) -> tuple[RunDir,
             note = f"hybridtrain: moved the previous run's files to {move_aside(run_dir, existing)}"
             marker = None
         if marker is None or not resuming:
-            adopted = sorted(os.path.basename(p) for p in glob.glob(os.path.join(glob.escape(run_dir),
-                                                                                "checkpoint-epoch*.pt")))
+            adopted = sorted(os.path.basename(path) for _, path in list_checkpoints(run_dir))
             marker = {"run_id": uuid.uuid4().hex, "created": time.time(), "checkpoints": adopted if resuming else []}
         held = RunDir(run_dir, fd, marker)
         held._write_marker()

@@ -30,10 +30,10 @@ def measure(backend: str, data: str, threads: int, batch_size: int, crop: int, s
                             "train": {"batch_size": batch_size}})
     loader = create_loaders(cfg, Topology(0, 1, 0, 1)).train
     stream = batches_forever(loader)
-    for _ in tqdm(range(warmup), desc=f"{backend} x{threads} warmup", unit="batch", leave=False):
+    for _ in tqdm(range(warmup), desc=f"{backend} x{threads} warmup", unit="batch", leave=False, disable=None):
         next(stream)
     start = time.perf_counter()
-    for _ in tqdm(range(steps), desc=f"{backend} x{threads}", unit="batch", leave=False):
+    for _ in tqdm(range(steps), desc=f"{backend} x{threads}", unit="batch", leave=False, disable=None):
         next(stream)
     elapsed = time.perf_counter() - start
     return {"backend": backend, "threads": threads, "batch_size": batch_size, "crop": crop, "steps": steps,

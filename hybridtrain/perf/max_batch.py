@@ -12,7 +12,6 @@ the first that did not, down to ``granularity`` images.
 from __future__ import annotations
 
 import gc
-import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -116,10 +115,10 @@ def format_trials(trials: list[Trial], device_name: str) -> str:
     return "\n".join(lines)
 
 
-NEEDS_GPU = ("hybridtrain: bench --find-max-batch measures GPU memory and needs a CUDA GPU, and none is visible "
-             "here: run it on a GPU node (the CPU's batch is bounded by time, not memory)")
+NEEDS_GPU = ("bench --find-max-batch measures GPU memory and needs a CUDA GPU, and none is visible here (nothing "
+             "was measured): run it on a GPU node (the CPU's batch is bounded by time, not memory)")
 
 
 def explain_cpu() -> int:
-    print(NEEDS_GPU, file=sys.stderr)
-    return 0
+    """Nothing can be measured here: one error line and exit 2, as gpu-check does, so a script sees no result."""
+    raise UserError(NEEDS_GPU)

@@ -88,7 +88,7 @@ def warm_up(step, warmup: int, device: torch.device, label: str, held: dict | No
     """``warmup`` untimed steps (at least one); the peak memory over them, less ``held`` (`memory_figures` taken
     before this loop was built: what other loops hold)."""
     reset_peak_memory(device)
-    for _ in tqdm(range(max(1, warmup)), desc=f"{label} warmup", unit="step", leave=False):
+    for _ in tqdm(range(max(1, warmup)), desc=f"{label} warmup", unit="step", leave=False, disable=None):
         step()
     synchronize(device)
     figures = memory_figures(device)
@@ -101,7 +101,7 @@ def warm_up(step, warmup: int, device: torch.device, label: str, held: dict | No
 def alternated_steps(loops: dict, steps: int, device: torch.device) -> dict[str, list[float]]:
     """Seconds per step of each loop in ``loops`` (label -> step), their steps taken in turn."""
     times = {label: [] for label in loops}
-    for _ in tqdm(range(steps), desc=" + ".join(loops), unit="step", leave=False):
+    for _ in tqdm(range(steps), desc=" + ".join(loops), unit="step", leave=False, disable=None):
         for label, step in loops.items():
             start = time.perf_counter()
             step()
@@ -112,12 +112,12 @@ def alternated_steps(loops: dict, steps: int, device: torch.device) -> dict[str,
 
 def timed_steps(step, steps: int, warmup: int, device: torch.device, label: str) -> list[float]:
     """Seconds per step after ``warmup`` untimed ones."""
-    for _ in tqdm(range(warmup), desc=f"{label} warmup", unit="step", leave=False):
+    for _ in tqdm(range(warmup), desc=f"{label} warmup", unit="step", leave=False, disable=None):
         step()
     synchronize(device)
     reset_peak_memory(device)
     times = []
-    for _ in tqdm(range(steps), desc=label, unit="step", leave=False):
+    for _ in tqdm(range(steps), desc=label, unit="step", leave=False, disable=None):
         start = time.perf_counter()
         step()
         synchronize(device)

@@ -15,6 +15,7 @@ import os
 
 import yaml
 
+from hybridtrain.data.files import atomic_path
 from hybridtrain.engine.telemetry import RECORD_FIGURES, read_metrics
 from hybridtrain.errors import UserError
 from hybridtrain.reports import paper_metrics as metrics
@@ -129,11 +130,15 @@ def report_run(run_dir: str, top1_target: float | None = None, top5_target: floa
     speed, source = single_gpu_speed_of(run_dir, history, world_size, single_gpu_speed)
     figures = run_figures(history, world_size, top1_target, top5_target, speed, source)
     report = {**figures, "config": config, **(extra or {})}
-    with open(os.path.join(run_dir, "report.json"), "w") as fh:
-        json.dump(report, fh, indent=2)
-    with open(os.path.join(run_dir, "report.md"), "w") as fh:
-        fh.write(report_markdown(os.path.basename(os.path.abspath(run_dir)), figures, history))
-    plot_run(history, run_dir)
+    markdown = report_markdown(os.path.basename(os.path.abspath(run_dir)), figures, history)
+    try:  # each through a temp file renamed over it: never written through a link, never left half-written
+        for name, text in (("report.json", json.dumps(report, indent=2)), ("report.md", markdown)):
+            with atomic_path(os.path.join(run_dir, name)) as tmp, open(tmp, "w") as fh:
+                fh.write(text)
+        plot_run(history, run_dir)
+    except OSError as exc:  # a read-only run_dir, a full disk: the report is still computed and shown
+        where = exc.filename if exc.filename and not os.path.basename(str(exc.filename)).startswith(".") else run_dir
+        report["not_saved"] = f"{where}: {exc.strerror or exc}"
     return report
 
 
@@ -211,7 +216,8 @@ def plot_run(history: list[dict], out_dir: str) -> list[str]:
     def save(fig, name):
         FigureCanvasAgg(fig)
         path = os.path.join(out_dir, name)
-        fig.savefig(path, dpi=100, bbox_inches="tight")
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, dpi=100, bbox_inches="tight")
         paths.append(path)
 
     fig = Figure(figsize=(10, 4))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import unicodedata
 
 from hybridtrain.data.files import check_input_dir, check_input_file, finish_partial, start_partial
 from hybridtrain.data.folder import is_image_file
@@ -19,10 +20,10 @@ CSV_HEADER = "ImageId,PredictionString"
 def read_val_labels(labels_file: str) -> dict[str, str]:
     """Image name without extension -> class name, from either label format."""
     check_input_file(labels_file, "--labels", "give the label file ('IMAGE CLASS' lines, or LOC_val_solution.csv)")
-    with open(labels_file, errors="replace") as fh:
+    with open(labels_file, encoding="utf-8-sig", errors="replace") as fh:  # a spreadsheet's BOM and CRLF too
         lines = [(n, line.strip()) for n, line in enumerate(fh, 1) if line.strip()]
     is_csv = bool(lines) and lines[0][1].replace(" ", "") == CSV_HEADER
-    labels = {}
+    labels, line_of, spelling = {}, {}, {}
     for n, line in lines[1:] if is_csv else lines:
         name, cls = parse_label_line(line, is_csv)
         if not name or not cls:
@@ -32,7 +33,16 @@ def read_val_labels(labels_file: str) -> dict[str, str]:
         if problem:
             raise UserError(f"{labels_file} line {n}: the class {cls[:80]!r} {problem}, so its folder would not be "
                             f"a class folder under --out: fix that line (a class is one folder name, e.g. n01440764)")
-        labels[os.path.splitext(name)[0]] = cls
+        stem = os.path.splitext(name)[0]
+        if stem in labels and labels[stem] != cls:
+            raise UserError(f"{labels_file} gives the image {stem} two classes: {labels[stem]!r} at line "
+                            f"{line_of[stem]} and {cls!r} at line {n}: keep the right line and delete the other")
+        same = spelling.setdefault(unicodedata.normalize("NFC", cls), (cls, n))
+        if same[0] != cls:
+            raise UserError(f"{labels_file} lines {same[1]} and {n} name the classes {same[0]!r} and {cls!r}, which "
+                            f"differ only in Unicode normalisation and would become two folders: write both the "
+                            f"same way")
+        labels[stem], line_of[stem] = cls, line_of.get(stem, n)
     if not labels:
         raise UserError(f"{labels_file} holds no labels")
     return labels
@@ -64,7 +74,13 @@ def parse_label_line(line: str, is_csv: bool) -> tuple[str, str]:
 def match_images(flat_dir: str, labels: dict[str, str], labels_file: str) -> dict[str, str]:
     """Image name without extension -> file name in ``flat_dir``; every label and every image must match."""
     check_input_dir(flat_dir, "the flat validation folder", "give the folder of ILSVRC2012_val_*.JPEG")
-    files = {os.path.splitext(f)[0]: f for f in sorted(os.listdir(flat_dir)) if is_image_file(f)}
+    files: dict[str, str] = {}
+    for f in sorted(os.listdir(flat_dir)):
+        if is_image_file(f):
+            twin = files.setdefault(os.path.splitext(f)[0], f)
+            if twin != f:
+                raise UserError(f"{flat_dir} holds both {twin} and {f}, and {labels_file} matches images by name "
+                                f"without extension: move one of them out")
     missing = sorted(set(labels) - set(files))
     unlabelled = sorted(set(files) - set(labels))
     if missing:
