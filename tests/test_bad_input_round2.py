@@ -173,7 +173,8 @@ def test_the_loader_and_check_data_use_the_faithful_conversion_and_refuse_float_
     assert ["0/grey16.png", 0] in report["splits"]["train"]["samples"]
 
     from hybridtrain.data.folder import scan_split
-    from hybridtrain.data.torchvision_loader import ImageListDataset, val_transform
+    from hybridtrain.data.presets import val_transform
+    from hybridtrain.data.torchvision_loader import ImageListDataset
     images = scan_split(str(data), "train")
     index = [p for p, _ in images.samples].index(str(data / "train" / "0" / "grey16.png"))
     tensor, _, _ = ImageListDataset(images, val_transform(64, 64, as_uint8=True), seed=0)[(index, 0)]
