@@ -11,12 +11,12 @@ import pytest
 import torch
 from conftest import HOROVODRUN, REPO, rank_output, run
 
-from hybridtrain.config import load_config
+from hybridtrain.config import gradient_compression, load_config
 from hybridtrain.distributed import horovod, layout, topology
 from hybridtrain.engine.epoch import compiles_in_epoch, warmup_steps
 from hybridtrain.errors import UserError
 from hybridtrain.perf.max_batch import is_out_of_memory, memory_budget_mb
-from hybridtrain.precision.policy import gradient_compression, resolve_policy, set_fp32_math
+from hybridtrain.precision.policy import resolve_policy, set_fp32_math
 from hybridtrain.reports.report import run_speed
 
 SCRIPT = os.path.join(REPO, "tests", "scripts", "channels_last_collectives.py")
@@ -75,7 +75,7 @@ def test_a_contiguous_gradient_passes_through_untouched():
 ])
 def test_auto_compression_is_fp16_exactly_where_the_loss_is_scaled(mode, extra, expected):
     cfg = load_config(None, [f"precision.mode={mode}", *extra])
-    assert gradient_compression("auto", resolve_policy(cfg.precision)) == expected
+    assert gradient_compression("auto", cfg.precision) == expected
 
 
 @pytest.mark.parametrize("sets,needle", [
@@ -93,7 +93,7 @@ def test_every_recipe_sends_fp16_only_scaled_gradients():
     for name in sorted(os.listdir(os.path.join(REPO, "configs"))):
         cfg = load_config(os.path.join(REPO, "configs", name))
         policy = resolve_policy(cfg.precision)
-        if gradient_compression(cfg.horovod.compression, policy) == "fp16":
+        if gradient_compression(cfg.horovod.compression, cfg.precision) == "fp16":
             assert policy.loss_scaling != "none", name
 
 

@@ -151,3 +151,31 @@ def test_each_engine_stays_behind_the_distributed_face():
             leaks += [f"{name} calls import_horovod"] if "import_horovod" in open(path).read() else []
     assert leaks == []
     assert "hybridtrain.distributed.collectives" in import_graph()["hybridtrain.engine.trainer"]
+
+
+def test_the_readme_chain_holds_floor_by_floor():
+    """The README's chain, one rule per floor: config and errors import nothing of the package but errors; the
+    engine imports no data backend (data/loaders is the face); data imports no precision."""
+    graph = import_graph()
+    backends = {"hybridtrain.data.torchvision_loader", "hybridtrain.data.dali", "hybridtrain.data.synthetic"}
+    assert graph["hybridtrain.config"] <= {"hybridtrain.errors"}, graph["hybridtrain.config"]
+    assert graph["hybridtrain.errors"] == set()
+    assert [(m, i) for m, imports in graph.items() if m.startswith("hybridtrain.engine.")
+            for i in imports if i in backends] == []
+    assert [(m, i) for m, imports in graph.items() if m.startswith("hybridtrain.data.")
+            for i in imports if i.startswith("hybridtrain.precision")] == []
+
+
+def test_loading_a_config_and_reporting_a_run_import_no_torch():
+    code = ("import sys; from hybridtrain.config import load_config; load_config('configs/demo.yaml'); "
+            "import hybridtrain.reports.report; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:3])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(PACKAGE))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_configs_stages_are_the_resnets():
+    from hybridtrain.config import STAGES
+    from hybridtrain.models.resnet import STAGES as RESNET_STAGES
+    assert STAGES == RESNET_STAGES

@@ -34,9 +34,10 @@ from hybridtrain.distributed import horovod
 from hybridtrain.engine import checkpoint
 from hybridtrain.engine.epoch import EpochProgress
 from hybridtrain.engine.loop import end_epoch, finish, run_epoch
+from hybridtrain.engine.metrics_file import truncate_metrics
 from hybridtrain.engine.records import log_setup
 from hybridtrain.engine.resume import checkpoint_state, resume_state
-from hybridtrain.engine.telemetry import log, tensorboard_writer, truncate_metrics
+from hybridtrain.engine.telemetry import log, tensorboard_writer
 from hybridtrain.engine.trainer import Trainer, build_trainer
 from hybridtrain.errors import UserError
 from hybridtrain.optim import create_schedule

@@ -14,10 +14,11 @@ from hybridtrain.distributed import failures
 from hybridtrain.engine import checkpoint, rundir
 from hybridtrain.engine.epoch import EpochProgress, compiles_in_epoch, evaluate, train_one_epoch, warmup_steps
 from hybridtrain.engine.memory import reset_peak_memory
+from hybridtrain.engine.metrics_file import truncate_metrics
 from hybridtrain.engine.preemption import PreemptionWatch
 from hybridtrain.engine.records import log_setup, record_epoch, training_record, with_validation
 from hybridtrain.engine.resume import checkpoint_state, restore, resume_state, save_stopped_epoch
-from hybridtrain.engine.telemetry import ProgressBar, log, tensorboard_writer, truncate_metrics
+from hybridtrain.engine.telemetry import ProgressBar, log, tensorboard_writer
 from hybridtrain.engine.trainer import Trainer, build_trainer
 from hybridtrain.engine.watchdog import StallWatchdog
 from hybridtrain.errors import UserError, is_peer_failure

@@ -8,7 +8,8 @@ from hybridtrain.config import Config
 from hybridtrain.distributed import collectives as distributed
 from hybridtrain.engine.epoch import fused_switch_epoch
 from hybridtrain.engine.memory import memory_figures
-from hybridtrain.engine.telemetry import append_metrics, device_name, epoch_line, log, write_scalars
+from hybridtrain.engine.metrics_file import append_metrics
+from hybridtrain.engine.telemetry import device_name, epoch_line, log, write_scalars
 from hybridtrain.engine.trainer import Trainer
 
 

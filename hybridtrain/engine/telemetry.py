@@ -1,8 +1,7 @@
-"""What a run says and writes as it goes: the progress line or bar, rank 0's log lines,
-metrics.jsonl (written and read back tolerantly) and TensorBoard."""
+"""What a run says and writes as it goes: the progress line or bar, rank 0's log lines and TensorBoard
+(metrics.jsonl: ``metrics_file``)."""
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -10,7 +9,6 @@ import time
 import torch
 
 from hybridtrain.config import Config
-from hybridtrain.errors import UserError
 
 
 class ProgressBar:
@@ -54,24 +52,6 @@ def log(topo, message: str) -> None:
         print(message, flush=True)
 
 
-def append_metrics(path: str, record: dict) -> None:
-    with open(path, "a") as fh:
-        fh.write(json.dumps(record) + "\n")
-
-
-def truncate_metrics(path: str, completed_epochs: int) -> list[dict]:
-    """Keep the records of the first ``completed_epochs`` epochs (a resumed run rewrites what came after);
-    written to a temp file and renamed, so a kill leaves the old file or the new one."""
-    if not os.path.exists(path):
-        return []
-    kept = [r for r in read_metrics(path) if r["epoch"] <= completed_epochs]
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as fh:
-        fh.writelines(json.dumps(r) + "\n" for r in kept)
-    os.replace(tmp, path)
-    return kept
-
-
 def tensorboard_writer(cfg: Config):
     """TensorBoard's writer for rank 0, or None when switched off (report.tensorboard)."""
     if not cfg.report.tensorboard:
@@ -103,33 +83,3 @@ def epoch_line(r: dict, epochs: int) -> str:
     return (f"epoch {r['epoch']:>3}/{epochs}  train_loss {r['train_loss']:.4f}  val_loss {r['val_loss']:.4f}  "
             f"train_top1 {r['train_top1']:.4f}  top1 {r['val_top1']:.4f}  top5 {r['val_top5']:.4f}  lr {r['lr']:.4g}  "
             f"{r['images_per_sec']:.0f} img/s  {r['epoch_time_s']:.1f}s{scale}{skipped}")
-
-
-# What a record needs to be reported at all, and what older versions' records may lack (reported as NaN)
-RECORD_REQUIRED = ("epoch", "val_top1")
-RECORD_FIGURES = ("train_loss", "train_top1", "val_loss", "val_top5", "lr", "epoch_time_s", "train_time_s",
-                  "images_per_sec", "samples_seen", "wall_time_s")
-
-
-def read_metrics(path: str) -> list[dict]:
-    """The records of a metrics.jsonl. A record cut short by a kill (the last line) is dropped with a warning;
-    a damaged line elsewhere is one error line."""
-    if not os.path.exists(path):
-        return []
-    with open(path, errors="replace") as fh:
-        lines = [line for line in fh.read().splitlines() if line.strip()]
-    records = []
-    for number, line in enumerate(lines, 1):
-        try:
-            record = json.loads(line)
-            if not isinstance(record, dict) or any(key not in record for key in RECORD_REQUIRED):
-                raise ValueError(f"a record needs {', '.join(RECORD_REQUIRED)}")
-        except ValueError as exc:
-            if number == len(lines):
-                print(f"hybridtrain: warning: {path}: dropping its last line, which is cut short or damaged "
-                      f"({str(exc)[:80]}); a resumed run writes that epoch again", file=sys.stderr)
-                break
-            raise UserError(f"{path} line {number} is not a metrics record ({str(exc)[:80]}): remove that line "
-                            f"or restore the file") from None
-        records.append(record)
-    return records

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridtrain.config import Config
+from hybridtrain.config import Config, gradient_compression
 from hybridtrain.data.loaders import create_loaders
 from hybridtrain.distributed import collectives as distributed
 from hybridtrain.distributed.node import check_node
@@ -19,7 +19,6 @@ from hybridtrain.models.batchnorm import configure_batch_norm
 from hybridtrain.optim import create_optimizer
 from hybridtrain.precision.policy import (
     check_hardware,
-    gradient_compression,
     prepare_model,
     resolve_policy,
     set_fp32_math,
@@ -50,7 +49,7 @@ def build_trainer(cfg: Config, topo) -> Trainer:
         torch.backends.cudnn.benchmark = True  # fixed shapes: cuDNN picks the fastest kernels once
     fp32_math = set_fp32_math(cfg.precision.tf32)
     policy = resolve_policy(cfg.precision)
-    compression = gradient_compression(cfg.horovod.compression, policy)
+    compression = gradient_compression(cfg.horovod.compression, cfg.precision)
     for warning in check_node(topo.device, cfg.precision):  # kernels, driver, bf16: one refusal line, or warnings
         log(topo, f"hybridtrain: {warning}")
     check_hardware(policy, topo.device)

@@ -43,6 +43,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from hybridtrain.engine.metrics_file import read_metrics
 from hybridtrain.errors import UserError
 from hybridtrain.reports.tables import markdown_table
 
@@ -419,11 +420,6 @@ def read_text(path: str) -> str:
         return ""
 
 
-def read_metrics(run_dir: str) -> list[dict]:
-    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
-        return [json.loads(line) for line in fh if line.strip()]
-
-
 def max_of(records: list[dict], key: str) -> float | None:
     values = [r[key] for r in records if isinstance(r.get(key), (int, float))]
     return max(values) if values else None
@@ -443,7 +439,7 @@ def train_figures(records: list[dict]) -> dict:
 
 def read_train(row: Row) -> str:
     try:
-        records = read_metrics(row.output)
+        records = read_metrics(os.path.join(row.output, "metrics.jsonl"))
     except (OSError, ValueError) as exc:
         return f"no metrics.jsonl ({exc.__class__.__name__})"
     for key, value in train_figures(records).items():

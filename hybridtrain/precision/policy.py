@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from hybridtrain.config import STAGES, loss_scaling
 from hybridtrain.errors import UserError
-from hybridtrain.models.resnet import STAGES
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
 STAGE_MODULES = {"stem": ("conv1", "bn1"), "fc": ("fc",)}  # the others are the module of the same name
@@ -62,24 +62,8 @@ def resolve_policy(p) -> Policy:
         policy = Policy("layered", torch.float32, torch.float32, stage_dtypes=stages)
     else:
         policy = Policy("fp16_pure", torch.float16, torch.float16)
-    uses_fp16 = torch.float16 in {policy.param_dtype, policy.autocast_dtype, *policy.stage_dtypes.values()}
-    policy.loss_scaling = p.loss_scaling if p.loss_scaling != "auto" else ("dynamic" if uses_fp16 else "none")
+    policy.loss_scaling = loss_scaling(p)
     return policy
-
-
-def gradient_compression(name: str, policy: Policy) -> str:
-    """horovod.compression for a policy: ``auto`` is fp16 (the paper) when the loss is scaled, so that small
-    gradients stay above FP16's subnormals (6.1e-5), else none. fp16 is refused for unscaled gradients (15% of
-    ResNet's fall below 6.1e-5 at step 0) and for fp64 ones (they would silently travel as fp16)."""
-    if name == "auto":
-        return "fp16" if policy.loss_scaling != "none" and policy.param_dtype != torch.float64 else "none"
-    if name == "fp16" and policy.param_dtype == torch.float64:
-        raise UserError("config error: horovod.compression=fp16 would send fp64 gradients as fp16: use auto or none")
-    if name == "fp16" and policy.loss_scaling == "none":
-        raise UserError(f"config error: horovod.compression=fp16 needs loss scaling, and precision.mode="
-                        f"{policy.mode} has none here (unscaled gradients below 6.1e-5 lose bits in fp16, many "
-                        f"flush to 0): set precision.loss_scaling=dynamic, or horovod.compression=auto or none")
-    return name
 
 
 def check_hardware(policy: Policy, device: torch.device) -> None:

@@ -16,7 +16,7 @@ import os
 import yaml
 
 from hybridtrain.data.files import atomic_path
-from hybridtrain.engine.telemetry import RECORD_FIGURES, read_metrics
+from hybridtrain.engine.metrics_file import RECORD_FIGURES, read_metrics
 from hybridtrain.errors import UserError
 from hybridtrain.reports import paper_metrics as metrics
 
