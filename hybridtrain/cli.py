@@ -7,7 +7,8 @@ import os
 import re
 import sys
 
-from hybridtrain.data.files import (
+from hybridtrain.errors import UserError, run_guarded
+from hybridtrain.outputs import (
     atomic_path,
     check_image_format,
     check_output_dir,
@@ -15,7 +16,6 @@ from hybridtrain.data.files import (
     write_json_atomically,
     write_text_atomically,
 )
-from hybridtrain.errors import UserError, run_guarded
 
 BENCH_PRECISIONS = ("fp64", "fp32", "mixed-fp16", "mixed-bf16", "layered", "fp16_pure")
 

@@ -101,9 +101,10 @@ def test_imports_go_down_only():
     assert upward == []
 
 
-def test_the_top_level_holds_five_modules():
+def test_the_top_level_holds_six_modules():
+    """The command line, the config, the error policy and the output policy (paths, tables, figures)."""
     top = sorted(f for f in os.listdir(PACKAGE) if f.endswith(".py"))
-    assert top == ["__init__.py", "__main__.py", "cli.py", "config.py", "errors.py"]
+    assert top == ["__init__.py", "__main__.py", "cli.py", "config.py", "errors.py", "outputs.py"]
 
 
 def test_no_module_calls_anything_at_import():

@@ -15,10 +15,10 @@ import os
 from PIL import Image
 from tqdm import tqdm
 
-from hybridtrain.data.files import check_input_dir, write_text_atomically
 from hybridtrain.data.folder import ImageList, is_image_file, refuse_lookalike_names, require_two_classes
 from hybridtrain.data.images import to_rgb
 from hybridtrain.errors import UserError
+from hybridtrain.outputs import check_input_dir, write_text_atomically
 
 SPLITS = ("train", "val")
 CLEAN_LIST_HINT = ("run 'hybridtrain check-data DATA --write-filelist DIR' and train with data.file_lists=DIR "

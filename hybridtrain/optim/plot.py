@@ -30,11 +30,9 @@ def schedule_series(cfg, world_size: int, iters_per_epoch: int) -> dict:
 
 
 def plot_schedule(cfg, world_size: int, iters_per_epoch: int, path: str) -> str:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    from hybridtrain.outputs import figure, save_figure
     series = schedule_series(cfg, world_size, iters_per_epoch)
-    fig = Figure(figsize=(8, 4.5))
-    FigureCanvasAgg(fig)
+    fig = figure(8, 4.5)
     ax = fig.add_subplot(1, 1, 1)
     ax.plot(series["epoch"], series["upper"], label="B_u (AdaBound upper bound)")
     ax.plot(series["epoch"], series["lower"], label="B_l (AdaBound lower bound)")
@@ -44,5 +42,4 @@ def plot_schedule(cfg, world_size: int, iters_per_epoch: int, path: str) -> str:
     ax.set(xlabel="epoch", ylabel="step size", title=f"hybrid schedule: N={world_size}, lr={cfg.optim.lr}, "
                                                        f"{iters_per_epoch} iterations/epoch")
     ax.legend()
-    fig.savefig(path, dpi=100, bbox_inches="tight")
-    return path
+    return save_figure(fig, path)

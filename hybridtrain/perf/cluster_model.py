@@ -354,13 +354,12 @@ def paper_cluster_check() -> PaperCheck:
 
 def plot_efficiency(results: Mapping[str, Sequence[tuple[int, float]]], path: str) -> str:
     """Line plot of efficiency (%) vs. GPU count, one line per label; ``results[label]`` = [(N, efficiency)]."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    from hybridtrain.outputs import figure as new_figure
+    from hybridtrain.outputs import save_figure
 
     if not results:
         raise ValueError("nothing to plot: results is empty")
-    figure = Figure(figsize=(6, 4))
-    FigureCanvasAgg(figure)
+    figure = new_figure(6, 4)
     axes = figure.add_subplot()
     for label, points in results.items():
         counts = [n for n, _ in points]
@@ -370,5 +369,4 @@ def plot_efficiency(results: Mapping[str, Sequence[tuple[int, float]]], path: st
     axes.grid(True, alpha=0.3)
     axes.legend()
     figure.tight_layout()
-    figure.savefig(path)
-    return path
+    return save_figure(figure, path)

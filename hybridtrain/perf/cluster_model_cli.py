@@ -14,14 +14,15 @@ import math
 import os
 from dataclasses import replace
 
-from hybridtrain.data.files import (
+from hybridtrain.errors import UserError
+from hybridtrain.outputs import (
     atomic_path,
     check_image_format,
     check_input_file,
     check_output_file,
+    markdown_table,
     write_json_atomically,
 )
-from hybridtrain.errors import UserError
 from hybridtrain.perf import cluster_model as predict
 from hybridtrain.perf import time_to_target as ttt
 
@@ -128,26 +129,24 @@ def spec_from(args, overlap: float) -> predict.ClusterSpec:
 
 
 def prediction_table(spec: predict.ClusterSpec, nodes: list[int], epoch: int, images: int) -> tuple[str, list]:
-    lines = ["| nodes | GPUs | step ms | all-reduce ms | img/s | efficiency | single-GPU time (h) |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
-    curve = []
+    rows, curve = [], []
     for m in nodes:
         sized = replace(spec, nodes=m)
         p = predict.predict(sized)
         hours = predict.predicted_single_gpu_time(sized, epoch, images) / 3600
         curve.append((sized.world_size, p.efficiency))
-        lines.append(f"| {m} | {sized.world_size} | {1000 * p.step_time:.1f} | {1000 * p.allreduce_time:.1f} | "
-                     f"{p.images_per_second:.0f} | {100 * p.efficiency:.1f}% | {hours:.1f} |")
-    return "\n".join(lines), curve
+        rows.append([m, sized.world_size, f"{1000 * p.step_time:.1f}", f"{1000 * p.allreduce_time:.1f}",
+                     f"{p.images_per_second:.0f}", f"{100 * p.efficiency:.1f}%", f"{hours:.1f}"])
+    header = ["nodes", "GPUs", "step ms", "all-reduce ms", "img/s", "efficiency", "single-GPU time (h)"]
+    return markdown_table(header, rows), curve
 
 
 def paper_table(check: predict.PaperCheck) -> str:
-    lines = [f"Check against the paper (one overlap fraction fitted to all rows: {check.overlap:.2f})", "",
-             "| configuration | paper | model | error (points) |", "| --- | --- | --- | --- |"]
-    lines += [f"| {r.label} | {100 * r.paper_efficiency:.1f}% | {100 * r.predicted_efficiency:.1f}% | "
-              f"{100 * r.error:+.1f} |" for r in check.rows]
-    lines.append(f"\nmax error {100 * check.max_abs_error:.1f} points, RMS {100 * check.rms_error:.1f} points")
-    return "\n".join(lines)
+    table = markdown_table(["configuration", "paper", "model", "error (points)"],
+                           [[r.label, f"{100 * r.paper_efficiency:.1f}%", f"{100 * r.predicted_efficiency:.1f}%",
+                             f"{100 * r.error:+.1f}"] for r in check.rows])
+    return (f"Check against the paper (one overlap fraction fitted to all rows: {check.overlap:.2f})\n\n{table}\n"
+            f"\nmax error {100 * check.max_abs_error:.1f} points, RMS {100 * check.rms_error:.1f} points")
 
 
 def read_scale_rows(path: str) -> list[dict]:
@@ -267,14 +266,13 @@ def minutes_text(value: float) -> str:
 
 
 def plan_table(rows: list[ttt.PlanRow]) -> str:
-    lines = ["| GPUs | per-GPU batch | global batch | img/s per GPU | efficiency | epochs | minutes to target | "
-             "actual average single-GPU time (min) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for r in rows:
-        mark = " *" if r.epochs_status == "beyond" else ""
-        lines.append(f"| {r.gpus:,} | {r.batch_per_gpu} | {r.global_batch:,}{mark} | "
-                     f"{r.images_per_second_per_gpu:,.0f} | {100 * r.efficiency:.1f}% | {r.epochs:.1f} | "
-                     f"{minutes_text(r.minutes)} | {r.single_gpu_minutes:,.0f} |")
-    return "\n".join(lines)
+    header = ["GPUs", "per-GPU batch", "global batch", "img/s per GPU", "efficiency", "epochs", "minutes to target",
+              "actual average single-GPU time (min)"]
+    return markdown_table(header, [[f"{r.gpus:,}", r.batch_per_gpu,
+                                    f"{r.global_batch:,}" + (" *" if r.epochs_status == "beyond" else ""),
+                                    f"{r.images_per_second_per_gpu:,.0f}", f"{100 * r.efficiency:.1f}%",
+                                    f"{r.epochs:.1f}", minutes_text(r.minutes), f"{r.single_gpu_minutes:,.0f}"]
+                                   for r in rows])
 
 
 def batch_notes(rows: list[ttt.PlanRow], epochs: ttt.EpochCurve) -> list[str]:
@@ -292,14 +290,15 @@ def batch_notes(rows: list[ttt.PlanRow], epochs: ttt.EpochCurve) -> list[str]:
 
 def mlperf_table(checks: list[ttt.RunCheck]) -> str:
     lines = ["Check against MLPerf Training v4.0 (NVIDIA, H100, LARS to 75.9%; the img/s curve of each row is fitted "
-             "to the other two rows only, epochs from the reference convergence points, DGX H100 all-reduce)", "",
-             "| GPUs | per-GPU batch | img/s per GPU: model | published | error | epochs: model | published | "
-             "minutes: model | published | error |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for c in checks:
-        m, r = c.model, c.run
-        lines.append(f"| {r.gpus:,} | {r.batch_per_gpu} | {m.images_per_second_per_gpu:,.0f} | "
-                     f"{r.images_per_second_per_gpu:,.0f} | {100 * c.throughput_error:+.1f}% | {m.epochs:.1f} | "
-                     f"{r.epochs} | {m.minutes:.3g} | {r.minutes:g} | {100 * c.minutes_error:+.1f}% |")
+             "to the other two rows only, epochs from the reference convergence points, DGX H100 all-reduce)", ""]
+    header = ["GPUs", "per-GPU batch", "img/s per GPU: model", "published", "error", "epochs: model", "published",
+              "minutes: model", "published", "error"]
+    lines.append(markdown_table(header, [[f"{c.run.gpus:,}", c.run.batch_per_gpu,
+                                          f"{c.model.images_per_second_per_gpu:,.0f}",
+                                          f"{c.run.images_per_second_per_gpu:,.0f}",
+                                          f"{100 * c.throughput_error:+.1f}%",
+                                          f"{c.model.epochs:.1f}", c.run.epochs, f"{c.model.minutes:.3g}",
+                                          f"{c.run.minutes:g}", f"{100 * c.minutes_error:+.1f}%"] for c in checks]))
     worst_speed = max(abs(c.throughput_error) for c in checks)
     worst_time = max(abs(c.minutes_error) for c in checks)
     lines.append(f"\nmax error: img/s per GPU {100 * worst_speed:.1f}% (limit 15%), minutes {100 * worst_time:.1f}% "
@@ -309,14 +308,14 @@ def mlperf_table(checks: list[ttt.RunCheck]) -> str:
 
 def paper_time_table(rows: list[ttt.PaperTimeRow]) -> str:
     lines = ["Paper Tables 3.7-3.9 from the time model (24 GPUs; per-GPU speed of Table 3.2 / section 3.2.2, "
-             "efficiency of the check above)", "",
-             "| table | cluster | epochs | minutes: paper | model | error | single-GPU min: paper | model |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "efficiency of the check above)", ""]
     tables = {90: "3.7", 32: "3.8", 33: "3.8", 39: "3.9", 42: "3.9"}
-    for r in rows:
-        paper_single = "-" if r.paper_single_gpu_minutes is None else f"{r.paper_single_gpu_minutes:g}"
-        lines.append(f"| {tables[r.epochs]} | {r.label} | {r.epochs} | {r.paper_minutes:g} | {r.model_minutes:.1f} | "
-                     f"{100 * r.error:+.1f}% | {paper_single} | {r.model_single_gpu_minutes:.0f} |")
+    header = ["table", "cluster", "epochs", "minutes: paper", "model", "error", "single-GPU min: paper", "model"]
+    lines.append(markdown_table(header, [[tables[r.epochs], r.label, r.epochs, f"{r.paper_minutes:g}",
+                                          f"{r.model_minutes:.1f}", f"{100 * r.error:+.1f}%",
+                                          "-" if r.paper_single_gpu_minutes is None
+                                          else f"{r.paper_single_gpu_minutes:g}",
+                                          f"{r.model_single_gpu_minutes:.0f}"] for r in rows]))
     lines.append("\ncluster 2's times are about 2.5x shorter than its own measured 24 x 295 img/s allows "
                  "(docs/paper_arithmetic.md), so no throughput model reproduces them")
     return "\n".join(lines)

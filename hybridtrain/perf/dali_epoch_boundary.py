@@ -12,7 +12,7 @@ import time
 
 from hybridtrain.data.dali import DaliLoader, GraphSpec, require_dali
 from hybridtrain.data.folder import ImageList, scan_split
-from hybridtrain.reports.tables import markdown_table
+from hybridtrain.outputs import markdown_table
 
 BATCH = 32
 

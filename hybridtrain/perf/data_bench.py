@@ -16,6 +16,7 @@ from hybridtrain.config import config_from_dict
 from hybridtrain.data.loaders import create_loaders
 from hybridtrain.distributed.topology import Topology, cores_per_rank
 from hybridtrain.errors import UserError
+from hybridtrain.outputs import markdown_table
 
 
 def batches_forever(loader):
@@ -56,7 +57,6 @@ def bench_data(backends: list[str], data: str, threads: list[int], batch_size: i
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = ["| backend | threads | batch | crop | images/s | ms/batch |", "| --- | --- | --- | --- | --- | --- |"]
-    lines += [f"| {r['backend']} | {r['threads']} | {r['batch_size']} | {r['crop']} | {r['images_per_sec']:.1f} | "
-              f"{r['ms_per_batch']:.1f} |" for r in rows]
-    return "\n".join(lines)
+    return markdown_table(["backend", "threads", "batch", "crop", "images/s", "ms/batch"],
+                          [[r["backend"], r["threads"], r["batch_size"], r["crop"], f"{r['images_per_sec']:.1f}",
+                            f"{r['ms_per_batch']:.1f}"] for r in rows])

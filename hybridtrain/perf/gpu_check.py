@@ -45,7 +45,7 @@ from typing import Callable
 
 from hybridtrain.engine.metrics_file import read_metrics
 from hybridtrain.errors import UserError
-from hybridtrain.reports.tables import markdown_table
+from hybridtrain.outputs import markdown_table
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RECIPE = os.path.join("configs", "resnet50_h100.yaml")

@@ -16,7 +16,7 @@ import torch
 
 from hybridtrain.engine.step import classification_loss, compiled_forward
 from hybridtrain.models import create_model
-from hybridtrain.reports.tables import markdown_table
+from hybridtrain.outputs import markdown_table
 
 
 class GradientHooks:

@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from hybridtrain.errors import UserError
+from hybridtrain.outputs import markdown_table
 
 
 @dataclass
@@ -105,14 +106,12 @@ def find_max_batch(cfg_for, start: int, margin: float, granularity: int, steps: 
 
 def format_trials(trials: list[Trial], device_name: str) -> str:
     best = max((t.batch for t in trials if t.fits), default=0)
-    lines = [f"largest per-GPU batch on {device_name}: {best or 'none fits'}", "",
-             "| batch | images/s | reserved MiB | fits |", "| --- | --- | --- | --- |"]
-    for t in trials:
-        rate = f"{t.images_per_sec:.1f}" if t.images_per_sec else "-"
-        peak = f"{t.peak_memory_mb:.0f}" if t.peak_memory_mb else "-"
-        lines.append(f"| {t.batch}{' (largest)' if t.batch == best else ''} | {rate} | {peak} | "
-                     f"{'yes' if t.fits else 'no: ' + t.reason} |")
-    return "\n".join(lines)
+    rows = [[f"{t.batch}{' (largest)' if t.batch == best else ''}",
+             f"{t.images_per_sec:.1f}" if t.images_per_sec else "-",
+             f"{t.peak_memory_mb:.0f}" if t.peak_memory_mb else "-", "yes" if t.fits else "no: " + t.reason]
+            for t in trials]
+    return (f"largest per-GPU batch on {device_name}: {best or 'none fits'}\n\n"
+            + markdown_table(["batch", "images/s", "reserved MiB", "fits"], rows))
 
 
 NEEDS_GPU = ("bench --find-max-batch measures GPU memory and needs a CUDA GPU, and none is visible here (nothing "

@@ -23,6 +23,7 @@ import numpy as np
 
 from hybridtrain.distributed.launcher import launch_command
 from hybridtrain.errors import UserError
+from hybridtrain.outputs import markdown_table
 
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 
@@ -207,22 +208,18 @@ def run_scale(config: str, overrides: list[str], counts: list[int], compressions
 def format_table(rows: list[dict]) -> str:
     def measured(value, scale: float, digits: int) -> str:  # the torch engine's rows have no timeline
         return "-" if value is None else f"{scale * value:.{digits}f}"
-    lines = ["| engine | N | compression | img/s | ideal img/s | efficiency | step ms | all-reduce ms/step | "
-             "MB all-reduced/step |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    lines += [f"| {r.get('engine', 'horovod')} | {r['world_size']} | {r['compression']} | {r['images_per_sec']:.1f} | "
-              f"{r['ideal_images_per_sec']:.1f} | "
-              f"{100 * r['efficiency']:.1f}% | {1000 * r['step_time_s']:.1f} | "
-              f"{measured(r['allreduce_time_per_step_s'], 1000, 1)} | "
-              f"{measured(r['allreduce_bytes_per_step'], 1e-6, 2)} |" for r in rows]
-    return "\n".join(lines)
+    header = ["engine", "N", "compression", "img/s", "ideal img/s", "efficiency", "step ms", "all-reduce ms/step",
+              "MB all-reduced/step"]
+    return markdown_table(header, [[r.get("engine", "horovod"), r["world_size"], r["compression"],
+                                    f"{r['images_per_sec']:.1f}", f"{r['ideal_images_per_sec']:.1f}",
+                                    f"{100 * r['efficiency']:.1f}%", f"{1000 * r['step_time_s']:.1f}",
+                                    measured(r["allreduce_time_per_step_s"], 1000, 1),
+                                    measured(r["allreduce_bytes_per_step"], 1e-6, 2)] for r in rows])
 
 
 def plot_scale(rows: list[dict], path: str) -> str:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    fig = Figure(figsize=(10, 4))
-    FigureCanvasAgg(fig)
+    from hybridtrain.outputs import figure, save_figure
+    fig = figure(10, 4)
     speed_ax, eff_ax = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
     for engine, compression in sorted({(r.get("engine", "horovod"), r["compression"]) for r in rows}):
         mine = [r for r in rows if (r.get("engine", "horovod"), r["compression"]) == (engine, compression)]
@@ -234,8 +231,7 @@ def plot_scale(rows: list[dict], path: str) -> str:
     speed_ax.set(xlabel="ranks", ylabel="images/s", title="throughput")
     eff_ax.set(xlabel="ranks", ylabel="scaling efficiency (%)", title="actual / (N x S1)")
     speed_ax.legend(), eff_ax.legend()
-    fig.savefig(path, dpi=100, bbox_inches="tight")
-    return path
+    return save_figure(fig, path)
 
 
 # one rank of a row: python -m hybridtrain.perf.scaling CONFIG COMPRESSION STEPS WARMUP OUT [SETS]

@@ -38,10 +38,10 @@ from hybridtrain.errors import UserError
 from hybridtrain.models import model_from_config
 from hybridtrain.optim import create_optimizer
 from hybridtrain.optim.schedules import HYBRID_PHASES, hybrid_phase_start
+from hybridtrain.outputs import markdown_table
 from hybridtrain.perf.host_syncs import count_host_syncs
 from hybridtrain.precision.policy import check_hardware, prepare_model, resolve_policy, set_fp32_math
 from hybridtrain.precision.scaler import create_scaler
-from hybridtrain.reports.tables import markdown_table
 
 STEPS_PER_EPOCH = 100  # what the optimizer's schedule assumes; the bench runs inside the first epoch(s)
 

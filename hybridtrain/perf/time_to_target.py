@@ -358,13 +358,12 @@ def plot_time_to_target(rows: Sequence[PlanRow], path: str, title: str,
                         published: Sequence[PublishedRun] = ()) -> str:
     """Minutes to the target against GPUs (log-log), each point labelled with its per-GPU batch; points beyond
     any published global batch hollow; published runs as crosses."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    from hybridtrain.outputs import figure as new_figure
+    from hybridtrain.outputs import save_figure
 
     if not rows:
         raise ValueError("nothing to plot: no rows")
-    figure = Figure(figsize=(6.5, 4.2))
-    FigureCanvasAgg(figure)
+    figure = new_figure(6.5, 4.2)
     axes = figure.add_subplot()
     axes.plot([r.gpus for r in rows], [r.minutes for r in rows], color="C0", label="model")
     for r in rows:
@@ -383,6 +382,5 @@ def plot_time_to_target(rows: Sequence[PlanRow], path: str, title: str,
     axes.grid(True, which="both", alpha=0.3)
     axes.legend()
     figure.tight_layout()
-    figure.savefig(path)
-    return path
+    return save_figure(figure, path)
 

@@ -14,6 +14,7 @@ import subprocess
 from hybridtrain.config import load_config
 from hybridtrain.distributed.launcher import launch_command, resolve_engine, venv_tool
 from hybridtrain.errors import UserError
+from hybridtrain.outputs import figure, markdown_table, save_figure
 from hybridtrain.reports.paper_metrics import convergence_epoch
 from hybridtrain.reports.report import load_run
 
@@ -122,25 +123,20 @@ def summarise_row(name: str, run_dir: str, target: float) -> dict:
 
 
 def write_table(name: str, rows: list[dict], out: str) -> str:
-    lines = [f"| {name} | final top-1 | best top-1 | epochs to top-1 >= {rows[0]['target']} | time (s) | s/epoch | "
-             f"peak MiB/rank | skipped steps | NaN epochs |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for r in rows:
-        reached = r["epochs_to_target"] if r["epochs_to_target"] is not None else "not reached"
-        lines.append(f"| {r['row']} | {r['final_top1']:.4f} | {r['best_top1']:.4f} | {reached} | "
-                     f"{r['train_time_s']:.1f} | {r['epoch_time_s']:.1f} | {r['peak_memory_mb']:.0f} | "
-                     f"{r['skipped_steps']} | {r['nan_epochs']} |")
-    text = "\n".join(lines) + "\n"
+    header = [name, "final top-1", "best top-1", f"epochs to top-1 >= {rows[0]['target']}", "time (s)", "s/epoch",
+              "peak MiB/rank", "skipped steps", "NaN epochs"]
+    text = markdown_table(header, [[r["row"], f"{r['final_top1']:.4f}", f"{r['best_top1']:.4f}",
+                                    r["epochs_to_target"] if r["epochs_to_target"] is not None else "not reached",
+                                    f"{r['train_time_s']:.1f}", f"{r['epoch_time_s']:.1f}",
+                                    f"{r['peak_memory_mb']:.0f}", r["skipped_steps"], r["nan_epochs"]]
+                                   for r in rows]) + "\n"
     with open(os.path.join(out, f"{name}.md"), "w") as fh:
         fh.write(text)
     return text
 
 
 def plot_rows(name: str, rows: list[dict], out: str) -> str:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    fig = Figure(figsize=(10, 4))
-    FigureCanvasAgg(fig)
+    fig = figure(10, 4)
     train_ax, acc_ax = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
     for r in rows:
         epochs = [h["epoch"] for h in r["history"]]
@@ -151,8 +147,7 @@ def plot_rows(name: str, rows: list[dict], out: str) -> str:
     acc_ax.axhline(rows[0]["target"], color="grey", linestyle=":", label="target")
     acc_ax.legend()
     path = os.path.join(out, f"{name}.png")
-    fig.savefig(path, dpi=100, bbox_inches="tight")
-    return path
+    return save_figure(fig, path)
 
 
 def run_experiment(name: str, config: str, overrides: list[str], out: str, ranks: int, target: float) -> list[dict]:

@@ -15,9 +15,9 @@ import os
 
 import yaml
 
-from hybridtrain.data.files import atomic_path
 from hybridtrain.engine.metrics_file import RECORD_FIGURES, read_metrics
 from hybridtrain.errors import UserError
+from hybridtrain.outputs import atomic_path, figure, markdown_table, save_figure
 from hybridtrain.reports import paper_metrics as metrics
 
 HEADLINE_KEYS = ("convergence_epoch", "actual_training_time_s", "actual_avg_single_gpu_time_s", "single_gpu_speed",
@@ -175,15 +175,16 @@ def headline_rows(f: dict) -> list[tuple[str, str]]:
 
 
 def report_markdown(name: str, f: dict, history: list[dict]) -> str:
-    lines = [f"# Report: {name}", "", "| quantity | value |", "| --- | --- |"]
-    lines += [f"| {k} | {v} |" for k, v in headline_rows(f)]
-    lines += ["", "## Per epoch", "", "| epoch | train loss | train top-1 | val top-1 | val top-5 | lr | img/s | "
-              "epoch s | wall s |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    lines += [f"| {r['epoch']} | {r['train_loss']:.4f} | {r.get('train_top1', float('nan')):.4f} | "
-              f"{r['val_top1']:.4f} | {r['val_top5']:.4f} | {r['lr']:.4g} | {r['images_per_sec']:.1f} | "
-              f"{r['epoch_time_s']:.1f} | {r['wall_time_s']:.1f} |" for r in history]
-    lines += ["", "Plots: `accuracy.png` (top-1/top-5 against epoch and wall time), `throughput.png`, `lr.png`."]
-    return "\n".join(lines) + "\n"
+    epochs = markdown_table(["epoch", "train loss", "train top-1", "val top-1", "val top-5", "lr", "img/s", "epoch s",
+                             "wall s"],
+                            [[r["epoch"], f"{r['train_loss']:.4f}", f"{r.get('train_top1', float('nan')):.4f}",
+                              f"{r['val_top1']:.4f}", f"{r['val_top5']:.4f}", f"{r['lr']:.4g}",
+                              f"{r['images_per_sec']:.1f}", f"{r['epoch_time_s']:.1f}", f"{r['wall_time_s']:.1f}"]
+                             for r in history])
+    return "\n".join([f"# Report: {name}", "", markdown_table(["quantity", "value"], headline_rows(f)), "",
+                      "## Per epoch", "", epochs, "",
+                      "Plots: `accuracy.png` (top-1/top-5 against epoch and wall time), `throughput.png`, `lr.png`."]
+                     ) + "\n"
 
 
 def summary_table(figures: dict) -> str:
@@ -198,29 +199,21 @@ def summary_table(figures: dict) -> str:
 def comparison_markdown(names: list[str], reports: list[dict]) -> str:
     """Several runs side by side, one column each, in the layout of Tables 3.8-3.10."""
     rows = [headline_rows(r) for r in reports]
-    lines = ["| quantity | " + " | ".join(names) + " |", "| --- |" + " --- |" * len(names)]
-    for i, (label, _) in enumerate(rows[0]):
-        lines.append(f"| {label} | " + " | ".join(r[i][1] for r in rows) + " |")
-    return "\n".join(lines) + "\n"
+    return markdown_table(["quantity", *names], [[label, *(r[i][1] for r in rows)]
+                                                 for i, (label, _) in enumerate(rows[0])]) + "\n"
 
 
 # ----------------------------------------------------------------------------- plots
 
 def plot_run(history: list[dict], out_dir: str) -> list[str]:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
     epochs = [r["epoch"] for r in history]
     wall = [r["wall_time_s"] / 60 for r in history]
     paths = []
 
     def save(fig, name):
-        FigureCanvasAgg(fig)
-        path = os.path.join(out_dir, name)
-        with atomic_path(path) as tmp:
-            fig.savefig(tmp, dpi=100, bbox_inches="tight")
-        paths.append(path)
+        paths.append(save_figure(fig, os.path.join(out_dir, name)))
 
-    fig = Figure(figsize=(10, 4))
+    fig = figure(10, 4)
     panels = ((fig.add_subplot(1, 2, 1), epochs, "epoch"), (fig.add_subplot(1, 2, 2), wall, "wall time (min)"))
     for ax, x, label in panels:
         ax.plot(x, [r["val_top1"] for r in history], marker="o", label="val top-1")
@@ -230,7 +223,7 @@ def plot_run(history: list[dict], out_dir: str) -> list[str]:
     save(fig, "accuracy.png")
     plots = (("throughput.png", "images_per_sec", "images/s (global)"), ("lr.png", "lr", "learning rate"))
     for name, key, ylabel in plots:
-        fig = Figure(figsize=(5, 3.5))
+        fig = figure(5, 3.5)
         ax = fig.add_subplot(1, 1, 1)
         ax.plot(epochs, [r[key] for r in history], marker="o")
         ax.set(xlabel="epoch", ylabel=ylabel)

@@ -11,8 +11,8 @@ import os
 import numpy as np
 from PIL import Image
 
-from hybridtrain.data.files import finish_partial, start_partial
 from hybridtrain.errors import UserError
+from hybridtrain.outputs import finish_partial, start_partial
 
 MARKER = ".hybridtrain-digits.json"
 SIZE = 32

@@ -10,9 +10,9 @@ import os
 import shutil
 import unicodedata
 
-from hybridtrain.data.files import check_input_dir, check_input_file, finish_partial, start_partial
 from hybridtrain.data.folder import is_image_file
 from hybridtrain.errors import UserError
+from hybridtrain.outputs import check_input_dir, check_input_file, finish_partial, start_partial
 
 CSV_HEADER = "ImageId,PredictionString"
 

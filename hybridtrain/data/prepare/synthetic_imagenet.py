@@ -15,9 +15,9 @@ import os
 import numpy as np
 from PIL import Image, ImageDraw
 
-from hybridtrain.data.files import start_partial
 from hybridtrain.data.prepare.digits import _check_target, _counts, publish
 from hybridtrain.errors import UserError
+from hybridtrain.outputs import start_partial
 
 SHAPES = ("ellipse", "rectangle", "triangle", "diamond")
 SPLITS = ("train", "val")

@@ -203,3 +203,29 @@ def check_image_format(path: str, option: str) -> None:
     if ext not in formats:
         raise UserError(f"{option} {path}: matplotlib cannot write .{ext} files: end the name in .png (or one of "
                         f".{', .'.join(sorted(formats))})")
+
+
+# ----------------------------------------------------------------------------- tables and figures
+
+def markdown_table(header: list[str], rows: list[list]) -> str:
+    """A Markdown table, the one writer of every table the commands print; each cell is ``str()``-ed and a '|'
+    in it is escaped so the columns hold."""
+    def line(cells) -> str:
+        return "| " + " | ".join(str(c).replace("|", "\\|").replace("\n", " ") for c in cells) + " |"
+    return "\n".join([line(header), line(["---"] * len(header))] + [line(r) for r in rows])
+
+
+def figure(width: float, height: float):
+    """A matplotlib Figure drawn off screen (Agg; no display, no pyplot state), for ``save_figure``."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(width, height))
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def save_figure(fig, path: str, dpi: int = 100) -> str:
+    """The PNG, written atomically (the previous file or the new one, never half of one)."""
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=dpi, bbox_inches="tight", format="png")
+    return path
