@@ -102,7 +102,7 @@ def test_scripts_are_executable_and_strict(path):
 
 @pytest.mark.parametrize("cmd", [
     launcher("horovodrun.sh"), launcher("mpirun.sh"), launcher("local.sh"), launcher("slurm.sbatch"),
-    launcher("torchrun.sh"), launcher("slurm-torch.sbatch"),
+    launcher("torchrun.sh"), launcher("slurm-torch.sbatch"), launcher("elastic.sh"),
     [DOCKER / "entrypoint.sh"], [DOCKER / "healthcheck.sh"]], ids=lambda c: Path(c[-1]).name)
 def test_help_prints_usage(cmd):
     proc = run([*cmd, "--help"])
@@ -230,6 +230,37 @@ def test_slurm_torch_dry_run_takes_the_rendezvous_from_the_job(config, tmp_path)
     srun.chmod(0o755)
     proc = run([*launcher("slurm-torch.sbatch"), "--config", config], env={**env, "SLURM_JOB_ID": "5"})
     assert proc.returncode == 0 and proc.stdout.splitlines()[-1] == "rendezvous gpu-a07:29500", proc.stderr
+
+
+def discovery(tmp_path, body: str) -> Path:
+    script = tmp_path / "discover.sh"
+    script.write_text("#!/bin/sh\n" + body)
+    script.chmod(0o755)
+    return script
+
+
+def test_elastic_checks_the_discovery_script_first_and_bounds_the_wait(config, tmp_path):
+    script = discovery(tmp_path, "echo localhost:2\necho node2:1\n")
+    proc = run([*launcher("elastic.sh"), "--discovery-script", script, "-np", "2", "--min-np", "2", "--max-np", "3",
+                "--config", config, "--dry-run", "--", "--resume", "auto"])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == q("horovodrun", "-np", 2, "--min-np", 2, "--max-np", 3, "--host-discovery-script", script,
+                            "--elastic-timeout", 120, "hybridtrain", "train", "--elastic", "--config", config,
+                            "--resume", "auto") + "\n"
+
+
+@pytest.mark.parametrize("body,needle", [
+    ("", "lists 0 usable slot(s) and the job needs --min-np 2"),  # no usable host: one line at once, not 600 s
+    ("echo localhost:1\n", "lists 1 usable slot(s)"),
+    ("echo 'localhost slots=2'\n", "not 'host:slots'"),
+    ("echo broken >&2; exit 3\n", "failed (exit 3: broken)"),
+    ("sleep 30\n", "did not answer within 10 s"),
+])
+def test_elastic_refuses_a_discovery_script_without_usable_hosts_in_one_line(config, tmp_path, body, needle):
+    script = discovery(tmp_path, body)
+    proc = run([*launcher("elastic.sh"), "--discovery-script", script, "-np", "2", "--min-np", "2", "--max-np", "2",
+                "--config", config], timeout=30)
+    assert_one_error(proc, needle)
 
 
 def test_slurm_directives():
