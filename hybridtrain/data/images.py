@@ -28,7 +28,9 @@ class UnsupportedImage(ValueError):
 
 
 def to_rgb(img: Image.Image) -> Image.Image:
-    """``img`` as 8-bit RGB, converted faithfully (see the module's doc), or :class:`UnsupportedImage`."""
+    """``img`` as 8-bit RGB, converted faithfully (see the module's doc), or :class:`UnsupportedImage`. The
+    pixels are decoded here, so a truncated or corrupt file fails here, whatever its mode."""
+    img.load()
     mode = img.mode
     if mode == "RGB" and "transparency" not in img.info:
         return img
