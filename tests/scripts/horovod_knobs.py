@@ -13,6 +13,7 @@ import torch
 
 from hybridtrain.config import load_config
 from hybridtrain.distributed import collectives as distributed
+from hybridtrain.distributed.horovod import import_horovod
 
 ROUNDS, TENSORS = 8, 6
 
@@ -20,7 +21,7 @@ ROUNDS, TENSORS = 8, 6
 def main(out: str, sets: list[str]) -> None:
     cfg = load_config(None, sets)
     topo = distributed.init(1, cfg.horovod)
-    hvd = distributed.import_horovod()
+    hvd = import_horovod()
     seconds = []
     for r in range(ROUNDS):
         start = time.perf_counter()
