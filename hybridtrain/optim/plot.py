@@ -1,7 +1,7 @@
 """``hybridtrain plot-schedule``: B_l, B_u and the learning rate over a run, as a PNG to check before launching."""
 from __future__ import annotations
 
-from hybridtrain.optim.factory import hybrid_schedule
+from hybridtrain.optim.schedules import hybrid_schedule
 
 
 def schedule_series(cfg, world_size: int, iters_per_epoch: int) -> dict:
