@@ -246,13 +246,13 @@ class LARS(_GroupValidatingOptimizer):
     buf = momentum*buf + d; p <- p - lr*buf. Groups with ``lars=False``: d = g, no weight decay.
     """
 
+    RULES = _lars_rules("mode")
+
     def __init__(self, params, lr=0.1, momentum=0.9, weight_decay=1e-4, trust_coefficient=0.02,
                  eps=1e-8, mode="scale"):
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
                         trust_coefficient=trust_coefficient, eps=eps, mode=mode, lars=True)
         super().__init__(params, defaults)
-
-    RULES = _lars_rules("mode")
 
     def _update(self, params: list, group: dict) -> None:
         _lars_update(self.state, self.scratch, params, group, group["mode"])
@@ -266,13 +266,13 @@ class LinearScalingAdaBound(_GroupValidatingOptimizer):
     `schedules.reference_adabound_bounds` (reference AdaBound baseline).
     """
 
+    RULES = {**_adabound_rules("lr"), "fused": (_require_bool,)}
+
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-4,
                  lower_bound=0.0, upper_bound=math.inf, fused=False):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         lower_bound=lower_bound, upper_bound=upper_bound, fused=fused)
         super().__init__(params, defaults)
-
-    RULES = {**_adabound_rules("lr"), "fused": (_require_bool,)}
 
     def _update(self, params: list, group: dict) -> None:
         _adabound_update(self.state, self.scratch, params, group, group["lr"], "step")
@@ -292,6 +292,9 @@ class HybridOptimizer(_GroupValidatingOptimizer):
     bias-correction count ``adabound_step``). ``state["step"]`` counts all updates of a param.
     """
 
+    RULES = {"phase": (_require_choice, PHASES), "fused": (_require_bool,), **_adabound_rules("alpha"),
+             **_lars_rules("lars_mode")}
+
     def __init__(self, params, lr=0.1, alpha=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-4,
                  momentum=0.9, trust_coefficient=0.02, lars_mode="scale", lower_bound=0.0,
                  upper_bound=math.inf, phase="adabound", fused=False):
@@ -300,9 +303,6 @@ class HybridOptimizer(_GroupValidatingOptimizer):
                         lars_mode=lars_mode, lower_bound=lower_bound, upper_bound=upper_bound,
                         phase=phase, lars=True, fused=fused)
         super().__init__(params, defaults)
-
-    RULES = {"phase": (_require_choice, PHASES), "fused": (_require_bool,), **_adabound_rules("alpha"),
-             **_lars_rules("lars_mode")}
 
     def _enter_phase(self, params, stale):
         """Drop the buffers of the other phase (``stale``), so the new phase starts from zero.
