@@ -139,9 +139,15 @@ class TrainConfig:
                          "saying why not; cpu: the CPU even on a GPU host")
 
 
+# optim.name -> the flags config checks: the keys of optim.factory.OPTIMIZERS and their Spec flags, written here so
+# that config imports no torch (tests/test_optim_math.py checks that they agree)
+OPTIMIZER_FLAGS = {"hybrid": ("fusable", "needs_fp32_state"), "adabound": ("fusable", "needs_fp32_state"),
+                   "goyal": (), "sgd": ()}
+
+
 @dataclass
 class OptimConfig:
-    name: str = choice("hybrid", ["hybrid", "adabound", "goyal", "sgd"],
+    name: str = choice("hybrid", list(OPTIMIZER_FLAGS),
                        "hybrid (AdaBound warmup -> LARS-SGD, the paper), adabound, goyal or sgd (baselines)")
     # The step sizes are bounded far above any that trains (the paper's largest is lr x N = 0.1 x 24) and far below
     # the float range, which lr x ranks x warmup and the bounds' arithmetic would otherwise leave (inf, then NaN).
@@ -590,8 +596,9 @@ def validate(cfg: Config) -> Config:
     if cfg.optim.name == "goyal" and cfg.optim.warmup_epochs >= cfg.train.epochs:
         raise UserError(f"config error: optim.warmup_epochs ({cfg.optim.warmup_epochs}) must be smaller "
                         f"than train.epochs ({cfg.train.epochs})")
-    if cfg.optim.fused and cfg.optim.name not in ("hybrid", "adabound"):
-        raise UserError(f"config error: optim.fused applies to the hybrid and adabound optimizers, and optim.name="
+    if cfg.optim.fused and "fusable" not in OPTIMIZER_FLAGS[cfg.optim.name]:
+        fusable = " and ".join(name for name, flags in OPTIMIZER_FLAGS.items() if "fusable" in flags)
+        raise UserError(f"config error: optim.fused applies to the {fusable} optimizers, and optim.name="
                         f"{cfg.optim.name} runs torch.optim.SGD (already multi-tensor): drop optim.fused")
     validate_precision(cfg)
     validate_data(cfg)
@@ -651,7 +658,7 @@ def validate_precision(cfg: Config) -> None:
                             f"use {', '.join(STAGES)}")
         if dtype not in ("fp32", "fp16", "bf16"):
             raise UserError(f"config error: precision.layers.{stage} must be fp32, fp16 or bf16; got {show(dtype)}")
-    if p.mode == "fp16_pure" and cfg.optim.name in ("hybrid", "adabound"):
+    if p.mode == "fp16_pure" and "needs_fp32_state" in OPTIMIZER_FLAGS[cfg.optim.name]:
         raise UserError(f"config error: precision.mode=fp16_pure keeps optimizer state in FP16, but optim.name="
                         f"{cfg.optim.name} needs FP32 state (AdaBound's squared gradients): use optim.name=goyal "
                         f"or sgd, or precision.mode=mixed")

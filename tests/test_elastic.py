@@ -24,7 +24,7 @@ from hybridtrain.config import config_from_dict
 from hybridtrain.data import sharding
 from hybridtrain.engine.elastic import step_in_epoch
 from hybridtrain.optim import create_schedule
-from hybridtrain.optim.bounds import adabound_bounds, bound_progress
+from hybridtrain.optim.schedules import adabound_bounds, bound_progress
 
 
 def test_a_resize_mid_epoch_neither_repeats_nor_skips_a_sample():

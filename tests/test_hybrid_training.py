@@ -14,7 +14,7 @@ from hybridtrain.config import load_config
 from hybridtrain.errors import UserError
 from hybridtrain.models import create_model
 from hybridtrain.optim import create_optimizer
-from hybridtrain.optim.factory import hybrid_schedule
+from hybridtrain.optim.schedules import hybrid_schedule
 
 HYBRID = {"name": "hybrid", "lr": 0.05, "adabound_epochs": 2, "kappa": 0.9}
 

@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from hybridtrain.optim.bounds import (
+from hybridtrain.optim.kernels import adabound_step_, lars_sgd_step_
+from hybridtrain.optim.optimizers import LARS, HybridOptimizer, LinearScalingAdaBound
+from hybridtrain.optim.schedules import (
     adabound_bounds,
     bound_progress,
     reference_adabound_bounds,
     sgd_decay_lr,
 )
-from hybridtrain.optim.kernels import adabound_step_, lars_sgd_step_
-from hybridtrain.optim.optimizers import LARS, HybridOptimizer, LinearScalingAdaBound
 
 INF = math.inf
 
@@ -431,6 +431,33 @@ def test_fused_is_refused_where_no_fused_kernel_exists():
     from hybridtrain.errors import UserError
     with pytest.raises(UserError, match="optim.fused applies to the hybrid and adabound optimizers"):
         load_config(None, ["optim.name=goyal", "optim.fused=true"])
+
+
+def test_config_knows_the_registrys_names_and_flags():
+    """config (no torch) keeps optim.name's choices and the flags it checks: they are the registry's."""
+    import dataclasses
+
+    from hybridtrain.config import OPTIMIZER_FLAGS, OptimConfig
+    from hybridtrain.optim import OPTIMIZERS
+    choices = {f.name: f for f in dataclasses.fields(OptimConfig)}["name"].metadata["choices"]
+    assert list(choices) == list(OPTIMIZER_FLAGS) == list(OPTIMIZERS)
+    assert OPTIMIZER_FLAGS == {name: tuple(flag for flag in ("fusable", "needs_fp32_state") if getattr(spec, flag))
+                               for name, spec in OPTIMIZERS.items()}
+
+
+def test_hyperparameters_are_checked_when_written():
+    """A bad value is one ValueError line where it is written: by the schedule (apply_schedule) or a state dict."""
+    from hybridtrain.optim import OptimizerBundle
+    weights, others = _model_params()
+    opt = HybridOptimizer(_groups(weights, others), lr=0.2)
+    bundle = OptimizerBundle(opt, lambda step: {"phase": "adabound", "lower_bound": 0.5, "upper_bound": 0.1})
+    with pytest.raises(ValueError, match=r"upper_bound \(0.1\) must be >= lower_bound \(0.5\)"):
+        bundle.apply_schedule(0)
+    assert opt.param_groups[0]["upper_bound"] == INF  # refused before it was written
+    state = opt.state_dict()
+    state["param_groups"][1]["momentum"] = 1.0
+    with pytest.raises(ValueError, match="momentum must be in"):
+        HybridOptimizer(_groups(weights, others), lr=0.2).load_state_dict(state)
 
 
 def _snapshot(params):

@@ -12,6 +12,7 @@ from hybridtrain.distributed import collectives as distributed
 from hybridtrain.engine.step import EagerStep, Precision, classification_loss, train_step
 from hybridtrain.errors import UserError
 from hybridtrain.models.batchnorm import RunningStatsGuard
+from hybridtrain.optim import optimizer_spec
 from hybridtrain.precision.policy import Policy, forward_context
 
 
@@ -60,15 +61,10 @@ def micro_batch_weight(samples: int, batch_size: int, accumulation_steps: int) -
     return samples / (batch_size * accumulation_steps)
 
 
-def fused_switch_epoch(optim_cfg) -> int | None:
-    """The 0-based epoch T where optim.fused compiles the hybrid's SGD + LARS kernel; None without one."""
-    return optim_cfg.adabound_epochs if optim_cfg.fused and optim_cfg.name == "hybrid" else None
-
-
 def compiles_in_epoch(epoch: int, first_epoch_of_process: bool, optim_cfg) -> bool:
     """Whether the epoch's first steps compile or capture: a process's first epoch (torch.compile, CUDA graphs,
-    cuDNN autotuning), and `fused_switch_epoch`."""
-    return first_epoch_of_process or epoch == fused_switch_epoch(optim_cfg)
+    cuDNN autotuning), and the optimizer's `Spec.fused_switch_epoch` (optim.fused compiles the next phase)."""
+    return first_epoch_of_process or epoch == optimizer_spec(optim_cfg).fused_switch_epoch(optim_cfg)
 
 
 def warmup_steps(compiles: bool, updates_per_epoch: int, steps: int = 3) -> int:

@@ -6,11 +6,11 @@ import time
 
 from hybridtrain.config import Config
 from hybridtrain.distributed import collectives as distributed
-from hybridtrain.engine.epoch import fused_switch_epoch
 from hybridtrain.engine.memory import memory_figures
 from hybridtrain.engine.metrics_file import append_metrics
 from hybridtrain.engine.telemetry import device_name, epoch_line, log, write_scalars
 from hybridtrain.engine.trainer import Trainer
+from hybridtrain.optim import optimizer_spec
 
 
 def record_epoch(cfg: Config, t: Trainer, record: dict, history: list, board) -> dict:
@@ -40,7 +40,7 @@ def log_setup(cfg: Config, t: Trainer) -> None:
                                       ("CUDA graphs", cfg.train.cuda_graphs),
                                       ("fused optimizer kernels", cfg.optim.fused)) if on]
     if compiled:
-        switch_epoch = fused_switch_epoch(cfg.optim)
+        switch_epoch = optimizer_spec(cfg.optim).fused_switch_epoch(cfg.optim)
         switch = f" and of epoch {switch_epoch + 1}" if switch_epoch is not None else ""
         log(topo, f"hybridtrain: {', '.join(compiled)}: the first steps of this process{switch} compile or capture "
                   f"(slow, and timed apart as warmup)")

@@ -1,18 +1,21 @@
-"""``create_optimizer``: the optimizer and its per-step schedule, built from the config.
+"""The optimizer registry: ``OPTIMIZERS`` holds one `Spec` per ``optim.name``, and ``create_optimizer`` builds the
+optimizer and its per-step schedule from the config.
 
-The schedule is a pure function ``schedule(step) -> {param-group key: value}`` that the trainer applies
-before every optimizer step, so any recipe plugs in without touching the training loop.
+The schedule is a pure function ``schedule(step) -> {param-group key: value}`` (`optim.schedules`) that the
+trainer applies before every optimizer step, so any recipe plugs in without touching the training loop. The
+engine, config and the bench ask a name's `Spec` what they need to know of it, instead of comparing names.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
+from operator import attrgetter
 from typing import Callable
 
 import torch
 
 from hybridtrain.errors import UserError
-from hybridtrain.optim import bounds, schedules
+from hybridtrain.optim import schedules
 from hybridtrain.optim.optimizers import HybridOptimizer, LinearScalingAdaBound
 
 
@@ -31,6 +34,55 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float, decay_bn_and_b
     return groups
 
 
+def _build_hybrid(groups: list[dict], o, first: dict) -> torch.optim.Optimizer:
+    lars = o.lars != "none"
+    for group in groups:
+        group["lars"] = group["lars"] and lars
+    return HybridOptimizer(groups, lr=first["lr"], alpha=o.alpha, betas=tuple(o.betas), eps=o.eps,
+                           momentum=o.momentum, trust_coefficient=o.trust_coefficient,
+                           lars_mode=o.lars if lars else "scale", fused=o.fused)
+
+
+def _build_adabound(groups: list[dict], o, first: dict) -> torch.optim.Optimizer:
+    return LinearScalingAdaBound(groups, lr=o.alpha, betas=tuple(o.betas), eps=o.eps, fused=o.fused)
+
+
+def _build_sgd(groups: list[dict], o, first: dict) -> torch.optim.Optimizer:
+    return torch.optim.SGD(groups, lr=first["lr"], momentum=o.momentum)
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What an ``optim.name`` is: how it is built and scheduled, and what config, engine and bench ask of it."""
+    build: Callable[[list, object, dict], torch.optim.Optimizer]  # (param groups, cfg.optim, schedule(0))
+    schedule: Callable[..., dict]  # schedules.*_schedule(step, o, world_size, iters_per_epoch, total_epochs)
+    phases: dict = field(default_factory=dict)  # the group "phase" values it goes through -> what each runs
+    phase_switch_epoch: Callable[[object], int | None] = lambda o: None  # cfg.optim -> the 0-based epoch of phase 2
+    fusable: bool = False  # optim.fused: compiled kernels exist for its updates
+    needs_fp32_state: bool = False  # its state cannot be FP16 (precision.mode=fp16_pure refuses it)
+
+    def fused_switch_epoch(self, o) -> int | None:
+        """The 0-based epoch whose first steps compile the fused kernel of the next phase; None without one."""
+        return self.phase_switch_epoch(o) if o.fused else None
+
+
+OPTIMIZERS = {
+    "hybrid": Spec(_build_hybrid, schedules.hybrid_schedule,
+                   phases=dict(zip(schedules.HYBRID_PHASES, ("adabound", "sgd+lars"))),
+                   phase_switch_epoch=attrgetter("adabound_epochs"), fusable=True, needs_fp32_state=True),
+    "adabound": Spec(_build_adabound, schedules.adabound_schedule, fusable=True, needs_fp32_state=True),
+    "goyal": Spec(_build_sgd, schedules.goyal_schedule),
+    "sgd": Spec(_build_sgd, schedules.sgd_schedule),
+}
+
+
+def optimizer_spec(o) -> Spec:
+    """The registry's entry for ``o.name`` (``o``: the config's optim section)."""
+    if o.name not in OPTIMIZERS:
+        raise UserError(f"unknown optim.name '{o.name}': choose {', '.join(OPTIMIZERS)}")
+    return OPTIMIZERS[o.name]
+
+
 @dataclass
 class OptimizerBundle:
     optimizer: torch.optim.Optimizer
@@ -38,67 +90,30 @@ class OptimizerBundle:
     on_phase_change: Callable[[int, dict], None] | None = None
 
     def apply_schedule(self, step: int) -> dict:
+        """Write the schedule's values of ``step`` into every param group; the optimizer checks them first (one
+        ValueError line for a bad one), so its ``step()`` does not."""
         settings = self.schedule(step)
-        previous = self.optimizer.param_groups[0].get("phase")
-        for group in self.optimizer.param_groups:
+        groups = self.optimizer.param_groups
+        validate = getattr(self.optimizer, "validate", None)
+        if validate:
+            validate({**groups[0], **settings}, settings)
+        previous = groups[0].get("phase")
+        for group in groups:
             group.update(settings)
         if self.on_phase_change and "phase" in settings and previous != settings["phase"] and step > 0:
             self.on_phase_change(step, settings)
         return settings
 
 
-def hybrid_schedule(step: int, o, world_size: int, iters_per_epoch: int) -> dict:
-    """AdaBound with the paper's bounds for epochs [0, T), then LARS-SGD at lr*N*kappa^(epoch-T)."""
-    epoch, k = step // iters_per_epoch, step + 1
-    if epoch < o.adabound_epochs:
-        t = bounds.bound_progress(k, iters_per_epoch, o.bound_granularity)
-        lower, upper = bounds.adabound_bounds(t, o.adabound_epochs, o.lr, world_size, o.betas[1])
-        # lr is the SGD phase's starting rate lr*N (logged; the AdaBound step uses alpha and the bounds)
-        return {"phase": "adabound", "lower_bound": lower, "upper_bound": upper,
-                "lr": schedules.linear_scaled_lr(o.lr, world_size)}
-    return {"phase": "sgd", "lr": bounds.sgd_decay_lr(epoch, o.adabound_epochs, o.lr, world_size, o.kappa,
-                                                      o.kappa_origin)}
-
-
-def adabound_schedule(step: int, o, world_size: int) -> dict:
-    """The reference AdaBound bounds around final_lr = lr*N (linear scaling)."""
-    lower, upper = bounds.reference_adabound_bounds(step + 1, schedules.linear_scaled_lr(o.lr, world_size),
-                                                    o.adabound_gamma)
-    return {"lower_bound": lower, "upper_bound": upper}
-
-
 def create_schedule(cfg, world_size: int, iters_per_epoch: int) -> Callable[[int], dict]:
     """The per-step settings for N = ``world_size`` and ``iters_per_epoch`` steps per epoch. Elastic training
     builds it anew when the number of ranks changes."""
-    o = cfg.optim
-    if o.name == "hybrid":
-        return partial(hybrid_schedule, o=o, world_size=world_size, iters_per_epoch=iters_per_epoch)
-    if o.name == "adabound":
-        return partial(adabound_schedule, o=o, world_size=world_size)
-    common = dict(iters_per_epoch=iters_per_epoch, base_lr=o.lr, world_size=world_size,
-                  total_epochs=cfg.train.epochs, milestones=o.milestones, decay_factor=o.decay_factor)
-    if o.name == "goyal":
-        lr_at = partial(schedules.goyal_lr, warmup_epochs=o.warmup_epochs, **common)
-    elif o.name == "sgd":
-        lr_at = partial(schedules.sgd_lr, **common)
-    else:
-        raise UserError(f"unknown optim.name '{o.name}': choose hybrid, adabound, goyal or sgd")
-    return lambda step: {"lr": lr_at(step)}
+    return partial(optimizer_spec(cfg.optim).schedule, o=cfg.optim, world_size=world_size,
+                   iters_per_epoch=iters_per_epoch, total_epochs=cfg.train.epochs)
 
 
 def create_optimizer(model: torch.nn.Module, cfg, world_size: int, iters_per_epoch: int) -> OptimizerBundle:
-    o = cfg.optim
     schedule = create_schedule(cfg, world_size, iters_per_epoch)
-    groups = parameter_groups(model, o.weight_decay, o.decay_bn_and_bias)
-    if o.name == "hybrid":
-        lars = o.lars != "none"
-        for group in groups:
-            group["lars"] = group["lars"] and lars
-        optimizer = HybridOptimizer(groups, lr=o.lr * world_size, alpha=o.alpha, betas=tuple(o.betas), eps=o.eps,
-                                    momentum=o.momentum, trust_coefficient=o.trust_coefficient,
-                                    lars_mode=o.lars if lars else "scale", fused=o.fused)
-    elif o.name == "adabound":
-        optimizer = LinearScalingAdaBound(groups, lr=o.alpha, betas=tuple(o.betas), eps=o.eps, fused=o.fused)
-    else:
-        optimizer = torch.optim.SGD(groups, lr=schedule(0)["lr"], momentum=o.momentum)
+    groups = parameter_groups(model, cfg.optim.weight_decay, cfg.optim.decay_bn_and_bias)
+    optimizer = optimizer_spec(cfg.optim).build(groups, cfg.optim, schedule(0))
     return OptimizerBundle(optimizer, schedule)

@@ -3,8 +3,9 @@
 Horovod's ``DistributedOptimizer`` rebuilds an optimizer as ``cls(optimizer.param_groups)``, so
 every constructor argument besides ``params`` has a default and every hyperparameter lives in
 the param groups (which also makes ``state_dict()`` carry all of it). Group hyperparameters are
-plain Python values; the trainer may change them between steps (lr, bounds, phase) and they
-are re-validated at every ``step()``.
+plain Python values; the trainer may change them between steps (lr, bounds, phase). Each optimizer checks
+them when they are written (``add_param_group``, ``load_state_dict``, and ``validate``, which
+``OptimizerBundle.apply_schedule`` calls), so ``step()`` does not.
 
 Per-group keys shared by LARS and HybridOptimizer: ``lars`` (bool, default True). Pass BN and
 bias parameters in a second group with ``lars=False`` (and ``weight_decay=0``): in the SGD/LARS
@@ -33,9 +34,10 @@ from hybridtrain.optim.schedules import HYBRID_PHASES as PHASES
 
 RUN_CHOICE_KEYS = ("fused",)  # group keys that say how this run updates, kept from the run, not the checkpoint
 _ADABOUND_STATE_KEYS = ("exp_avg", "exp_avg_sq", "adabound_step")
+_STALE_KEYS = {"adabound": ("momentum_buffer",), "sgd": _ADABOUND_STATE_KEYS}  # a phase -> the other one's buffers
 
 
-# ---------------------------------------------------------------- group validation
+# ---------------------------------------------------------------- group validation: each check is (group, key, ...)
 
 def _require_at_least(group, key, minimum):
     value = group[key]
@@ -65,8 +67,8 @@ def _require_bool(group, key):
         raise ValueError(f"{key} must be True or False, got {group[key]!r}")
 
 
-def _require_betas(group):
-    betas = group["betas"]
+def _require_betas(group, key):
+    betas = group[key]
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ValueError(f"betas must be a pair (beta1, beta2) with each in [0, 1), got {betas!r}")
     for name, beta in zip(("betas[0]", "betas[1]"), betas):
@@ -74,31 +76,26 @@ def _require_betas(group):
             raise ValueError(f"{name} must be in [0, 1), got {beta!r}")
 
 
-def _require_bounds(group):
-    _require_at_least(group, "lower_bound", 0.0)
-    upper = group["upper_bound"]
+def _require_upper_bound(group, key):
+    upper = group[key]
     if isinstance(upper, bool) or not isinstance(upper, (int, float)) or math.isnan(upper):
-        raise ValueError(f"upper_bound must be a number (inf allowed), got {upper!r}")
+        raise ValueError(f"{key} must be a number (inf allowed), got {upper!r}")
     if upper < group["lower_bound"]:
-        raise ValueError(f"upper_bound ({upper!r}) must be >= lower_bound ({group['lower_bound']!r})")
+        raise ValueError(f"{key} ({upper!r}) must be >= lower_bound ({group['lower_bound']!r})")
 
 
-def _validate_adabound_keys(group, alpha_key):
-    _require_at_least(group, alpha_key, 0.0)
-    _require_betas(group)
-    _require_at_least(group, "eps", 0.0)
-    _require_at_least(group, "weight_decay", 0.0)
-    _require_bounds(group)
+def _adabound_rules(alpha_key):
+    """The AdaBound update's keys -> (check, its arguments), in the order they are checked."""
+    return {alpha_key: (_require_at_least, 0.0), "betas": (_require_betas,), "eps": (_require_at_least, 0.0),
+            "weight_decay": (_require_at_least, 0.0), "lower_bound": (_require_at_least, 0.0),
+            "upper_bound": (_require_upper_bound,)}
 
 
-def _validate_lars_keys(group, mode_key):
-    _require_at_least(group, "lr", 0.0)
-    _require_in_unit_interval(group, "momentum")
-    _require_at_least(group, "weight_decay", 0.0)
-    _require_positive(group, "trust_coefficient")
-    _require_at_least(group, "eps", 0.0)
-    _require_choice(group, mode_key, LARS_MODES)
-    _require_bool(group, "lars")
+def _lars_rules(mode_key):
+    """The LARS-SGD update's keys -> (check, its arguments)."""
+    return {"lr": (_require_at_least, 0.0), "momentum": (_require_in_unit_interval,),
+            "weight_decay": (_require_at_least, 0.0), "trust_coefficient": (_require_positive,),
+            "eps": (_require_at_least, 0.0), mode_key: (_require_choice, LARS_MODES), "lars": (_require_bool,)}
 
 
 # ---------------------------------------------------------------- shared step helpers
@@ -192,18 +189,25 @@ def _lars_update(opt_state, buffers, params, group, mode):
 
 
 class _GroupValidatingOptimizer(Optimizer):
-    """Validates each param group (defaults merged in) when added and again at every step."""
+    """Validates each param group (defaults merged in) when it is added or loaded, and the values that
+    ``OptimizerBundle.apply_schedule`` writes (``validate``); ``step()`` trusts them."""
+
+    RULES: dict = {}  # group key -> (check, its arguments), in the order they are checked
 
     @property
     def scratch(self) -> dict:
         """Reusable per-param buffers for the foreach kernels (not state: never saved or loaded)."""
         return self.__dict__.setdefault("_scratch", {})
 
-    def _validate_group(self, group):
-        """Each optimizer below checks its own keys; the base accepts the group as it is."""
+    def validate(self, group: dict, keys=None) -> None:
+        """One ValueError line for the first bad value of ``keys`` in ``group`` (default: every key in RULES)."""
+        for key in self.RULES if keys is None else keys:
+            rule = self.RULES.get(key)
+            if rule:
+                rule[0](group, key, *rule[1:])
 
     def add_param_group(self, param_group):
-        self._validate_group({**self.defaults, **param_group})
+        self.validate({**self.defaults, **param_group})
         super().add_param_group(param_group)
 
     def load_state_dict(self, state_dict):
@@ -214,6 +218,7 @@ class _GroupValidatingOptimizer(Optimizer):
         super().load_state_dict(state_dict)
         for group, choices in zip(self.param_groups, kept):
             group.update(choices)
+            self.validate({**self.defaults, **group})
 
     def _run_closure(self, closure):
         if closure is None:
@@ -226,7 +231,6 @@ class _GroupValidatingOptimizer(Optimizer):
         """Each group's ``_update`` (defined by each optimizer below) of its parameters that have a gradient."""
         loss = self._run_closure(closure)
         for group in self.param_groups:
-            self._validate_group(group)
             params = _params_with_grad(group)
             if params:
                 self._update(params, group)
@@ -242,14 +246,13 @@ class LARS(_GroupValidatingOptimizer):
     buf = momentum*buf + d; p <- p - lr*buf. Groups with ``lars=False``: d = g, no weight decay.
     """
 
+    RULES = _lars_rules("mode")
+
     def __init__(self, params, lr=0.1, momentum=0.9, weight_decay=1e-4, trust_coefficient=0.02,
                  eps=1e-8, mode="scale"):
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
                         trust_coefficient=trust_coefficient, eps=eps, mode=mode, lars=True)
         super().__init__(params, defaults)
-
-    def _validate_group(self, group):
-        _validate_lars_keys(group, "mode")
 
     def _update(self, params: list, group: dict) -> None:
         _lars_update(self.state, self.scratch, params, group, group["mode"])
@@ -259,19 +262,17 @@ class LinearScalingAdaBound(_GroupValidatingOptimizer):
     """AdaBound (Luo et al. 2019) with externally scheduled bounds.
 
     ``lr`` is AdaBound's alpha. ``lower_bound``/``upper_bound`` are group keys the trainer sets
-    before each step: from `bounds.adabound_bounds` (linear-scaling AdaBound, seed 001) or from
-    `bounds.reference_adabound_bounds` (reference AdaBound baseline).
+    before each step: from `schedules.adabound_bounds` (linear-scaling AdaBound, seed 001) or from
+    `schedules.reference_adabound_bounds` (reference AdaBound baseline).
     """
+
+    RULES = {**_adabound_rules("lr"), "fused": (_require_bool,)}
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-4,
                  lower_bound=0.0, upper_bound=math.inf, fused=False):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         lower_bound=lower_bound, upper_bound=upper_bound, fused=fused)
         super().__init__(params, defaults)
-
-    def _validate_group(self, group):
-        _validate_adabound_keys(group, "lr")
-        _require_bool(group, "fused")
 
     def _update(self, params: list, group: dict) -> None:
         _adabound_update(self.state, self.scratch, params, group, group["lr"], "step")
@@ -291,6 +292,9 @@ class HybridOptimizer(_GroupValidatingOptimizer):
     bias-correction count ``adabound_step``). ``state["step"]`` counts all updates of a param.
     """
 
+    RULES = {"phase": (_require_choice, PHASES), "fused": (_require_bool,), **_adabound_rules("alpha"),
+             **_lars_rules("lars_mode")}
+
     def __init__(self, params, lr=0.1, alpha=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-4,
                  momentum=0.9, trust_coefficient=0.02, lars_mode="scale", lower_bound=0.0,
                  upper_bound=math.inf, phase="adabound", fused=False):
@@ -300,19 +304,12 @@ class HybridOptimizer(_GroupValidatingOptimizer):
                         phase=phase, lars=True, fused=fused)
         super().__init__(params, defaults)
 
-    def _validate_group(self, group):
-        _require_choice(group, "phase", PHASES)
-        _require_bool(group, "fused")
-        _validate_adabound_keys(group, "alpha")
-        _validate_lars_keys(group, "lars_mode")
-
-    def _enter_phase(self, params, phase):
-        """Drop the buffers of the other phase, so the new phase starts from zero.
+    def _enter_phase(self, params, stale):
+        """Drop the buffers of the other phase (``stale``), so the new phase starts from zero.
 
         A group's params change phase together, so one look at the first param tells whether this
         step is a switch; the per-param sweep runs only then, not on every step.
         """
-        stale = ("momentum_buffer",) if phase == "adabound" else _ADABOUND_STATE_KEYS
         if not any(key in self.state[params[0]] for key in stale):
             return
         for p in params:
@@ -321,7 +318,10 @@ class HybridOptimizer(_GroupValidatingOptimizer):
                 state.pop(key, None)
 
     def _update(self, params: list, group: dict) -> None:
-        self._enter_phase(params, group["phase"])
+        stale = _STALE_KEYS.get(group["phase"])
+        if stale is None:  # a phase written into the group past `validate`: the same one line
+            _require_choice(group, "phase", PHASES)
+        self._enter_phase(params, stale)
         if group["phase"] == "adabound":
             _adabound_update(self.state, self.scratch, params, group, group["alpha"], "adabound_step")
         else:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from hybridtrain.errors import UserError
-from hybridtrain.optim.factory import hybrid_schedule
+from hybridtrain.optim.schedules import hybrid_schedule
 
 # The figure is 800 pixels wide, so a line shows at most a few thousand points; each point costs a schedule
 # evaluation and a few hundred bytes, so train.epochs x --iters-per-epoch (both accepted up to 10^4) could

@@ -1,13 +1,44 @@
-"""Learning-rate schedules as pure functions of (step, epoch).
+"""Learning-rate schedules and bounds as pure functions of (step, epoch) (seed 001, section 2.2.1).
 
-``step`` is the 0-based global optimizer step, ``iters_per_epoch`` converts it to fractional epochs.
-lr is the single-GPU learning rate and N the number of ranks (linear scaling, Goyal et al. 2017).
+Pure Python (no torch): the trainer evaluates them before every optimizer step and writes the results into the
+optimizer's param groups as plain floats. ``step`` is the 0-based global optimizer step unless a function says
+1-based (k); ``iters_per_epoch`` converts it to fractional epochs. lr is the single-GPU learning rate and N the
+number of ranks: `linear_scaled_lr` is the one place lr*N is computed (linear scaling, Goyal et al. 2017).
+
+Each optimizer's schedule, ``*_schedule(step, o, world_size, iters_per_epoch, total_epochs)`` with ``o`` the
+config's ``optim`` section, returns ``{param-group key: value}`` for that step (`optim.factory.OPTIMIZERS` names
+the one of each optimizer).
 """
 from __future__ import annotations
 
 import bisect
 
 HYBRID_PHASES = ("adabound", "sgd")  # the hybrid optimizer's: AdaBound for T epochs, then SGD + LARS
+GRANULARITIES = ("iteration", "epoch")
+DECAY_ORIGINS = ("switch", "zero")
+
+
+# ---------------------------------------------------------------- argument checks
+
+def _require_positive(name, value):
+    if not value > 0:
+        raise ValueError(f"{name} must be > 0, got {value!r}")
+
+
+def _require_world_size(world_size):
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+
+
+def _require_beta2(beta2):
+    if not 0.0 <= beta2 < 1.0:
+        raise ValueError(f"beta2 must be in [0, 1), got {beta2!r}")
+
+
+# ---------------------------------------------------------------- learning rates and bounds
+
+def linear_scaled_lr(base_lr: float, world_size: int) -> float:
+    return base_lr * world_size  # lr x N (linear scaling rule)
 
 
 def hybrid_phase_start(phase: str, adabound_epochs: int, iters_per_epoch: int) -> int:
@@ -17,8 +48,78 @@ def hybrid_phase_start(phase: str, adabound_epochs: int, iters_per_epoch: int) -
     return 0 if phase == "adabound" else adabound_epochs * iters_per_epoch  # SGD from epoch T
 
 
-def linear_scaled_lr(base_lr: float, world_size: int) -> float:
-    return base_lr * world_size  # lr x N (linear scaling rule)
+def adabound_bounds(t, T, base_lr, world_size, beta2):
+    """(B_l, B_u) of linear-scaling AdaBound at progress t (in epochs, t > 0) of a T-epoch warmup.
+
+    B_u falls from +inf (t -> 0+) to lr*N at t = T; B_l rises from 0 to lr*N. For t >= T both
+    are lr*N (t is clamped to T).
+    """
+    _require_positive("T", T)
+    _require_positive("t", t)
+    _require_positive("base_lr", base_lr)
+    _require_world_size(world_size)
+    _require_beta2(beta2)
+    t = min(t, T)
+    scaled_lr = linear_scaled_lr(base_lr, world_size)
+    # B_u = lr*N + 1/((1-b2) t) - 1/((1-b2) T), written as (T - t)/((1-b2) t T) so B_u = lr*N exactly at t = T
+    upper = scaled_lr + (T - t) / ((1.0 - beta2) * t * T)
+    lower = (t / T) * scaled_lr  # B_l = (t/T) * lr * N
+    return lower, upper
+
+
+def bound_progress(step, iters_per_epoch, granularity):
+    """Progress t (in epochs) fed to `adabound_bounds` for the 1-based global step k.
+
+    "iteration": t = k / iters_per_epoch (bounds move every step);
+    "epoch": t = floor((k - 1) / iters_per_epoch) + 1 (constant within an epoch, first epoch is 1).
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ValueError(f"step must be an integer >= 1 (1-based global step), got {step!r}")
+    if isinstance(iters_per_epoch, bool) or not isinstance(iters_per_epoch, int) or iters_per_epoch < 1:
+        raise ValueError(f"iters_per_epoch must be an integer >= 1, got {iters_per_epoch!r}")
+    if granularity == "iteration":
+        return step / iters_per_epoch  # t = k / I
+    if granularity == "epoch":
+        return (step - 1) // iters_per_epoch + 1  # t = floor((k-1)/I) + 1
+    raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+
+
+def reference_adabound_bounds(step, final_lr, gamma):
+    """(lower, upper) bounds of the reference AdaBound (Luo et al. 2019) at 1-based step k."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ValueError(f"step must be an integer >= 1, got {step!r}")
+    _require_positive("final_lr", final_lr)
+    _require_positive("gamma", gamma)
+    lower = final_lr * (1.0 - 1.0 / (gamma * step + 1.0))  # final_lr * (1 - 1/(gamma*k + 1))
+    upper = final_lr * (1.0 + 1.0 / (gamma * step))  # final_lr * (1 + 1/(gamma*k))
+    return lower, upper
+
+
+def sgd_decay_lr(epoch, T, base_lr, world_size, kappa, origin="switch"):
+    """SGD-phase learning rate for the 0-based epoch e (paper: alpha_t = lr * N * kappa^epoch).
+
+    origin "switch": lr*N*kappa^(e - T), so the first SGD epoch (e = T) starts at lr*N;
+    only defined for e >= T. origin "zero": lr*N*kappa^e (the paper's formula read literally).
+    """
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+        raise ValueError(f"epoch must be an integer >= 0 (0-based), got {epoch!r}")
+    if isinstance(T, bool) or not isinstance(T, int) or T < 0:
+        raise ValueError(f"T must be an integer >= 0 (number of AdaBound warmup epochs), got {T!r}")
+    _require_positive("base_lr", base_lr)
+    _require_world_size(world_size)
+    if not 0.0 < kappa <= 1.0:
+        raise ValueError(f"kappa must be in (0, 1], got {kappa!r}")
+    scaled_lr = linear_scaled_lr(base_lr, world_size)
+    if origin == "switch":
+        if epoch < T:
+            raise ValueError(
+                f"epoch {epoch} is inside the AdaBound warmup (epochs 0..{T - 1}); "
+                "origin 'switch' is defined only for epoch >= T"
+            )
+        return scaled_lr * kappa ** (epoch - T)  # lr * N * kappa^(e - T)
+    if origin == "zero":
+        return scaled_lr * kappa**epoch  # lr * N * kappa^e
+    raise ValueError(f"origin must be one of {DECAY_ORIGINS}, got {origin!r}")
 
 
 def step_decay_factor(epoch: int, total_epochs: int, milestones, decay_factor: float) -> float:
@@ -42,3 +143,35 @@ def sgd_lr(step: int, iters_per_epoch: int, base_lr: float, world_size: int, tot
     """Plain linear-scaling SGD: lr*N from the first step, the same step decay, no warmup."""
     epoch = step // iters_per_epoch
     return linear_scaled_lr(base_lr, world_size) * step_decay_factor(epoch, total_epochs, milestones, decay_factor)
+
+
+# ---------------------------------------------------------------- each optimizer's schedule
+
+def hybrid_schedule(step: int, o, world_size: int, iters_per_epoch: int, total_epochs: int | None = None) -> dict:
+    """AdaBound with the paper's bounds for epochs [0, T), then LARS-SGD at lr*N*kappa^(epoch-T)."""
+    epoch, k = step // iters_per_epoch, step + 1
+    if epoch < o.adabound_epochs:
+        t = bound_progress(k, iters_per_epoch, o.bound_granularity)
+        lower, upper = adabound_bounds(t, o.adabound_epochs, o.lr, world_size, o.betas[1])
+        # lr is the SGD phase's starting rate lr*N (logged; the AdaBound step uses alpha and the bounds)
+        return {"phase": "adabound", "lower_bound": lower, "upper_bound": upper,
+                "lr": linear_scaled_lr(o.lr, world_size)}
+    return {"phase": "sgd", "lr": sgd_decay_lr(epoch, o.adabound_epochs, o.lr, world_size, o.kappa, o.kappa_origin)}
+
+
+def adabound_schedule(step: int, o, world_size: int, iters_per_epoch: int | None = None,
+                      total_epochs: int | None = None) -> dict:
+    """The reference AdaBound bounds around final_lr = lr*N (linear scaling)."""
+    lower, upper = reference_adabound_bounds(step + 1, linear_scaled_lr(o.lr, world_size), o.adabound_gamma)
+    return {"lower_bound": lower, "upper_bound": upper}
+
+
+def goyal_schedule(step: int, o, world_size: int, iters_per_epoch: int, total_epochs: int) -> dict:
+    """`goyal_lr`: warmup to lr*N, then step decay."""
+    return {"lr": goyal_lr(step, iters_per_epoch, o.lr, world_size, o.warmup_epochs, total_epochs, o.milestones,
+                           o.decay_factor)}
+
+
+def sgd_schedule(step: int, o, world_size: int, iters_per_epoch: int, total_epochs: int) -> dict:
+    """`sgd_lr`: lr*N with step decay."""
+    return {"lr": sgd_lr(step, iters_per_epoch, o.lr, world_size, total_epochs, o.milestones, o.decay_factor)}

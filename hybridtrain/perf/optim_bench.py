@@ -17,10 +17,10 @@ import torch
 
 from hybridtrain.config import load_config
 from hybridtrain.models import model_from_config
-from hybridtrain.optim import create_optimizer
+from hybridtrain.optim import create_optimizer, optimizer_spec
 from hybridtrain.optim.schedules import hybrid_phase_start
 from hybridtrain.outputs import markdown_table
-from hybridtrain.perf.step_bench import bench_device, synthetic_classes, timed_steps
+from hybridtrain.perf.step_bench import bench_device, optimizer_label, synthetic_classes, timed_steps
 
 ITERS_PER_EPOCH = 100  # the schedule's epoch length: the AdaBound rows run at steps 0.., the LARS rows after T
 
@@ -51,7 +51,7 @@ def bench_optimizer(config: str | None, overrides: list[str], steps: int, warmup
     reference = torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay,
                                 foreach=True)
     rows = [row("sgd-foreach", timed_steps(reference.step, steps, warmup, device, "sgd-foreach"), parameters)]
-    variants = [(phase, name, cfg) for phase, name in (("adabound", "hybrid/adabound"), ("sgd", "hybrid/sgd+lars"))]
+    variants = [(phase, optimizer_label(cfg, phase), cfg) for phase in optimizer_spec(cfg.optim).phases]
     if fused:
         fused_cfg = load_config(config, list(overrides) + ["optim.name=hybrid", "optim.fused=true"])
         variants += [(phase, f"{name} fused", fused_cfg) for phase, name, _ in variants]

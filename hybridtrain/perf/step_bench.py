@@ -36,7 +36,7 @@ from hybridtrain.engine.memory import memory_figures, reset_peak_memory
 from hybridtrain.engine.step import Precision, build_train_step, check_speedups
 from hybridtrain.errors import UserError
 from hybridtrain.models import model_from_config
-from hybridtrain.optim import create_optimizer
+from hybridtrain.optim import create_optimizer, optimizer_spec
 from hybridtrain.optim.schedules import HYBRID_PHASES, hybrid_phase_start
 from hybridtrain.outputs import markdown_table
 from hybridtrain.perf.host_syncs import count_host_syncs
@@ -50,14 +50,16 @@ def check_phase(cfg, phase: str) -> None:
     """--phase sgd needs the hybrid optimizer (the others have one phase)."""
     if phase not in HYBRID_PHASES:
         raise UserError(f"--phase must be one of {', '.join(HYBRID_PHASES)}, got {phase!r}")
-    if phase == "sgd" and cfg.optim.name != "hybrid":
+    if phase != HYBRID_PHASES[0] and phase not in optimizer_spec(cfg.optim).phases:
         raise UserError(f"--phase sgd times the hybrid optimizer's second phase, and optim.name={cfg.optim.name} has "
                         f"one phase: drop --phase, or --set optim.name=hybrid")
 
 
 def optimizer_label(cfg, phase: str | None) -> str:
-    """The optimizer's name, with the phase its param groups were in after the timed steps (hybrid only)."""
-    return {"adabound": "hybrid/adabound", "sgd": "hybrid/sgd+lars"}.get(phase, cfg.optim.name)
+    """The optimizer's name, with what the phase its param groups were in after the timed steps runs (an optimizer
+    with phases: hybrid/sgd+lars)."""
+    phases = optimizer_spec(cfg.optim).phases
+    return f"{cfg.optim.name}/{phases[phase]}" if phase in phases else cfg.optim.name
 
 
 def phase_in_use(bundle) -> str | None:
