@@ -127,7 +127,7 @@ def test_every_train_row_is_a_valid_config_of_the_h100_recipe(tmp_path):
 def records(*rates, reserved=True):
     keys = {"peak_memory_reserved_mb": 900.0} if reserved else {}
     return [{"epoch": i + 1, "images_per_sec": rate, "train_time_s": 2.0, "train_loss": 6.9, "world_size": 1,
-             "peak_memory_mb": 700.0 + i, **keys} for i, rate in enumerate(rates)]
+             "val_top1": 0.001, "peak_memory_mb": 700.0 + i, **keys} for i, rate in enumerate(rates)]
 
 
 def test_steady_rate_leaves_out_the_first_epoch_and_absent_memory_keys_are_none():
@@ -146,6 +146,9 @@ def test_a_train_row_is_judged_from_its_metrics_file(tmp_path):
     with open(os.path.join(row.output, "metrics.jsonl"), "w") as fh:
         fh.write(json.dumps(records(50.0)[0]) + "\n")
     assert gc.read_train(row) == "1 of 2 epochs in metrics.jsonl"
+    with open(os.path.join(row.output, "metrics.jsonl"), "w") as fh:
+        fh.write('{"epoch": 1}\n' + json.dumps(records(50.0)[0]) + "\n")  # a damaged line, not the last
+    assert gc.read_train(row).startswith("unreadable metrics.jsonl (") and "line 1" in gc.read_train(row)
     for name in ("checkpoint-epoch0002.pt", "checkpoint-epoch0002.pt.sha256", "final_model.pt"):
         open(os.path.join(row.output, name), "w").close()
     gc.drop_weights(row.output)  # hundreds of MiB per ResNet-50 row; the figures stay
@@ -219,7 +222,7 @@ def test_a_training_row_starts_from_an_empty_run_directory_and_fails_without_met
     row = gc.Row("stale", "train", [sys.executable, "-c", "pass"], 30, output=str(run_dir))
     gc.run_row(row, str(tmp_path), time.monotonic() + 60, dict(os.environ), lambda line: None)
     assert not run_dir.exists()
-    assert row.status == gc.FAIL and row.detail == "no metrics.jsonl (FileNotFoundError)"
+    assert row.status == gc.FAIL and row.detail == "no metrics.jsonl"
 
 
 # ----------------------------------------------------------------------------- the node checks, first

@@ -86,19 +86,48 @@ def test_building_the_parser_imports_no_torch():
     assert out.stdout.strip() == "[]", out.stdout
 
 
-LOWER = ("hybridtrain.engine", "hybridtrain.models", "hybridtrain.optim", "hybridtrain.precision", "hybridtrain.data",
-         "hybridtrain.distributed")
-UPPER = ("hybridtrain.perf", "hybridtrain.reports", "hybridtrain.cli", "hybridtrain.data.prepare")
+# The README's chain, top floor first: a module imports its own folder and the floors below it, never a floor
+# above nor a sibling folder on its own floor.
+FLOORS = (("hybridtrain", "hybridtrain.__main__", "hybridtrain.cli"), ("hybridtrain.perf",),
+          ("hybridtrain.reports", "hybridtrain.data.prepare"), ("hybridtrain.engine",),
+          ("hybridtrain.data", "hybridtrain.models", "hybridtrain.optim", "hybridtrain.precision"),
+          ("hybridtrain.distributed",), ("hybridtrain.config", "hybridtrain.outputs"), ("hybridtrain.errors",))
 
 
-def test_imports_go_down_only():
-    """cli -> perf, reports, data.prepare -> engine -> data, models, optim, precision -> distributed -> config, errors:
-    the training code never imports a tool, a report or the command line."""
-    def within(module, prefixes):
-        return any(module == p or module.startswith(p + ".") for p in prefixes)
-    upward = [(m, i) for m, imports in import_graph().items() for i in imports
-              if within(m, LOWER) and not within(m, ("hybridtrain.data.prepare",)) and within(i, UPPER)]
-    assert upward == []
+def home(module: str) -> tuple[int, str]:
+    """(floor, folder) of a module: the longest prefix in FLOORS that holds it."""
+    found = [(len(p), i, p) for i, floor in enumerate(FLOORS) for p in floor
+             if module == p or module.startswith(p + ".")]
+    _, floor, folder = max(found)
+    return floor, folder
+
+
+def wrong_way(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    wrong = []
+    for module, imports in graph.items():
+        floor, folder = home(module)
+        for imported in imports:
+            their_floor, their_folder = home(imported)
+            if their_floor < floor or (their_floor == floor and their_folder != folder and floor > 0):
+                wrong.append((module, imported))
+    return sorted(wrong)
+
+
+def test_imports_go_down_the_readme_chain_floor_by_floor():
+    """cli -> perf -> reports, data.prepare -> engine -> data, models, optim, precision -> distributed -> config,
+    outputs -> errors: the training code never imports a tool, a report or the command line, and the folders of
+    one floor stay apart."""
+    graph = import_graph()
+    assert {home(m)[1] for m in graph} == {p for floor in FLOORS for p in floor}  # every folder has its floor
+    assert wrong_way(graph) == []
+
+
+def test_the_chain_check_finds_an_upward_and_a_sideways_import():
+    graph = {"hybridtrain.engine.loop": {"hybridtrain.perf.step_bench", "hybridtrain.engine.epoch"},
+             "hybridtrain.optim.factory": {"hybridtrain.precision.scaler", "hybridtrain.errors"},
+             "hybridtrain.perf.scaling": {"hybridtrain.reports.report", "hybridtrain.engine.loop"}}
+    assert wrong_way(graph) == [("hybridtrain.engine.loop", "hybridtrain.perf.step_bench"),
+                                ("hybridtrain.optim.factory", "hybridtrain.precision.scaler")]
 
 
 def test_the_top_level_holds_six_modules():

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import HYBRIDTRAIN, REPO, assert_one_error_line, env_with_venv, horovodrun, run, tiny_config, venv_without
+from conftest import HYBRIDTRAIN, REPO, assert_one_error_line, env_with_venv, horovodrun, run, tiny_config
 
 ROBUSTNESS_DOC = os.path.join(REPO, "docs", "robustness.md")
 AREAS = {"config", "data", "checkpoint", "command line", "environment"}
@@ -25,14 +25,6 @@ def run_with_env(cmd: list[str], **extra_env: str) -> subprocess.CompletedProces
 def mpirun(np_: int, *args: str) -> list[str]:
     root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
     return ["mpirun", *root, "--oversubscribe", "-np", str(np_), *args]
-
-
-def test_missing_horovod_build_is_one_line(small_digits, tmp_path, write_config):
-    python = venv_without(tmp_path / "venv", ["horovod", "horovod-*"])
-    assert subprocess.run([python, "-c", "import horovod"], capture_output=True).returncode != 0
-    cfg = write_config(tiny_config(small_digits, str(tmp_path / "run")))
-    proc = run([python, "-m", "hybridtrain.cli", "train", "--config", cfg])
-    assert_one_error_line(proc, "Horovod is not usable", "No module named 'horovod'", "./install.sh")
 
 
 def test_unknown_horovod_controller_is_one_line(small_digits, tmp_path, write_config):

@@ -32,7 +32,7 @@ from hybridtrain.data.loaders import create_loaders
 from hybridtrain.distributed import collectives as distributed
 from hybridtrain.distributed import horovod
 from hybridtrain.engine import checkpoint
-from hybridtrain.engine.epoch import EpochProgress
+from hybridtrain.engine.epoch import EpochPosition, EpochProgress
 from hybridtrain.engine.loop import end_epoch, finish, run_epoch
 from hybridtrain.engine.metrics_file import truncate_metrics
 from hybridtrain.engine.records import log_setup
@@ -265,9 +265,9 @@ def train_elastic(state: ElasticState, cfg: Config, resume: str | None) -> dict 
     while state.position.epoch < cfg.train.epochs:
         pos, b, epoch_start = state.position, cfg.train.batch_size, time.perf_counter()
         committer = Committer(state, cfg.elastic.commit_steps, b, run_start)
-        result = run_epoch(cfg, t, pos.epoch, first_epoch_of_process, committer.after_step,
-                           resume=segment_base(pos, t.topo), start=pos.consumed,
-                           first_step=step_in_epoch(pos.consumed, t.topo.size, b, t.k))
+        segment = EpochPosition(pos.epoch, resume=segment_base(pos, t.topo), start=pos.consumed,
+                                first_step=step_in_epoch(pos.consumed, t.topo.size, b, t.k))
+        result = run_epoch(cfg, t, segment, first_epoch_of_process, committer.after_step)
         first_epoch_of_process = False
         def save(record, pos=pos):
             truncate_metrics(metrics_path, pos.epoch)  # a rolled-back epoch end may have written it already

@@ -4,16 +4,20 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from hybridtrain.data.loaders import to_device
 from hybridtrain.distributed import collectives as distributed
-from hybridtrain.engine.step import EagerStep, Precision, classification_loss, train_step
+from hybridtrain.engine.step import classification_loss, train_step
 from hybridtrain.errors import UserError
 from hybridtrain.models.batchnorm import RunningStatsGuard
 from hybridtrain.optim import optimizer_spec
 from hybridtrain.precision.policy import Policy, forward_context
+
+if TYPE_CHECKING:
+    from hybridtrain.engine.trainer import Trainer
 
 
 @dataclass
@@ -37,6 +41,23 @@ class EpochResult:
     stopped: EpochProgress | None = None  # set when a preemption stopped the epoch after a step
     warmup_time_s: float = 0.0  # of train_time_s: the first steps of a process (compile, cuDNN autotuning)
     warmup_samples: int = 0  # of samples_seen: those trained in warmup_time_s (over all ranks)
+
+
+@dataclass
+class EpochPosition:
+    """Where an epoch's training begins: at its start, or where a stopped run or an elastic segment left it."""
+    epoch: int
+    resume: EpochProgress | None = None  # a stopped epoch's progress: its batches are drawn again and skipped
+    start: int = 0  # elastic: samples of the epoch's permutation consumed before this segment
+    first_step: int = 0  # elastic: the optimizer step of the epoch this segment begins at
+
+
+@dataclass
+class EpochHooks:
+    """What the loop around an epoch sees of it."""
+    progress: object = None  # .update(loss_sum, seen, passes) after every pass (telemetry.ProgressBar)
+    stop_after_step: Callable | None = None  # (snapshot) -> bool, asked after every step on every rank
+    warmup: int = 0  # the first steps timed apart (warmup_steps)
 
 
 @dataclass
@@ -73,33 +94,33 @@ def warmup_steps(compiles: bool, updates_per_epoch: int, steps: int = 3) -> int:
     return steps if compiles and updates_per_epoch >= 2 * steps else 0
 
 
-def train_one_epoch(model, bundle, precision: Precision, loader, epoch: int, updates_per_epoch: int,
-                    batch_size: int, accumulation_steps: int = 1, progress=None, resume: EpochProgress | None = None,
-                    stop_after_step=None, step=None, start: int = 0, first_step: int = 0,
-                    warmup: int = 0) -> EpochResult:
-    """``updates_per_epoch`` optimizer steps of ``accumulation_steps`` passes each; one all-reduce per step
-    (Horovod's backward_passes_per_step). Left-over batches that cannot fill a step are not trained on.
-    Each step is ``step.train_step``; ``step``: how its forward and backward run (``step.build_step``: eager,
-    compiled, or replayed from a CUDA graph); default ``model`` eagerly.
+def train_one_epoch(t: Trainer, position: EpochPosition, hooks: EpochHooks) -> EpochResult:
+    """``t.updates`` optimizer steps of ``t.k`` passes each; one all-reduce per step (Horovod's
+    backward_passes_per_step). Left-over batches that cannot fill a step are not trained on. Each step is
+    ``step.train_step`` run by ``t.step`` (eager, compiled, or replayed from a CUDA graph).
 
-    ``resume`` continues a stopped epoch: the batches it had done are drawn again and skipped, so the data
-    and the augmentation continue exactly. ``stop_after_step(snapshot)`` is asked after every step, on every
-    rank; ``snapshot()`` gives this rank's EpochProgress (a host sync, so call it only when needed).
+    ``position.resume`` continues a stopped epoch: the batches it had done are drawn again and skipped, so the
+    data and the augmentation continue exactly. ``hooks.stop_after_step(snapshot)`` is asked after every step,
+    on every rank; ``snapshot()`` gives this rank's EpochProgress (a host sync, so call it only when needed).
 
-    Elastic training runs an epoch in segments: ``start`` samples of the epoch's permutation were consumed
-    before this one, which begins at optimizer step ``first_step`` of the epoch (see ``elastic.py``).
+    Elastic training runs an epoch in segments: ``position.start`` samples of the epoch's permutation were
+    consumed before this one, which begins at optimizer step ``position.first_step`` of the epoch (elastic.py).
 
-    ``warmup``: the first ``warmup`` steps run here are timed apart (warmup_time_s, warmup_samples), so that
-    steady speeds and S1 leave out compilation and autotuning; one device sync marks their end.
+    ``hooks.warmup``: the first steps run here are timed apart (warmup_time_s, warmup_samples), so that steady
+    speeds and S1 leave out compilation and autotuning; one device sync marks their end.
     """
+    model, bundle, precision, loader = t.model, t.bundle, t.precision, t.data.train
+    epoch, first_step, resume = position.epoch, position.first_step, position.resume
+    progress, stop_after_step, warmup = hooks.progress, hooks.stop_after_step, hooks.warmup
+    updates_per_epoch, batch_size, accumulation_steps = t.updates, t.batch_size, t.k
     model.train()
-    loader.batch_sampler.set_epoch(epoch, start)
+    loader.batch_sampler.set_epoch(epoch, position.start)
     device = next(model.parameters()).device
     done = resume or EpochProgress()
     loss_sum, correct, seen = (torch.tensor(v, dtype=torch.float64, device=device)
                                for v in (done.loss_sum, done.correct, done.seen))
     skipped_before = precision.scaler.skipped_steps - done.skipped_steps
-    step = step or EagerStep(model)
+    step = t.step
     k, dtype = accumulation_steps, precision.policy.input_dtype
     steps = min(updates_per_epoch - first_step, len(loader) // k)
     total_passes = steps * k

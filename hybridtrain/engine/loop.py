@@ -12,7 +12,15 @@ from hybridtrain.config import Config, save_config
 from hybridtrain.distributed import collectives as distributed
 from hybridtrain.distributed import failures
 from hybridtrain.engine import checkpoint, rundir
-from hybridtrain.engine.epoch import EpochProgress, compiles_in_epoch, evaluate, train_one_epoch, warmup_steps
+from hybridtrain.engine.epoch import (
+    EpochHooks,
+    EpochPosition,
+    EpochProgress,
+    compiles_in_epoch,
+    evaluate,
+    train_one_epoch,
+    warmup_steps,
+)
 from hybridtrain.engine.memory import reset_peak_memory
 from hybridtrain.engine.metrics_file import truncate_metrics
 from hybridtrain.engine.preemption import PreemptionWatch
@@ -121,18 +129,14 @@ def train_epochs(cfg: Config, t: Trainer, watch: PreemptionWatch, resume: str | 
         watchdog.close()
 
 
-def run_epoch(cfg: Config, t: Trainer, epoch: int, first_of_process: bool, after_step, resume=None,
-              start: int = 0, first_step: int = 0):
+def run_epoch(cfg: Config, t: Trainer, position: EpochPosition, first_of_process: bool, after_step):
     """One epoch's training, as the static and the elastic loop both run it: the progress bar, the peak-memory
-    reset, the batches (``train_one_epoch``: ``resume``, ``start``, ``first_step`` and ``after_step`` as there),
-    with the compiling epoch's first steps timed apart as warmup."""
-    bar = ProgressBar(t.updates * t.k, epoch, cfg.train.epochs, t.topo.size) \
+    reset, the batches (``train_one_epoch``), with the compiling epoch's first steps timed apart as warmup."""
+    bar = ProgressBar(t.updates * t.k, position.epoch, cfg.train.epochs, t.topo.size) \
         if t.topo.is_root and cfg.train.progress else None
     reset_peak_memory(t.topo.device)
-    result = train_one_epoch(t.model, t.bundle, t.precision, t.data.train, epoch, t.updates, cfg.train.batch_size,
-                             t.k, bar, resume=resume, stop_after_step=after_step, step=t.step, start=start,
-                             first_step=first_step,
-                             warmup=warmup_steps(compiles_in_epoch(epoch, first_of_process, cfg.optim), t.updates))
+    warmup = warmup_steps(compiles_in_epoch(position.epoch, first_of_process, cfg.optim), t.updates)
+    result = train_one_epoch(t, position, EpochHooks(bar, after_step, warmup))
     if bar:
         bar.close()
     return result
@@ -149,8 +153,8 @@ def train_epoch_range(cfg: Config, t: Trainer, watch: PreemptionWatch, watchdog:
         return watch.after_step(snapshot)
     for epoch in range(start_epoch, cfg.train.epochs):
         epoch_start = time.perf_counter()
-        result = run_epoch(cfg, t, epoch, epoch == start_epoch, after_step,
-                           resume=progress if epoch == start_epoch else None)
+        position = EpochPosition(epoch, resume=progress if epoch == start_epoch else None)
+        result = run_epoch(cfg, t, position, epoch == start_epoch, after_step)
         if result.stopped:
             watch.close()
             save_stopped_epoch(cfg, t, epoch, result.stopped, time.perf_counter() - run_start)

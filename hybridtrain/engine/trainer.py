@@ -36,6 +36,7 @@ class Trainer:
     bundle: object
     updates: int  # optimizer steps per epoch
     k: int  # accumulation steps
+    batch_size: int  # per rank and pass (train.batch_size)
     step: object  # forward and backward, eager, compiled or graphed (step.build_step)
     compression: str = "none"  # the gradient all-reduce's wire, resolved from horovod.compression
     fp32_math: str = "ieee"  # FP32 convolutions and matmuls: ieee or tf32
@@ -72,7 +73,7 @@ def build_trainer(cfg: Config, topo) -> Trainer:
     step = build_step(model, cfg, precision, wrap=lambda m: distributed.wrap_model(m, cfg, compression))
     # Wrap first: Horovod rebuilds the optimizer from its param_groups, so state loaded before would be lost.
     bundle.optimizer = distributed.wrap_optimizer(bundle.optimizer, model, cfg, k, compression)
-    t = Trainer(topo, data, model, precision, bundle, updates, k, step, compression, fp32_math)
+    t = Trainer(topo, data, model, precision, bundle, updates, k, cfg.train.batch_size, step, compression, fp32_math)
     bundle.on_phase_change = lambda step, s: log(t.topo, f"hybridtrain: switching to {s['phase']} at step {step} "
                                                          f"(epoch {step // t.updates + 1}), lr {s['lr']:.4g}")
     return t

@@ -438,10 +438,13 @@ def train_figures(records: list[dict]) -> dict:
 
 
 def read_train(row: Row) -> str:
+    path = os.path.join(row.output, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return "no metrics.jsonl"
     try:
-        records = read_metrics(os.path.join(row.output, "metrics.jsonl"))
-    except (OSError, ValueError) as exc:
-        return f"no metrics.jsonl ({exc.__class__.__name__})"
+        records = read_metrics(path)
+    except (OSError, UserError) as exc:
+        return f"unreadable metrics.jsonl ({str(exc)[:120]})"
     for key, value in train_figures(records).items():
         setattr(row, key, value)
     if len(records) < EPOCHS:
