@@ -89,7 +89,8 @@ def test_uint8_batches_normalised_on_the_device_equal_the_float_transform(channe
     ToTensor + Normalize give, in the configured layout, in FP32 or cast to FP16."""
     from PIL import Image
 
-    from hybridtrain.data.presets import device_images, val_transform
+    from hybridtrain.data.loaders import device_images
+    from hybridtrain.data.presets import val_transform
     cfg = config_from_dict({"data": {"path": small_digits, "crop_size": 32, "val_resize": 32,
                                      "channels_last": channels_last, "in_process": True}, "train": {"batch_size": 8}})
     data = create_loaders(cfg, Topology(0, 1, 0, 1))

@@ -1,5 +1,5 @@
 """``create_loaders``: the one place where ``data.backend`` becomes this rank's training and validation loaders,
-and ``to_device``: the one place where a batch reaches the model's device.
+and ``to_device``: the one place where a batch reaches the model's device (uint8 pixels normalised there).
 
 Every backend meets :class:`Loader`: it yields ``(images, labels, indices)`` batches (or an ``UnreadableImage``),
 has ``len()`` = batches per epoch (equal on every rank) and ``batch_sampler.set_epoch(epoch, start)``. The
@@ -8,6 +8,7 @@ torchvision and DALI backends cover the same images: the class folders, or the c
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Iterator, Protocol
@@ -17,7 +18,7 @@ import torch
 from hybridtrain.data import dali, sharding
 from hybridtrain.data.check import CLEAN_LIST_HINT, read_filelist
 from hybridtrain.data.folder import ImageList, UnreadableImage, scan_dataset
-from hybridtrain.data.presets import device_images
+from hybridtrain.data.presets import IMAGENET_MEAN, IMAGENET_STD
 from hybridtrain.data.synthetic import SyntheticLoader
 from hybridtrain.distributed.topology import cores_per_rank
 from hybridtrain.errors import UserError
@@ -66,6 +67,25 @@ def close_loader(loader) -> None:
     if iterator is not None and hasattr(iterator, "_shutdown_workers"):
         iterator._shutdown_workers()
         loader._iterator = None
+
+
+def device_images(images: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A batch on ``device`` in the model's input dtype, its layout kept. uint8 batches (this backend's) cross
+    to the device as pixels, a quarter of the float bytes, in the layout they have (the dtype does not change on
+    the copy, so nothing is transposed on the host), and are normalised there with the same operations, in the
+    same order, as ToTensor and Normalize: x / 255, then (x - mean) / std, in FP32."""
+    images = images.to(device, non_blocking=True)
+    if images.dtype == torch.uint8:
+        mean, std = normalisation(device)
+        images = images.float().div_(255).sub_(mean).div_(std)
+    return images.to(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def normalisation(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """ImageNet's mean and std as (3, 1, 1) FP32 tensors on ``device``, made once (not one copy per batch)."""
+    return tuple(torch.tensor(v, dtype=torch.float32, device=device).view(3, 1, 1) for v in (IMAGENET_MEAN,
+                                                                                              IMAGENET_STD))
 
 
 def to_device(batch, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -95,47 +95,31 @@ def warmup_steps(compiles: bool, updates_per_epoch: int, steps: int = 3) -> int:
 
 
 def train_one_epoch(t: Trainer, position: EpochPosition, hooks: EpochHooks) -> EpochResult:
-    """``t.updates`` optimizer steps of ``t.k`` passes each; one all-reduce per step (Horovod's
-    backward_passes_per_step). Left-over batches that cannot fill a step are not trained on. Each step is
-    ``step.train_step`` run by ``t.step`` (eager, compiled, or replayed from a CUDA graph).
-
-    ``position.resume`` continues a stopped epoch: the batches it had done are drawn again and skipped, so the
-    data and the augmentation continue exactly. ``hooks.stop_after_step(snapshot)`` is asked after every step,
-    on every rank; ``snapshot()`` gives this rank's EpochProgress (a host sync, so call it only when needed).
-
-    Elastic training runs an epoch in segments: ``position.start`` samples of the epoch's permutation were
-    consumed before this one, which begins at optimizer step ``position.first_step`` of the epoch (elastic.py).
-
-    ``hooks.warmup``: the first steps run here are timed apart (warmup_time_s, warmup_samples), so that steady
-    speeds and S1 leave out compilation and autotuning; one device sync marks their end.
-    """
-    model, bundle, precision, loader = t.model, t.bundle, t.precision, t.data.train
-    epoch, first_step, resume = position.epoch, position.first_step, position.resume
-    progress, stop_after_step, warmup = hooks.progress, hooks.stop_after_step, hooks.warmup
-    updates_per_epoch, batch_size, accumulation_steps = t.updates, t.batch_size, t.k
+    """``t.updates`` optimizer steps of ``t.k`` passes each, from ``position`` (EpochPosition says how a stopped
+    epoch or an elastic segment continues exactly); one all-reduce per step. Left-over batches that cannot fill a
+    step are not trained on. Each step is ``step.train_step`` run by ``t.step`` (eager, compiled or graphed).
+    ``hooks.stop_after_step(snapshot)``: ``snapshot()`` is this rank's EpochProgress (a host sync)."""
+    model, precision, k = t.model, t.precision, t.k
     model.train()
-    loader.batch_sampler.set_epoch(epoch, position.start)
+    t.data.train.batch_sampler.set_epoch(position.epoch, position.start)
     device = next(model.parameters()).device
-    done = resume or EpochProgress()
+    done = position.resume or EpochProgress()
     loss_sum, correct, seen = (torch.tensor(v, dtype=torch.float64, device=device)
                                for v in (done.loss_sum, done.correct, done.seen))
     skipped_before = precision.scaler.skipped_steps - done.skipped_steps
-    step = t.step
-    k, dtype = accumulation_steps, precision.policy.input_dtype
-    steps = min(updates_per_epoch - first_step, len(loader) // k)
-    total_passes = steps * k
+    steps = min(t.updates - position.first_step, len(t.data.train) // k)
     bn_guard = RunningStatsGuard(model)
     began = time.perf_counter() - done.train_time_s
-    warmup_end = done.passes // k + warmup if warmup else -1
+    warmup_end = done.passes // k + hooks.warmup if hooks.warmup else -1  # steps timed apart: compile, autotune
     warmup_time, warmup_seen = 0.0, torch.zeros((), dtype=torch.float64, device=device)
-    batches = itertools.islice(loader, total_passes)  # no batch is drawn beyond the last pass
+    batches = itertools.islice(t.data.train, steps * k)  # no batch is drawn beyond the last pass
     for _ in itertools.islice(batches, done.passes):  # drawn again and skipped: data and augmentation continue
         pass
 
     def micro_batches():
         for batch in itertools.islice(batches, k):
-            images, labels = to_device(batch, device, dtype)
-            yield images, labels, micro_batch_weight(labels.numel(), batch_size, k)
+            images, labels = to_device(batch, device, precision.policy.input_dtype)
+            yield images, labels, micro_batch_weight(labels.numel(), t.batch_size, k)
 
     def record(loss, logits, labels) -> None:
         nonlocal loss_sum, correct, seen, passes_done
@@ -143,13 +127,13 @@ def train_one_epoch(t: Trainer, position: EpochPosition, hooks: EpochHooks) -> E
         correct += topk_correct(logits, labels, ks=(1,))[0]
         seen += labels.numel()
         passes_done += 1
-        if progress is not None:
-            progress.update(loss_sum, seen, passes_done)
+        if hooks.progress is not None:
+            hooks.progress.update(loss_sum, seen, passes_done)
 
     passes_done = done.passes
     for i in range(done.passes // k, steps):
-        bundle.apply_schedule(epoch * updates_per_epoch + first_step + i)
-        train_step(step, bundle.optimizer, precision, micro_batches(), on_pass=record, bn_guard=bn_guard)
+        t.bundle.apply_schedule(position.epoch * t.updates + position.first_step + i)
+        train_step(t.step, t.bundle.optimizer, precision, micro_batches(), on_pass=record, bn_guard=bn_guard)
         if i + 1 == warmup_end:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -158,12 +142,12 @@ def train_one_epoch(t: Trainer, position: EpochPosition, hooks: EpochHooks) -> E
         def snapshot(passes_at_step=passes_done):
             return EpochProgress(passes_at_step, float(loss_sum), float(correct), float(seen),
                                  time.perf_counter() - began, precision.scaler.skipped_steps - skipped_before)
-        if i + 1 < steps and stop_after_step is not None and stop_after_step(snapshot):
+        if i + 1 < steps and hooks.stop_after_step is not None and hooks.stop_after_step(snapshot):
             stopped = snapshot()
             return EpochResult(float("nan"), float("nan"), 0, stopped.train_time_s, stopped.skipped_steps, stopped)
     elapsed = time.perf_counter() - began
     totals = distributed.allreduce_sum(torch.stack([loss_sum, correct, seen, warmup_seen]).cpu(),
-                                       f"train_totals.{epoch}")
+                                       f"train_totals.{position.epoch}")
     return EpochResult(float(totals[0] / totals[2]), float(totals[1] / totals[2]), int(totals[2]), elapsed,
                        precision.scaler.skipped_steps - skipped_before, warmup_time_s=warmup_time,
                        warmup_samples=int(totals[3]))
