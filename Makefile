@@ -24,4 +24,4 @@ demo-torch: install
 
 test: install install-oldest-torch
 	# a full run writes about 13 GB of checkpoints and data under pytest's temp folder: keep only failed tests'
-	python -m pytest tests -q -rs -o tmp_path_retention_policy=failed -o tmp_path_retention_count=1
+	python -m pytest tests -q -rs --durations=25 -o tmp_path_retention_policy=failed -o tmp_path_retention_count=1

@@ -201,6 +201,25 @@ def test_a_killed_torch_rank_ends_the_job_quickly_naming_it(small_digits, tmp_pa
     assert all(rank_pids(cfg, r, "torch") == [] for r in range(2)), "a rank was left behind"
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc to find the ranks")
+def test_a_frozen_torch_rank_is_ended_by_the_stall_limits_with_a_warning_first(small_digits, tmp_path, write_config):
+    """SIGSTOP rank 1 after epoch 1: rank 0's watchdog warns after stall_warning_s and ends the job after
+    stall_shutdown_s in one line; torchrun then takes down the frozen rank (no rank is left behind)."""
+    run_dir = str(tmp_path / "run")
+    cfg = write_config(tiny_config(small_digits, run_dir, train={"epochs": 20, "batch_size": 8},
+                                   distributed={"engine": "torch"},
+                                   horovod={"stall_warning_s": 3, "stall_shutdown_s": 8, "gloo_timeout_s": 300}))
+    proc, output, ended_after = signal_a_rank_after_epoch_one(cfg, run_dir, 2, 1, signal.SIGSTOP, 0.3, "torch")
+    assert proc.returncode != 0 and ended_after < 60, f"the job took {ended_after:.0f} s to end"
+    assert "warning: rank 0: no training step finished" in output, output[-3000:]
+    errors = [x for x in output.splitlines() if "hybridtrain: error:" in x]
+    assert len(errors) == 1 and "horovod.stall_shutdown_s=8" in errors[0] and "--resume auto" in errors[0], errors
+    assert not our_frames(output), output[-3000:]
+    time.sleep(1)
+    assert all(rank_pids(cfg, r, "torch") == [] for r in range(2)), "a rank was left behind"
+
+
 # ----------------------------------------------------------------------------- refusals, one line each
 
 def test_horovod_under_torchrun_is_refused_in_one_line(small_digits, tmp_path, write_config):
