@@ -20,7 +20,7 @@ from hybridtrain.config import load_config
 from hybridtrain.data.sharding import MIN_RANDOM_SHARE, random_split_sizes, train_batches
 from hybridtrain.engine.epoch import micro_batch_weight
 from hybridtrain.models import create_model
-from hybridtrain.models.batchnorm import CrossRankBatchNorm, batch_norms, configure_batch_norm
+from hybridtrain.models.batchnorm import CrossRankBatchNorm, RunningStatsGuard, batch_norms, configure_batch_norm
 
 
 def run_script(name: str, *args: str, ranks: int = 2) -> subprocess.CompletedProcess:
@@ -225,3 +225,21 @@ def test_bad_strategy_settings_are_one_line(override, needle, tmp_path):
 def test_more_accumulation_steps_than_batches_is_one_line(small_digits, tmp_path, write_config):
     cfg = write_config(tiny_config(small_digits, str(tmp_path / "run"), train={"accumulation_steps": 20}))
     assert_one_error_line(run([HYBRIDTRAIN, "train", "--config", cfg]), "train.accumulation_steps=20")
+
+
+def test_a_skipped_step_puts_back_the_running_statistics_and_the_batch_counters():
+    """RunningStatsGuard: the passes of a skipped step (or a CUDA graph's warm-up passes, gpu-path-2 #16) leave
+    every BN's running mean, variance and num_batches_tracked as they were."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
+                                torch.nn.Conv2d(4, 4, 1), torch.nn.BatchNorm2d(4)).train()
+    model(torch.randn(2, 3, 8, 8))
+    before = {k: v.clone() for k, v in model.state_dict().items() if "running" in k or "num_batches" in k}
+    guard = RunningStatsGuard(model)
+    guard.save()
+    for _ in range(3):
+        model(torch.randn(2, 3, 8, 8) * 5)
+    assert model[1].num_batches_tracked.item() == 4 and not torch.equal(model[1].running_mean, before["1.running_mean"])
+    guard.restore()
+    after = {k: v for k, v in model.state_dict().items() if k in before}
+    assert all(torch.equal(after[k], before[k]) for k in before) and after["4.num_batches_tracked"].item() == 1

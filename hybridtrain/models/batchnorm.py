@@ -66,16 +66,19 @@ class RunningStatsGuard:
     a NaN must not poison them (with a moving average it would never wash out)."""
 
     def __init__(self, model: nn.Module):
-        self.buffers = running_buffers(model)
-        self.saved = [buf.clone() for buf in self.buffers]
+        counters = [bn.num_batches_tracked for bn in batch_norms(model) if bn.num_batches_tracked is not None]
+        # one list per dtype for the foreach copies: the statistics, and the int64 batch counters (a CUDA graph's
+        # warm-up passes must not leave them ahead of eager's, gpu-path-2 #16)
+        self.groups = [group for group in (running_buffers(model), counters) if group]
+        self.saved = [[buf.clone() for buf in group] for group in self.groups]
 
     def save(self) -> None:
-        if self.buffers:
-            torch._foreach_copy_(self.saved, self.buffers)
+        for saved, group in zip(self.saved, self.groups):
+            torch._foreach_copy_(saved, group)
 
     def restore(self) -> None:
-        if self.buffers:
-            torch._foreach_copy_(self.buffers, self.saved)
+        for saved, group in zip(self.saved, self.groups):
+            torch._foreach_copy_(group, saved)
 
 
 # ----------------------------------------------------------------------------- averaging over ranks
