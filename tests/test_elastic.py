@@ -67,6 +67,7 @@ def test_the_schedule_follows_the_current_rank_count():
     ({"HOROVOD_ELASTIC": "1"}, ["--set", "bn.per_rank_batch=random"], "set bn.per_rank_batch=fixed"),
     ({"HOROVOD_ELASTIC": "1"}, ["--set", "horovod.fusion_threshold_mb=64", "--set", "horovod.cycle_time_ms=2"],
      "keep one of them at its default"),
+    ({"HOROVOD_ELASTIC": "1"}, ["--set", "train.cuda_graphs=true"], "set train.cuda_graphs=false"),
 ])
 def test_what_elastic_cannot_do_is_one_line(small_digits, tmp_path, write_config, launcher_env, override, needle):
     cfg = write_config(tiny_config(small_digits, str(tmp_path / "run"), data=WITH_WORKERS))  # other backends too

@@ -211,3 +211,17 @@ def test_a_bug_in_one_rank_is_one_line_naming_it_with_the_traceback_in_a_log(tmp
     log = tmp_path / "logs" / "rank-1-error.log"
     assert str(log) in lines[0] and "Traceback" in log.read_text() and "ZeroDivisionError" in log.read_text()
     assert "Traceback" not in rank_output(output)
+
+
+def test_cuda_graphs_with_a_compressed_wire_on_several_horovod_ranks_is_one_line():
+    """gpu-path-2 #4: Horovod's hooks (registered at 2+ ranks) decompress FP16 gradients into new tensors set as
+    p.grad, which a replayed graph never writes again; refused. One rank (no hooks) and no compression stay."""
+    with pytest.raises(UserError, match=r"cuda_graphs with fp16 gradient compression on 2 Horovod ranks.*"
+                                        r"horovod.compression=none, or train.cuda_graphs=false"):
+        horovod.check_graphs_and_compression(True, "fp16", 2)
+    for graphs, compression, size in [(True, "fp16", 1), (True, "none", 8), (False, "fp16", 8)]:
+        horovod.check_graphs_and_compression(graphs, compression, size)
+    for recipe in sorted(os.listdir(os.path.join(REPO, "configs"))):  # no recipe asks for the refused pair
+        cfg = load_config(os.path.join(REPO, "configs", recipe))
+        wire = gradient_compression(cfg.horovod.compression, cfg.precision)
+        assert not (cfg.train.cuda_graphs and wire != "none"), recipe

@@ -218,12 +218,22 @@ def wrap_model(model: torch.nn.Module, cfg, compression: str = "none") -> torch.
     return model
 
 
+def check_graphs_and_compression(cuda_graphs: bool, compression: str, size: int) -> None:
+    """gpu-path-2 #4: on 2+ ranks Horovod's hooks decompress each FP16 gradient into a new tensor and set it as
+    p.grad, so a CUDA graph, which writes the gradients it captured, would train on stale ones from step 2 on."""
+    if cuda_graphs and compression != "none" and size > 1:
+        raise UserError(f"train.cuda_graphs with {compression} gradient compression on {size} Horovod ranks would "
+                        f"train on stale gradients (Horovod replaces the gradient tensors the graph writes): set "
+                        f"horovod.compression=none, or train.cuda_graphs=false (train.compile works with both)")
+
+
 def wrap_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module, cfg, backward_passes_per_step: int = 1,
                    compression: str = "none"):
     """Horovod's averaging all-reduce with ``compression`` (resolved: precision.gradient_compression) and the
     configured pre-divide factor; gradients of ``backward_passes_per_step`` passes accumulate locally before one
     all-reduce. The scaler calls its ``synchronize()`` before the unscale and steps under ``skip_synchronize()``."""
     hvd = import_horovod()
+    check_graphs_and_compression(cfg.train.cuda_graphs, compression, hvd.size())
     return hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                     compression=COMPRESSORS[compression], op=hvd.Average,
                                     gradient_predivide_factor=cfg.horovod.gradient_predivide_factor,
