@@ -77,7 +77,16 @@ def test_timeline_parsing_takes_the_union_of_fused_allreduces(tmp_path):
 
 
 def test_scale_refuses_more_ranks_than_slots():
-    assert_one_error_line(run([HYBRIDTRAIN, "scale", "--np", str(os.cpu_count() + 1)]), "slots")
+    assert_one_error_line(run([HYBRIDTRAIN, "scale", "--np", str(os.cpu_count() + 1)]), "slots", "one core per rank")
+
+
+def test_ranks_on_gpus_count_gpus_not_cores():
+    """gpu-path-2 #18: on a 1-GPU node, --np 2 would start and then fail with the shared-GPU line."""
+    from hybridtrain.perf.scaling import available_slots
+    cores = available_slots("cpu", 8)
+    assert cores[1] == "core" and cores[0] >= 1
+    assert available_slots("cuda", 1) == (1, "GPU") and available_slots("auto", 4) == (4, "GPU")
+    assert available_slots("auto", 0) == cores and available_slots("cpu", 4) == cores
 
 
 def test_predict_prints_the_table_checks_the_paper_and_plots(tmp_path):

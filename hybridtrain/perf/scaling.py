@@ -138,8 +138,17 @@ def parse_compressions(text: str) -> list[str]:
     return names
 
 
-def available_slots() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+def available_slots(device: str = "cpu", gpus: int = 0) -> tuple[int, str]:
+    """(ranks this node holds, what each needs): one GPU per rank when the ranks train on GPUs (train.device cuda,
+    or auto where a GPU is visible; gpu-path-2 #18), else one core per rank."""
+    if device == "cuda" or (device == "auto" and gpus > 0):
+        return gpus, "GPU"
+    return (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1), "core"
+
+
+def visible_gpus() -> int:
+    import torch
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def launch(config: str, overrides: list[str], n: int, compression: str, steps: int, warmup: int, out: str,
@@ -179,13 +188,15 @@ def run_scale(config: str, overrides: list[str], counts: list[int], compressions
               warmup: int, out: str, oversubscribe: bool = False,
               engines: tuple[str, ...] = ("horovod",)) -> list[dict]:
     for compression in compressions:  # a bad recipe, or one the synthetic step cannot honour, fails before any launch
-        measured_config(config, overrides, compression)
+        cfg = measured_config(config, overrides, compression)
     if steps < 1 or warmup < 0:
         raise UserError("--steps must be >= 1 and --warmup >= 0")
-    if counts[-1] > available_slots() and not oversubscribe:
-        raise UserError(f"--np {counts[-1]} needs {counts[-1]} slots (one core per rank) but this machine has "
-                        f"{available_slots()}: use --np up to {available_slots()} (or --oversubscribe, which "
-                        f"shares cores and so measures contention, not scaling)")
+    slots, unit = available_slots(cfg.train.device, visible_gpus())
+    if counts[-1] > slots and not (oversubscribe and unit == "core"):
+        share = (" (or --oversubscribe, which shares cores and so measures contention, not scaling)"
+                 if unit == "core" else " (two ranks cannot share a GPU)")
+        raise UserError(f"--np {counts[-1]} needs {counts[-1]} slots (one {unit} per rank) but this machine has "
+                        f"{slots}: use --np up to {slots}{share}")
     if 1 not in counts:
         counts = [1] + counts  # efficiency is measured against the 1-rank row
     os.makedirs(out, exist_ok=True)
@@ -197,7 +208,7 @@ def run_scale(config: str, overrides: list[str], counts: list[int], compressions
             single = single or record["images_per_sec"]
             record["ideal_images_per_sec"] = n * single
             record["efficiency"] = record["images_per_sec"] / (n * single)  # actual / (N * S1)
-            record["oversubscribed"] = n > available_slots()
+            record["oversubscribed"] = n > slots
             rows.append(record)
     with open(os.path.join(out, "scale.json"), "w") as fh:
         json.dump({"config": config, "overrides": overrides, "rows": rows}, fh, indent=1)
