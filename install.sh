@@ -424,7 +424,7 @@ horovod_cache_key() {
   py_v="$(vpy -c 'import sys; print("cp%d%d" % sys.version_info[:2])')"
   cuda=nocuda
   [ -z "$CUDA_DIR" ] || cuda="cuda$(nvcc_release "$CUDA_DIR")${HOROVOD_BUILD_CUDA_CC_LIST:+-cc${HOROVOD_BUILD_CUDA_CC_LIST//,/.}}"
-  echo "horovod-${HOROVOD_VERSION}_torch-${torch_v}_${py_v}_$(mpi_id)_${HOROVOD_GPU_OPERATIONS:-cpuops}_${cuda}_nccl${NCCL_VERSION:-none}_$(compiler_id)_cmake${CMAKE_MAJOR}" | tr -c 'A-Za-z0-9._+\n-' '-'
+  echo "horovod-${HOROVOD_VERSION}p${PATCH_LEVEL}_torch-${torch_v}_${py_v}_$(mpi_id)_${HOROVOD_GPU_OPERATIONS:-cpuops}_${cuda}_nccl${NCCL_VERSION:-none}_$(compiler_id)_cmake${CMAKE_MAJOR}" | tr -c 'A-Za-z0-9._+\n-' '-'
 }
 
 # The smallest fix for Horovod 0.28.1 with PyTorch >= 2.1 (upstream horovod#3996, #3941): build as C++17.
@@ -460,7 +460,28 @@ patch_gcc13() {
   done
 }
 
-patch_horovod_source() { patch_cxx17 "$1"; patch_gcc13 "$1"; }
+# Python 3.12 dropped distutils from the standard library, and Horovod 0.28.1 uses it twice: its torch CMake step
+# asks distutils.sysconfig for the Python headers, and horovodrun imports horovod/runner/js_run.py, which takes
+# find_executable from distutils.spawn. Both work only where setuptools' distutils shim is active; the standard
+# library's sysconfig and shutil.which do the same on every Python.
+patch_distutils() {
+  local src="$1" cmake="$1/horovod/torch/CMakeLists.txt" js="$1/horovod/runner/js_run.py"
+  if [ ! -f "$cmake" ] || [ ! -f "$js" ]; then
+    fail "unexpected Horovod source: no horovod/torch/CMakeLists.txt or horovod/runner/js_run.py in $src"
+  fi
+  if grep -q 'from distutils.sysconfig import get_python_inc; print(get_python_inc())' "$cmake"; then
+    sed -i "s/from distutils.sysconfig import get_python_inc; print(get_python_inc())/import sysconfig; print(sysconfig.get_paths()['include'])/" "$cmake"
+    echo "  Python 3.12 fix: sysconfig instead of distutils.sysconfig in horovod/torch/CMakeLists.txt"
+  fi
+  if grep -q '^from distutils.spawn import find_executable$' "$js"; then
+    sed -i 's/^from distutils.spawn import find_executable$/from shutil import which as find_executable/' "$js"
+    echo "  Python 3.12 fix: shutil.which instead of distutils.spawn in horovod/runner/js_run.py"
+  fi
+  ! grep -q distutils "$cmake" "$js" || fail "could not remove distutils from $cmake and $js"
+}
+
+PATCH_LEVEL=2  # part of the wheel cache key: a wheel built before a source fix is not reused
+patch_horovod_source() { patch_cxx17 "$1"; patch_gcc13 "$1"; patch_distutils "$1"; }
 
 # The Horovod source: $CACHE/sdist, else the wheelhouse, else the registry; kept in $CACHE/sdist.
 fetch_sdist() {
