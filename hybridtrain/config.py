@@ -690,6 +690,9 @@ def validate_data(cfg: Config) -> None:
     if cfg.data.in_process and cfg.data.workers:
         raise UserError(f"config error: data.in_process=true starts no loader workers, so data.workers="
                         f"{cfg.data.workers} would be ignored: drop one of them")
+    if cfg.data.backend == "dali_gpu" and cfg.train.device == "cpu":  # gpu-path-2 #17: decode, then copy back
+        raise UserError("config error: data.backend=dali_gpu decodes on the GPU but train.device=cpu trains on the "
+                        "CPU: set train.device=cuda or auto, or use data.backend=dali_cpu")
 
 
 def validate_bn(cfg: Config) -> None:

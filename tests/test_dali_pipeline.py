@@ -215,13 +215,17 @@ def test_dali_gpu_without_a_gpu_is_one_clear_error(dataset):
         dali.create_dali_train_loader(train, make_cfg(), 0, 1, 1, "gpu")
 
 
-def test_dali_gpu_for_a_rank_that_trains_on_the_cpu_of_a_gpu_node_is_one_line():
-    """gpu-path-2 #17: a GPU node, train.device=cpu: decoding on the GPU to copy each batch back is refused."""
-    with pytest.raises(UserError, match=r"decodes on the GPU but this rank trains on cpu .*train.device=cuda.*dali_cpu"):
-        dali.require_gpu_for_dali_gpu(torch.device("cpu"), cuda_available=True)
-    dali.require_gpu_for_dali_gpu(torch.device("cuda", 0), cuda_available=True)
-    with pytest.raises(UserError, match="needs a CUDA GPU and none is visible"):
-        dali.require_gpu_for_dali_gpu(torch.device("cpu"), cuda_available=False)
+def test_dali_gpu_for_a_rank_that_trains_on_the_cpu_is_one_line():
+    """gpu-path-2 #17: train.device=cpu with dali_gpu would decode on a GPU to copy each batch back; refused in the
+    config, on any node. On a GPU node auto and cuda train on the GPU; on a CPU node the loader says no GPU."""
+    from hybridtrain.config import load_config
+    with pytest.raises(UserError, match=r"decodes on the GPU but train.device=cpu .*train.device=cuda.*dali_cpu"):
+        load_config(None, ["data.backend=dali_gpu", "train.device=cpu"])
+    for device in ("auto", "cuda"):
+        assert load_config(None, ["data.backend=dali_gpu", f"train.device={device}"]).train.device == device
+    if not torch.cuda.is_available():
+        with pytest.raises(UserError, match="needs a CUDA GPU and none is visible"):
+            dali.require_gpu_for_dali_gpu()
 
 
 def test_the_epoch_boundary_probe_prints_a_row_per_world_size_and_epoch(dataset):

@@ -70,14 +70,10 @@ def require_dali() -> None:
                         f"or use data.backend=torchvision")
 
 
-def require_gpu_for_dali_gpu(device: torch.device, cuda_available: bool | None = None) -> None:
-    """Raise a one-line UserError when dali_gpu is asked for with no GPU, or by a rank that trains on the CPU of
-    a GPU node (it would decode on a GPU and copy every batch back to the host, gpu-path-2 #17)."""
-    if not (torch.cuda.is_available() if cuda_available is None else cuda_available):
+def require_gpu_for_dali_gpu() -> None:
+    """Raise a one-line UserError when dali_gpu is asked for without a CUDA device."""
+    if not torch.cuda.is_available():
         raise UserError("data.backend=dali_gpu needs a CUDA GPU and none is visible: use data.backend=dali_cpu")
-    if device.type != "cuda":
-        raise UserError(f"data.backend=dali_gpu decodes on the GPU but this rank trains on {device.type} "
-                        f"(train.device={device.type}): set train.device=cuda or auto, or use data.backend=dali_cpu")
 
 
 # ----------------------------------------------------------------------------- shard arithmetic
@@ -304,7 +300,7 @@ def _create(images: ImageList, cfg, rank: int, world_size: int, local_size: int,
             batch_size: int, dtype: torch.dtype, channels_last: bool, pin: bool) -> DaliLoader:
     require_dali()
     if device == "gpu":
-        require_gpu_for_dali_gpu(torch.device("cuda"))
+        require_gpu_for_dali_gpu()
     spec = graph_spec(cfg, training, device, dtype, channels_last)
     threads = cfg.data.workers or cores_per_rank(local_size)
     device_id = torch.cuda.current_device() if device == "gpu" else None

@@ -151,11 +151,12 @@ def visible_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def launch(config: str, overrides: list[str], n: int, compression: str, steps: int, warmup: int, out: str,
+def launch(config: str | None, overrides: list[str], n: int, compression: str, steps: int, warmup: int, out: str,
            phase: str = "adabound", timeline: bool = True, engine: str = "horovod") -> dict:
     """One ``scale`` row: ``n`` ranks under ``engine``'s launcher, their record, and from Horovod's timeline
     (``timeline``; it costs each step time: about 14 ms of a 130 ms CPU step at one rank) the all-reduce bytes
-    and time. The torch engine has no timeline: its rows leave those two figures out."""
+    and time. The torch engine has no timeline: its rows leave those two figures out. ``config`` None (bench
+    without --config): the worker gets "" and loads the built-in defaults, as load_config does for None."""
     timeline = timeline and engine == "horovod"
     overrides = [*overrides, f"distributed.engine={engine}"]
     tag = f"{engine}-np{n}-{compression}"
@@ -163,8 +164,8 @@ def launch(config: str, overrides: list[str], n: int, compression: str, steps: i
     for stale in (record_path, timeline_path):
         if os.path.exists(stale):
             os.remove(stale)
-    cmd = launch_command(engine, n, [sys.executable, "-m", "hybridtrain.perf.scaling", config, compression, str(steps),
-                                     str(warmup), record_path, phase, *overrides],
+    cmd = launch_command(engine, n, [sys.executable, "-m", "hybridtrain.perf.scaling", config or "", compression,
+                                     str(steps), str(warmup), record_path, phase, *overrides],
                          horovod_args=("--timeline-filename", timeline_path) if timeline else ())
     print("+ " + " ".join(cmd), flush=True)
     proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -188,10 +189,11 @@ def run_scale(config: str, overrides: list[str], counts: list[int], compressions
               warmup: int, out: str, oversubscribe: bool = False,
               engines: tuple[str, ...] = ("horovod",)) -> list[dict]:
     for compression in compressions:  # a bad recipe, or one the synthetic step cannot honour, fails before any launch
-        cfg = measured_config(config, overrides, compression)
+        measured_config(config, overrides, compression)
     if steps < 1 or warmup < 0:
         raise UserError("--steps must be >= 1 and --warmup >= 0")
-    slots, unit = available_slots(cfg.train.device, visible_gpus())
+    device = measured_config(config, overrides).train.device
+    slots, unit = available_slots(device, visible_gpus() if device != "cpu" else 0)
     if counts[-1] > slots and not (oversubscribe and unit == "core"):
         share = (" (or --oversubscribe, which shares cores and so measures contention, not scaling)"
                  if unit == "core" else " (two ranks cannot share a GPU)")

@@ -29,7 +29,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from hybridtrain.config import load_config, save_config
+from hybridtrain.config import load_config
 from hybridtrain.data.loaders import SYNTHETIC_CLASSES
 from hybridtrain.distributed.topology import cores_per_rank
 from hybridtrain.engine.memory import memory_figures, reset_peak_memory
@@ -230,9 +230,6 @@ def engine_row(config: str | None, sets: list[str], cfg, steps: int, warmup: int
 
     from hybridtrain.perf.scaling import launch
     with tempfile.TemporaryDirectory(prefix="hybridtrain-bench-") as out:
-        if config is None:  # the built-in defaults: the worker reads a config file (gpu-path-2 #3)
-            config = os.path.join(out, "config.yaml")
-            save_config(cfg, config)
         record = launch(config, [*sets, f"train.threads={threads}"], 1, cfg.horovod.compression, steps, warmup, out,
                         phase, timeline=False, engine=engine)  # Horovod's timeline would cost the step time
     row = summarise(f"train/{engine}", cfg, [record["step_time_s"]] * steps, torch.device(record["device"]),
