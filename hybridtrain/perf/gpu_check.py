@@ -239,8 +239,7 @@ def build_row(venv: str, wheelhouse: str | None, repo: str = REPO) -> Row:
            "HYBRIDTRAIN_VENV": venv}
     if wheelhouse:
         env["HYBRIDTRAIN_WHEELHOUSE"] = wheelhouse
-    if sys.prefix == sys.base_prefix:  # a system Python: the venv is made from it and sees its torch
-        env["PYTHON"] = sys.executable
+    env["PYTHON"] = sys.executable  # the venv is made from it and sees its torch (install.sh: see_python_site)
     return Row("build", "build", [os.path.join(repo, "install.sh")], TIMEOUT_S["build"], env=env)
 
 
