@@ -102,6 +102,7 @@ def test_sync_bn_trains_on_two_ranks_with_identical_buffers(small_digits, tmp_pa
                                    bn={"sync": True, "stats": "moving_average", "per_rank_batch": "random"}))
     proc = horovodrun(2, ["train", "--config", cfg])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "cuDNN autotuning off" in proc.stdout + proc.stderr  # gpu-path-2 #8
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     assert len(set(report["rank_digests"])) == 1
 
@@ -112,6 +113,12 @@ def test_random_splits_cover_the_global_batch_and_differ_between_steps():
     splits = [random_split_sizes(64, 4, seed=1, epoch=0, step=s) for s in range(50)]
     assert all(sum(s) == 64 and min(s) >= MIN_RANDOM_SHARE for s in splits)
     assert len({tuple(s) for s in splits}) > 40
+    # at most twice the fixed batch (gpu-path-2 #8), and the whole range is used: 8 ranks of 16, odd counts too
+    for ranks in (8, 7, 2):
+        shares = np.array([random_split_sizes(16 * ranks, ranks, seed=3, epoch=1, step=s) for s in range(400)])
+        assert (shares.sum(axis=1) == 16 * ranks).all()
+        assert shares.min() == MIN_RANDOM_SHARE and shares.max() == 2 * 16 - MIN_RANDOM_SHARE
+        assert abs(shares.mean() - 16) < 1e-9 and shares.std() > 5  # uniform on [2, 30]: std 8.4
     assert splits[0] == random_split_sizes(64, 4, seed=1, epoch=0, step=0)
     batches = [train_batches(100, r, 4, 16, seed=1, epoch=0, random_split=True) for r in range(4)]
     for step in range(100 // 64):

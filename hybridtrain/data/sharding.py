@@ -10,8 +10,8 @@ follows the same policy.
 
 Random per-rank batches (``bn.per_rank_batch: random``, Table 3.4's ablation): each global batch is the same
 ``world_size * batch_size`` entries, but split at random cut points (the same on every rank, seeded by
-(seed, epoch, step)) into parts of at least two samples (a BN layer needs more than one value per channel);
-the trainer weights each rank's loss by n_r / b so the update equals the global-batch update.
+(seed, epoch, step)) into parts of at least two samples (a BN layer needs more than one value per channel)
+and at most twice the fixed batch (random_split_sizes); the trainer weights each rank's loss by n_r / b so the update equals the global-batch update.
 
 Elastic training (``train --elastic``) changes the number of ranks inside an epoch. The data position is then
 the number of samples of the epoch's permutation already consumed (``start``); the rest of the permutation is
@@ -40,17 +40,23 @@ def split_sizes(total: int, parts: int) -> list[int]:
 
 
 def random_split_sizes(global_batch: int, world_size: int, seed: int, epoch: int, step: int) -> list[int]:
-    """A uniformly random split of the global batch into ``world_size`` parts of at least MIN_RANDOM_SHARE:
-    the same on every rank, a pure function of (seed, epoch, step)."""
-    spare = global_batch - MIN_RANDOM_SHARE * world_size
-    if spare < 0:
+    """A random split of the global batch, the same on every rank (a pure function of (seed, epoch, step)): the
+    even split's shares, paired at random, and each pair's total cut at a uniform point, so every share lies
+    between MIN_RANDOM_SHARE and twice the even share less MIN_RANDOM_SHARE. A rank thus never holds more than
+    twice the fixed batch (its memory and its kernels' shapes stay near the fixed run's: gpu-path-2 #8); with
+    an odd number of ranks one rank, a random one, keeps the even share that step."""
+    if global_batch < MIN_RANDOM_SHARE * world_size:
         raise UserError(f"bn.per_rank_batch=random needs a global batch of at least {MIN_RANDOM_SHARE} per rank "
                         f"({MIN_RANDOM_SHARE * world_size} on {world_size} ranks), got {global_batch}: raise "
                         f"train.batch_size to {MIN_RANDOM_SHARE} or more")
     rng = np.random.default_rng([seed, epoch, step, 1])
-    cuts = np.sort(rng.choice(spare + world_size - 1, world_size - 1, replace=False))  # stars and bars
-    extra = np.diff(np.concatenate([[-1], cuts, [spare + world_size - 1]])) - 1
-    return (extra + MIN_RANDOM_SHARE).tolist()
+    sizes = split_sizes(global_batch, world_size)
+    order = rng.permutation(world_size)
+    for i, j in zip(order[0::2], order[1::2]):
+        pair = sizes[i] + sizes[j]
+        sizes[i] = int(rng.integers(MIN_RANDOM_SHARE, pair - MIN_RANDOM_SHARE + 1))
+        sizes[j] = pair - sizes[i]
+    return sizes
 
 
 def train_batches(num_samples: int, rank: int, world_size: int, batch_size: int, seed: int,

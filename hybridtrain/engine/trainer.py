@@ -46,8 +46,11 @@ def build_trainer(cfg: Config, topo) -> Trainer:
     """Everything a rank trains with, on the device ``topo`` (distributed.init) bound it to."""
     if cfg.train.deterministic:
         use_deterministic_algorithms()
-    else:
+    elif cfg.bn.per_rank_batch == "fixed":
         torch.backends.cudnn.benchmark = True  # fixed shapes: cuDNN picks the fastest kernels once
+    else:  # a new batch size almost every step would be autotuned anew every time (gpu-path-2 #8)
+        torch.backends.cudnn.benchmark = False
+        log(topo, "hybridtrain: bn.per_rank_batch=random: cuDNN autotuning off (the batch size changes every step)")
     fp32_math = set_fp32_math(cfg.precision.tf32)
     policy = resolve_policy(cfg.precision)
     compression = gradient_compression(cfg.horovod.compression, cfg.precision)
