@@ -174,6 +174,28 @@ def compiled_regions(loss) -> list[set[str]]:
     return regions
 
 
+def test_every_resnet50_block_is_compiled_in_training_and_in_evaluation():
+    """gpu-path-2 #11: the 16 blocks share their class's forward, and ResNet-50 has 8 block shapes, so with
+    dynamo's default limit of 8 graphs per code object the evaluation pass would run most blocks eagerly. Traced
+    with dynamo's eager backend (no code generation: the limit is dynamo's, not the compiler's)."""
+    import torch
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from hybridtrain.engine.step import compile_blocks
+    from hybridtrain.models import create_model
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = create_model("resnet50", 10, small_input_stem=True)
+    compiled = compile_blocks(model, backend="eager")
+    x = torch.randn(2, 3, 16, 16)
+    compiled(x).sum().backward()
+    with torch.no_grad():
+        compiled.eval()(x)
+    assert counters["stats"]["unique_graphs"] == 16, dict(counters["stats"])  # 8 shapes x {train, eval}
+
+
 def test_compiled_blocks_keep_horovods_hooks_firing_inside_the_backward():
     """#9: with train.compile_scope=blocks each block is its own node of the backward (compiling the whole model
     makes one), so a block's gradient hooks, registered as Horovod's DistributedOptimizer registers them, fire

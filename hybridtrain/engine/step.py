@@ -163,16 +163,29 @@ def compiled_forward(model: torch.nn.Module, scope: str) -> torch.nn.Module:
     return torch.compile(model) if scope == "model" else compile_blocks(model)
 
 
-def compile_blocks(module: torch.nn.Module) -> torch.nn.Module:
+def compile_blocks(module: torch.nn.Module, backend: str = "inductor") -> torch.nn.Module:
     """A copy of the containers on the way to each residual block, with every block ``torch.compile``'d. Blocks,
     parameters, buffers and the other layers stay the original's (``model.train()``/``.eval()`` reach them and the
-    state-dict keys do not change); a compiled block is one autograd node of the backward."""
+    state-dict keys do not change); a compiled block is one autograd node of the backward.
+
+    Dynamo keeps at most ``recompile_limit`` (8) graphs per code object, and the blocks of a class share their
+    forward's: ResNet-50's 16 blocks have 8 shapes, twice over with validation's eval mode, and past the limit
+    dynamo runs the rest eagerly with only a warning. So the limit is raised to two graphs per block
+    (gpu-path-2 #11; ``cache_size_limit`` is its name on torch 2.3 and an alias of it on newer releases)."""
+    import torch._dynamo  # only where compiling (it is slow to import)
+
+    blocks = sum(isinstance(m, ResidualBlock) for m in module.modules())
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * blocks)
+    return _compile_each_block(module, backend)
+
+
+def _compile_each_block(module: torch.nn.Module, backend: str) -> torch.nn.Module:
     if isinstance(module, ResidualBlock):
-        return torch.compile(module)
+        return torch.compile(module, backend=backend)
     if not any(isinstance(m, ResidualBlock) for m in module.modules()):
         return module
     container = copy.copy(module)
-    container._modules = {name: compile_blocks(child) for name, child in module._modules.items()}
+    container._modules = {name: _compile_each_block(child, backend) for name, child in module._modules.items()}
     return container
 
 
