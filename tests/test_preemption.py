@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 
 import pytest
 import yaml
@@ -177,3 +178,37 @@ def test_a_bad_resume_value_is_one_line(tmp_path):
     from conftest import assert_one_error_line, run
     assert_one_error_line(run([HYBRIDTRAIN, "train", "--config", "configs/demo.yaml", "--resume", "latest"]),
                           "--resume takes no value or 'auto'")
+
+
+CHECK_SCRIPT = """
+import os, signal
+from hybridtrain.distributed import collectives as distributed
+from hybridtrain.engine.preemption import PreemptionWatch
+distributed.init(device="cpu", engine="horovod")
+watch = PreemptionWatch()
+watch.every = 8
+for step in range(1, 40):
+    if step == 11:
+        os.kill(os.getpid(), signal.SIGTERM)
+    stop = watch.after_step()
+    print("check" if watch.handle is not None else "-", step)
+    if stop:
+        print("stop", step)
+        break
+watch.close()
+"""
+
+
+def test_the_sigterm_flag_is_summed_every_few_steps_and_still_stops_within_them():
+    """gpu-path-2 #13: the flag's CPU all-reduce runs on Horovod's background thread, between the gradients', so
+    a long epoch sums it every 8th step, not every step; a SIGTERM before step 11 is summed at step 16 and stops
+    the run after step 17 (the check started at 16 is collected one step later). steps_between_checks: every 8th
+    step, or 4 times an epoch, so the 5-step epochs above stop after every step."""
+    from hybridtrain.engine.preemption import steps_between_checks
+    assert [steps_between_checks(n) for n in (1, 5, 8, 31, 32, 1000, 5004)] == [1, 1, 2, 7, 8, 8, 8]
+    proc = subprocess.run([sys.executable, "-c", CHECK_SCRIPT], env=env_with_venv(), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.split("\n")
+    assert [int(x.split()[1]) for x in lines if x.startswith("check")] == [8, 16]
+    assert "stop 17" in lines

@@ -23,7 +23,7 @@ from hybridtrain.engine.epoch import (
 )
 from hybridtrain.engine.memory import reset_peak_memory
 from hybridtrain.engine.metrics_file import truncate_metrics
-from hybridtrain.engine.preemption import PreemptionWatch
+from hybridtrain.engine.preemption import PreemptionWatch, steps_between_checks
 from hybridtrain.engine.records import log_setup, record_epoch, training_record, with_validation
 from hybridtrain.engine.resume import checkpoint_state, restore, resume_state, save_stopped_epoch
 from hybridtrain.engine.telemetry import ProgressBar, log, tensorboard_writer
@@ -60,6 +60,7 @@ def run_training(cfg: Config, resume: str | None = None, move_aside: bool = Fals
     owner = claim_run_dir(cfg, topo, resume, move_aside)  # before the set-up: a refusal costs nothing
     try:
         t = build_trainer(cfg, topo)
+        watch.every = steps_between_checks(t.updates)
         return train_epochs(cfg, t, watch, resume, owner)
     except RuntimeError as exc:
         if is_peer_failure(exc):

@@ -1,10 +1,12 @@
 """Preemption: SIGTERM (what SLURM sends before a time limit) stops the run after a step, resumably.
 
-The signal handler only sets a flag. After every optimizer step, each rank starts an asynchronous
-sum of its flag and collects the previous step's sum. The collection does not wait: that all-reduce
-finished while the gradients were being reduced. So every rank learns of a SIGTERM on any rank at the
-same step, one step after it arrived, and all ranks stop after the same step. A rank that stopped alone
-would leave the others hanging in the next all-reduce. At epoch boundaries the check is a blocking sum.
+The signal handler only sets a flag. After every ``every``-th optimizer step, each rank starts an
+asynchronous sum of its flag, and collects it after the next step. The collection does not wait: that
+all-reduce finished while the gradients were being reduced. So every rank learns of a SIGTERM on any rank at
+the same step, at most ``every`` + 1 steps after it arrived, and all ranks stop after the same step. A rank
+that stopped alone would leave the others hanging in the next all-reduce. At epoch boundaries the check is a
+blocking sum. The sum is a CPU tensor, which Horovod reduces on its one background thread between the
+gradients' all-reduces, hence not every step (gpu-path-2 #13): ``steps_between_checks``.
 
 A SIGTERM can also be a launcher ending the job because a rank died: mpirun (and horovodrun on MPI) and
 torchrun terminate the survivors at once, before any collective could fail and name the dead rank. So a
@@ -26,10 +28,20 @@ from hybridtrain.distributed import collectives as distributed
 from hybridtrain.distributed import failures
 
 
+MAX_STEPS_BETWEEN_CHECKS = 8
+
+
+def steps_between_checks(steps_per_epoch: int) -> int:
+    """Every 8th step (about 0.4 s on an H100, 4 s on a P40), or 4 times an epoch when epochs are shorter."""
+    return max(1, min(MAX_STEPS_BETWEEN_CHECKS, steps_per_epoch // 4))
+
+
 class PreemptionWatch:
     def __init__(self):
         self.requested = False
         self.handle = None
+        self.every = 1  # steps between two checks: set from the epoch's length once the trainer is built
+        self.steps = 0
         self.topo = None  # the job's (set once it is formed): a SIGTERM first looks for a dead peer in it
         self.previous = signal.signal(signal.SIGTERM, self._on_sigterm)
         self._wake_read, wake_write = os.pipe()
@@ -69,9 +81,11 @@ class PreemptionWatch:
         """True on every rank at the same step once any rank got SIGTERM (no wait on the critical path).
         ``snapshot``, the epoch's progress, is not needed here."""
         stop = self._collect()
-        # one name for every step (the previous one has completed): Horovod's response cache then skips the
-        # negotiation of this tensor after the first step
-        self.handle = distributed.allreduce_async(torch.tensor([int(self.requested)]), "preemption")
+        self.steps += 1
+        if self.steps % self.every == 0:
+            # one name for every check (the previous one has completed): Horovod's response cache then skips
+            # the negotiation of this tensor after the first one
+            self.handle = distributed.allreduce_async(torch.tensor([int(self.requested)]), "preemption")
         return stop
 
     def agreed_now(self) -> bool:
