@@ -18,6 +18,7 @@ from hybridtrain.config import config_from_dict  # noqa: E402
 from hybridtrain.data import dali  # noqa: E402
 from hybridtrain.data.check import check_data, format_report, problem_count, read_filelist, write_filelist  # noqa: E402
 from hybridtrain.data.folder import scan_dataset, scan_split  # noqa: E402
+from hybridtrain.data.loaders import to_device  # noqa: E402
 from hybridtrain.data.prepare.flat_val import reorganise_flat_val
 from hybridtrain.data.prepare.synthetic_imagenet import prepare_synthetic_imagenet
 from hybridtrain.data.presets import val_transform  # noqa: E402
@@ -107,12 +108,17 @@ def test_validation_counts_every_image_exactly_once(dataset, world_size):
 
 
 def test_validation_images_match_torchvision_preprocessing(dataset):
-    """Each returned image is its own index's resize + center crop + ImageNet normalisation (RGB order)."""
+    """Each image, normalised on its way to the model (to_device), is its own index's resize + center crop +
+    ImageNet normalisation (RGB order). The batches are compared after the whole pass: DALI's buffers, shared
+    with torch without a copy, must not be reused while torch holds them."""
     _, val = dataset
     loader = dali.create_dali_val_loader(val, make_cfg(), 0, 1, 1, "cpu")
     reference = torch.stack([val_transform(CROP, RESIZE)(Image.open(p).convert("RGB")) for p, _ in val.samples])
-    for images, _, indices in loader:
-        for image, index in zip(images, indices.tolist()):
+    batches = list(loader)
+    assert len(batches) > 2
+    for batch in batches:
+        images, _ = to_device(batch, torch.device("cpu"), torch.float32)
+        for image, index in zip(images, batch[2].tolist()):
             distance = (reference - image).abs().mean(dim=(1, 2, 3))
             assert int(distance.argmin()) == index
             assert float(distance[index]) < 0.2
@@ -121,14 +127,18 @@ def test_validation_images_match_torchvision_preprocessing(dataset):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_output_dtype_and_layout_follow_the_arguments(dataset, dtype, channels_last):
+    """A CPU pipeline delivers uint8 pixels in the asked layout (gpu-path-2 #15); to_device gives the model's dtype,
+    the layout kept, normalised."""
     train, val = dataset
     cfg = make_cfg()
     for loader in (dali.create_dali_train_loader(train, cfg, 0, 2, 2, "cpu", dtype=dtype, channels_last=channels_last),
                    dali.create_dali_val_loader(val, cfg, 1, 2, 2, "cpu", dtype=dtype, channels_last=channels_last)):
-        images, labels, indices = next(iter(loader))
-        assert images.shape == (BATCH, 3, CROP, CROP) and images.dtype == dtype
+        batch = next(iter(loader))
         memory_format = torch.channels_last if channels_last else torch.contiguous_format
-        assert images.is_contiguous(memory_format=memory_format)
+        assert batch[0].shape == (BATCH, 3, CROP, CROP) and batch[0].dtype == torch.uint8
+        assert batch[0].is_contiguous(memory_format=memory_format)
+        images, _ = to_device(batch, torch.device("cpu"), dtype)
+        assert images.dtype == dtype and images.is_contiguous(memory_format=memory_format)
         assert -3 < float(images.float().mean()) < 3 and float(images.float().std()) > 0.1
 
 

@@ -75,9 +75,9 @@ def test_batches_follow_the_configured_layout_and_dtype(backend, channels_last, 
     memory_format = torch.channels_last if channels_last else torch.contiguous_format
     for loader in (data.train, data.val):
         images, labels, indices = next(iter(loader))
-        # torchvision hands over uint8 pixels, normalised on the device (device_images); the others FP32
+        # torchvision and dali_cpu hand over uint8 pixels, normalised on the device (device_images); synthetic FP32
         assert images.shape == (8, 3, 32, 32)
-        assert images.dtype == (torch.uint8 if backend == "torchvision" else torch.float32)
+        assert images.dtype == (torch.float32 if backend == "synthetic" else torch.uint8)
         assert images.is_contiguous(memory_format=memory_format)
         assert labels.dtype == torch.int64 and labels.max() < data.num_classes
     assert data.num_classes == (1000 if backend == "synthetic" else 10)

@@ -1,8 +1,10 @@
 """The DALI backends: one ImageNet pipeline definition, run on the CPU (``dali_cpu``) or the GPU (``dali_gpu``).
 
-The graph is the same for both devices; only the decoder's device differs ("cpu", or "mixed" = nvJPEG on
-the GPU, after which resize and normalisation run on the GPU too). A CPU pipeline runs without any GPU
-(``device_id=None``), which is how the tests exercise the GPU path's graph.
+The graph is the same for both devices but for its ends: the decoder's device ("cpu", or "mixed" = nvJPEG on
+the GPU, after which resize and normalisation run on the GPU too), and what it delivers (a CPU pipeline gives
+uint8 pixels, normalised on the model's device like the torchvision backend's; a GPU pipeline normalised
+FP16/FP32). Batches reach torch without a copy (DLPack) unless they must be page-locked for a GPU. A CPU
+pipeline runs without any GPU (``device_id=None``), which is how the tests exercise the GPU path's graph.
 
 Sharding: the rank's shard of an epoch is the samples [floor(r*n/k), floor((r+1)*n/k)) of that epoch's order
 (``shard_range``, DALI's own formula for ``shard_id=r, num_shards=k``), and each rank's reader gets only its
@@ -104,7 +106,7 @@ class GraphSpec:
     val_resize: int
     min_crop_area: float
     hflip: bool
-    fp16: bool
+    output: str  # "uint8": pixels, normalised on the model's device (data.loaders.device_images); "fp16", "fp32"
     channels_last: bool
 
 
@@ -127,10 +129,14 @@ def imagenet_graph(file_list: str, file_root: str, spec: GraphSpec):
     else:
         images = fn.decoders.image(jpegs, device=decoder, output_type=types.RGB)
         images = fn.resize(images, resize_shorter=spec.val_resize)
-    images = fn.crop_mirror_normalize(images, crop=(spec.crop_size, spec.crop_size), mirror=mirror,
-                                      mean=[255 * m for m in IMAGENET_MEAN], std=[255 * s for s in IMAGENET_STD],
-                                      dtype=types.FLOAT16 if spec.fp16 else types.FLOAT,
-                                      output_layout="HWC" if spec.channels_last else "CHW")
+    layout = "HWC" if spec.channels_last else "CHW"
+    crop = (spec.crop_size, spec.crop_size)
+    if spec.output == "uint8":
+        images = fn.crop_mirror_normalize(images, crop=crop, mirror=mirror, dtype=types.UINT8, output_layout=layout)
+    else:
+        images = fn.crop_mirror_normalize(images, crop=crop, mirror=mirror, mean=[255 * m for m in IMAGENET_MEAN],
+                                          std=[255 * s for s in IMAGENET_STD], output_layout=layout,
+                                          dtype=types.FLOAT16 if spec.output == "fp16" else types.FLOAT)
     return images, ids
 
 
@@ -177,10 +183,11 @@ def describe_dali_error(message: str, culprit: str | None) -> str:
 class DaliLoader:
     """One rank's batches ``(images, labels, indices)``, with the torchvision loader's interface.
 
-    Images are NCHW (channels_last memory format when asked for) on the pipeline's device; labels and
-    indices are int64 on the CPU. ``len()`` is the number of batches this rank yields per epoch. Each training
-    pass builds the pipeline for its epoch; validation builds one and reuses it while passes run to their end
-    (see the module notes).
+    Images are NCHW (channels_last memory format when asked for) on the pipeline's device: uint8 pixels from a
+    CPU pipeline (``data.loaders.device_images`` normalises them on the model's device), normalised FP16/FP32
+    from a GPU one; labels and indices are int64 on the CPU. ``len()`` is the number of batches this rank
+    yields per epoch. Each training pass builds the pipeline for its epoch; validation builds one and reuses it
+    while passes run to their end (see the module notes).
     """
 
     def __init__(self, images: ImageList, spec: GraphSpec, rank: int, world_size: int, batch_size: int, seed: int,
@@ -247,7 +254,9 @@ class DaliLoader:
     def _run(self, pipe, order: np.ndarray, run: int) -> tuple[torch.Tensor, torch.Tensor]:
         with self._errors(order, run):
             images, ids = pipe.run()
-        return self._to_torch(images), torch.from_numpy(np.asarray(ids.as_array()).reshape(-1).astype(np.int64))
+        images = self._shared(images) if getattr(pipe, "exec_dynamic", False) and not self.pin else self._copied(images)
+        images = images.permute(0, 3, 1, 2) if self.spec.channels_last else images
+        return images, torch.from_numpy(np.asarray(ids.as_array()).reshape(-1).astype(np.int64))
 
     @contextlib.contextmanager
     def _errors(self, order: np.ndarray, run: int):
@@ -271,17 +280,25 @@ class DaliLoader:
                 return path
         return None
 
-    def _to_torch(self, images) -> torch.Tensor:
-        """Copy DALI's batch (valid only until the next run) into a torch tensor, NCHW-shaped."""
+    def _shared(self, images) -> torch.Tensor:
+        """DALI's batch as a torch tensor without a copy, as DALI's own PyTorch iterator does under its dynamic
+        executor (the default since DALI 1.40 or so): DALI keeps the buffer while torch holds it. On the GPU,
+        DLPack orders torch's stream after DALI's work, so nothing waits on the host (gpu-path-2 #5: a copy
+        through ``feed_ndarray`` synchronised torch's whole stream for every batch)."""
+        return torch.from_dlpack(images.as_tensor())
+
+    def _copied(self, images) -> torch.Tensor:
+        """A copy of DALI's batch (valid only until the next run under the legacy executor), page-locked when a
+        CPU pipeline feeds a GPU (``pin``: the copy to the GPU is then asynchronous)."""
         from nvidia.dali.plugin.pytorch import feed_ndarray
 
         dense = images.as_tensor()
-        dtype = torch.float16 if self.spec.fp16 else torch.float32
+        dtype = {"uint8": torch.uint8, "fp16": torch.float16, "fp32": torch.float32}[self.spec.output]
         on_gpu = self.spec.device == "gpu"
         device = torch.device("cuda", self.device_id) if on_gpu else torch.device("cpu")
         out = torch.empty(dense.shape(), dtype=dtype, device=device, pin_memory=self.pin and not on_gpu)
         feed_ndarray(dense, out, cuda_stream=torch.cuda.current_stream(device) if on_gpu else None)
-        return out.permute(0, 3, 1, 2) if self.spec.channels_last else out
+        return out
 
 
 # ----------------------------------------------------------------------------- factories
@@ -292,8 +309,10 @@ def graph_spec(cfg, training: bool, device: str, dtype: torch.dtype, channels_la
     if dtype not in (torch.float16, torch.float32):
         raise ValueError(f"dtype must be torch.float16 or torch.float32, got {dtype}")
     d = cfg.data
-    return GraphSpec(training, device, d.crop_size, d.val_resize, d.min_crop_area, d.hflip,
-                     dtype == torch.float16, channels_last)
+    # a CPU pipeline delivers pixels (a quarter of the bytes to copy and to send to a GPU: gpu-path-2 #15),
+    # normalised on the model's device as the torchvision backend's are; a GPU pipeline normalises itself
+    output = "uint8" if device == "cpu" else "fp16" if dtype == torch.float16 else "fp32"
+    return GraphSpec(training, device, d.crop_size, d.val_resize, d.min_crop_area, d.hflip, output, channels_last)
 
 
 def _create(images: ImageList, cfg, rank: int, world_size: int, local_size: int, device: str, training: bool,

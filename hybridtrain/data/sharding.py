@@ -9,9 +9,10 @@ reported; the permutation changes every epoch, so no sample is left out for good
 follows the same policy.
 
 Random per-rank batches (``bn.per_rank_batch: random``, Table 3.4's ablation): each global batch is the same
-``world_size * batch_size`` entries, but split at random cut points (the same on every rank, seeded by
-(seed, epoch, step)) into parts of at least two samples (a BN layer needs more than one value per channel)
-and at most twice the fixed batch (random_split_sizes); the trainer weights each rank's loss by n_r / b so the update equals the global-batch update.
+``world_size * batch_size`` entries, but split at random (the same on every rank, seeded by (seed, epoch,
+step)) into parts of at least two samples (a BN layer needs more than one value per channel) and at most
+twice the fixed batch (random_split_sizes); the trainer weights each rank's loss by n_r / b so the update
+equals the global-batch update.
 
 Elastic training (``train --elastic``) changes the number of ranks inside an epoch. The data position is then
 the number of samples of the epoch's permutation already consumed (``start``); the rest of the permutation is

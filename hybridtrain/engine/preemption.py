@@ -27,7 +27,6 @@ import torch
 from hybridtrain.distributed import collectives as distributed
 from hybridtrain.distributed import failures
 
-
 MAX_STEPS_BETWEEN_CHECKS = 8
 
 

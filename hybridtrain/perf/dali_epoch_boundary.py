@@ -25,7 +25,7 @@ def repeated(images: ImageList, samples: int) -> ImageList:
 
 def epoch_boundaries(images: ImageList, world_size: int, epochs: int, batches: int = 20) -> list[dict]:
     """Rank 0's first-batch time and then ms per batch over up to ``batches`` more, per epoch."""
-    spec = GraphSpec(True, "cpu", 32, 32, 0.5, False, False, False)
+    spec = GraphSpec(True, "cpu", 32, 32, 0.5, False, "uint8", False)
     loader = DaliLoader(images, spec, 0, world_size, BATCH, 0, 1, 2)
     batches = min(batches, len(loader) - 1)
     rows = []
