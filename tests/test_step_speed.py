@@ -196,6 +196,22 @@ def test_every_resnet50_block_is_compiled_in_training_and_in_evaluation():
     assert counters["stats"]["unique_graphs"] == 16, dict(counters["stats"])  # 8 shapes x {train, eval}
 
 
+def test_horovods_hooks_forced_on_one_rank_give_the_plain_step_with_the_wire_rounding(tmp_path):
+    """gpu-path-2 #9: the multi-rank step's Horovod path (gradient hooks, LayoutCompressor, synchronize, unscale),
+    forced on one process (Horovod registers no hooks at size 1), on the GPU under gpu-check, here on the CPU:
+    bitwise the plain optimizer's steps with each gradient rounded as the wire rounds it, NCHW and NHWC, the
+    gradients' layouts kept; the FP16 wire's losses differ from the uncompressed ones (it really rounds)."""
+    out = tmp_path / "hooks.json"
+    proc = run([sys.executable, os.path.join(REPO, "tests", "scripts", "horovod_hooks_one_rank.py"), str(out)], timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    results = json.loads(out.read_text())["results"]
+    assert sorted(results) == ["fp16/nchw", "fp16/nhwc", "none/nchw", "none/nhwc"]
+    for case, r in results.items():
+        assert r["same_losses"] and r["same_params"] and r["layouts_kept"], (case, r)
+        assert r["losses"][-1] < r["losses"][0], (case, r)
+    assert results["fp16/nchw"]["losses"] != results["none/nchw"]["losses"]
+
+
 def test_compiled_blocks_keep_horovods_hooks_firing_inside_the_backward():
     """#9: with train.compile_scope=blocks each block is its own node of the backward (compiling the whole model
     makes one), so a block's gradient hooks, registered as Horovod's DistributedOptimizer registers them, fire
