@@ -96,29 +96,47 @@ def test_reference_bounds_by_hand():
     assert upper == pytest.approx(0.2, rel=1e-12)  # 0.1*(1 + 1)
 
 
-@pytest.mark.parametrize("call, match", [
-    (lambda: adabound_bounds(1, 0, 0.1, 2, 0.999), "T"),
-    (lambda: adabound_bounds(1, -3, 0.1, 2, 0.999), "T"),
-    (lambda: adabound_bounds(0, 10, 0.1, 2, 0.999), "t"),
-    (lambda: adabound_bounds(1, 10, 0.0, 2, 0.999), "base_lr"),
-    (lambda: adabound_bounds(1, 10, 0.1, 0, 0.999), "world_size"),
-    (lambda: adabound_bounds(1, 10, 0.1, 2, 1.0), "beta2"),
-    (lambda: bound_progress(0, 100, "epoch"), "step"),
-    (lambda: bound_progress(1, 0, "epoch"), "iters_per_epoch"),
-    (lambda: bound_progress(1, 100, "batch"), "granularity"),
-    (lambda: reference_adabound_bounds(0, 0.1, 1e-3), "step"),
-    (lambda: reference_adabound_bounds(1, 0.1, 0.0), "gamma"),
-    (lambda: reference_adabound_bounds(1, -0.1, 1e-3), "final_lr"),
-    (lambda: sgd_decay_lr(10, 10, 0.1, 2, 0.0), "kappa"),
-    (lambda: sgd_decay_lr(10, 10, 0.1, 2, 1.1), "kappa"),
-    (lambda: sgd_decay_lr(10, -1, 0.1, 2, 0.9), "T"),
-    (lambda: sgd_decay_lr(-1, 10, 0.1, 2, 0.9, origin="zero"), "epoch"),
-    (lambda: sgd_decay_lr(3, 10, 0.1, 2, 0.9, origin="switch"), "epoch"),
-    (lambda: sgd_decay_lr(10, 10, 0.1, 2, 0.9, origin="middle"), "origin"),
+def _optim(**changes):
+    """The default config's optim section with ``changes``, past the config's own checks (what a caller other
+    than load_config could hand a schedule)."""
+    import dataclasses
+
+    from hybridtrain.config import load_config
+    return dataclasses.replace(load_config(None, []).optim, **changes)
+
+
+@pytest.mark.parametrize("name, changes, sizes, match", [
+    ("hybrid", {"adabound_epochs": -3}, (2, 10), "T"),
+    ("hybrid", {"adabound_epochs": 1.5}, (2, 10), "T"),
+    ("hybrid", {"lr": 0.0}, (2, 10), "base_lr"),
+    ("hybrid", {}, (0, 10), "world_size"),
+    ("hybrid", {}, (2, 0), "iters_per_epoch"),
+    ("hybrid", {"betas": [0.9, 1.0]}, (2, 10), "beta2"),
+    ("hybrid", {"bound_granularity": "batch"}, (2, 10), "granularity"),
+    ("hybrid", {"kappa": 0.0}, (2, 10), "kappa"),
+    ("hybrid", {"kappa": 1.1}, (2, 10), "kappa"),
+    ("hybrid", {"kappa_origin": "middle"}, (2, 10), "origin"),
+    ("adabound", {"adabound_gamma": 0.0}, (2, 10), "gamma"),
+    ("adabound", {"lr": -0.1}, (2, 10), "base_lr"),
+    ("goyal", {}, (True, 10), "world_size"),
 ])
-def test_bound_functions_reject_bad_arguments(call, match):
+def test_schedule_arguments_are_checked_once_when_the_schedule_is_made(name, changes, sizes, match):
+    """Issue 27: the formulas run unchecked at every step; create_schedule checks what they assume, once."""
+    from types import SimpleNamespace
+
+    from hybridtrain.optim import create_schedule
+    cfg = SimpleNamespace(optim=_optim(name=name, **changes), train=SimpleNamespace(epochs=4))
     with pytest.raises(ValueError, match=match):
-        call()
+        create_schedule(cfg, *sizes)
+
+
+def test_the_formulas_keep_their_domains():
+    with pytest.raises(ValueError, match="granularity"):
+        bound_progress(1, 100, "batch")
+    with pytest.raises(ValueError, match="epoch must be past the AdaBound warmup"):
+        sgd_decay_lr(3, 10, 0.1, 2, 0.9, origin="switch")
+    with pytest.raises(ValueError, match="origin"):
+        sgd_decay_lr(10, 10, 0.1, 2, 0.9, origin="middle")
 
 
 # ---------------------------------------------------------------- plain NumPy references
@@ -446,18 +464,33 @@ def test_config_knows_the_registrys_names_and_flags():
 
 
 def test_hyperparameters_are_checked_when_written():
-    """A bad value is one ValueError line where it is written: by the schedule (apply_schedule) or a state dict."""
+    """A bad value is one ValueError line where it is written: a schedule, checked once at the first and last
+    step of each phase (check_schedule, which create_optimizer runs), or a state dict. apply_schedule, at every
+    step, does not check."""
     from hybridtrain.optim import OptimizerBundle
     weights, others = _model_params()
     opt = HybridOptimizer(_groups(weights, others), lr=0.2)
-    bundle = OptimizerBundle(opt, lambda step: {"phase": "adabound", "lower_bound": 0.5, "upper_bound": 0.1})
+    bundle = OptimizerBundle(opt, lambda step: {"phase": "adabound", "lower_bound": 0.5,
+                                                "upper_bound": 0.1 if step == 9 else 1.0})
+    bundle.check_schedule([0, 5])
     with pytest.raises(ValueError, match=r"upper_bound \(0.1\) must be >= lower_bound \(0.5\)"):
-        bundle.apply_schedule(0)
-    assert opt.param_groups[0]["upper_bound"] == INF  # refused before it was written
+        bundle.check_schedule([0, 9])
+    assert opt.param_groups[0]["upper_bound"] == INF  # checking writes nothing
     state = opt.state_dict()
     state["param_groups"][1]["momentum"] = 1.0
     with pytest.raises(ValueError, match="momentum must be in"):
         HybridOptimizer(_groups(weights, others), lr=0.2).load_state_dict(state)
+
+
+def test_create_optimizer_checks_the_schedule_at_each_phase_edge():
+    """phase_edges: the steps where a schedule's values are at their extremes, the hybrid switch's two included."""
+    from types import SimpleNamespace
+
+    from hybridtrain.optim.factory import phase_edges
+    hybrid = SimpleNamespace(optim=_optim(name="hybrid", adabound_epochs=2), train=SimpleNamespace(epochs=5))
+    assert phase_edges(hybrid, 10) == [0, 19, 20, 49]
+    goyal = SimpleNamespace(optim=_optim(name="goyal"), train=SimpleNamespace(epochs=5))
+    assert phase_edges(goyal, 10) == [0, 49]
 
 
 def _snapshot(params):

@@ -56,6 +56,7 @@ class Spec:
     """What an ``optim.name`` is: how it is built and scheduled, and what config, engine and bench ask of it."""
     build: Callable[[list, object, dict], torch.optim.Optimizer]  # (param groups, cfg.optim, schedule(0))
     schedule: Callable[..., dict]  # schedules.*_schedule(step, o, world_size, iters_per_epoch, total_epochs)
+    check: Callable[..., None] = schedules.check_common  # (cfg.optim, world_size, iters_per_epoch), once
     phases: dict = field(default_factory=dict)  # the group "phase" values it goes through -> what each runs
     phase_switch_epoch: Callable[[object], int | None] = lambda o: None  # cfg.optim -> the 0-based epoch of phase 2
     fusable: bool = False  # optim.fused: compiled kernels exist for its updates
@@ -67,10 +68,11 @@ class Spec:
 
 
 OPTIMIZERS = {
-    "hybrid": Spec(_build_hybrid, schedules.hybrid_schedule,
+    "hybrid": Spec(_build_hybrid, schedules.hybrid_schedule, schedules.check_hybrid,
                    phases=dict(zip(schedules.HYBRID_PHASES, ("adabound", "sgd+lars"))),
                    phase_switch_epoch=attrgetter("adabound_epochs"), fusable=True, needs_fp32_state=True),
-    "adabound": Spec(_build_adabound, schedules.adabound_schedule, fusable=True, needs_fp32_state=True),
+    "adabound": Spec(_build_adabound, schedules.adabound_schedule, schedules.check_adabound, fusable=True,
+                     needs_fp32_state=True),
     "goyal": Spec(_build_sgd, schedules.goyal_schedule),
     "sgd": Spec(_build_sgd, schedules.sgd_schedule),
 }
@@ -90,13 +92,10 @@ class OptimizerBundle:
     on_phase_change: Callable[[int, dict], None] | None = None
 
     def apply_schedule(self, step: int) -> dict:
-        """Write the schedule's values of ``step`` into every param group; the optimizer checks them first (one
-        ValueError line for a bad one), so its ``step()`` does not."""
+        """Write the schedule's values of ``step`` into every param group, unchecked: `check_schedule` checked
+        the schedule once, so neither this nor the optimizer's ``step()`` checks them at every step."""
         settings = self.schedule(step)
         groups = self.optimizer.param_groups
-        validate = getattr(self.optimizer, "validate", None)
-        if validate:
-            validate({**groups[0], **settings}, settings)
         previous = groups[0].get("phase")
         for group in groups:
             group.update(settings)
@@ -104,16 +103,36 @@ class OptimizerBundle:
             self.on_phase_change(step, settings)
         return settings
 
+    def check_schedule(self, steps) -> None:
+        """The schedule's values at ``steps`` by the optimizer's rules (one ValueError line for a bad one). The
+        values move monotonically within a phase, so its first and last steps are the extremes to check."""
+        validate = getattr(self.optimizer, "validate", None)
+        for step in steps if validate else ():
+            settings = self.schedule(step)
+            validate({**self.optimizer.param_groups[0], **settings}, settings)
+
 
 def create_schedule(cfg, world_size: int, iters_per_epoch: int) -> Callable[[int], dict]:
-    """The per-step settings for N = ``world_size`` and ``iters_per_epoch`` steps per epoch. Elastic training
-    builds it anew when the number of ranks changes."""
-    return partial(optimizer_spec(cfg.optim).schedule, o=cfg.optim, world_size=world_size,
-                   iters_per_epoch=iters_per_epoch, total_epochs=cfg.train.epochs)
+    """The per-step settings for N = ``world_size`` and ``iters_per_epoch`` steps per epoch, its arguments checked
+    here once. Elastic training builds it anew when the number of ranks changes."""
+    spec = optimizer_spec(cfg.optim)
+    spec.check(cfg.optim, world_size, iters_per_epoch)
+    return partial(spec.schedule, o=cfg.optim, world_size=world_size, iters_per_epoch=iters_per_epoch,
+                   total_epochs=cfg.train.epochs)
+
+
+def phase_edges(cfg, iters_per_epoch: int) -> list[int]:
+    """The first and last step of each phase: where a schedule's values are at their extremes."""
+    last = max(cfg.train.epochs * iters_per_epoch - 1, 0)
+    switch = optimizer_spec(cfg.optim).phase_switch_epoch(cfg.optim)
+    inner = [] if switch is None else [switch * iters_per_epoch - 1, switch * iters_per_epoch]
+    return sorted({0, last, *(s for s in inner if 0 <= s <= last)})
 
 
 def create_optimizer(model: torch.nn.Module, cfg, world_size: int, iters_per_epoch: int) -> OptimizerBundle:
     schedule = create_schedule(cfg, world_size, iters_per_epoch)
     groups = parameter_groups(model, cfg.optim.weight_decay, cfg.optim.decay_bn_and_bias)
     optimizer = optimizer_spec(cfg.optim).build(groups, cfg.optim, schedule(0))
-    return OptimizerBundle(optimizer, schedule)
+    bundle = OptimizerBundle(optimizer, schedule)
+    bundle.check_schedule(phase_edges(cfg, iters_per_epoch))
+    return bundle
