@@ -111,23 +111,37 @@ def test_uint8_batches_normalised_on_the_device_equal_the_float_transform(channe
 
 def test_in_process_loading_gives_the_workers_batches_and_leaves_the_training_rng_alone(small_digits):
     """data.in_process: every batch of an epoch equals the one a spawned worker makes, and the per-sample seeding
-    of the augmentation does not touch the rank's own random state."""
+    of the augmentation does not touch the rank's own random state. The workers are started early, as the
+    trainer starts them while it builds the model (Loaders.start, issue 24 part 8): the epoch set afterwards
+    still gets its own batches."""
+    import multiprocessing
+
     def epoch_batches(**data):
         cfg = config_from_dict({"data": {"path": small_digits, "crop_size": 32, "val_resize": 32, **data},
                                 "train": {"batch_size": 8}})
-        loader = create_loaders(cfg, Topology(0, 1, 0, 1)).train
-        loader.batch_sampler.set_epoch(1)
+        loaders = create_loaders(cfg, Topology(0, 1, 0, 1))
+        before = len(multiprocessing.active_children())
         torch.manual_seed(123)
+        loaders.start()  # with workers, each loader's one base-seed draw happens here, else at every iter()
+        assert len(multiprocessing.active_children()) - before == (0 if data.get("in_process") else 2)
+        loader = loaders.train
+        loader.batch_sampler.set_epoch(1)
         batches = list(loader)
         return batches, torch.rand(3)
+
+    def after_draws(n: int) -> torch.Tensor:  # the state after n of the DataLoader's base-seed draws
+        torch.manual_seed(123)
+        for _ in range(n):
+            torch.empty((), dtype=torch.int64).random_()
+        return torch.rand(3)
 
     (in_process, rng_in_process), (workers, rng_workers) = epoch_batches(in_process=True), epoch_batches(workers=1)
     assert len(in_process) == len(workers) == 30
     for (a, la, ia), (b, lb, ib) in zip(in_process, workers):
         assert torch.equal(a, b) and torch.equal(la, lb) and torch.equal(ia, ib)
-    # the rank's random state moves only by the DataLoader's own base-seed draw, as with workers (240 unisolated
-    # augmentations would have moved it far more)
-    assert torch.equal(rng_in_process, rng_workers)
+    # the rank's random state moves only by the DataLoaders' own base-seed draws: one per iter() in process, one
+    # per started loader (train and val) with workers (240 unisolated augmentations would have moved it far more)
+    assert torch.equal(rng_in_process, after_draws(1)) and torch.equal(rng_workers, after_draws(2))
 
 
 def test_a_sigterm_to_a_starting_worker_does_not_kill_it(small_digits):

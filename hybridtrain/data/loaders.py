@@ -53,6 +53,14 @@ class Loaders:
     def steps_per_epoch(self) -> int:
         return len(self.train)
 
+    def start(self) -> None:
+        """Spawn both loaders' persistent workers now: each imports torch for seconds, which then overlaps the
+        model's build and broadcast instead of delaying the first steps and the first validation. Their first
+        batches are the sampler's as it stands; an epoch's own ``iter()`` resets the workers to its batches."""
+        for loader in (self.train, self.val):
+            if getattr(loader, "persistent_workers", False):
+                iter(loader)
+
     def close(self) -> None:
         """Stop the loaders' persistent workers now rather than when the garbage collector finds them (elastic
         training replaces the loaders at every resize)."""

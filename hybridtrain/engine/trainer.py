@@ -59,6 +59,7 @@ def build_trainer(cfg: Config, topo) -> Trainer:
     check_hardware(policy, topo.device)
     check_speedups(cfg, topo.device)
     data = create_loaders(cfg, topo, policy.input_dtype)
+    data.start()  # the workers start while the model is built
     model = model_from_config(cfg.model, data.num_classes, seed=cfg.seed).to(topo.device)
     model = prepare_model(configure_batch_norm(model, cfg.bn, topo.device), policy)
     if cfg.data.channels_last:
