@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import os
 
-from conftest import HYBRIDTRAIN, assert_one_error_line, run, tiny_config
+from conftest import HYBRIDTRAIN, assert_one_error_line, digits_subset, run, tiny_config
 
 from hybridtrain.config import load_config
 from hybridtrain.optim.plot import schedule_series
@@ -12,7 +12,8 @@ from hybridtrain.reports.experiments import lars_rows, warmup_epoch_rows
 
 
 def test_optimizers_experiment_writes_table_json_and_png(small_digits, tmp_path, write_config):
-    cfg = write_config(tiny_config(small_digits, str(tmp_path / "unused"), optim={"adabound_epochs": 1}))
+    few = digits_subset(small_digits, str(tmp_path / "few"), 8, 3)  # 80 / 30 images: four runs of 2 epochs
+    cfg = write_config(tiny_config(few, str(tmp_path / "unused"), optim={"adabound_epochs": 1}))
     out = tmp_path / "exp"
     proc = run([HYBRIDTRAIN, "experiment", "optimizers", "--config", cfg, "--out", str(out), "--target", "0.3"],
                timeout=900)

@@ -122,11 +122,11 @@ EXPECTED_COMPRESSION = {"fp32": "none", "fp64": "none", "mixed-fp16": "fp16", "m
 
 # Every kind of state a resume must carry, once: fp32 (no scaler; fp64 and mixed-bf16 keep none either, and their
 # straight runs are checked above), fp16_pure (FP16 parameters and momentum, a dynamic loss scaler, in the first
-# epoch), mixed-fp16 (the scaler in the LARS phase; layered keeps the same scaler), NHWC. FP16 convolutions are slow
-# on the CPU: each FP16 case costs about 100 s.
-CASES = [("fp32", "first epoch", False), ("fp16_pure", "first epoch", False),
-         ("fp32", "second epoch", False), ("mixed-fp16", "second epoch", False),
-         ("fp32", "first epoch", True)]  # NHWC: SIGTERM resume
+# epoch), mixed-fp16 (the scaler in the LARS phase; layered keeps the same scaler); NCHW in FP32, NHWC in FP16. The
+# FP16 cases run NHWC (and share the straight runs of the test above): the CPU's FP16 convolution backward in NCHW
+# is torch's slow reference kernel, about 30 times FP32's (3.4 s a step here, against 0.5 s in NHWC).
+CASES = [("fp32", "first epoch", False), ("fp16_pure", "first epoch", True),
+         ("fp32", "second epoch", False), ("mixed-fp16", "second epoch", True)]
 
 
 @pytest.mark.slow
