@@ -4,7 +4,7 @@ LayoutCompressor, synchronize, the scaler's unscale) on a node with one device, 
 
 usage: horovod_hooks_one_rank.py OUT.json
 
-For each case, three mixed-precision SGD steps of ResNet-18 through Horovod's DistributedOptimizer, against the
+For each case, three loss-scaled SGD steps of ResNet-18 through Horovod's DistributedOptimizer, against the
 same steps of the plain optimizer with each gradient rounded as the wire rounds it (none: unchanged; fp16: cast
 to FP16 and back, which is what an average over one rank leaves). Writes, per case, whether the losses and the
 parameters are bitwise equal, and whether each parameter's gradient kept its layout.
@@ -23,8 +23,10 @@ from hybridtrain.perf.step_bench import synthetic_batch
 from hybridtrain.precision.policy import prepare_model, resolve_policy, set_fp32_math
 from hybridtrain.precision.scaler import create_scaler
 
+# FP32 compute with the demo's loss scaling (what the FP16 wire needs): the hooks, the wire and the scaler are
+# what is checked, and the CPU's FP16 convolutions would only make it slow
 SMALL = ["model.arch=resnet18", "model.num_classes=10", "train.batch_size=4", "data.crop_size=32",
-         "optim.name=sgd", "precision.mode=mixed"]
+         "optim.name=sgd", "precision.mode=fp32", "precision.loss_scaling=dynamic", "precision.loss_scale=1024"]
 
 
 def train(sets: list[str], device: torch.device, horovod: bool):
