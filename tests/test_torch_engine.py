@@ -96,6 +96,7 @@ def test_the_ddp_step_matches_numpy_fp16_wire_accumulation_channels_last_and_a_s
         # the inf was on rank 1 only: both ranks skipped, halved S, then stepped together
         assert mine["skipped_on_this_rank"] and mine["skipped_steps"] == 1 and mine["scale_after"] == 512.0
         assert mine["stepped_after"] and mine["ranks_equal_after"]
+    assert r["group_destroyed"]  # torch's Gloo group left to the interpreter's teardown aborts (SIGABRT) at times
 
 
 # ----------------------------------------------------------------------------- parity with the Horovod engine

@@ -118,6 +118,11 @@ def barrier() -> None:
     backend().barrier()
 
 
+def shutdown() -> None:
+    """Leave the job after its last collective, on success only (a failed rank must not wait for its peers)."""
+    backend().shutdown()
+
+
 # ----------------------------------------------------------------------------- digests
 
 def _tensors_in(obj):

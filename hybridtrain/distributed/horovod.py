@@ -175,6 +175,10 @@ def barrier() -> None:
     import_horovod().barrier()
 
 
+def shutdown() -> None:
+    """Nothing: Horovod shuts its background thread down itself at exit (its own atexit handler)."""
+
+
 def sync_batch_norm_class() -> type:
     return import_horovod().SyncBatchNorm
 

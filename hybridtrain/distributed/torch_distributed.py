@@ -158,6 +158,13 @@ def barrier() -> None:
     dist.barrier()
 
 
+def shutdown() -> None:
+    """Destroy the process group while Python is whole: a Gloo group left for the interpreter's teardown can abort
+    the process (SIGABRT, "terminate called without an active exception") after a run that succeeded."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def sync_batch_norm_class() -> type:
     return torch.nn.SyncBatchNorm
 

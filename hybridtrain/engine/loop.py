@@ -61,7 +61,9 @@ def run_training(cfg: Config, resume: str | None = None, move_aside: bool = Fals
     try:
         t = build_trainer(cfg, topo)
         watch.every = steps_between_checks(t.updates)
-        return train_epochs(cfg, t, watch, resume, owner)
+        finished = train_epochs(cfg, t, watch, resume, owner)
+        distributed.shutdown()  # every rank is past its last collective (a finished or a preempted run)
+        return finished
     except RuntimeError as exc:
         if is_peer_failure(exc):
             raise failures.peer_failure(topo) from None

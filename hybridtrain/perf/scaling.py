@@ -82,6 +82,7 @@ def worker(config: str, overrides: list[str], compression: str, steps: int, warm
                   "autotune": cfg.horovod.autotune, "device": str(topo.device)}
         with open(out, "w") as fh:
             json.dump(record, fh)
+    distributed.shutdown()
 
 
 # ----------------------------------------------------------------------------- the timeline

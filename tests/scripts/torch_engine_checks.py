@@ -9,6 +9,7 @@ usage: torch_engine_checks.py OUT.json
 - channels_last: NHWC gradients come back NHWC (a bucket view, no layout copy) and equal the NCHW ones.
 - loss scaling: a non-finite loss on rank 1 only makes both ranks skip the step and halve S; the next step runs on
   both and leaves bitwise-equal parameters.
+- shutdown: the engine destroys its process group, so no Gloo thread is left for the interpreter's teardown.
 """
 import json
 import sys
@@ -113,8 +114,10 @@ def main() -> int:
     for check in (fp16_wire, accumulation, channels_last, skipped_step):
         record.update({f"rank{topo.rank}.{k}": v for k, v in check(cfg, topo.rank).items()})
     records = distributed.allgather_object(record, "records")
+    distributed.shutdown()  # a Gloo group left to the interpreter's teardown could abort the process
     if topo.rank == 0:
         merged = {k: v for r in records for k, v in r.items()}
+        merged["group_destroyed"] = not torch.distributed.is_initialized()
         with open(sys.argv[1], "w") as fh:
             json.dump(merged, fh)
     return 0
