@@ -22,6 +22,10 @@ demo-torch: install
 	torchrun --standalone --nproc-per-node=2 -m hybridtrain train --config configs/demo.yaml --engine torch \
 		--set run_dir=runs/demo-torch --resume auto
 
+# two test files at a time (pytest-xdist, a whole file per worker so that its shared runs are made once): the suite's
+# multi-rank jobs leave a 2-core machine about 40% idle while they start, wait for peers and time out
+TEST_WORKERS ?= 2
 test: install install-oldest-torch
 	# a full run writes about 13 GB of checkpoints and data under pytest's temp folder: keep only failed tests'
-	python -m pytest tests -q -rs --durations=25 -o tmp_path_retention_policy=failed -o tmp_path_retention_count=1
+	python -m pytest tests -q -rs --durations=25 -n $(TEST_WORKERS) --dist loadfile \
+		-o tmp_path_retention_policy=failed -o tmp_path_retention_count=1
