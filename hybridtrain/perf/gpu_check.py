@@ -442,8 +442,8 @@ def read_train(row: Row) -> str:
         return "no metrics.jsonl"
     try:
         records = read_metrics(path)
-    except (OSError, UserError) as exc:
-        return f"unreadable metrics.jsonl ({str(exc)[:120]})"
+    except (OSError, UserError) as exc:  # the reason, not the path again: a long path would hide it
+        return f"unreadable metrics.jsonl ({str(exc).replace(path, '').strip()[:120]})"
     for key, value in train_figures(records).items():
         setattr(row, key, value)
     if len(records) < EPOCHS:
