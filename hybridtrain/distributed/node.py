@@ -18,13 +18,15 @@ import re
 import shlex
 import sys
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 from hybridtrain.errors import UserError
 
 PINNED_TORCH = "2.13.0"         # install.sh's TORCH_VERSION (tests check they agree)
 PINNED_TORCHVISION = "0.28.0"
 OLDEST_TORCH = (2, 3)           # the oldest torch the code supports (docs/hardware.md says why)
-# torch minor -> torchvision minor (0.x) of the same release
+# torch minor -> torchvision minor (0.x) of the same release; the patch releases pair too (torch 2.x.p with
+# torchvision 0.(x+15).p: torchvision's README compatibility table, 2.1 to 2.10, and the pin 2.13.0/0.28.0)
 TORCHVISION_MINOR = {(2, m): m + 15 for m in range(3, 16)}
 PYTORCH_INDEX = "https://download.pytorch.org/whl"   # PyTorch's own wheel index: <index>/<variant>
 
@@ -178,6 +180,17 @@ def torchvision_for(torch_version: str) -> str:
     return PINNED_TORCHVISION if torch_version == PINNED_TORCH else f"0.{tv}"
 
 
+def torchvision_pairing(torch_version: str) -> str:
+    """The torchvision release built against ``torch_version`` ('2.11.0+cu130' -> '0.26.0'; an NGC pre-release
+    '2.3.0a0+6ddf5cf85e.nv24.04' -> '0.18.0'), or '' for a torch hybridtrain knows no torchvision for. What
+    install.sh adds with --no-deps when HYBRIDTRAIN_TORCH=system finds a torch without torchvision."""
+    v = version_tuple(torch_version)
+    tv = TORCHVISION_MINOR.get(v[:2])
+    if tv is None:
+        return ""
+    return f"0.{tv}.{v[2] if len(v) > 2 else 0}"
+
+
 def check_torch_version(text: str) -> str:
     """'' when HYBRIDTRAIN_TORCH=<version> names a release hybridtrain supports, else the one line."""
     v = version_tuple(text)
@@ -230,16 +243,69 @@ def refusal_for(caps: list, driver: str, torch_version: str, builds: list[Build]
             f"or newer")
 
 
+def system_driver_check(torch_version: str, torch_cuda: str, driver: str, driver_api: int,
+                        cuda_init: int = 0) -> tuple[str, str]:
+    """HYBRIDTRAIN_TORCH=system: does the installed torch's CUDA run here? Decided as the trainer's
+    :func:`check_node` decides, by ``driver_api``, the CUDA version of the driver library that torch's own
+    process loads (cuDriverGetVersion: 13000 = 13.0). Under NVIDIA's forward compatibility (a CUDA 13 image on
+    an r535-r570 data-centre driver, with cuda-compat's libcuda) that is newer than what nvidia-smi's kernel
+    driver ``driver`` implies, and torch runs: then an older kernel driver is only a warning. ``cuda_init``:
+    cuInit's result in that process (0: it initialised, or was not asked); 803/804 is forward compatibility
+    refused on this GPU or driver. ``driver_api`` 0 (no libcuda answered, e.g. on a login node): nvidia-smi's
+    driver decides. Returns (error, warning), each one line or ''."""
+    need = MIN_DRIVER.get(version_tuple(torch_cuda)[0], (0,))
+    fix = (f"upgrade the driver to r{need[0]} ({driver_name(need)}) or newer, or install torch's CUDA 12.6 build "
+           f"(leave HYBRIDTRAIN_TORCH unset)")
+    if driver_api <= 0:
+        if driver and not driver_ok(driver, torch_cuda):
+            return (f"HYBRIDTRAIN_TORCH=system: the installed torch {torch_version} is built for CUDA {torch_cuda}, "
+                    f"which needs driver r{need[0]} ({driver_name(need)}) or newer, and this node has {driver}: "
+                    f"upgrade the driver, or install torch's CUDA 12.6 build (leave HYBRIDTRAIN_TORCH unset)"), ""
+        return "", ""
+    short = driver_shortfall(driver_api, torch_cuda)
+    if short:
+        return (f"HYBRIDTRAIN_TORCH=system: {short} (nvidia-smi: driver {driver or 'unknown'}): "
+                f"upgrade the driver to r{need[0]} ({driver_name(need)}) or newer (on a data-centre GPU, NVIDIA's "
+                f"forward-compatibility package cuda-compat for CUDA {torch_cuda} also does), or install torch's "
+                f"CUDA 12.6 build (leave HYBRIDTRAIN_TORCH unset)"), ""
+    if not driver or driver_ok(driver, torch_cuda):
+        return "", ""
+    api = f"{driver_api // 1000}.{driver_api % 1000 // 10}"
+    if cuda_init in CUINIT_COMPAT_ERRORS:
+        return (f"HYBRIDTRAIN_TORCH=system: the installed torch {torch_version} is built for CUDA {torch_cuda}; the "
+                f"driver library it loads reports CUDA {api} over the kernel driver {driver} (forward "
+                f"compatibility), but cuInit refuses it here ({CUINIT_COMPAT_ERRORS[cuda_init]}: forward "
+                f"compatibility runs only on data-centre GPUs, with a cuda-compat that matches the kernel driver): "
+                f"{fix}"), ""
+    return "", (f"warning: nvidia-smi's kernel driver {driver} is older than r{need[0]} ({driver_name(need)}), which "
+                f"CUDA {torch_cuda} needs, but the driver library the installed torch loads supports CUDA {api} "
+                f"(NVIDIA's forward compatibility, cuda-compat): torch runs on it, and the trainer checks it again "
+                f"before it trains")
+
+
+# cuInit's answers when forward compatibility cannot run (CUDA driver API, CUresult)
+CUINIT_COMPAT_ERRORS = {803: "CUDA_ERROR_SYSTEM_DRIVER_MISMATCH", 804: "CUDA_ERROR_COMPAT_NOT_SUPPORTED_ON_DEVICE"}
+
+
+def index_host(url: str) -> str:
+    """'https://host/whl/cu126' -> 'host'; '' for a folder or the registry."""
+    return urlsplit(url).netloc if re.match(r"https?://", url) else ""
+
+
 def choose(caps: list, driver: str, torch_version: str = PINNED_TORCH, torch_cuda: str = "",
-           index: str = "", dali: str = "", gpu_operations: str | None = None) -> Plan:
+           index: str = "", dali: str = "", gpu_operations: str | None = None, driver_api: int = 0,
+           cuda_init: int = 0) -> Plan:
     """The torch build, DALI build and Horovod GPU operations for a node with GPUs of capabilities ``caps`` and
     driver ``driver`` (both from nvidia-smi; no GPU: ``caps == []``).
 
     ``torch_version``: the release to install; ``torch_cuda``: the CUDA of a torch that is already there
-    (HYBRIDTRAIN_TORCH=system: nothing is chosen, its fit is checked); ``index``: HYBRIDTRAIN_TORCH_INDEX;
-    ``dali``: DALI_CUDA_MAJOR; ``gpu_operations``: HOROVOD_GPU_OPERATIONS as set (None: unset)."""
+    (HYBRIDTRAIN_TORCH=system: nothing is chosen, its fit is checked, by ``driver_api`` and ``cuda_init`` when
+    given: see :func:`system_driver_check`); ``index``: HYBRIDTRAIN_TORCH_INDEX; ``dali``: DALI_CUDA_MAJOR;
+    ``gpu_operations``: HOROVOD_GPU_OPERATIONS as set (None: unset)."""
     plan = Plan(torch=torch_version, torchvision=torchvision_for(torch_version), gpu_operations=gpu_operations or "")
-    if not caps and driver and not driver_ok(driver, "12.0"):  # a driver too old to report compute_cap
+    # HYBRIDTRAIN_TORCH=system with a driver API version: the driver library torch loads decides, not nvidia-smi
+    by_api = torch_cuda not in ("", "none") and driver_api > 0
+    if not caps and driver and not driver_ok(driver, "12.0") and not by_api:  # too old to report compute_cap
         plan.error = (f"the NVIDIA driver {driver} is older than r525 (525.60.13), the oldest that any torch "
                       f"build hybridtrain installs runs on (CUDA 12): upgrade the driver (r580+ for CUDA 13)")
         return plan
@@ -247,8 +313,14 @@ def choose(caps: list, driver: str, torch_version: str = PINNED_TORCH, torch_cud
         what = "no NVIDIA GPU" + (f" (driver {driver} but no GPU compute capability reported)" if driver else "")
         plan.lines.append(f"node: {what}: the install is the one for CPUs")
         if torch_cuda:
+            error, warning = (system_driver_check(torch_version, torch_cuda, driver, driver_api, cuda_init)
+                              if by_api else ("", ""))
+            if error:
+                plan.error = error
+                return plan
             plan.lines.append(f"torch: the installed torch {torch_version} (CUDA {torch_cuda or 'none'}), "
                               f"HYBRIDTRAIN_TORCH=system")
+            plan.lines += [warning] if warning else []
         else:
             plan.index = index
             plan.lines.append(f"torch {plan.torch} and torchvision {plan.torchvision} from "
@@ -259,7 +331,7 @@ def choose(caps: list, driver: str, torch_version: str = PINNED_TORCH, torch_cud
         return plan
     node = ", ".join(f"{n} x {generation(c)}" for c, n in sorted(count(caps).items()))
     plan.lines.append(f"node: {node}, driver {driver or 'unknown'}")
-    if driver and not driver_ok(driver, "12.0"):
+    if driver and not driver_ok(driver, "12.0") and not by_api:
         plan.error = (f"the NVIDIA driver {driver} is older than r525 (525.60.13), the oldest that any torch "
                       f"build hybridtrain installs runs on (CUDA 12): upgrade the driver (r580+ for CUDA 13)")
         return plan
@@ -271,14 +343,12 @@ def choose(caps: list, driver: str, torch_version: str = PINNED_TORCH, torch_cud
     if torch_cuda:  # HYBRIDTRAIN_TORCH=system: check the installed torch against the node
         build = Build("system", torch_cuda, "", ())
         plan.cuda = torch_cuda
-        if driver and not driver_ok(driver, torch_cuda):
-            need = build.min_driver
-            plan.error = (f"HYBRIDTRAIN_TORCH=system: the installed torch {torch_version} is built for CUDA "
-                          f"{torch_cuda}, which needs driver r{need[0]} ({driver_name(need)}) or newer, and this "
-                          f"node has {driver}: upgrade the driver, or install torch's CUDA 12.6 build "
-                          f"(leave HYBRIDTRAIN_TORCH unset)")
+        error, warning = system_driver_check(torch_version, torch_cuda, driver, driver_api, cuda_init)
+        if error:
+            plan.error = error
             return plan
         plan.lines.append(f"torch: the installed torch {torch_version} (CUDA {torch_cuda}), HYBRIDTRAIN_TORCH=system")
+        plan.lines += [warning] if warning else []
     else:
         builds = builds_for(torch_version)
         fits = [b for b in builds if all(kernels_for(c, b.archs) for c in caps) and
@@ -298,10 +368,18 @@ def choose(caps: list, driver: str, torch_version: str = PINNED_TORCH, torch_cud
             "PyTorch's own wheel index " + build.index if build.index else "the registry (its default build)")
         plan.lines.append(f"torch {plan.torch} and torchvision {plan.torchvision}, the CUDA {build.cuda} build "
                           f"({build.variant}), from {source}{why}")
+        host = "" if index else index_host(build.index)
+        if host:  # not the registry: a node that reaches only the registry (or nothing) cannot fetch it
+            plan.lines.append(f"download: torch and torchvision come from {host}, not the registry: where this node "
+                              f"cannot reach {host} (offline, or a registry mirror only), install with "
+                              f"HYBRIDTRAIN_TORCH=system (a Python that has torch already, e.g. an image's) or "
+                              f"HYBRIDTRAIN_TORCH_INDEX=DIR (a folder holding the {build.variant} wheels of torch "
+                              f"{plan.torch} and torchvision {plan.torchvision})")
     cuda_major = version_tuple(build.cuda)[0]
     plan.dali = dali or f"{cuda_major}0"
     dali_major = int(plan.dali) // 10
-    if dali_major >= 13 and (min(caps) < (7, 5) or (driver and not driver_ok(driver, "13.0"))):
+    cuda13_driver = driver_api >= 13000 if by_api else (not driver or driver_ok(driver, "13.0"))
+    if dali_major >= 13 and (min(caps) < (7, 5) or not cuda13_driver):
         plan.error = (f"DALI_CUDA_MAJOR={plan.dali}: DALI's cuda130 build needs sm_75+ and driver r580+, and this "
                       f"node has {node}, driver {driver}: use DALI_CUDA_MAJOR=120, or leave it unset")
         return plan
@@ -314,6 +392,20 @@ def choose(caps: list, driver: str, torch_version: str = PINNED_TORCH, torch_cud
                       + (f", NCCL: {nccl}, kernels for HOROVOD_BUILD_CUDA_CC_LIST={plan.cc_list}"
                          if plan.gpu_operations == "NCCL" else ""))
     return plan
+
+
+def system_torchvision(torch_version: str, python: str) -> tuple[str, str]:
+    """HYBRIDTRAIN_TORCH=system and ``python`` has torch but no torchvision: (error, plan line). install.sh adds
+    the torchvision release paired with that torch (:func:`torchvision_pairing`) with --no-deps, so that the
+    torch stays the installed one, and then checks that its ops load."""
+    pair = torchvision_pairing(torch_version)
+    if not pair:
+        return (f"HYBRIDTRAIN_TORCH=system: {python} has torch {torch_version} and no torchvision, and hybridtrain "
+                f"knows no torchvision release for that torch: install torchvision for {python}, or leave "
+                f"HYBRIDTRAIN_TORCH unset for torch {PINNED_TORCH}"), ""
+    return "", (f"torchvision: {python} has none: torchvision {pair}, the release paired with torch {torch_version}, "
+                f"is installed into the venv with --no-deps (the torch stays the installed one) from the wheelhouse "
+                f"or the registry, and must load its ops with that torch")
 
 
 def count(items: list) -> dict:
@@ -344,11 +436,11 @@ def kernel_refusal(cap: tuple, name: str, archs, torch_version: str, torch_cuda:
             f"{', '.join(archs) or 'no GPU'}: {fix} (docs/hardware.md)")
 
 
-def driver_refusal(driver_api: int, torch_cuda: str) -> str:
-    """'' when the driver runs torch's CUDA, else the one line. ``driver_api``: the CUDA version the driver
+def driver_shortfall(driver_api: int, torch_cuda: str) -> str:
+    """'' when the driver runs torch's CUDA, else why not (no fix). ``driver_api``: the CUDA version the driver
     supports (cuDriverGetVersion: 12020 = 12.2). CUDA 12.x runs on any 12.x driver (r525+) through minor
-    version compatibility; CUDA 13.x needs a 13.x driver (r580+)."""
-    if not torch_cuda or driver_api <= 0:
+    version compatibility; CUDA 13.x needs a 13.x driver (r580+, or forward compatibility's cuda-compat)."""
+    if not torch_cuda or torch_cuda == "none" or driver_api <= 0:
         return ""
     need = version_tuple(torch_cuda)[0]
     have = (driver_api // 1000, driver_api % 1000 // 10)
@@ -356,8 +448,16 @@ def driver_refusal(driver_api: int, torch_cuda: str) -> str:
         return ""
     minimum = MIN_DRIVER.get(need, (0,))
     return (f"the NVIDIA driver supports CUDA {have[0]}.{have[1]} and this torch is built for CUDA {torch_cuda}, "
-            f"which needs driver r{minimum[0]} ({driver_name(minimum)}) or newer: upgrade the driver, or reinstall "
-            f"with ./install.sh, which picks torch's CUDA {have[0]} build for this driver (docs/hardware.md)")
+            f"which needs driver r{minimum[0]} ({driver_name(minimum)}) or newer")
+
+
+def driver_refusal(driver_api: int, torch_cuda: str) -> str:
+    """'' when the driver runs torch's CUDA, else the one line (:func:`driver_shortfall` and the fix)."""
+    short = driver_shortfall(driver_api, torch_cuda)
+    if not short:
+        return ""
+    return (f"{short}: upgrade the driver, or reinstall with ./install.sh, which picks torch's CUDA "
+            f"{driver_api // 1000} build for this driver (docs/hardware.md)")
 
 
 def bf16_refusal(cap: tuple, name: str, dtypes) -> str:
@@ -425,18 +525,56 @@ def driver_api_version() -> int:
         return 0
 
 
+def driver_init_result() -> int:
+    """cuInit(0)'s result (CUresult) from libcuda in this process: 0 when the driver initialises (or there is no
+    libcuda to ask); 803/804 when the forward-compatibility libcuda cannot run on this GPU or kernel driver."""
+    import ctypes
+    try:
+        return int(ctypes.CDLL("libcuda.so.1").cuInit(0))
+    except (OSError, AttributeError):
+        return 0
+
+
+def probe_torch() -> str:
+    """What install.sh's plan needs from the torch of this Python (HYBRIDTRAIN_TORCH=system), as
+    'version cuda driver_api cuinit torchvision': torch.__version__, torch.version.cuda ('none' for a CPU build),
+    the driver API version and cuInit's result that this process gets from libcuda (what the trainer's check and
+    torch itself see: forward compatibility's cuda-compat included; 0 0 without libcuda), and 'none' when
+    torchvision is not installed ('present' otherwise; whether its ops load is install.sh's check). '' when no
+    torch imports."""
+    import importlib.util
+    try:
+        import torch
+    except Exception:  # noqa: BLE001 - any failure to import is "no torch that imports"
+        return ""
+    cuda = torch.version.cuda or ""
+    api = driver_api_version() if cuda else 0
+    init = driver_init_result() if api > 0 else 0
+    vision = "present" if importlib.util.find_spec("torchvision") is not None else "none"
+    return f"{torch.__version__} {cuda or 'none'} {api} {init} {vision}"
+
+
 # ----------------------------------------------------------------------------- install.sh's entry point
+
+def int_or_zero(text: str) -> int:
+    return int(text) if re.fullmatch(r"-?\d+", text) else 0
+
 
 def main(argv: list[str]) -> int:
     """``plan``: read nvidia-smi's CSV from stdin, the settings from the environment (HYBRIDTRAIN_TORCH,
-    HYBRIDTRAIN_TORCH_INDEX, DALI_CUDA_MAJOR, HOROVOD_GPU_OPERATIONS, and PLAN_SYSTEM_TORCH='version cuda' for
-    HYBRIDTRAIN_TORCH=system); print PLAN_* shell assignments. ``check-torch VERSION``: the refusal line, if any."""
+    HYBRIDTRAIN_TORCH_INDEX, DALI_CUDA_MAJOR, HOROVOD_GPU_OPERATIONS, and for HYBRIDTRAIN_TORCH=system
+    PLAN_SYSTEM_TORCH, what ``probe-torch`` printed: 'version cuda [driver_api cuinit torchvision]'); print PLAN_*
+    shell assignments. ``probe-torch``: see :func:`probe_torch`. ``check-torch VERSION``: the refusal line, if
+    any."""
     if argv[:1] == ["check-torch"] and len(argv) == 2:
         line = check_torch_version(argv[1])
         print(line)
         return 1 if line else 0
+    if argv == ["probe-torch"]:
+        print(probe_torch())
+        return 0
     if argv[:1] != ["plan"]:
-        print("usage: python -m hybridtrain.distributed.node plan < nvidia-smi.csv | check-torch VERSION",
+        print("usage: python -m hybridtrain.distributed.node plan < nvidia-smi.csv | probe-torch | check-torch VERSION",
               file=sys.stderr)
         return 2
     caps, driver = parse_smi(sys.stdin.read())
@@ -445,13 +583,20 @@ def main(argv: list[str]) -> int:
     kwargs = {"index": os.environ.get("HYBRIDTRAIN_TORCH_INDEX", ""), "dali": os.environ.get("DALI_CUDA_MAJOR", ""),
               "gpu_operations": ops if ops is not None else None}
     if mode == "system":
-        version, _, cuda = os.environ.get("PLAN_SYSTEM_TORCH", "").partition(" ")
-        plan = choose(caps, driver, version, torch_cuda=cuda or "none", **kwargs)
+        python = os.environ.get("PYTHON") or "python3"
+        version, cuda, api, init, vision = (os.environ.get("PLAN_SYSTEM_TORCH", "").split() + [""] * 5)[:5]
+        plan = choose(caps, driver, version, torch_cuda=cuda or "none", driver_api=int_or_zero(api),
+                      cuda_init=int_or_zero(init), **kwargs)
         plan.torch = plan.torchvision = ""
         plan.error = (check_system_torch(version) if version else
-                      f"HYBRIDTRAIN_TORCH=system: {os.environ.get('PYTHON') or 'python3'} has no torch that imports: "
+                      f"HYBRIDTRAIN_TORCH=system: {python} has no torch that imports: "
                       f"install torch (2.{OLDEST_TORCH[1]} or newer) for it, or leave HYBRIDTRAIN_TORCH unset for "
                       f"torch {PINNED_TORCH}") or plan.error
+        if version and vision == "none" and not plan.error:
+            plan.error, line = system_torchvision(version, python)
+            plan.torchvision = torchvision_pairing(version) if not plan.error else ""
+            at = next((i + 1 for i, text in enumerate(plan.lines) if text.startswith("torch: ")), len(plan.lines))
+            plan.lines.insert(at, line)
         if plan.cuda == "none":
             plan.cuda = ""
     else:
