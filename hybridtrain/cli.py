@@ -21,8 +21,10 @@ BENCH_PRECISIONS = ("fp64", "fp32", "mixed-fp16", "mixed-bf16", "layered", "fp16
 
 
 def cmd_train(args) -> int:
+    # The command line, the recipe, its --set overrides and its paths are checked first, without torch or Horovod
+    # (config and launcher import neither): a typo is refused in a fraction of a second, not after ~5 s of imports.
+    # What needs torch (the device, the data, the run_dir's lock) is checked by the engine afterwards.
     from hybridtrain.config import load_config
-    from hybridtrain.engine.loop import run_training
     if args.resume not in (None, "required", "auto"):
         raise UserError(f"--resume takes no value or 'auto', got '{args.resume}': e.g. --resume auto")
     cfg = load_config(args.config, with_engine(args), for_command="train")
@@ -33,11 +35,12 @@ def cmd_train(args) -> int:
             raise UserError("--elastic is Horovod's elastic training and this job runs the torch engine: launch with "
                             "horovodrun --min-np/--max-np and --engine horovod, or drop --elastic and let torchrun "
                             "--max-restarts rerun the job with --resume auto (docs/elastic.md)")
-        from hybridtrain.engine.elastic import run_elastic
         if args.move_aside:
             raise UserError("--move-aside is for static runs; with --elastic, give a new run_dir or --resume")
+        from hybridtrain.engine.elastic import run_elastic  # torch and Horovod from here on
         finished = run_elastic(cfg, resume=args.resume)
     else:
+        from hybridtrain.engine.loop import run_training  # torch from here on
         finished = run_training(cfg, resume=args.resume, move_aside=args.move_aside)
     if finished:  # rank 0 of a run that trained its last epoch: the paper's report
         from hybridtrain.reports.report import report_run, summary_table
@@ -129,6 +132,10 @@ def cmd_bench(args) -> int:
     sets += ["data.channels_last=true"] if args.channels_last else []
     if args.find_max_batch:
         return cmd_find_max_batch(args, sets)
+    from hybridtrain.config import load_config
+    from hybridtrain.perf.bench_sets import row_sets
+    # the first row's config, as bench loads it, before torch is imported: a typo is refused at once
+    load_config(args.config, row_sets(sets, (args.precision or [None])[0], (args.batch_size or [None])[0]))
     from hybridtrain.perf.step_bench import bench, format_table
     rows = bench(args.config, sets, args.precision or [], args.batch_size or [], args.steps, args.warmup,
                  args.baseline, args.profile, args.threads, launched_engines(args), args.phase)
@@ -149,7 +156,7 @@ def cmd_find_max_batch(args, sets: list[str]) -> int:
 
     from hybridtrain.config import load_config
     from hybridtrain.perf.max_batch import explain_cpu, find_max_batch, format_trials
-    from hybridtrain.perf.step_bench import precision_sets
+    from hybridtrain.perf.bench_sets import precision_sets
     if args.start_batch < 0 or args.batch_granularity < 1 or not 0 <= args.memory_margin < 1:
         raise UserError("--start-batch must be >= 0 (0 = the recipe's train.batch_size), --batch-granularity >= 1 "
                         "and --memory-margin in [0, 1)")
@@ -168,6 +175,8 @@ def cmd_find_max_batch(args, sets: list[str]) -> int:
 def cmd_bench_optim(args) -> int:
     if args.json is not None:
         check_output_file(args.json, "--json", "bench-optim.json")
+    from hybridtrain.config import load_config
+    load_config(args.config, args.set + ["optim.name=hybrid"])  # bench_optimizer's config, checked before torch
     from hybridtrain.perf.optim_bench import bench_optimizer, format_table
     rows = bench_optimizer(args.config, args.set, args.steps, args.warmup, args.threads, args.fused)
     print(format_table(rows))
@@ -245,12 +254,12 @@ def cmd_predict(args) -> int:
 
 def cmd_plot_schedule(args) -> int:
     from hybridtrain.config import load_config
-    from hybridtrain.optim.plot import plot_schedule
     if args.ranks < 1 or args.iters_per_epoch < 1:
         raise UserError("--ranks and --iters-per-epoch must be >= 1")
     check_output_file(args.out, "--out", "schedule.png")
     check_image_format(args.out, "--out")
     cfg = load_config(args.config, args.set + ["optim.name=hybrid"])
+    from hybridtrain.optim.plot import plot_schedule  # torch (the optimizers' package) after the recipe's checks
     with atomic_path(args.out) as tmp:
         plot_schedule(cfg, args.ranks, args.iters_per_epoch, tmp)
     print(f"wrote {args.out}")

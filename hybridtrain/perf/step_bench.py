@@ -39,6 +39,7 @@ from hybridtrain.models import model_from_config
 from hybridtrain.optim import create_optimizer, optimizer_spec
 from hybridtrain.optim.schedules import HYBRID_PHASES, hybrid_phase_start
 from hybridtrain.outputs import markdown_table
+from hybridtrain.perf.bench_sets import row_sets
 from hybridtrain.perf.host_syncs import count_host_syncs
 from hybridtrain.precision.policy import check_hardware, prepare_model, resolve_policy, set_fp32_math
 from hybridtrain.precision.scaler import create_scaler
@@ -73,17 +74,6 @@ def bench_device() -> torch.device:
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def precision_sets(spec: str) -> list[str]:
-    """``mixed-bf16`` -> the config overrides it stands for."""
-    mode, _, dtype = spec.partition("-")
-    # each mode with its own loss scaling and all-reduce compression (auto), whatever the recipe's mode had
-    sets = [f"precision.mode={mode}", "precision.loss_scaling=auto", "horovod.compression=auto"]
-    sets += [f"precision.compute_dtype={dtype}"] if dtype else []
-    if mode == "fp16_pure":
-        sets += ["optim.name=goyal", "model.residual_bn_scale=0.25"]  # FP16 state: no AdaBound (docs/precision.md)
-    return sets
 
 
 def warm_up(step, warmup: int, device: torch.device, label: str, held: dict | None = None) -> dict:
@@ -296,8 +286,7 @@ def bench(config: str | None, overrides: list[str], precisions: list[str], batch
     rows = []
     for batch in batch_sizes if batch_sizes else [None]:  # None: the recipe's train.batch_size
         for spec in precisions or [None]:
-            sets = list(overrides) + (precision_sets(spec) if spec else []) + (
-                [f"train.batch_size={batch}"] if batch is not None else [])
+            sets = row_sets(overrides, spec, batch)
             cfg = load_config(config, sets)
             set_fp32_math(cfg.precision.tf32)  # both loops alike
             check_phase(cfg, phase)  # a phase the recipe lacks: one line before any work
