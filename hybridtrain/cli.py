@@ -155,8 +155,8 @@ def cmd_find_max_batch(args, sets: list[str]) -> int:
     import torch
 
     from hybridtrain.config import load_config
-    from hybridtrain.perf.max_batch import explain_cpu, find_max_batch, format_trials
     from hybridtrain.perf.bench_sets import precision_sets
+    from hybridtrain.perf.max_batch import explain_cpu, find_max_batch, format_trials
     if args.start_batch < 0 or args.batch_granularity < 1 or not 0 <= args.memory_margin < 1:
         raise UserError("--start-batch must be >= 0 (0 = the recipe's train.batch_size), --batch-granularity >= 1 "
                         "and --memory-margin in [0, 1)")
