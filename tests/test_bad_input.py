@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 
 import pytest
+import yaml
 from conftest import HYBRIDTRAIN, assert_one_error_line, horovodrun, run, tiny_config
 
 
@@ -89,3 +91,48 @@ def test_num_classes_mismatch(small_digits, tmp_path, write_config):
 def test_command_line_usage_errors(argv, needle):
     proc = run([HYBRIDTRAIN, *argv])
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and needle in proc.stderr
+
+
+def imported_modules(stderr: str) -> set[str]:
+    """The modules a process run with ``python -X importtime`` imported (its stderr lists one per line)."""
+    return {line.rsplit("|", 1)[1].strip() for line in stderr.splitlines() if line.startswith("import time:")}
+
+
+def refused_without_torch(argv: list[str], *needles: str) -> str:
+    """``hybridtrain ARGV`` run by the venv's python with -X importtime: refused in one line, exit 2, and neither
+    torch nor Horovod imported (the refusal does not wait ~5 s for them)."""
+    proc = run([sys.executable, "-X", "importtime", HYBRIDTRAIN, *argv], timeout=120)
+    line = assert_one_error_line(proc, *needles)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    modules = imported_modules(proc.stderr)
+    assert {"yaml", "hybridtrain.config"} <= modules, "the import listing was read"
+    heavy = sorted(m for m in modules if m.split(".")[0] in ("torch", "horovod", "torchvision"))
+    assert not heavy, f"imported before the refusal: {heavy[:5]}"
+    return line
+
+
+def test_train_refuses_a_config_typo_before_importing_torch(tmp_path, write_config):
+    """issue 32: the recipe, its --set overrides, its paths and the command line are checked before torch or
+    Horovod is imported, with the same line and exit status as before."""
+    cfg = tiny_config(str(tmp_path / "data"), str(tmp_path / "run"))
+    (tmp_path / "data").mkdir()
+    good = write_config(cfg)
+    cfg["train"]["epochz"] = 3  # a typo'd key in the YAML file
+    typo = write_config(cfg, "typo.yaml")
+    refused_without_torch(["train", "--config", typo], "unknown key 'train.epochz'", "train.epochs")
+    refused_without_torch(["train", "--config", good, "--set", "optim.lrr=1"], "unknown key 'optim.lrr'", "optim.lr")
+    refused_without_torch(["train", "--config", good, "--set", "data.path=" + str(tmp_path / "nowhere")],
+                          "data directory not found")
+    refused_without_torch(["train", "--config", good, "--resume", "sometimes"], "--resume takes no value or 'auto'")
+    refused_without_torch(["train", "--config", str(tmp_path / "nope.yaml")], "config file not found")
+
+
+@pytest.mark.parametrize("argv", [["bench"], ["bench", "--precision", "fp16_pure", "--batch-size", "4"],
+                                  ["bench-optim"], ["plot-schedule", "--out", "SCHEDULE"],
+                                  ["experiment", "lars", "--out", "EXPERIMENT"], ["scale", "--out", "SCALE"]])
+def test_the_other_commands_refuse_a_config_typo_before_importing_torch(argv, tmp_path):
+    config = tmp_path / "recipe.yaml"
+    config.write_text(yaml.safe_dump({"train": {"epochs": 2}}))
+    argv = [str(tmp_path / a) if a.isupper() else a for a in argv]
+    refused_without_torch([*argv, "--config", str(config), "--set", "optim.lrr=1"], "unknown key 'optim.lrr'")
+    assert os.listdir(tmp_path) == ["recipe.yaml"]  # nothing written
