@@ -18,7 +18,11 @@
 #       HOROVOD_NCCL_HOME/_INCLUDE/_LIB when set, else a system NCCL, else torch's own nvidia-nccl wheel.
 #   HYBRIDTRAIN_TORCH=pinned (default): torch 2.13.0 and torchvision 0.28.0 from the registry.
 #       HYBRIDTRAIN_TORCH=system: the venv is made with --system-site-packages and uses the torch (>= 2.3) and
-#       torchvision that $PYTHON already has, e.g. an NGC image's; no torch is installed.
+#       torchvision that $PYTHON already has, e.g. an NGC image's; no torch is installed. Whether that torch's
+#       CUDA runs is decided by the driver library $PYTHON loads (cuDriverGetVersion, as the trainer's check):
+#       a CUDA 13 image on an r535-r570 data-centre driver runs through NVIDIA's forward compatibility, and the
+#       older nvidia-smi driver is only a warning. A torch without torchvision gets the torchvision release
+#       paired with it (--no-deps, from the wheelhouse or the registry), whose ops must then load.
 #   HYBRIDTRAIN_WHEELHOUSE=DIR  offline: every package comes from DIR (pip --no-index --find-links DIR), the
 #       Horovod source horovod-0.28.1.tar.gz too (unless $HYBRIDTRAIN_CACHE/sdist has it); pip is not upgraded.
 #   HYBRIDTRAIN_PIP_CONFIG=auto|site|clean  which pip configuration every pip call uses, the Horovod build's
@@ -38,8 +42,9 @@
 # On a GPU node the install chooses by what `nvidia-smi --query-gpu=compute_cap,driver_version` reports
 # (hybridtrain/distributed/node.py; docs/hardware.md has the table and its sources):
 #   - torch: the registry's default build (CUDA 13.0) for Turing (sm_75) and newer on an r580+ driver; the
-#     CUDA 12.6 build from PyTorch's own wheel index for Pascal/Volta or an r525-r570 driver; one error line
-#     when no build of the pinned torch fits, naming what to install instead;
+#     CUDA 12.6 build from PyTorch's own wheel index for Pascal/Volta or an r525-r570 driver (the plan names
+#     that host: where the node cannot reach it, HYBRIDTRAIN_TORCH=system or HYBRIDTRAIN_TORCH_INDEX=DIR); one
+#     error line when no build of the pinned torch fits, naming what to install instead;
 #   - DALI: nvidia-dali-cuda130 or -cuda120 to match torch's CUDA;
 #   - Horovod: HOROVOD_GPU_OPERATIONS=NCCL (unless set), its kernels for the node's compute capabilities
 #     (HOROVOD_BUILD_CUDA_CC_LIST, unless set), NCCL from the system or from torch's matching NCCL wheel.
@@ -194,8 +199,9 @@ plan_node() {
     smi="$(nvidia-smi --query-gpu=compute_cap,driver_version --format=csv,noheader 2>&1)" \
       || smi="$smi"$'\n'"$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | sed 's/^/-, /')"
   fi
-  if [ "$TORCH_MODE" = system ]; then
-    system_torch="$("$PYTHON" -c 'import torch; print(torch.__version__, torch.version.cuda or "none")' 2>/dev/null)" || system_torch=""
+  if [ "$TORCH_MODE" = system ]; then   # torch's version and CUDA, and the driver API its process loads
+    system_torch="$(PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m hybridtrain.distributed.node probe-torch 2>/dev/null)" \
+      || fail "could not ask $PYTHON about its torch (python -m hybridtrain.distributed.node probe-torch): run it to see why"
   fi
   out="$(printf '%s\n' "$smi" | PLAN_SYSTEM_TORCH="$system_torch" PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" \
          "$PYTHON" -m hybridtrain.distributed.node plan)" || fail "could not work out this node's plan with $PYTHON (hybridtrain/distributed/node.py): see its error above"
@@ -264,10 +270,52 @@ read_torch() { read -r TORCH_V TORCH_CUDA < <(vpy -c 'import torch; print(torch.
 torch_version() { [ -n "$TORCH_V" ] || read_torch; echo "$TORCH_V"; }
 torch_cuda() { [ "$TORCH_CUDA" != "-" ] || read_torch; echo "$TORCH_CUDA"; }
 
+# HYBRIDTRAIN_TORCH=system and $PYTHON has torch but no torchvision (a torch-only image): the torchvision release
+# paired with that torch (the plan's PLAN_TORCHVISION, node.py's torchvision_pairing) goes into the venv with
+# --no-deps, so that pip never replaces the installed torch, then its other requirements (Pillow, NumPy) unless
+# they are there; from the wheelhouse, else the registry. Its ops must load with that torch, else it is removed
+# again and the install stops in one line. Returns 1 (the caller's line) unless torch is there without torchvision.
+add_system_torchvision() {
+  local t tv cuda from="${WHEELHOUSE:-the registry}"
+  vpy -c 'import importlib.util, sys; import torch; sys.exit(importlib.util.find_spec("torchvision") is not None)' >>"$LOG" 2>&1 \
+    || return 1
+  t="$(vpy -c 'import torch; print(torch.__version__)')"; cuda="$(vpy -c 'import torch; print(torch.version.cuda or "none")')"
+  tv="$PLAN_TORCHVISION"
+  [ -n "$tv" ] || fail "HYBRIDTRAIN_TORCH=system: $PYTHON has torch $t and no torchvision, and no torchvision release is known for it: install torchvision for $PYTHON, or leave HYBRIDTRAIN_TORCH unset for torch $TORCH_VERSION"
+  step "installing torchvision $tv for the installed torch $t (HYBRIDTRAIN_TORCH=system; --no-deps, from $from)"
+  run vpip install --no-deps "torchvision==$tv" \
+    || fail "HYBRIDTRAIN_TORCH=system: $PYTHON has torch $t and no torchvision, and torchvision==$tv (the release paired with it) could not be installed from $from: put its wheel (CUDA $cuda) in HYBRIDTRAIN_WHEELHOUSE, or install torchvision for $PYTHON"
+  local -a reqs=()
+  mapfile -t reqs < <(vpy - <<'EOF'
+from importlib.metadata import PackageNotFoundError, requires, version
+try:
+    from packaging.requirements import Requirement
+except ImportError:
+    from pip._vendor.packaging.requirements import Requirement
+for line in requires("torchvision") or []:
+    r = Requirement(line)
+    if r.name.lower() == "torch" or (r.marker is not None and not r.marker.evaluate({"extra": ""})):
+        continue
+    try:
+        if r.specifier.contains(version(r.name), prereleases=True):
+            continue
+    except PackageNotFoundError:
+        pass
+    print(f"{r.name}{r.specifier}")
+EOF
+  )
+  [ ${#reqs[@]} -eq 0 ] || run vpip install "${reqs[@]}" \
+    || fail "HYBRIDTRAIN_TORCH=system: could not install torchvision's requirements ${reqs[*]} from $from: see the log"
+  if ! torch_ok; then
+    run vpip uninstall -y torchvision || true
+    fail "HYBRIDTRAIN_TORCH=system: torchvision $tv does not load its ops with $PYTHON's torch $t (CUDA $cuda), so it was removed again (see the log): install the torchvision built for that torch for $PYTHON (an image's own), or leave HYBRIDTRAIN_TORCH unset for torch $TORCH_VERSION"
+  fi
+}
+
 install_torch() {
   if [ "$TORCH_MODE" = system ]; then
     see_python_site
-    torch_ok || fail "HYBRIDTRAIN_TORCH=system: $PYTHON has no torch >= $OLDEST_TORCH whose torchvision ops load (see the log); install torch and torchvision for $PYTHON, or leave HYBRIDTRAIN_TORCH unset for torch $TORCH_VERSION"
+    torch_ok || add_system_torchvision || fail "HYBRIDTRAIN_TORCH=system: $PYTHON has no torch >= $OLDEST_TORCH whose torchvision ops load (see the log); install torch and torchvision for $PYTHON, or leave HYBRIDTRAIN_TORCH unset for torch $TORCH_VERSION"
     step "using the installed $(torch_desc) (HYBRIDTRAIN_TORCH=system)"; read_torch; return
   fi
   local tv t build="" index="${HYBRIDTRAIN_TORCH_INDEX:-$PLAN_INDEX}"
@@ -283,8 +331,11 @@ install_torch() {
   local -a again=()
   vpy -c 'import torch' >/dev/null 2>&1 && again=(--force-reinstall --no-deps)
   [ ${#again[@]} -eq 0 ] || run vpip install "${again[@]}" "${from[@]}" "torch$(pip_spec "$t")" "torchvision$(pip_spec "$tv")" || true
+  local host="" hint=""
+  case "$index" in http://*|https://*) host="${index#*://}"; host="${host%%/*}" ;; esac
+  [ -z "$host" ] || [ "$PIP_MODE" = wheelhouse ] || hint="; where this node cannot reach $host, use HYBRIDTRAIN_TORCH=system (a Python with torch) or HYBRIDTRAIN_TORCH_INDEX=DIR (a folder with the ${PLAN_VARIANT:-matching} wheels)"
   run vpip install "${from[@]}" "torch$(pip_spec "$t")" "torchvision$(pip_spec "$tv")" \
-    || fail "torch install failed${index:+ (from $index)}: see the log"
+    || fail "torch install failed${index:+ (from $index)}: see the log$hint"
   torch_ok || fail "torch $t and torchvision $tv do not load their ops${PLAN_CUDA:+, or are not the CUDA $PLAN_CUDA build this node needs}: run 'pip uninstall -y torch torchvision' in $VENV and re-run${PIP_MODE:+ (offline: the wheelhouse must hold the ${PLAN_VARIANT:-matching} build)}"
   read_torch
 }
@@ -630,6 +681,8 @@ check_build() {
 apply_plan() {
   plan_node
   [ -z "$PLAN_ERROR" ] || fail "$PLAN_ERROR"
+  local line
+  while IFS= read -r line; do case "$line" in warning:*) note "$line" ;; esac; done <<<"$PLAN_LINES"
   if [ -n "$PLAN_GPU_OPERATIONS" ] && [ -z "${HOROVOD_GPU_OPERATIONS+set}" ]; then export HOROVOD_GPU_OPERATIONS="$PLAN_GPU_OPERATIONS"; fi
   if [ -n "$PLAN_CC_LIST" ] && [ -z "${HOROVOD_BUILD_CUDA_CC_LIST:-}" ]; then export HOROVOD_BUILD_CUDA_CC_LIST="$PLAN_CC_LIST"; fi
 }

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -30,6 +33,8 @@ NODES = [
     ("V100 + r580", "7.0, 580.95.05\n" * 8, "cu126", "120", "no kernels for sm_70"),
     ("T4 + r580", "7.5, 580.95.05\n", "cu130", "130", "from the registry"),
     ("A100 + r550", "8.0, 550.127.05\n" * 8, "cu126", "120", "needs driver r580+"),
+    ("H100 + r550", "9.0, 550.127.05\n" * 8, "cu126", "120", "needs driver r580+"),
+    ("H100 + r570", "9.0, 570.172.08\n" * 8, "cu126", "120", "needs driver r580+"),
     ("H100 + r580", "9.0, 580.65.06\n" * 8, "cu130", "130", "from the registry"),
     ("B200 + r580", "10.0, 580.95.05\n" * 8, "cu130", "130", "from the registry"),
 ]
@@ -123,10 +128,130 @@ def test_a_system_torch_older_than_the_oldest_is_refused(version, ok):
 
 
 def test_system_torch_is_checked_against_the_driver():
+    """Without a driver API version (no libcuda answered, as on a login node), nvidia-smi's driver decides."""
     plan = node.choose([(8, 0)], "550.127.05", "2.9.0", torch_cuda="13.0")
     assert "built for CUDA 13.0, which needs driver r580" in plan.error
     fine = node.choose([(8, 0)], "550.127.05", "2.4.0", torch_cuda="12.4")
     assert fine.error == "" and fine.dali == "120"
+
+
+def test_system_torch_under_forward_compatibility_is_decided_by_the_driver_api():
+    """gpu-path-3 #4: a CUDA 13 torch on an r550 data-centre driver runs through cuda-compat's libcuda, which
+    reports CUDA 13.0 (cuDriverGetVersion 13000): accepted with a warning, as the trainer's check accepts it; the
+    same node whose libcuda reports 12.4 is refused with the trainer's driver line."""
+    plan = node.choose([(9, 0)], "550.54", "2.11.0+cu130", torch_cuda="13.0", driver_api=13000)
+    assert plan.error == "" and (plan.cuda, plan.dali, plan.gpu_operations) == ("13.0", "130", "NCCL")
+    warning = [line for line in plan.lines if line.startswith("warning:")]
+    assert len(warning) == 1 and "kernel driver 550.54 is older than r580" in warning[0], plan.lines
+    assert "forward compatibility" in warning[0] and "supports CUDA 13.0" in warning[0]
+
+    refused = node.choose([(9, 0)], "550.54", "2.11.0+cu130", torch_cuda="13.0", driver_api=12040)
+    assert refused.error.startswith("HYBRIDTRAIN_TORCH=system: " + node.driver_shortfall(12040, "13.0"))
+    assert "the NVIDIA driver supports CUDA 12.4 and this torch is built for CUDA 13.0" in refused.error
+    assert "upgrade the driver to r580" in refused.error and "\n" not in refused.error
+
+    assert node.system_driver_check("2.11.0+cu130", "13.0", "550.54", 13000) == ("", warning[0])
+    assert node.system_driver_check("2.11.0+cu130", "13.0", "580.95.05", 13000) == ("", "")  # nothing to warn
+    # cuInit refuses cuda-compat on this GPU (a consumer GPU, or a compat package for another kernel driver)
+    error, _ = node.system_driver_check("2.11.0+cu130", "13.0", "550.54", 13000, cuda_init=804)
+    assert "CUDA_ERROR_COMPAT_NOT_SUPPORTED_ON_DEVICE" in error and "upgrade the driver" in error
+    # the driver API decides below r525 too (a CUDA 12 image on r470 + cuda-compat), and for DALI's cuda130
+    assert node.choose([(8, 0)], "470.256.02", "2.4.0", torch_cuda="12.4", driver_api=12040).error == ""
+    assert node.choose([(8, 0)], "470.256.02", "2.4.0", torch_cuda="12.4").error.startswith("the NVIDIA driver 470")
+
+
+def plan_module(smi: str, **environ) -> tuple[int, dict, str]:
+    """``python -m hybridtrain.distributed.node plan`` as install.sh runs it: its PLAN_* assignments, parsed."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HOROVOD_", "HYBRIDTRAIN_", "DALI_", "PLAN_"))}
+    env.update(PYTHONPATH=str(REPO), **environ)
+    out = subprocess.run([sys.executable, "-m", "hybridtrain.distributed.node", "plan"], input=smi, env=env,
+                         capture_output=True, text=True, timeout=60)
+    return out.returncode, dict(word.split("=", 1) for word in shlex.split(out.stdout)), out.stderr
+
+
+def test_plan_module_for_a_forward_compatible_image():
+    """The same two nodes through the plan install.sh evaluates (PLAN_SYSTEM_TORCH: what probe-torch prints)."""
+    rc, plan, err = plan_module("9.0, 550.54\n", HYBRIDTRAIN_TORCH="system",
+                                PLAN_SYSTEM_TORCH="2.11.0+cu130 13.0 13000 0 present")
+    assert rc == 0 and plan["PLAN_ERROR"] == "", err
+    assert (plan["PLAN_TORCH"], plan["PLAN_TORCHVISION"], plan["PLAN_CUDA"], plan["PLAN_DALI"]) == ("", "", "13.0", "130")
+    assert "warning: nvidia-smi's kernel driver 550.54 is older than r580" in plan["PLAN_LINES"]
+    rc, plan, err = plan_module("9.0, 550.54\n", HYBRIDTRAIN_TORCH="system",
+                                PLAN_SYSTEM_TORCH="2.11.0+cu130 13.0 12040 0 present")
+    assert rc == 0 and "the NVIDIA driver supports CUDA 12.4 and this torch is built for CUDA 13.0" in plan["PLAN_ERROR"]
+    # what install.sh printed before the driver API was asked ('version cuda'): nvidia-smi decides, as before
+    rc, plan, err = plan_module("9.0, 550.54\n", HYBRIDTRAIN_TORCH="system", PLAN_SYSTEM_TORCH="2.11.0+cu130 13.0")
+    assert "built for CUDA 13.0, which needs driver r580" in plan["PLAN_ERROR"]
+
+
+def stand_in_libcuda(tmp_path: Path, version: int) -> str:
+    """A folder holding a stand-in libcuda.so.1 whose cuDriverGetVersion says ``version`` and whose cuInit
+    succeeds: the driver library a forward-compatible image puts first on the library path."""
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler for the stand-in libcuda.so.1")
+    folder = tmp_path / f"libcuda-{version}"
+    folder.mkdir()
+    src = folder / "libcuda.c"
+    src.write_text(f"int cuDriverGetVersion(int *v) {{ *v = {version}; return 0; }}\n"
+                   "int cuInit(unsigned int flags) { (void)flags; return 0; }\n")
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(folder / "libcuda.so.1"), str(src)], check=True)
+    return str(folder)
+
+
+def test_install_plan_with_a_system_torch_asks_the_driver_library_it_loads(tmp_path):
+    """./install.sh --plan with HYBRIDTRAIN_TORCH=system on an H100 + r550 node (stand-in nvidia-smi) whose library
+    path has a libcuda reporting CUDA 13.0 (cuda-compat's) or 12.4: this venv's real torch is probed with it."""
+    import torch
+    if not torch.version.cuda or not torch.version.cuda.startswith("13."):
+        pytest.skip(f"this venv's torch is not a CUDA 13 build ({torch.version.cuda})")
+    compat = plan_of(tmp_path, "9.0, 550.54.15\n", HYBRIDTRAIN_TORCH="system",
+                     LD_LIBRARY_PATH=stand_in_libcuda(tmp_path, 13000))
+    assert compat.returncode == 0, compat.stderr
+    assert f"plan: torch: the installed torch {torch.__version__} (CUDA {torch.version.cuda})" in compat.stdout
+    assert "plan: warning: nvidia-smi's kernel driver 550.54.15 is older than r580" in compat.stdout, compat.stdout
+    assert "plan: DALI: nvidia-dali-cuda130" in compat.stdout
+    old = plan_of(tmp_path, "9.0, 550.54.15\n", HYBRIDTRAIN_TORCH="system",
+                  LD_LIBRARY_PATH=stand_in_libcuda(tmp_path, 12040))
+    errors = [line for line in old.stderr.splitlines() if line.strip()]
+    assert old.returncode == 1 and len(errors) == 1, old.stderr
+    assert errors[0].startswith("install: error: HYBRIDTRAIN_TORCH=system: the NVIDIA driver supports CUDA 12.4")
+
+
+def test_the_plan_names_the_index_host_and_what_to_do_without_it(tmp_path):
+    """gpu-path-3 #6: on an H100 with r550 the pinned torch comes from PyTorch's own index, not the registry:
+    the plan names that host and the two ways round it; the registry's build gets no such line."""
+    host = urlsplit(node.PYTORCH_INDEX).netloc
+    result = plan_of(tmp_path, "9.0, 550.127.05\n" * 8)
+    assert result.returncode == 0, result.stderr
+    line = next(line for line in result.stdout.splitlines() if line.startswith("plan: download: "))
+    assert f"come from {host}, not the registry" in line and f"cannot reach {host}" in line
+    assert "HYBRIDTRAIN_TORCH=system" in line and "HYBRIDTRAIN_TORCH_INDEX=DIR" in line and "cu126" in line
+    assert "plan: download: " not in plan_of(tmp_path, "9.0, 580.65.06\n").stdout
+    own = plan_of(tmp_path, "9.0, 550.127.05\n", HYBRIDTRAIN_TORCH_INDEX=str(tmp_path))
+    assert "plan: download: " not in own.stdout and f"your HYBRIDTRAIN_TORCH_INDEX {tmp_path}" in own.stdout
+
+
+@pytest.mark.parametrize("torch_version, torchvision", [
+    ("2.3.1", "0.18.1"), ("2.4.1+cu121", "0.19.1"), ("2.5.1", "0.20.1"), ("2.6.0+cu126", "0.21.0"),
+    ("2.7.1", "0.22.1"), ("2.8.0", "0.23.0"), ("2.9.1+cu128", "0.24.1"), ("2.10.0", "0.25.0"),
+    ("2.11.0+cu130", "0.26.0"), (node.PINNED_TORCH, node.PINNED_TORCHVISION),
+    ("2.3.0a0+6ddf5cf85e.nv24.04", "0.18.0"),  # an NGC pre-release: the release it precedes
+    ("2.2.2", ""), ("2.16.0", ""),
+])
+def test_the_torchvision_paired_with_a_torch(torch_version, torchvision):
+    """torchvision's compatibility table (its README: torch 2.x.p with torchvision 0.(x+15).p)."""
+    assert node.torchvision_pairing(torch_version) == torchvision
+
+
+def test_a_system_torch_without_torchvision_gets_the_paired_one_in_the_plan():
+    rc, plan, err = plan_module("9.0, 580.65.06\n", HYBRIDTRAIN_TORCH="system", PYTHON="/opt/py/bin/python3",
+                                PLAN_SYSTEM_TORCH="2.11.0+cu130 13.0 13000 0 none")
+    assert rc == 0 and plan["PLAN_ERROR"] == "" and plan["PLAN_TORCHVISION"] == "0.26.0", err
+    lines = plan["PLAN_LINES"].splitlines()
+    assert lines[1].startswith("torch: the installed torch 2.11.0+cu130") and lines[2].startswith(
+        "torchvision: /opt/py/bin/python3 has none: torchvision 0.26.0, the release paired with torch 2.11.0+cu130")
+    rc, plan, err = plan_module("", HYBRIDTRAIN_TORCH="system", PLAN_SYSTEM_TORCH="2.16.0 13.0 0 0 none")
+    assert "knows no torchvision release for that torch" in plan["PLAN_ERROR"]
 
 
 @pytest.mark.parametrize("setting, value, needle", [
