@@ -54,32 +54,54 @@ def gpus_for_every_rank(ranks: int = 2) -> bool:
     return torch.cuda.device_count() >= ranks
 
 
-def env_with_venv() -> dict:
-    """The venv first on PATH. On a host with fewer GPUs than the 2-rank tests need, every launched process is
-    pinned to the CPU (CUDA_VISIBLE_DEVICES=''): the tests are sized for the CPU, and two ranks on one GPU are
-    refused (train.device, NCCL)."""
+# the options by which a command line starts several ranks: the launchers' (horovodrun, mpirun, torchrun, launch/*)
+# and hybridtrain's own multi-rank commands (scale --np 1,2; the perf probes' --ranks 1,2)
+RANK_OPTIONS = ("-np", "--np", "--ranks", "--max-np", "--nproc-per-node", "--nproc_per_node")
+
+
+def launch_ranks(cmd) -> int:
+    """How many ranks ``cmd`` runs at most: the largest count given to one of RANK_OPTIONS ('-np 2',
+    '--nproc-per-node=2', '--np 1,2'), else 1. Counting too many only pins a job to the CPU as before."""
+    args, most = [str(arg) for arg in cmd], 1
+    for i, arg in enumerate(args):
+        option, eq, value = arg.partition("=")
+        if option not in RANK_OPTIONS:
+            continue
+        value = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+        most = max([most] + [int(part) for part in value.split(",") if part.strip().isdigit()])
+    return most
+
+
+def env_with_venv(ranks: int = 2) -> dict:
+    """The venv first on PATH. A launch of ``ranks`` >= 2 ranks on a host with fewer GPUs than that is pinned to
+    the CPU (CUDA_VISIBLE_DEVICES=''): the multi-rank tests are sized for the CPU, and two ranks on one GPU are
+    refused (train.device, NCCL). A single process (``ranks=1``) keeps the GPUs, so what gpu-check runs on a
+    1-GPU node really runs there. The default is the tests' multi-rank size: a caller that does not say keeps the
+    pinning."""
     env = dict(os.environ)
     env["PATH"] = BIN + os.pathsep + env.get("PATH", "")
     env["PYTHONUNBUFFERED"] = "1"
-    if not gpus_for_every_rank():
+    if ranks >= 2 and not gpus_for_every_rank(ranks):
         env["CUDA_VISIBLE_DEVICES"] = ""
     return env
 
 
-def run(cmd, timeout=600, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env_with_venv(),
+def run(cmd, timeout=600, cwd=None, ranks: int | None = None) -> subprocess.CompletedProcess:
+    """``cmd`` with the venv's environment; ``ranks``: how many ranks it launches (default: ``launch_ranks``)."""
+    ranks = launch_ranks(cmd) if ranks is None else ranks
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env_with_venv(ranks),
                           cwd=cwd or REPO, stdin=subprocess.DEVNULL)
 
 
 def horovodrun(np_: int, args: list[str], timeout=600) -> subprocess.CompletedProcess:
     hosts = f"localhost:{np_}"
-    return run([HOROVODRUN, "--gloo", "-np", str(np_), "-H", hosts, HYBRIDTRAIN, *args], timeout=timeout)
+    return run([HOROVODRUN, "--gloo", "-np", str(np_), "-H", hosts, HYBRIDTRAIN, *args], timeout=timeout, ranks=np_)
 
 
 def torchrun(np_: int, args: list[str], timeout=600) -> subprocess.CompletedProcess:
     """``hybridtrain ARGS`` on ``np_`` local ranks of the torch engine (torchrun, Gloo on the CPU)."""
     return run([TORCHRUN, "--standalone", f"--nproc-per-node={np_}", "--no-python", HYBRIDTRAIN, *args],
-               timeout=timeout)
+               timeout=timeout, ranks=np_)
 
 
 def error_lines(stderr: str) -> list[str]:

@@ -198,18 +198,50 @@ def test_every_resnet50_block_is_compiled_in_training_and_in_evaluation():
 
 def test_horovods_hooks_forced_on_one_rank_give_the_plain_step_with_the_wire_rounding(tmp_path):
     """gpu-path-2 #9: the multi-rank step's Horovod path (gradient hooks, LayoutCompressor, synchronize, unscale),
-    forced on one process (Horovod registers no hooks at size 1), on the GPU under gpu-check, here on the CPU:
-    bitwise the plain optimizer's steps with each gradient rounded as the wire rounds it, NCHW and NHWC, the
-    gradients' layouts kept; the FP16 wire's losses differ from the uncompressed ones (it really rounds)."""
+    forced on one process (Horovod registers no hooks at size 1), on the GPU where this test sees one (gpu-check;
+    gpu-path-3 #7: one process keeps the GPU, even on a 1-GPU node), else on the CPU: bitwise the plain optimizer's
+    steps with each gradient rounded as the wire rounds it, NCHW and NHWC, the gradients' layouts kept; the FP16
+    wire's losses differ from the uncompressed ones (it really rounds)."""
     out = tmp_path / "hooks.json"
-    proc = run([sys.executable, os.path.join(REPO, "tests", "scripts", "horovod_hooks_one_rank.py"), str(out)], timeout=600)
+    proc = run([sys.executable, os.path.join(REPO, "tests", "scripts", "horovod_hooks_one_rank.py"), str(out)],
+               timeout=600, ranks=1)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    results = json.loads(out.read_text())["results"]
+    report = json.loads(out.read_text())
+    assert report["device"] == ("cuda" if torch_cuda_available() else "cpu"), report["device"]
+    results = report["results"]
     assert sorted(results) == ["fp16/nchw", "fp16/nhwc", "none/nchw", "none/nhwc"]
     for case, r in results.items():
         assert r["same_losses"] and r["same_params"] and r["layouts_kept"], (case, r)
         assert r["losses"][-1] < r["losses"][0], (case, r)
     assert results["fp16/nchw"]["losses"] != results["none/nchw"]["losses"]
+
+
+def test_only_launches_of_two_or_more_ranks_are_pinned_to_the_cpu(monkeypatch):
+    """gpu-path-3 #7: the tests pin a launch to the CPU only when it starts more ranks than the host has GPUs; a
+    single process keeps the GPUs (so the test above runs on a 1-GPU node's GPU). run() counts the ranks from
+    the command line as the suite writes them."""
+    import torch
+    from conftest import TORCHRUN, launch_ranks
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert "CUDA_VISIBLE_DEVICES" not in env_with_venv(ranks=1)
+    two = env_with_venv(ranks=2)
+    assert two.get("CUDA_VISIBLE_DEVICES") == ("" if torch.cuda.device_count() < 2 else None)
+    counts = {
+        (HOROVODRUN, "--gloo", "-np", "2", "-H", "localhost:2", HYBRIDTRAIN, "train"): 2,
+        (HOROVODRUN, "--gloo", "-np", "1", "-H", "localhost:1", sys.executable, "script.py"): 1,
+        (TORCHRUN, "--standalone", "--nproc-per-node=2", "--no-python", HYBRIDTRAIN, "train"): 2,
+        (TORCHRUN, "--nproc_per_node", "4", "train.py"): 4,
+        ("mpirun", "--oversubscribe", "-np", "2", "-x", "PATH", HYBRIDTRAIN, "train"): 2,
+        (HYBRIDTRAIN, "scale", "--config", "configs/demo.yaml", "--np", "1,2", "--steps", "4"): 2,
+        (sys.executable, "-m", "hybridtrain.perf.dali_epoch_boundary", "--ranks", "1,2"): 2,
+        (sys.executable, "tests/scripts/horovod_hooks_one_rank.py", "out.json"): 1,
+        (HYBRIDTRAIN, "train", "--config", "c.yaml", "--set", "train.batch_size=2"): 1,
+    }
+    assert {cmd: launch_ranks(cmd) for cmd in counts} == counts
+    shown = "import os; print(repr(os.environ.get('CUDA_VISIBLE_DEVICES')))"
+    assert run([sys.executable, "-c", shown], timeout=60).stdout.strip() == "None"  # one process: the GPUs kept
+    pinned = run([sys.executable, "-c", shown, "-np", "2"], timeout=60).stdout.strip()  # counted as 2 ranks
+    assert pinned == ("''" if torch.cuda.device_count() < 2 else "None")
 
 
 def test_compiled_blocks_keep_horovods_hooks_firing_inside_the_backward():
