@@ -7,6 +7,7 @@ import io
 import os
 import sys
 import tempfile
+import time
 import traceback
 
 # horovodrun, Open MPI, MPICH/Intel MPI, PMIx, torchrun, srun (SLURM_PROCID last: under srun + torchrun it counts nodes)
@@ -155,6 +156,14 @@ def run_guarded(action, crash_log_dir=lambda: None) -> int:
         return _run_guarded(action, crash_log_dir)
 
 
+# A refusal every rank makes (UserError.same_on_all_ranks) is printed by rank 0 alone; the other ranks wait this long
+# before they exit. horovodrun, torchrun and mpirun end the whole job when its first rank exits non-zero, so a rank 1
+# that exits first has rank 0 killed before its line is out: a refusal made before torch is imported takes ~0.1 s, and
+# the ranks' start-up skew is larger than that. Rank 0's exit ends the wait (its launcher stops the other ranks), so
+# the wait costs nothing when rank 0 refuses too; it bounds a job whose rank 0 went on.
+PEER_REFUSAL_WAIT_S = 10.0
+
+
 def _run_guarded(action, crash_log_dir) -> int:
     try:
         return action() or 0
@@ -163,6 +172,8 @@ def _run_guarded(action, crash_log_dir) -> int:
         if rank == 0 or not exc.same_on_all_ranks:
             prefix = "" if rank == 0 else f"rank {rank}: "
             print(f"hybridtrain: error: {prefix}{exc}", file=sys.stderr, flush=True)
+        else:
+            time.sleep(PEER_REFUSAL_WAIT_S)  # rank 0 prints the line, then its exit ends this job
         return 2
     except PeerFailure as exc:
         if exc.announce:
