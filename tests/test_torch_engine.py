@@ -9,6 +9,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -78,6 +79,39 @@ def test_the_rendezvous_comes_from_torchrun_or_from_srun():
         process_env({k: v for k, v in srun_env.items() if k != "MASTER_ADDR"})
 
 
+# ----------------------------------------------------------------------------- the collective timeout (pure)
+
+@pytest.mark.parametrize("stall,gloo", [(600, 60), (8, 300), (1, 60), (60, 3600), (86400, 60)])
+def test_the_collective_timeout_outlasts_the_stall_watchdog_of_every_rank(stall, gloo):
+    """gpu-path-3 #11: NCCL's watchdog (SIGABRT, C++ dumps) or Gloo's timeout must never end a stuck rank before
+    the project's stall watchdog prints its one line, which rank r does stall_shutdown_s + min(r, 30) s after
+    its last step (polling every 0.5 s); the group's timeout is a minute past the last rank's exit."""
+    from hybridtrain.config import load_config
+    from hybridtrain.distributed.torch_distributed import collective_timeout_s
+    from hybridtrain.engine.watchdog import exit_after_s
+    sets = ["horovod.stall_warning_s=1", f"horovod.stall_shutdown_s={stall}", f"horovod.gloo_timeout_s={gloo}"]
+    timeout = collective_timeout_s(load_config(None, sets).horovod)
+    assert timeout == max(gloo, stall + 30 + 60)
+    for rank in (0, 1, 7, 29, 30, 31, 511):
+        assert exit_after_s(stall, rank) == stall + min(rank, 30)
+        assert timeout - (stall + min(rank, 30) + 0.5) > 59  # a minute to print and exit, less one poll
+    off = load_config(None, ["horovod.stall_shutdown_s=0", f"horovod.gloo_timeout_s={gloo}"]).horovod
+    assert collective_timeout_s(off) == max(gloo, 1800) and exit_after_s(0, 3) == 0  # off: torch's 30 minutes
+    assert collective_timeout_s(None) == 1800
+
+
+def test_the_stall_watchdog_ends_a_rank_when_exit_after_s_says():
+    """The timing the timeout above relies on, on the real watchdog: rank 2 with stall_shutdown_s=1 exits (3)
+    with its line 1 + 2 s after its last beat, not sooner."""
+    script = ("import time; from hybridtrain.engine.watchdog import StallWatchdog\n"
+              "w = StallWatchdog(1, 1, rank=2, poll_s=0.05); w.beat(); time.sleep(30)\n")
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=REPO)
+    took = time.monotonic() - start
+    assert proc.returncode == 3 and "rank 2: no training step finished" in proc.stderr, proc.stderr
+    assert 3 <= took < 10, took
+
+
 # ----------------------------------------------------------------------------- the step on DDP (one torchrun job)
 
 def test_the_ddp_step_matches_numpy_fp16_wire_accumulation_channels_last_and_a_skipped_step(tmp_path):
@@ -96,6 +130,8 @@ def test_the_ddp_step_matches_numpy_fp16_wire_accumulation_channels_last_and_a_s
         # the inf was on rank 1 only: both ranks skipped, halved S, then stepped together
         assert mine["skipped_on_this_rank"] and mine["skipped_steps"] == 1 and mine["scale_after"] == 512.0
         assert mine["stepped_after"] and mine["ranks_equal_after"]
+        # gpu-path-3 #12: the second backward accumulates into the bucket views in place (no allocation, no copy)
+        assert mine["grads_accumulated_in_bucket_views"] and mine["grads_still_bucket_views"]
     assert r["group_destroyed"]  # torch's Gloo group left to the interpreter's teardown aborts (SIGABRT) at times
 
 
@@ -229,6 +265,44 @@ def test_horovod_under_torchrun_is_refused_in_one_line(small_digits, tmp_path, w
     lines = error_lines(proc.stdout + proc.stderr)
     assert proc.returncode != 0 and len(lines) == 1, proc.stderr[-3000:]
     assert "launch with horovodrun" in lines[0] and not our_frames(proc.stdout + proc.stderr)
+
+
+# imported by every Python process of a launch (PYTHONPATH): a rank says at exit, before the interpreter's
+# teardown, whether its process group is still alive
+GROUP_AT_EXIT_PROBE = """
+import atexit, os, sys
+def _say():
+    if "LOCAL_RANK" in os.environ and "torch.distributed" in sys.modules:
+        alive = sys.modules["torch.distributed"].is_initialized()
+        print(f"probe: rank {os.environ['RANK']}: group alive at exit: {alive}", file=sys.stderr, flush=True)
+atexit.register(_say)
+"""
+
+
+def test_a_refusal_after_the_group_formed_ends_both_ranks_with_status_2_and_no_abort(small_digits, tmp_path,
+                                                                                     write_config, monkeypatch):
+    """gpu-path-3 #13: both ranks refuse a Horovod knob in wrap_model, after the process group formed. Each rank
+    destroys its group on the way out (the probe sees it gone at exit), so each ends with the project's status 2
+    and the one line, never with SIGABRT ("terminate called without an active exception", 134) from a group
+    left to the interpreter's teardown, as it did at times."""
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    (probe / "sitecustomize.py").write_text(GROUP_AT_EXIT_PROBE)
+    monkeypatch.setenv("PYTHONPATH", str(probe))
+    cfg = write_config(tiny_config(small_digits, str(tmp_path / "run"), train={"epochs": 1}, optim={"name": "sgd"}))
+    proc = torchrun(2, ["train", "--config", cfg, "--engine", "torch", "--set", "horovod.fusion_threshold_mb=64"])
+    output = proc.stdout + proc.stderr
+    lines = error_lines(output)
+    assert proc.returncode != 0 and len(lines) == 1 and "horovod.fusion_threshold_mb" in lines[0], output[-3000:]
+    assert "terminate called" not in output and "SIGABRT" not in output and not our_frames(output), output[-3000:]
+    # torchrun's report: the first failure it saw is a rank that ended by itself with 2 and had destroyed its
+    # group (a slower rank may still be stopped by torchrun's SIGTERM); no rank aborted (-6)
+    alive = dict(re.findall(r"probe: rank (\d): group alive at exit: (\w+)", output))
+    root = re.search(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", output, re.S)
+    assert root and root.group(2) == "2" and alive.get(root.group(1)) == "False", output[-3000:]
+    assert set(alive.values()) == {"False"}, output[-3000:]
+    statuses = [int(x) for x in re.findall(r"exitcode\s*:\s*(-?\d+)", output)]
+    assert -6 not in statuses and 134 not in statuses, output[-3000:]
 
 
 @pytest.mark.parametrize("sets,needle", [(["--elastic"], "--elastic is Horovod's"),

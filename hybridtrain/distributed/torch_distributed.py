@@ -67,12 +67,24 @@ def backend_for(device: torch.device) -> str:
     return "cpu:gloo,cuda:nccl"
 
 
+# engine/watchdog.py ends rank r min(r, 30) s after stall_shutdown_s (RANK_STAGGER_MAX_S there: distributed/ does
+# not import engine/); the group's timeout leaves the last of them a minute more to print its line and exit
+WATCHDOG_STAGGER_MAX_S = 30
+WATCHDOG_MARGIN_S = 60
+
+
 def collective_timeout_s(horovod_cfg) -> int:
-    """How long one collective may wait for a peer before the group fails: the stall limit (the watchdog ends a
-    stuck rank first), at least the connect timeout; 30 minutes (torch's default) when the stall limit is off."""
+    """How long one collective may wait for a peer before the group fails (Gloo raises; NCCL's watchdog aborts
+    the process with C++ dumps). With the stall limit on, past the stall watchdog's latest exit
+    (``horovod.stall_shutdown_s`` + 30 s of rank stagger) by a minute, so a stuck rank ends with the watchdog's
+    one line and never by the group's timeout first (gpu-path-3 #11); at least the connect timeout
+    (``horovod.gloo_timeout_s``). 30 minutes (torch's default) when the stall limit is off (0)."""
     if horovod_cfg is None:
         return 1800
-    return max(horovod_cfg.gloo_timeout_s, horovod_cfg.stall_shutdown_s or 1800)
+    if not horovod_cfg.stall_shutdown_s:
+        return max(horovod_cfg.gloo_timeout_s, 1800)
+    return max(horovod_cfg.gloo_timeout_s,
+               horovod_cfg.stall_shutdown_s + WATCHDOG_STAGGER_MAX_S + WATCHDOG_MARGIN_S)
 
 
 def init(threads: int = 0, horovod_cfg=None, elastic: bool = False, device: str = "auto") -> Topology:

@@ -2,6 +2,7 @@
 ended by the one end-of-epoch path, and finish."""
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -29,7 +30,7 @@ from hybridtrain.engine.resume import checkpoint_state, restore, resume_state, s
 from hybridtrain.engine.telemetry import ProgressBar, log, tensorboard_writer
 from hybridtrain.engine.trainer import Trainer, build_trainer
 from hybridtrain.engine.watchdog import StallWatchdog
-from hybridtrain.errors import UserError, is_peer_failure
+from hybridtrain.errors import PeerFailure, UserError, is_peer_failure
 from hybridtrain.models.batchnorm import average_running_statistics
 
 
@@ -53,22 +54,39 @@ def claim_run_dir(cfg: Config, topo, resume: str | None, move_aside: bool) -> ru
 def run_training(cfg: Config, resume: str | None = None, move_aside: bool = False) -> dict | None:
     """Train; ``resume``: None (fresh), "required" (a checkpoint must exist) or "auto" (if one exists);
     ``move_aside``: a fresh run moves a previous run's files out of run_dir instead of refusing.
-    When another rank dies, this one raises PeerFailure naming it."""
+    When another rank dies, this one raises PeerFailure naming it.
+
+    The process group is destroyed on the way out, after a finished or preempted run (every rank is past its last
+    collective) and after this rank's own error (gpu-path-3 #13: left to the interpreter's teardown, a Gloo group
+    aborts the process, "terminate called without an active exception", and exit 2 became 134). Destroying is
+    local in torch (no collective: Gloo's group ends its own threads; NCCL's flushes what this rank issued), so a
+    rank that failed alone does not wait for its peers. Not after a peer's failure: a peer may have died inside a
+    collective, and the launcher ends this rank anyway."""
     watch = PreemptionWatch()  # first: a SIGTERM during the setup also ends the run cleanly
     topo = distributed.init(cfg.train.threads, cfg.horovod, device=cfg.train.device, engine=cfg.distributed.engine)
     watch.topo = topo
-    owner = claim_run_dir(cfg, topo, resume, move_aside)  # before the set-up: a refusal costs nothing
+    owner, outcome = None, "failed"
     try:
+        owner = claim_run_dir(cfg, topo, resume, move_aside)  # before the set-up: a refusal costs nothing
         t = build_trainer(cfg, topo)
         watch.every = steps_between_checks(t.updates)
         finished = train_epochs(cfg, t, watch, resume, owner)
-        distributed.shutdown()  # every rank is past its last collective (a finished or a preempted run)
+        outcome = "done"
         return finished
+    except PeerFailure:
+        outcome = "peer failed"
+        raise
     except RuntimeError as exc:
         if is_peer_failure(exc):
+            outcome = "peer failed"
             raise failures.peer_failure(topo) from None
         raise
     finally:
+        if outcome == "done":
+            distributed.shutdown()
+        elif outcome == "failed":
+            with contextlib.suppress(Exception):  # this rank's own error line matters more than the teardown
+                distributed.shutdown()
         if owner:
             owner.release()
 

@@ -6,6 +6,9 @@ why. So every rank also watches itself: the training loop beats after every step
 beat for ``stall_warning_s`` the rank warns once, and for ``stall_shutdown_s`` it prints one line and exits (code
 3), and the launcher then ends the job. The watch starts at the first beat, so start-up and compilation do not
 count. Ranks wait ``rank`` extra seconds (at most 30), so the lowest one still alive speaks first.
+
+The torch engine's collectives time out later than the latest rank's exit here (``torch_distributed.
+collective_timeout_s``), so NCCL's and Gloo's own watchdogs never end a stuck rank before this line.
 """
 from __future__ import annotations
 
@@ -13,6 +16,14 @@ import os
 import sys
 import threading
 import time
+
+
+RANK_STAGGER_MAX_S = 30  # rank r waits min(r, 30) s more than stall_shutdown_s
+
+
+def exit_after_s(shutdown_s: float, rank: int) -> float:
+    """How long after the last beat rank ``rank`` ends itself (give or take one poll); 0: never."""
+    return shutdown_s + min(rank, RANK_STAGGER_MAX_S) if shutdown_s else 0
 
 
 class StallWatchdog:
@@ -46,7 +57,7 @@ class StallWatchdog:
                 print(f"hybridtrain: warning: rank {self.rank}: no training step finished for {idle:.0f} s "
                       f"(horovod.stall_warning_s={self.warning_s:g}): a rank may have hung", file=sys.stderr,
                       flush=True)
-            if self.shutdown_s and idle >= self.shutdown_s + min(self.rank, 30):
+            if self.shutdown_s and idle >= exit_after_s(self.shutdown_s, self.rank):
                 print(f"hybridtrain: error: rank {self.rank}: no training step finished for {idle:.0f} s "
                       f"(horovod.stall_shutdown_s={self.shutdown_s:g}): a rank hung or a collective is stuck, so "
                       f"this rank ends the job; checkpoints are intact: rerun the same command with --resume auto",
