@@ -17,7 +17,6 @@ import sys
 import threading
 import time
 
-
 RANK_STAGGER_MAX_S = 30  # rank r waits min(r, 30) s more than stall_shutdown_s
 
 
