@@ -682,7 +682,7 @@ apply_plan() {
   plan_node
   [ -z "$PLAN_ERROR" ] || fail "$PLAN_ERROR"
   local line
-  while IFS= read -r line; do case "$line" in warning:*) note "$line" ;; esac; done <<<"$PLAN_LINES"
+  while IFS= read -r line; do case "$line" in warning:*|download:*) note "$line" ;; esac; done <<<"$PLAN_LINES"
   if [ -n "$PLAN_GPU_OPERATIONS" ] && [ -z "${HOROVOD_GPU_OPERATIONS+set}" ]; then export HOROVOD_GPU_OPERATIONS="$PLAN_GPU_OPERATIONS"; fi
   if [ -n "$PLAN_CC_LIST" ] && [ -z "${HOROVOD_BUILD_CUDA_CC_LIST:-}" ]; then export HOROVOD_BUILD_CUDA_CC_LIST="$PLAN_CC_LIST"; fi
 }

@@ -176,15 +176,15 @@ def _cut_off_network() -> tuple[list[str], dict, str]:
                 "no_proxy": ""}, "dead proxies"
 
 
-def _link_torch_as_system(site_dir: Path) -> None:
-    """Stands in for a torch preinstalled outside hybridtrain's venv (as on an NGC image): torch, torchvision and
-    their requirements, linked from this venv into site_dir."""
+def _link_torch_as_system(site_dir: Path, packages: tuple = ("torch", "torchvision")) -> None:
+    """Stands in for a torch preinstalled outside hybridtrain's venv (as on an NGC image): ``packages`` (torch and
+    torchvision) and their requirements, linked from this venv into site_dir."""
     site_dir.mkdir(parents=True, exist_ok=True)
     script = r"""
 import sys, re
 from importlib.metadata import distribution
 from pathlib import Path
-seen, todo, tops = set(), ["torch", "torchvision"], set()
+seen, todo, tops = set(), sys.argv[1:], set()
 while todo:
     name = re.split(r"[ ;<>=!~\[(]", todo.pop())[0].lower().replace("_", "-")
     if not name or name in seen:
@@ -200,7 +200,7 @@ while todo:
             tops.add(f.parts[0])
 print("\n".join(sorted(tops)))
 """
-    out = subprocess.run([str(VENV_PY), "-c", script], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([str(VENV_PY), "-c", script, *packages], capture_output=True, text=True, check=True).stdout
     ours = Path(subprocess.run([str(VENV_PY), "-c", "import torch, os; print(os.path.dirname(os.path.dirname(torch.__file__)))"],
                                capture_output=True, text=True, check=True).stdout.strip())
     for top in out.split():
@@ -274,6 +274,132 @@ def test_offline_install_from_wheelhouse_with_system_torch(tmp_path):
     assert hvd_file.startswith(str(venv)), hvd_file
     assert ht_file.startswith(str(REPO / "hybridtrain")), ht_file
     assert torch_file.startswith(str(node_site)), torch_file
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# HYBRIDTRAIN_TORCH=system with a torch but no torchvision (gpu-path-3 #6)
+
+def _torch_only_python(tmp_path: Path) -> Path:
+    """A Python that is itself a venv holding this venv's torch and NumPy (linked) but no torchvision and no
+    Pillow: a torch-only image."""
+    base_python = subprocess.run([str(VENV_PY), "-c", "import sys; print(sys._base_executable)"],
+                                 capture_output=True, text=True, check=True).stdout.strip()
+    node_venv = tmp_path / "torch-only"
+    subprocess.run([base_python, "-m", "venv", "--without-pip", str(node_venv)], check=True, capture_output=True,
+                   timeout=300)
+    python = node_venv / "bin" / "python"
+    site_dir = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                   capture_output=True, text=True, check=True).stdout.strip())
+    _link_torch_as_system(site_dir, ("torch", "numpy"))
+    probe = subprocess.run([str(python), "-c", "import torch, importlib.util as u; "
+                            "assert u.find_spec('torchvision') is None and u.find_spec('PIL') is None"],
+                           capture_output=True, text=True)
+    assert probe.returncode == 0, probe.stderr
+    return python
+
+
+def _add_torchvision(tmp_path: Path, wheelhouse: Path) -> subprocess.CompletedProcess:
+    """install.sh's own steps up to torch (settings, pip mode, the venv, the node's plan, install_torch) with
+    HYBRIDTRAIN_TORCH=system on a torch-only Python, offline from ``wheelhouse`` (network cut off)."""
+    prefix, net_env, _ = _cut_off_network()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "HYBRIDTRAIN_"))}
+    env.update(net_env, HYBRIDTRAIN_TORCH="system", HYBRIDTRAIN_WHEELHOUSE=str(wheelhouse),
+               HYBRIDTRAIN_VENV=str(tmp_path / "venv"), PYTHON=str(_torch_only_python(tmp_path)))
+    body = (f"LOG='{tmp_path}/install.log'; : >\"$LOG\"; check_settings; choose_pip_mode; make_venv; plan_node; "
+            "printf 'plan: %s\\n' \"$PLAN_TORCHVISION\"; install_torch; "
+            "vpy -c 'import torchvision, torchvision.ops; print(\"torchvision\", torchvision.__version__, torchvision.__file__)'")
+    return subprocess.run(prefix + ["bash", "-c", f". '{INSTALL}'; {body}"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def _wheel(folder: Path, name: str, version: str, files: dict) -> Path:
+    """A minimal pure-Python wheel (PEP 427) holding ``files`` {path: text}."""
+    import base64
+    import zipfile
+    info = f"{name}-{version}.dist-info"
+    files = dict(files, **{f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+                           f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                                            "Tag: py3-none-any\n"})
+    record = []
+    for path, text in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
+        record.append(f"{path},sha256={digest},{len(text.encode())}")
+    files[f"{info}/RECORD"] = "\n".join(record + [f"{info}/RECORD,,"]) + "\n"
+    whl = folder / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(whl, "w") as z:
+        for path, text in files.items():
+            z.writestr(path, text)
+    return whl
+
+
+@pytest.mark.slow
+def test_a_torch_only_python_gets_the_paired_torchvision_from_the_wheelhouse(tmp_path):
+    """The real torchvision wheel paired with this venv's torch, and Pillow (its requirement that the torch-only
+    Python lacks), in a wheelhouse made where the registry is reachable (small wheels, no torch; kept in the cache);
+    the install then runs with the network cut off: torchvision goes into the venv with --no-deps, its ops load
+    with the system torch, and torch stays the one outside the venv."""
+    import PIL
+    import torch
+
+    from hybridtrain.distributed.node import torchvision_pairing
+    pair = torchvision_pairing(torch.__version__)
+    wheelhouse = CACHE / f"test-wheelhouse-torchvision-{pair}"
+    wheelhouse.mkdir(parents=True, exist_ok=True)
+    if not list(wheelhouse.glob("torchvision-*.whl")) or not list(wheelhouse.glob("pillow-*.whl")):
+        env = {k: v for k, v in os.environ.items() if k != "PIP_FIND_LINKS"}
+        made = subprocess.run([str(VENV_PY), "-m", "pip", "download", "-q", "--no-deps", "-d", str(wheelhouse),
+                               f"torchvision=={pair}", f"pillow=={PIL.__version__}"],
+                              env=dict(env, PIP_CONFIG_FILE=os.devnull), capture_output=True, text=True, timeout=600)
+        if made.returncode != 0:
+            pytest.skip(f"could not download torchvision {pair} (no registry?): {made.stderr.strip()[-300:]}")
+    result = _add_torchvision(tmp_path, wheelhouse)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"plan: {pair}\n" in result.stdout
+    assert f"installing torchvision {pair} for the installed torch {torch.__version__}" in result.stdout
+    assert "using the installed torch" in result.stdout
+    done = result.stdout.splitlines()[-1].split()
+    assert done[:2] == ["torchvision", done[1]] and done[1].startswith(pair), result.stdout
+    assert done[2].startswith(str(tmp_path / "venv")), done[2]
+    log = (tmp_path / "install.log").read_text()
+    assert f"Successfully installed torchvision-{pair}" in log and "Successfully installed pillow-" in log, log
+    check = subprocess.run([str(tmp_path / "venv" / "bin" / "python"), "-c", "import torch; print(torch.__file__)"],
+                           capture_output=True, text=True, timeout=300)
+    assert check.stdout.startswith(str(tmp_path / "torch-only")), check.stdout + check.stderr
+
+
+def test_a_paired_torchvision_whose_ops_do_not_load_is_one_line_and_removed(tmp_path):
+    """A stand-in torchvision wheel of the paired version whose ops fail to load as a torchvision built for another
+    torch does ("operator torchvision::nms does not exist"): one line, and the venv is left without it."""
+    import torch
+
+    from hybridtrain.distributed.node import torchvision_pairing
+    pair = torchvision_pairing(torch.__version__)
+    wheelhouse = tmp_path / "wheelhouse"
+    wheelhouse.mkdir()
+    _wheel(wheelhouse, "torchvision", pair, {
+        "torchvision/__init__.py": f"__version__ = '{pair}'\n",
+        "torchvision/ops.py": "raise RuntimeError('operator torchvision::nms does not exist')\n"})
+    result = _add_torchvision(tmp_path, wheelhouse)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("install: error:")]
+    assert result.returncode == 1 and len(errors) == 1, result.stdout + result.stderr
+    assert f"torchvision {pair} does not load its ops with" in errors[0] and "removed again" in errors[0]
+    left = subprocess.run([str(tmp_path / "venv" / "bin" / "python"), "-c",
+                           "import importlib.util; print(importlib.util.find_spec('torchvision'))"],
+                          capture_output=True, text=True, timeout=120)
+    assert left.stdout.strip() == "None", left.stdout
+
+
+def test_a_torch_only_python_and_a_wheelhouse_without_torchvision_is_one_line(tmp_path):
+    import torch
+
+    from hybridtrain.distributed.node import torchvision_pairing
+    empty = tmp_path / "empty-wheelhouse"
+    empty.mkdir()
+    result = _add_torchvision(tmp_path, empty)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("install: error:")]
+    assert result.returncode == 1 and len(errors) == 1, result.stdout + result.stderr
+    assert f"torchvision=={torchvision_pairing(torch.__version__)} (the release paired with it) could not be " \
+           f"installed from {empty}" in errors[0], errors[0]
 
 
 # ---------------------------------------------------------------------------------------------------------------
