@@ -21,6 +21,42 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: several real training runs (minutes); make test and .ci/run include "
                                        "it, -m 'not slow' leaves it out")
+    if getattr(config.option, "loadscopereorder", False) and "--loadscope-reorder" not in config.invocation_params.args:
+        config.option.loadscopereorder = False  # pytest-xdist keeps FILE_WEIGHTS' order (see there)
+
+
+# The slowest first (issue 32): the heaviest test files in estimated worker-seconds, the one list of them. `make test`
+# runs whole files on 2 workers (-n 2 --dist loadfile). pytest-xdist (3.8, xdist/scheduler/loadscope.py schedule())
+# queues the files by their number of tests, most first (--loadscope-reorder, its default), and each worker takes the
+# next file from the front of the queue when it has at most 2 tests left (_reschedule): the files of 100 quick tests
+# started first and the few long multi-rank files ran alone at the end. pytest_collection_modifyitems puts these
+# files first, heaviest first, the others after them as collected; pytest_configure turns xdist's reordering off
+# (--no-loadscope-reorder) so that its queue keeps this order (an explicit --loadscope-reorder still wins).
+# Figures: the per-file times of the third layout review (§7.2) where it has them (*), else counted from the code at
+# about 39 s per 2-rank tiny launch, 15 s per one-rank run; refresh them from `make test`'s --durations.
+FILE_WEIGHTS = {
+    "test_preemption.py": 550,  # * 14 two-rank launches (6 precisions, 3 stopped + resumed, --resume auto)
+    "test_precision.py": 400,  # * 9 two-rank launches (6 modes), 2 one-rank runs, a 12-row bench
+    "test_torch_engine.py": 360,  # * 11 launches under torchrun and horovodrun, a run in a Horovod-free venv
+    "test_elastic.py": 350,  # * 237-461 s: a 3->2->3 elastic run of 4 epochs, a SIGTERM'd run, a 3-rank resume
+    "test_data_backends.py": 300,  # ~10 launches of 2-3 ranks (both DALI backends, corrupt JPEG, synthetic)
+    "test_horovod_training.py": 280,  # ~8 launches: the reference run, mpirun, interrupted + resumed, killed ranks
+    "test_batchnorm.py": 250,  # ~10 two-rank launches: BN scripts, sync BN, accumulation, resume
+    "test_step_speed.py": 200,  # 3 horovodrun, torch.compile on the CPU, a fused-optimizer run (timeout 900 s)
+    "test_checkpoint_integrity.py": 180,  # ~10 one-rank trainings and resumes
+    "test_run_ownership.py": 155,  # * 3 two-rank launches, 4 one-rank runs
+    "test_install.py": 150,  # install.sh for real: an offline install from a wheelhouse, header compiles
+    "test_hybrid_training.py": 120,  # 3 two-rank launches: the phase switch, 2 resumes
+    "test_oldest_torch.py": 120,  # 3 two-rank torchrun launches in .venv-oldest
+    "test_bad_input_round2.py": 120,  # ~25 one-rank processes, 2 trainings
+    "test_launch.py": 100,  # 107 tests: launch scripts' dry runs (bash), 2 one-rank launches
+}
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own reordering (fixtures): the files' order is the last word
+def pytest_collection_modifyitems(config, items):
+    """The heaviest files first (FILE_WEIGHTS); each file's tests stay together and in their order (a stable sort)."""
+    items.sort(key=lambda item: -FILE_WEIGHTS.get(os.path.basename(item.nodeid.split("::", 1)[0]), 0))
 
 
 def venv_without(root, excluded: list[str]) -> str:
