@@ -33,6 +33,8 @@ PYTORCH_INDEX = "https://download.pytorch.org/whl"   # PyTorch's own wheel index
 # The driver each CUDA major needs (CUDA's release notes, "minimum required driver for minor version
 # compatibility", Linux x86_64): CUDA 12.x >= 525.60.13, CUDA 13.x >= 580.65.06.
 MIN_DRIVER = {12: (525, 60, 13), 13: (580, 65, 6)}
+# cuInit's answers when a forward-compatibility libcuda (cuda-compat) cannot run on this GPU or kernel driver
+CUINIT_COMPAT_ERRORS = {803: "CUDA_ERROR_SYSTEM_DRIVER_MISMATCH", 804: "CUDA_ERROR_COMPAT_NOT_SUPPORTED_ON_DEVICE"}
 SM_50_TO_90 = ("sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90")
 SM_75_TO_120 = ("sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120")
 
@@ -281,10 +283,6 @@ def system_driver_check(torch_version: str, torch_cuda: str, driver: str, driver
                 f"CUDA {torch_cuda} needs, but the driver library the installed torch loads supports CUDA {api} "
                 f"(NVIDIA's forward compatibility, cuda-compat): torch runs on it, and the trainer checks it again "
                 f"before it trains")
-
-
-# cuInit's answers when forward compatibility cannot run (CUDA driver API, CUresult)
-CUINIT_COMPAT_ERRORS = {803: "CUDA_ERROR_SYSTEM_DRIVER_MISMATCH", 804: "CUDA_ERROR_COMPAT_NOT_SUPPORTED_ON_DEVICE"}
 
 
 def index_host(url: str) -> str:
