@@ -229,6 +229,10 @@ def test_the_plan_names_the_index_host_and_what_to_do_without_it(tmp_path):
     assert "plan: download: " not in plan_of(tmp_path, "9.0, 580.65.06\n").stdout
     own = plan_of(tmp_path, "9.0, 550.127.05\n", HYBRIDTRAIN_TORCH_INDEX=str(tmp_path))
     assert "plan: download: " not in own.stdout and f"your HYBRIDTRAIN_TORCH_INDEX {tmp_path}" in own.stdout
+    offline = plan_of(tmp_path, "9.0, 550.127.05\n", HYBRIDTRAIN_WHEELHOUSE=str(tmp_path))
+    assert f"plan: download: none: torch and torchvision come from HYBRIDTRAIN_WHEELHOUSE={tmp_path}, which must " \
+           f"hold the cu126 wheels of torch {node.PINNED_TORCH}" in offline.stdout
+    assert not [line for line in offline.stdout.splitlines() if line.startswith("plan: download: ") and host in line]
 
 
 @pytest.mark.parametrize("torch_version, torchvision", [

@@ -599,6 +599,11 @@ def main(argv: list[str]) -> int:
             plan.cuda = ""
     else:
         plan = choose(caps, driver, PINNED_TORCH if mode == "pinned" else mode, **kwargs)
+    wheelhouse = os.environ.get("HYBRIDTRAIN_WHEELHOUSE", "")
+    if wheelhouse:  # offline: every wheel comes from there, no index is asked
+        plan.lines = [f"download: none: torch and torchvision come from HYBRIDTRAIN_WHEELHOUSE={wheelhouse}, which "
+                      f"must hold the {plan.variant} wheels of torch {plan.torch} and torchvision {plan.torchvision}"
+                      if line.startswith("download: ") else line for line in plan.lines]
     sys.stdout.write(shell_assignments(plan))
     return 0
 
