@@ -3,8 +3,10 @@ rank -> device binding, the compression each precision mode gets, IEEE FP32, mem
 left out of S1, and a bug in one rank reported in one line (real horovodrun ranks for the collectives)."""
 from __future__ import annotations
 
+import inspect
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -13,6 +15,7 @@ from conftest import HOROVODRUN, REPO, rank_output, run
 
 from hybridtrain.config import gradient_compression, load_config
 from hybridtrain.distributed import horovod, layout, topology
+from hybridtrain.engine import step
 from hybridtrain.engine.epoch import compiles_in_epoch, warmup_steps
 from hybridtrain.errors import UserError
 from hybridtrain.perf.max_batch import is_out_of_memory, memory_budget_mb
@@ -225,3 +228,29 @@ def test_cuda_graphs_with_a_compressed_wire_on_several_horovod_ranks_is_one_line
         cfg = load_config(os.path.join(REPO, "configs", recipe))
         wire = gradient_compression(cfg.horovod.compression, cfg.precision)
         assert not (cfg.train.cuda_graphs and wire != "none"), recipe
+
+
+def test_cuda_graphs_are_captured_in_thread_local_mode_which_torch_documents():
+    """gpu-path-3 #9: the DataLoader's pin-memory thread pins batches (cuMemHostAlloc, cudaEventQuery) while the
+    graph may be captured; torch's default "global" mode fails the capture on another thread's unsafe call,
+    "thread_local" only on the capturing thread's. The keywords are torch.cuda.graph's own, with a documented
+    value, and GraphedStep passes them."""
+    assert step.CAPTURE_OPTIONS == {"capture_error_mode": "thread_local"}
+    assert set(step.CAPTURE_OPTIONS) <= set(inspect.signature(torch.cuda.graph).parameters)
+    documented = re.search(r"capture_error_mode \(str, optional\):(.*?)\n\s*\n", torch.cuda.graph.__doc__, re.S)
+    assert documented and '"thread_local"' in documented.group(1) and '"global"' in documented.group(1)
+    assert "**CAPTURE_OPTIONS" in inspect.getsource(step.GraphedStep.__init__)
+
+
+@pytest.mark.parametrize("capability,refused", [((6, 1), True), ((7, 0), False), ((9, 0), False)])
+def test_compile_or_fused_on_a_gpu_too_old_for_triton_is_one_line(capability, refused):
+    """gpu-path-3 #14: a P40 (6.1) would get inductor's GPUTooOldForTriton traceback at the first step; a V100
+    (7.0) and an H100 (9.0) compile."""
+    assert step.too_old_for_triton(capability) is refused
+    for key in ("train.compile", "optim.fused"):
+        if refused:
+            with pytest.raises(UserError, match=rf"^{key}=true compiles Triton kernels, which need a GPU of compute "
+                                                rf"capability 7\.0 or newer, and this GPU is 6\.1 .*set {key}=false$"):
+                step.check_triton_gpu(key, capability)
+        else:
+            step.check_triton_gpu(key, capability)

@@ -160,6 +160,13 @@ def wrap_model(model: torch.nn.Module, cfg, compression: str = "none") -> torch.
     return backend().wrap_model(model, cfg, compression)
 
 
+def zero_grad(optimizer) -> None:
+    """Clear the gradients before a step as the engine's gradient memory needs: set to None under Horovod (its
+    optimizer's zero_grad), zeroed in place under DDP, where each gradient is a view of its all-reduce bucket
+    (gradient_as_bucket_view) that a None would make the next backward allocate and copy again (review 3 #12)."""
+    backend().zero_grad(optimizer)
+
+
 def wrap_optimizer(optimizer, model: torch.nn.Module, cfg, backward_passes_per_step: int = 1,
                    compression: str = "none"):
     """The optimizer the step updates with: Horovod's DistributedOptimizer (all-reduce hooks, ``synchronize()``

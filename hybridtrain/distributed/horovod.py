@@ -222,6 +222,12 @@ def wrap_model(model: torch.nn.Module, cfg, compression: str = "none") -> torch.
     return model
 
 
+def zero_grad(optimizer: torch.optim.Optimizer) -> None:
+    """The gradients set to None (torch's default): DistributedOptimizer.zero_grad takes no arguments, and Horovod
+    all-reduces into tensors of its own, so there is no bucket memory to keep."""
+    optimizer.zero_grad()
+
+
 def check_graphs_and_compression(cuda_graphs: bool, compression: str, size: int) -> None:
     """gpu-path-2 #4: on 2+ ranks Horovod's hooks decompress each FP16 gradient into a new tensor and set it as
     p.grad, so a CUDA graph, which writes the gradients it captured, would train on stale ones from step 2 on."""

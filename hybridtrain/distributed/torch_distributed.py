@@ -230,3 +230,10 @@ def wrap_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module, cfg
                    compression: str = "none"):
     """DDP reduces in the backward, so the optimizer stays as it is (no synchronize before the update)."""
     return optimizer
+
+
+def zero_grad(optimizer: torch.optim.Optimizer) -> None:
+    """The gradients zeroed in place: each stays the view of its DDP bucket (gradient_as_bucket_view), so the backward
+    accumulates into the bucket itself. Set to None (torch's default), every step would allocate fresh gradients and
+    the reducer copy them into the buckets (torch's DDP docstring on gradient_as_bucket_view; review 3 #12)."""
+    optimizer.zero_grad(set_to_none=False)

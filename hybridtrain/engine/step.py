@@ -35,6 +35,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from hybridtrain.distributed import collectives as distributed
 from hybridtrain.errors import UserError
 from hybridtrain.models.batchnorm import RunningStatsGuard
 from hybridtrain.models.resnet import ResidualBlock
@@ -54,6 +55,15 @@ def missing_compiler(device: torch.device) -> str | None:
     return None if any(shutil.which(name) for name in names) else wanted
 
 
+TRITON_MIN_CAPABILITY = (7, 0)  # Triton's GPU kernels; older GPUs get inductor's GPUTooOldForTriton traceback
+
+
+def too_old_for_triton(capability: tuple[int, int]) -> bool:
+    """True for a GPU of compute capability ``capability`` (major, minor) that Triton cannot compile for: the
+    P40 (6.1), not the V100 (7.0) or the H100 (9.0)."""
+    return tuple(capability) < TRITON_MIN_CAPABILITY
+
+
 def check_speedups(cfg, device: torch.device) -> None:
     """One error line, before anything is built, when the machine cannot do what train.* and optim.fused ask for."""
     if cfg.train.cuda_graphs and device.type != "cuda":
@@ -64,6 +74,23 @@ def check_speedups(cfg, device: torch.device) -> None:
         if lacking:
             raise UserError(f"{key}=true needs {lacking} and none is on PATH: install one (e.g. the g++ or gcc "
                             f"package) or set {key}=false")
+        if on and device.type == "cuda":
+            check_triton_gpu(key, torch.cuda.get_device_capability(device))
+
+
+def check_triton_gpu(key: str, capability: tuple[int, int]) -> None:
+    """``key`` (train.compile or optim.fused: inductor's Triton kernels) refused, in one line, on a GPU too old
+    for Triton; inductor would raise GPUTooOldForTriton as a traceback at the first step (review 3 #14)."""
+    if too_old_for_triton(capability):
+        major, minor = TRITON_MIN_CAPABILITY
+        raise UserError(f"{key}=true compiles Triton kernels, which need a GPU of compute capability {major}.{minor} "
+                        f"or newer, and this GPU is {capability[0]}.{capability[1]} (e.g. a P40): set {key}=false")
+
+
+# torch.cuda.graph's keywords for the capture. "thread_local": only this thread's unsafe CUDA calls invalidate the
+# capture; torch's default "global" also fails it on another thread's, such as the DataLoader's pin-memory thread
+# pinning a batch (cuMemHostAlloc, cudaEventQuery) while the graph is captured (review 3 #9).
+CAPTURE_OPTIONS = {"capture_error_mode": "thread_local"}
 
 
 class GraphedStep:
@@ -82,9 +109,13 @@ class GraphedStep:
         statistics = RunningStatsGuard(model)  # the warm-up's passes on the static batch must not reach them
         self._warm_up(model, precision)
         self._drop_grads()  # the graph allocates the gradients from its pool: replays write them there
-        with torch.cuda.graph(self.graph, stream=self.capture_stream):  # the warmup's stream: its handles exist
+        with torch.cuda.graph(self.graph, stream=self.capture_stream, **CAPTURE_OPTIONS):  # the warmup's stream
             self.static_loss, self.static_logits = self._forward_backward(model, precision)
-        self.static_grads = [p.grad.detach() for p in self.params]  # aliases that survive Horovod's grad.set_
+        # the graph's gradient memory, to point p.grad back at after each step: zero_grad sets p.grad to None, and
+        # Horovod's synchronize() grad.set_()s it to its all-reduce output, which is this memory itself when the
+        # wire is FP32 (no compression); an FP16 wire would re-point the storage of these very tensors, so graphs
+        # refuse it (distributed/horovod.py: check_graphs_and_compression)
+        self.static_grads = [p.grad.detach() for p in self.params]
         statistics.restore()  # a capture records the BN updates without running them: only the warm-up's go
 
     def _forward_backward(self, model, precision) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,7 +149,7 @@ class GraphedStep:
         self.static_images.copy_(images, non_blocking=True)  # a no-op when the caller passes the static batch
         self.static_labels.copy_(labels, non_blocking=True)
         self.graph.replay()
-        for p, grad in zip(self.params, self.static_grads):  # undo zero_grad's None and Horovod's grad.set_
+        for p, grad in zip(self.params, self.static_grads):  # undo zero_grad's None (see static_grads)
             p.grad = grad
         return self.static_loss, self.static_logits
 
@@ -223,7 +254,7 @@ def train_step(step, optimizer, precision: Precision, micro_batches, on_pass=Non
     backward_passes_per_step says); unscale; the update unless the gradients overflowed, in which case
     ``bn_guard`` (a RunningStatsGuard) puts back the BN running statistics the skipped passes changed.
     ``on_pass(loss, logits, labels)`` after each pass. Returns the last pass's (loss, logits)."""
-    optimizer.zero_grad()
+    distributed.zero_grad(optimizer)  # as the engine's gradient memory needs (DDP's bucket views: in place)
     if bn_guard is not None:
         bn_guard.save()
     for (images, labels, weight), last in flag_last(micro_batches):

@@ -59,7 +59,8 @@ def build_trainer(cfg: Config, topo) -> Trainer:
     check_hardware(policy, topo.device)
     check_speedups(cfg, topo.device)
     data = create_loaders(cfg, topo, policy.input_dtype)
-    data.start()  # the workers start while the model is built
+    if not cfg.train.cuda_graphs:
+        data.start()  # the workers start while the model is built
     model = model_from_config(cfg.model, data.num_classes, seed=cfg.seed).to(topo.device)
     model = prepare_model(configure_batch_norm(model, cfg.bn, topo.device), policy)
     if cfg.data.channels_last:
@@ -75,6 +76,8 @@ def build_trainer(cfg: Config, topo) -> Trainer:
     # the engine's step contract: the forward through its wrapper (DDP), the update through its optimizer
     # (Horovod's); a CUDA graph is captured before Horovod's hooks exist
     step = build_step(model, cfg, precision, wrap=lambda m: distributed.wrap_model(m, cfg, compression))
+    if cfg.train.cuda_graphs:  # after the capture: no pin-memory thread runs CUDA calls during it (review 3 #9)
+        data.start()
     # Wrap first: Horovod rebuilds the optimizer from its param_groups, so state loaded before would be lost.
     bundle.optimizer = distributed.wrap_optimizer(bundle.optimizer, model, cfg, k, compression)
     t = Trainer(topo, data, model, precision, bundle, updates, k, cfg.train.batch_size, step, compression, fp32_math)

@@ -9,6 +9,9 @@ usage: torch_engine_checks.py OUT.json
 - channels_last: NHWC gradients come back NHWC (a bucket view, no layout copy) and equal the NCHW ones.
 - loss scaling: a non-finite loss on rank 1 only makes both ranks skip the step and halve S; the next step runs on
   both and leaves bitwise-equal parameters.
+- bucket views: once DDP has rebuilt its buckets (at step 2), the backward accumulates into each gradient in place,
+  and that gradient is still the view of its DDP bucket the step before left (the engine's zero_grad zeroes it in place; set to None,
+  every backward allocates new gradients that the reducer copies into the buckets).
 - shutdown: the engine destroys its process group, so no Gloo thread is left for the interpreter's teardown.
 """
 import json
@@ -107,11 +110,34 @@ def skipped_step(cfg, rank: int) -> dict:
             "ranks_equal_after": len(set(after)) == 1}
 
 
+def bucket_views_kept(cfg, rank: int) -> dict:
+    ddp = distributed.wrap_model(small_net(), cfg)
+    params = list(ddp.module.parameters())
+    optimizer = distributed.wrap_optimizer(torch.optim.SGD(params, lr=0.1), ddp.module, cfg)
+    precision = Precision(resolve_policy(cfg.precision), LossScaler("none", 1.0, 1, 5))
+    images, labels = batch(rank, 5)
+    for _ in range(2):  # DDP rebuilds its buckets in the order of step 1's gradients at step 2's forward
+        train_step(EagerStep(ddp), optimizer, precision, [(images, labels, 1.0)])
+    views = [p.grad.data_ptr() for p in params]  # the reducer pointed each gradient at its bucket
+    written = {}  # where AccumulateGrad put each gradient, before the reducer's hook could re-point it
+
+    def where(i):
+        def hook(p):
+            written[i] = p.grad.data_ptr()
+        return hook
+    hooks = [p.register_post_accumulate_grad_hook(where(i)) for i, p in enumerate(params)]
+    train_step(EagerStep(ddp), optimizer, precision, [(images, labels, 1.0)])
+    for hook in hooks:
+        hook.remove()
+    return {"grads_accumulated_in_bucket_views": [written.get(i) for i in range(len(params))] == views,
+            "grads_still_bucket_views": [p.grad.data_ptr() for p in params] == views}
+
+
 def main() -> int:
     cfg = load_config(None, ["precision.mode=fp32", "distributed.engine=torch"])
     topo = distributed.init(1, cfg.horovod, device="cpu", engine="torch")
     record = {"size": topo.size, "engine": distributed.engine_name()}
-    for check in (fp16_wire, accumulation, channels_last, skipped_step):
+    for check in (fp16_wire, accumulation, channels_last, skipped_step, bucket_views_kept):
         record.update({f"rank{topo.rank}.{k}": v for k, v in check(cfg, topo.rank).items()})
     records = distributed.allgather_object(record, "records")
     distributed.shutdown()  # a Gloo group left to the interpreter's teardown could abort the process
