@@ -249,3 +249,73 @@ def test_the_epoch_boundary_probe_prints_a_row_per_world_size_and_epoch(dataset)
     rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| ") and "---" not in line]
     assert [(r[0].strip(), r[1].strip()) for r in rows[1:]] == [("1", "0"), ("1", "1"), ("2", "0"), ("2", "1")]
     assert all(float(r[2]) > 0 and float(r[3]) > 0 for r in rows[1:])
+
+
+class StreamEvent:
+    """Stands for a CUDA event recorded on torch's stream (this machine has no GPU): passed when the test says so."""
+
+    def __init__(self):
+        self.done = self.waited = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = self.waited = True
+
+
+def test_a_shared_batch_is_held_until_torch_is_done_with_it(dataset):
+    """gpu-path-3 #10: a batch shared without a copy is DALI's memory, freed in DALI's order once torch lets go.
+    The loader holds it until an event recorded after its consumer's work (when the batch after next is asked
+    for: the step reads one ahead) has passed, and a pass's end waits once and lets everything go."""
+    train, _ = dataset
+    loader = train_loaders(train, 1)[0]
+    events = []
+    loader.in_flight = dali.InFlight(lambda: events.append(StreamEvent()) or events[-1])
+    held = lambda: [t.data_ptr() for t in loader.in_flight.held()]  # noqa: E731
+    batches = iter(loader)
+    first = next(batches)[0]
+    ptr0, pixels0 = first.data_ptr(), first.clone()
+    del first  # the consumer let go; its (GPU) work on the batch may still be queued
+    ptr1 = next(batches)[0].data_ptr()
+    assert held() == [ptr0]  # the consumer asked for batch 1 and may still enqueue work on batch 0
+    next(batches)  # batch 2 asked for: batch 0's work is enqueued, behind an event not yet passed
+    assert held() == [ptr1, ptr0] and not events[-1].done
+    assert torch.equal(loader.in_flight.held()[1], pixels0)
+    events[-1].done = True  # the stream passed it
+    next(batches)
+    assert ptr0 not in held() and ptr1 in held()
+    assert len(list(batches)) == len(loader) - 4
+    assert held() == [] and events[-1].waited
+
+
+def test_only_a_gpu_pipeline_holds_its_batches(dataset):
+    train, _ = dataset
+    spec = dali.graph_spec(make_cfg(), True, "gpu", torch.float16, False)
+    assert isinstance(dali.DaliLoader(train, spec, 0, 1, BATCH, 3, 1, 2, device_id=0).in_flight, dali.InFlight)
+    assert train_loaders(train, 1)[0].in_flight is None  # a CPU pipeline's consumer copies or reads on the host
+
+
+@pytest.mark.parametrize("output,dtype", [("fp16", torch.float16), ("fp32", torch.float32)])
+def test_crop_mirror_normalize_delivers_the_dtype_chosen(dataset, output, dtype):
+    """gpu-path-3 #16.3: dali_gpu's end of the graph (crop_mirror_normalize normalising to FP16 or FP32), run on a
+    CPU pipeline, delivers the dtype chosen through the zero-copy path, normalised."""
+    train, _ = dataset
+    spec = dali.GraphSpec(True, "cpu", CROP, RESIZE, 0.35, True, output, False)
+    images = next(iter(dali.DaliLoader(train, spec, 0, 1, BATCH, 3, 1, 2)))[0]
+    assert images.dtype == dtype and images.shape == (BATCH, 3, CROP, CROP)
+    assert -3 < float(images.float().mean()) < 3 and float(images.float().std()) > 0.1
+
+
+@pytest.mark.parametrize("compute,delivered", [("fp16", torch.float16), ("bf16", torch.float32)])
+def test_dali_delivers_the_autocast_dtype_where_it_has_that_type(compute, delivered):
+    """gpu-path-3 #16.3: mixed precision with fp16 gets FP16 batches from DALI (the V100 recipe); with bf16 FP32,
+    as DALI has no BF16 type (if it gains one, deliver BF16 and change this test)."""
+    from nvidia.dali import types
+
+    from hybridtrain.config import load_config
+    from hybridtrain.data.loaders import delivered_dtype
+    from hybridtrain.precision.policy import resolve_policy
+    cfg = load_config(None, ["precision.mode=mixed", f"precision.compute_dtype={compute}"])
+    assert delivered_dtype(resolve_policy(cfg.precision).input_dtype) == delivered
+    assert not hasattr(types.DALIDataType, "BFLOAT16")

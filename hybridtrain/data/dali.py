@@ -36,7 +36,9 @@ and 0.4 GB through a file.)
 """
 from __future__ import annotations
 
+import collections
 import contextlib
+import inspect
 import math
 import os
 import re
@@ -180,6 +182,51 @@ def describe_dali_error(message: str, culprit: str | None) -> str:
 
 # ----------------------------------------------------------------------------- the loader
 
+class InFlight:
+    """GPU batches that torch's stream may still read, each kept alive until a CUDA event recorded after the
+    consumer's work on it has completed (review 3 #10).
+
+    A batch shared without a copy is DALI's memory: the torch tensor holds it, and once torch lets go DALI frees it
+    in DALI's order, not after torch's stream, so DALI's pool could hand it to the next decode while a queued
+    forward still reads it (validation has no host sync per batch). Holding each batch here until torch's stream
+    has passed its consumer's work keeps the memory out of the pool until then.
+
+    Contract: the consumer enqueues its work on a batch before it asks for the batch after next (it reads at most
+    one batch ahead, as ``train_step``'s flag_last does). ``fence()``: an event recorded now on torch's stream,
+    with ``query()`` and ``synchronize()``.
+    """
+
+    def __init__(self, fence):
+        self.fence = fence
+        self.latest = None  # the last batch handed out: the consumer may still enqueue work on it
+        self.fenced = collections.deque()  # (event, batch), oldest first
+
+    def next_requested(self, handed_out) -> None:
+        """The consumer asks for the batch after ``handed_out``: its work on the one before is enqueued."""
+        event = self.fence()
+        if self.latest is not None:
+            self.fenced.append((event, self.latest))
+        self.latest = handed_out
+        while self.fenced and self.fenced[0][0].query():
+            self.fenced.popleft()
+
+    def drain(self) -> None:
+        """The pass ended or was left: all work is enqueued, so wait for it once and let every batch go."""
+        if self.latest is None and not self.fenced:
+            return
+        self.fence().synchronize()
+        self.latest = None
+        self.fenced.clear()
+
+    def held(self) -> list:
+        return ([self.latest] if self.latest is not None else []) + [batch for _, batch in self.fenced]
+
+
+def stream_fence(device: torch.device):
+    """An InFlight fence: an event recorded on torch's current stream of ``device``."""
+    return lambda: torch.cuda.current_stream(device).record_event()
+
+
 class DaliLoader:
     """One rank's batches ``(images, labels, indices)``, with the torchvision loader's interface.
 
@@ -187,7 +234,8 @@ class DaliLoader:
     CPU pipeline (``data.loaders.device_images`` normalises them on the model's device), normalised FP16/FP32
     from a GPU one; labels and indices are int64 on the CPU. ``len()`` is the number of batches this rank
     yields per epoch. Each training pass builds the pipeline for its epoch; validation builds one and reuses it
-    while passes run to their end (see the module notes).
+    while passes run to their end (see the module notes). A GPU pipeline's batches are DALI's memory, held by
+    ``in_flight`` (InFlight) until torch's stream is done with them; its consumer reads at most one batch ahead.
     """
 
     def __init__(self, images: ImageList, spec: GraphSpec, rank: int, world_size: int, batch_size: int, seed: int,
@@ -202,6 +250,8 @@ class DaliLoader:
         self.epoch = 0
         self.reusable = None  # validation: the pipeline whose reader is back at its list's start
         self.builds = 0
+        on_gpu = spec.device == "gpu" and not pin
+        self.in_flight = InFlight(stream_fence(torch.device("cuda", device_id))) if on_gpu else None
 
     @property
     def batch_sampler(self):
@@ -231,10 +281,16 @@ class DaliLoader:
     def __iter__(self):
         order = self.epoch_order(self.epoch)
         pipe, self.reusable = self.reusable or self._build(order, self.epoch), None
-        for run in range(len(self)):
-            images, ids = self._run(pipe, order, run)
-            keep = min(self.batch_size, len(self.shard) - run * self.batch_size)  # validation: cut the padding
-            yield images[:keep], self.class_of[ids[:keep]], ids[:keep]
+        try:
+            for run in range(len(self)):
+                images, ids = self._run(pipe, order, run)
+                keep = min(self.batch_size, len(self.shard) - run * self.batch_size)  # validation: cut the padding
+                yield images[:keep], self.class_of[ids[:keep]], ids[:keep]
+                if self.in_flight is not None:
+                    self.in_flight.next_requested(images)
+        finally:  # the pass ended, or its consumer left it (a stopped epoch, an error)
+            if self.in_flight is not None:
+                self.in_flight.drain()
         if not self.spec.training:  # every padded batch of the list was read: the next run starts it again
             self.reusable = pipe
 
@@ -253,7 +309,7 @@ class DaliLoader:
 
     def _run(self, pipe, order: np.ndarray, run: int) -> tuple[torch.Tensor, torch.Tensor]:
         with self._errors(order, run):
-            images, ids = pipe.run()
+            images, ids = pipe.run(*self._output_stream(pipe))
         images = self._shared(images) if getattr(pipe, "exec_dynamic", False) and not self.pin else self._copied(images)
         images = images.permute(0, 3, 1, 2) if self.spec.channels_last else images
         return images, torch.from_numpy(np.asarray(ids.as_array()).reshape(-1).astype(np.int64))
@@ -280,11 +336,23 @@ class DaliLoader:
                 return path
         return None
 
+    def _output_stream(self, pipe) -> tuple:
+        """``run()``'s stream argument: torch's current stream for a GPU pipeline under the dynamic executor whose
+        ``run`` takes one (DALI 2.x), so the outputs are bound to torch's stream and the host does not wait for the
+        batch; a run without a stream returns host-synchronous outputs (DALI's Pipeline.run)."""
+        if self.spec.device != "gpu" or not getattr(pipe, "exec_dynamic", False):
+            return ()
+        if "cuda_stream" not in inspect.signature(pipe.run).parameters:
+            return ()
+        return (torch.cuda.current_stream(torch.device("cuda", self.device_id)),)
+
     def _shared(self, images) -> torch.Tensor:
         """DALI's batch as a torch tensor without a copy, as DALI's own PyTorch iterator does under its dynamic
         executor (the default since DALI 1.40 or so): DALI keeps the buffer while torch holds it. On the GPU,
-        DLPack orders torch's stream after DALI's work, so nothing waits on the host (gpu-path-2 #5: a copy
-        through ``feed_ndarray`` synchronised torch's whole stream for every batch)."""
+        DLPack makes torch's stream wait for DALI's work on the batch (gpu-path-2 #5: a copy through
+        ``feed_ndarray`` synchronised torch's whole stream for every batch), and ``run()`` bound to torch's stream
+        (``_output_stream``) returns without waiting on the host; the other direction, DALI's reuse of the memory
+        after torch's reads, is ``in_flight``'s (InFlight)."""
         return torch.from_dlpack(images.as_tensor())
 
     def _copied(self, images) -> torch.Tensor:
