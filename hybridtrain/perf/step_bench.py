@@ -22,8 +22,10 @@ optimizer's second phase (SGD + LARS; the schedule starts at epoch T's first ste
 """
 from __future__ import annotations
 
+import gc
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -210,6 +212,18 @@ def trainer_and_baseline_rows(cfg, steps: int, warmup: int, profile_dir: str | N
             summarise("baseline", cfg, times["baseline"], device, memory=baseline_memory))
 
 
+def release_device_memory() -> None:
+    """Give the GPU memory the rows before cached back to the driver, so the engine row's child process (another
+    ResNet-50 of the same batch) has it: about 25 GB stay reserved in torch's allocator after a row at b=256, and a
+    40 GB GPU cannot hold both (review 3 #15). Reference cycles first (the rows' models, optimizers and graphs),
+    then compiled code that may hold parameters, then the allocator's free blocks."""
+    gc.collect()
+    if "torch._dynamo" in sys.modules:  # imported only where something was compiled
+        torch._dynamo.reset()
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
 def engine_row(config: str | None, sets: list[str], cfg, steps: int, warmup: int, threads: int,
                phase: str = "adabound", engine: str = "horovod") -> dict:
     """The whole step as ``train`` runs it, on one rank of ``engine`` (under horovodrun or torchrun): the trainer
@@ -295,6 +309,8 @@ def bench(config: str | None, overrides: list[str], precisions: list[str], batch
             else:
                 trainer = trainer_row(cfg, steps, warmup, profile_dir, phase)
             timed = [trainer]
+            if engines:
+                release_device_memory()  # the child process needs the GPU memory these rows cached
             timed += [engine_row(config, sets, cfg, steps, warmup, threads, phase, engine) for engine in engines]
             rows += timed
             if baseline:
