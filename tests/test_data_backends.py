@@ -239,10 +239,12 @@ def test_prepare_synthetic_imagenet_and_bench_data_print_a_table(tmp_path):
 
 @pytest.mark.parametrize("argv, needle", [
     (["bench-data", "--backend", "dali_cpu", "--data", "/nonexistent"], "prepare-data synthetic-imagenet"),
-    (["prepare-data", "synthetic-imagenet", "--out", "/tmp/x", "--size", "big"], "WIDTHxHEIGHT"),
+    (["prepare-data", "synthetic-imagenet", "--out", "OUT", "--size", "big"], "WIDTHxHEIGHT"),
 ])
-def test_data_tool_bad_input_is_one_line(argv, needle):
+def test_data_tool_bad_input_is_one_line(argv, needle, tmp_path):
+    argv = [str(tmp_path / "out") if a == "OUT" else a for a in argv]  # not a shared /tmp/x another run may hold
     assert_one_error_line(run([HYBRIDTRAIN, *argv]), needle)
+    assert not (tmp_path / "out").exists()
 
 
 def test_file_lists_folder_without_lists_is_one_line(small_digits, tmp_path, write_config):

@@ -114,14 +114,16 @@ def _flat_val(tmp_path, classes: list[str]):
     return flat, labels
 
 
-@pytest.mark.parametrize("bad", ["../escaped", "/tmp/hybridtrain-escaped-class", "n01/../../escaped", ".."])
+@pytest.mark.parametrize("bad", ["../escaped", "ABSOLUTE", "n01/../../escaped", ".."])
 def test_reorganise_val_refuses_a_class_that_leaves_out(bad, tmp_path):
+    absolute = str(tmp_path / "escaped-absolute")  # an absolute class folder, this test's own (no shared /tmp name)
+    bad = absolute if bad == "ABSOLUTE" else bad
     flat, labels = _flat_val(tmp_path, ["n01440764", bad])
     out = tmp_path / "work" / "val"
     line = refused_before_work(["reorganise-val", str(flat), "--labels", str(labels), "--out", str(out)], tmp_path,
                                "labels.txt line 2", "fix that line")
     assert not (tmp_path / "work").exists() and not (tmp_path / "escaped").exists(), line
-    assert not os.path.exists("/tmp/hybridtrain-escaped-class")
+    assert not os.path.exists(absolute)
 
 
 def test_reorganise_val_with_good_labels_writes_only_under_out(tmp_path):
