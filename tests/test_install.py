@@ -358,7 +358,7 @@ def test_a_torch_only_python_gets_the_paired_torchvision_from_the_wheelhouse(tmp
     assert f"installing torchvision {pair} for the installed torch {torch.__version__}" in result.stdout
     assert "using the installed torch" in result.stdout
     done = result.stdout.splitlines()[-1].split()
-    assert done[:2] == ["torchvision", done[1]] and done[1].startswith(pair), result.stdout
+    assert done[0] == "torchvision" and done[1].startswith(pair), result.stdout
     assert done[2].startswith(str(tmp_path / "venv")), done[2]
     log = (tmp_path / "install.log").read_text()
     assert f"Successfully installed torchvision-{pair}" in log and "Successfully installed pillow-" in log, log
