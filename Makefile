@@ -3,7 +3,7 @@ VENV ?= .venv
 BIN := $(abspath $(VENV))/bin
 export PATH := $(BIN):$(PATH)
 
-.PHONY: install install-oldest-torch demo demo-torch test
+.PHONY: install install-oldest-torch demo demo-torch test gpu-bundle
 install:
 	./install.sh
 
@@ -29,3 +29,8 @@ test: install install-oldest-torch
 	# a full run writes about 13 GB of checkpoints and data under pytest's temp folder: keep only failed tests'
 	python -m pytest tests -q -rs --durations=25 -n $(TEST_WORKERS) --dist loadfile \
 		-o tmp_path_retention_policy=failed -o tmp_path_retention_count=1
+
+# what a lent offline GPU machine lacks for `hybridtrain gpu-check` (Horovod's source and its build's wheels), in
+# .gpu-bundle/ beside the tree; prints its size with the tree's (docs/benchmarks.md). Needs a package registry.
+gpu-bundle:
+	PYTHONPATH=$(CURDIR) python3 -m hybridtrain.perf.gpu_bundle .gpu-bundle

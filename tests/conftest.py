@@ -62,26 +62,8 @@ def pytest_collection_modifyitems(config, items):
 def venv_without(root, excluded: list[str]) -> str:
     """A real venv whose site-packages links every entry of this one except ``excluded`` (paths relative to
     site-packages, globs allowed, e.g. 'nvidia/dali'): importing those genuinely fails there. Returns its python."""
-    import fnmatch
-    import site
-    import venv
-    from pathlib import Path
-    venv.EnvBuilder(with_pip=False, symlinks=True).create(root)
-    ours = next(p for p in site.getsitepackages() if p.endswith("site-packages"))
-    target = next(Path(root).glob("lib/python*/site-packages"))
-
-    def link(rel: str) -> None:
-        for entry in os.listdir(os.path.join(ours, rel)):
-            path = os.path.join(rel, entry) if rel else entry
-            if any(fnmatch.fnmatch(path, pattern) for pattern in excluded):
-                continue
-            if any(pattern.startswith(path + "/") for pattern in excluded):
-                (target / path).mkdir()
-                link(path)
-            else:
-                os.symlink(os.path.join(ours, path), target / path)
-    link("")
-    return str(Path(root) / "bin" / "python")
+    from hybridtrain.perf.gpu_rehearsal import linked_venv
+    return linked_venv(str(root), excluded)
 
 
 def gpus_for_every_rank(ranks: int = 2) -> bool:

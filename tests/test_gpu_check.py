@@ -1,16 +1,30 @@
-"""``hybridtrain gpu-check`` on the CPU: the one-line refusals (no GPU, a bad output folder) as real processes,
-and the pure parts (the row matrix for 1 and 2 GPUs, the metrics reader, the table and its files) on real data.
-What only a GPU shows (the build, the rows' figures) is in docs/benchmarks.md."""
+"""``hybridtrain gpu-check`` on the CPU: the one-line refusals as real processes; the plan and its calls; the row
+matrix (every program a real path, torchrun as a module, every training row a valid config); rows as real
+processes whose table survives a failed, a killed and a stopped row; the background build; a second call;
+the resume row's driver on the torch engine; ``make gpu-bundle``; and ``--rehearse`` with the network cut.
+What only a GPU shows (the rows' figures) is in docs/benchmarks.md."""
 from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
+import signal
 import stat
+import subprocess
+import sys
+import textwrap
+import time
 
 import pytest
-from conftest import HYBRIDTRAIN, REPO, assert_one_error_line, run, venv_without
+import yaml
+from conftest import HYBRIDTRAIN, REPO, assert_one_error_line, run, tiny_config, venv_without
 
 from hybridtrain.perf import gpu_check as gc
+from hybridtrain.perf import gpu_rows as gr
+from hybridtrain.perf.gpu_probe import no_gpu_reason
+
+PY = gr.Pythons("/image/bin/python", "/gpu-venv/bin")
 
 
 def cuda_available() -> bool:
@@ -25,19 +39,29 @@ def test_no_gpu_is_one_line_exit_2_and_nothing_written(tmp_path):
     out = tmp_path / "check"
     proc = run([HYBRIDTRAIN, "gpu-check", "--out", str(out)], timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert proc.stderr.strip() == f"hybridtrain: error: {gc.NO_GPU}", proc.stderr
+    assert proc.stderr.startswith("hybridtrain: error: gpu-check needs a CUDA GPU and torch cannot use one here (")
+    assert proc.stderr.strip().endswith("): run it on a GPU node") and len(proc.stderr.strip().splitlines()) == 1
     assert "Traceback" not in proc.stdout + proc.stderr and proc.stdout == ""
     assert not out.exists()  # refused before any work
 
 
 @pytest.mark.skipif(cuda_available(), reason="this machine has a GPU: the check runs instead of refusing")
 def test_a_bare_python_with_torch_alone_runs_the_checkout_and_refuses_in_one_line(tmp_path):
-    """The bare GPU machine's start: torch, no PyYAML, no Horovod, hybridtrain not installed (python -m from the
+    """The lent machine's start: torch, no PyYAML, no Horovod, hybridtrain not installed (python -m from the
     checkout); the command must get as far as its own checks."""
     python = venv_without(str(tmp_path / "bare"), ["yaml", "_yaml", "pyyaml-*", "horovod", "horovod-*", "tqdm",
                                                    "__editable__*", "hybridtrain-*"])
     proc = run([python, "-m", "hybridtrain", "gpu-check", "--out", str(tmp_path / "out")], timeout=120)
-    assert (proc.returncode, proc.stderr.strip()) == (2, f"hybridtrain: error: {gc.NO_GPU}"), proc.stderr
+    assert proc.returncode == 2 and "gpu-check needs a CUDA GPU" in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_a_driver_too_old_for_torchs_cuda_is_named_not_no_gpu():
+    """Review 3 #5: a cu130 torch on an r550 driver (CUDA 12.4) says so, not 'no GPU'."""
+    line = no_gpu_reason("13.0", 12040, "CUDA does not initialise (driver too old)")
+    assert "driver supports CUDA 12.4" in line and "CUDA 13.0" in line and "r580" in line
+    assert no_gpu_reason("13.0", 13000, "no GPU is visible") == "no GPU is visible"
+    assert no_gpu_reason("", 0, "a CPU-only build") == "a CPU-only build"
 
 
 @pytest.mark.parametrize("below, needle", [("", "is a file, not a folder"), ("sub", "cannot be created")],
@@ -45,7 +69,7 @@ def test_a_bare_python_with_torch_alone_runs_the_checkout_and_refuses_in_one_lin
 def test_a_bad_out_folder_is_refused_first(tmp_path, below, needle):
     (tmp_path / "taken").write_text("x")
     out = tmp_path / "taken" / below if below else tmp_path / "taken"
-    proc = run([HYBRIDTRAIN, "gpu-check", "--out", str(out), "--wheelhouse", str(tmp_path / "nowhere")], timeout=120)
+    proc = run([HYBRIDTRAIN, "gpu-check", "--out", str(out), "--bundle", str(tmp_path / "nowhere")], timeout=120)
     assert proc.returncode == 2
     assert_one_error_line(proc, "--out", needle)
 
@@ -62,12 +86,58 @@ def test_a_read_only_out_folder_is_refused(tmp_path):
         locked.chmod(stat.S_IRWXU)
 
 
-def test_a_wheelhouse_without_the_horovod_sdist_is_refused(tmp_path):
+@pytest.mark.parametrize("args, needles", [
+    (["--bundle", "{tmp}/wheels"], ["--bundle", "has no horovod-0.28.1.tar.gz", "make gpu-bundle"]),
+    (["--resume"], ["--resume", "holds no gpu_check.json", "drop --resume"]),
+    (["--resume", "--fresh"], ["--resume", "--fresh", "give one of them"]),
+    (["--gpus", "2"], ["--gpus is for --plan"]),
+], ids=["bundle-without-sdist", "resume-with-nothing-before", "resume-and-fresh", "gpus-without-plan"])
+def test_bad_options_are_refused_in_one_line_before_any_work(tmp_path, args, needles):
     (tmp_path / "wheels").mkdir()
-    proc = run([HYBRIDTRAIN, "gpu-check", "--out", str(tmp_path / "out"), "--wheelhouse", str(tmp_path / "wheels")],
-               timeout=120)
-    assert_one_error_line(proc, "--wheelhouse", "has no horovod-0.28.1.tar.gz")
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    proc = run([HYBRIDTRAIN, "gpu-check", "--out", str(tmp_path / "out"), *argv], timeout=120)
+    assert proc.returncode == 2
+    assert_one_error_line(proc, *needles)
     assert not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------- the plan
+
+def test_the_plan_prints_every_row_with_its_estimate_and_call_without_torch(tmp_path):
+    """--plan needs no GPU and no torch: a venv without torch prints it."""
+    python = venv_without(str(tmp_path / "no-torch"), ["torch", "torch-*", "torchvision", "torchvision-*"])
+    proc = run([python, "-m", "hybridtrain", "gpu-check", "--plan"], timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    rows = gr.plan_calls(gr.build_rows(1, "OUT", gr.Pythons(horovod_bin="VENV/bin")))
+    table = [line.split("|") for line in proc.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    assert [cells[2].strip() for cells in table[1:]] == [r.name for r in rows]
+    totals = {int(m[1]): (float(m[2]), float(m[3])) for m in
+              re.finditer(r"^call (\d+): (\d+) s of rows estimated \(budget (\d+) s\)$", proc.stdout, re.M)}
+    assert totals[1][0] <= 540 and totals[1][1] == 540 and totals[2][0] <= 180 and totals[2][1] == 180
+    assert sum(1 for cells in table[1:] if cells[5].strip() == "1") >= 6  # the first call is not empty
+    assert "not covered by one GPU:" in proc.stdout and "NCCL across ranks" in proc.stdout
+
+
+def test_calls_are_packed_by_the_runners_own_order_hand_worked():
+    """Preamble 20 s, build 150 s (done at 170 s), budgets 400 and 250: A (100) to 120 s; B needs Horovod, not
+    ready, so C (200) runs to 320 s; B (50) then fits to 370 s; D (300) fits neither call."""
+    rows = [gr.Row("A", "train", estimate_s=100), gr.Row("B", "train", horovod=True, estimate_s=50),
+            gr.Row("C", "train", estimate_s=200), gr.Row("D", "train", estimate_s=300),
+            gr.Row("E", "note", status="not run")]
+    gr.plan_calls(rows, build_s=150, budgets=(400, 250), preamble_s=20)
+    assert [r.call for r in rows] == ["1", "1", "1", "later", ""]
+    rows = [gr.Row("A", "train", estimate_s=300), gr.Row("B", "train", estimate_s=200)]
+    gr.plan_calls(rows, build_s=150, budgets=(400, 250), preamble_s=20)
+    assert [r.call for r in rows] == ["1", "2"]  # 20 + 300 + 200 > 400; call 2: 20 + 200 <= 250
+
+
+def test_the_rows_estimates_fit_the_issues_calls():
+    rows = gr.plan_calls(gr.build_rows(1, "OUT", PY))
+    first = [r.name for r in rows if r.call == "1"]
+    assert {"bench-mixed-fp16", "bench-mixed-bf16", "resume-mixed-fp16-torch", "train-1rank-mixed-fp16-eager",
+            "bench-mixed-fp16-horovod", "train-2ranks-mixed-fp16-gloo-torch"} <= set(first)
+    assert gr.PREAMBLE_S + sum(r.estimate_s for r in rows if r.call == "1") <= 540
+    assert gr.PREAMBLE_S + sum(r.estimate_s for r in rows if r.call == "2") <= 180
 
 
 # ----------------------------------------------------------------------------- the row matrix
@@ -76,53 +146,53 @@ def names(rows):
     return [r.name for r in rows]
 
 
-def test_one_gpu_matrix_runs_every_precision_and_mode_and_says_why_not_two_ranks(tmp_path):
-    rows = gc.build_rows(1, False, str(tmp_path), "/venv/bin")
-    trains = [r for r in rows if r.kind == "train" and not r.name.endswith("-torch")]
-    assert {(r.precision, r.mode) for r in trains} == {(p, m) for p in gc.PRECISIONS for m in gc.MODES}
-    assert all(r.ranks == 1 and r.argv[:6] == ["/venv/bin/horovodrun", "--gloo", "-np", "1", "-H", "localhost:1"]
-               for r in trains)
-    (note,) = [r for r in rows if r.kind == "note"]
-    assert note.status == gc.NOT_RUN and "NCCL refuses two ranks on one device" in note.detail
-    assert "CPU tests cover" in note.detail and note.argv == []
-    assert [(r.precision, r.mode) for r in rows if r.kind == "bench"] == [
-        ("mixed-fp16", "eager"), ("mixed-bf16", "eager"), ("mixed-fp16", "fused")]
-    fused = next(r for r in rows if r.mode == "fused")
-    assert fused.argv[-2:] == ["--set", "optim.fused=true"] and "--horovod" not in fused.argv
-    (optimizer,) = [r for r in rows if r.kind == "bench-optim"]
-    assert optimizer.argv[1:3] == ["bench-optim", "--fused"] and optimizer.output.endswith("bench-optim.json")
-    (ddp,) = [r for r in rows if r.name.endswith("-torch")]  # the second engine once: DDP and NCCL on the GPU
-    assert ddp.argv[:4] == ["/venv/bin/torchrun", "--standalone", "--nproc-per-node=1", "--no-python"]
-    assert ddp.argv[ddp.argv.index("--engine") + 1] == "torch" and ddp.ranks == 1
-    assert names(rows)[0] == "gpu-tests" and names(rows)[-1].endswith("-compiled")  # the slow compiles last
+def test_one_gpu_rows_use_the_image_python_torchrun_as_a_module_and_the_build_for_horovod(tmp_path):
+    rows = gr.build_rows(1, str(tmp_path), PY)
+    runnable = [r for r in rows if r.kind != "note"]
+    assert all(r.argv[0] in (PY.image, PY.hvd("python"), PY.hvd("horovodrun")) for r in runnable)
+    assert not any("torchrun" in a for r in rows for a in r.argv)  # review 3 #1: no torchrun script assumed
+    assert all((r.argv[0] == PY.image) != r.horovod for r in runnable)
+    torch_rows = [r for r in runnable if r.name.endswith("-torch") and r.kind == "train"]
+    assert torch_rows and all(r.argv[1:4] == ["-m", "torch.distributed.run", "--standalone"] for r in torch_rows)
+    (gloo,) = [r for r in rows if "gloo" in r.name]  # review 3 #8: DDP + FP16 hook on 2 ranks of one GPU
+    assert gloo.ranks == 2 and gloo.env == {"HYBRIDTRAIN_TORCH_BACKEND": "gloo"} and gloo.precision == "mixed-fp16"
+    assert "--nproc-per-node=2" in gloo.argv
+    notes = {r.name: r.detail for r in rows if r.kind == "note"}
+    assert "NCCL refuses two ranks on one device" in notes["train-2ranks-mixed-bf16-eager"]
+    assert "cannot travel" in notes["train-1rank-mixed-bf16-dali-torch"]
+    assert names(rows)[:3] == ["bench-mixed-fp16", "bench-mixed-bf16", "resume-mixed-fp16-torch"]
+    first = rows[0].argv
+    assert first[first.index("--engine") + 1] == "torch" and "--baseline" in first and "--channels-last" in first
     assert len(set(names(rows))) == len(rows)  # one log per row
 
 
-def test_two_gpus_add_a_two_rank_row_and_quick_keeps_one_precision_for_the_slow_modes(tmp_path):
-    rows = gc.build_rows(2, True, str(tmp_path), "/venv/bin")
-    (two, ddp) = [r for r in rows if r.ranks == 2]
-    assert ddp.name.endswith("-torch") and "--nproc-per-node=2" in ddp.argv
-    assert two.kind == "train" and two.argv[3:6] == ["2", "-H", "localhost:2"]
-    assert f"data.synthetic_images={2 * gc.BATCH * gc.STEPS_PER_EPOCH}" in two.argv
-    assert not [r for r in rows if r.kind == "note"]
-    slow = {(r.precision, r.mode) for r in rows if r.kind == "train" and r.mode != "eager"}
-    assert slow == {("mixed-bf16", "compiled"), ("mixed-bf16", "graphed")}
-    assert len(rows) == len(gc.build_rows(1, True, str(tmp_path), "/venv/bin"))
+def test_two_gpus_run_nccl_on_two_ranks_of_both_engines(tmp_path):
+    rows = gr.build_rows(2, str(tmp_path), PY, dali=True)
+    two = [r for r in rows if r.ranks == 2]
+    assert {r.name for r in two} == {"train-2ranks-mixed-fp16-eager-torch", "train-2ranks-mixed-bf16-eager",
+                                     "train-2ranks-fp32-eager"}
+    assert not any(r.env for r in two) and not [r for r in rows if r.kind == "note"]
+    (dali,) = [r for r in rows if "dali" in r.name]
+    assert dali.before[0][-3:-1] == ["synthetic-imagenet", "--out"]
 
 
-def test_every_train_row_is_a_valid_config_of_the_h100_recipe(tmp_path):
+def test_every_training_row_is_a_valid_config_of_the_h100_recipe(tmp_path):
     from hybridtrain.config import load_config
-    for row in gc.build_rows(2, False, str(tmp_path), "/venv/bin"):
-        if row.kind != "train":
+    for row in gr.build_rows(2, str(tmp_path), PY, dali=True) + gr.build_rows(1, str(tmp_path), PY):
+        if row.kind not in ("train", "resume"):
             continue
         sets = [row.argv[i + 1] for i, a in enumerate(row.argv) if a == "--set"]
-        cfg = load_config(os.path.join(REPO, gc.RECIPE), sets)
-        assert (cfg.data.backend, cfg.data.channels_last, cfg.train.epochs) == ("synthetic", True, gc.EPOCHS)
+        cfg = load_config(os.path.join(REPO, gr.RECIPE), sets)
+        assert cfg.data.channels_last and cfg.train.epochs == gr.EPOCHS and cfg.train.device == "cuda"
         assert cfg.train.compile == (row.mode == "compiled") and cfg.train.cuda_graphs == (row.mode == "graphed")
-        assert cfg.precision.mode == row.precision.split("-")[0] and cfg.run_dir == row.output
+        assert cfg.precision.mode == row.precision.split("-")[0]
+        if row.kind == "resume":
+            assert cfg.train.deterministic
+        else:
+            assert cfg.run_dir == row.output
 
 
-# ----------------------------------------------------------------------------- figures, table and files
+# ----------------------------------------------------------------------------- figures
 
 def records(*rates, reserved=True):
     keys = {"peak_memory_reserved_mb": 900.0} if reserved else {}
@@ -138,7 +208,7 @@ def test_steady_rate_leaves_out_the_first_epoch_and_absent_memory_keys_are_none(
 
 
 def test_a_train_row_is_judged_from_its_metrics_file(tmp_path):
-    row = gc.train_row("/venv/bin", str(tmp_path), "mixed-bf16", "eager", 1)
+    row = gr.train_row(PY, str(tmp_path), "mixed-bf16", "eager", 1)
     os.makedirs(row.output)
     with open(os.path.join(row.output, "metrics.jsonl"), "w") as fh:
         fh.writelines(json.dumps(r) + "\n" for r in records(50.0, 2500.0))
@@ -155,96 +225,199 @@ def test_a_train_row_is_judged_from_its_metrics_file(tmp_path):
     assert sorted(os.listdir(row.output)) == ["metrics.jsonl"]
 
 
-def test_the_bench_optim_row_notes_each_optimizers_ratio_to_sgd(tmp_path):
-    row = gc.bench_optim_row("/venv/bin", str(tmp_path))
-    with open(row.output, "w") as fh:
+def test_bench_rows_read_the_plain_loop_and_the_whole_step_of_each_engine(tmp_path):
+    torch_row, hvd_row = gr.bench_row(PY, str(tmp_path), "mixed-fp16"), gr.bench_row(
+        PY, str(tmp_path), "mixed-fp16", engine="horovod")
+    with open(torch_row.output, "w") as fh:
+        json.dump([{"loop": "trainer", "images_per_sec": 2400.0, "host_syncs_per_step": 1},
+                   {"loop": "train/torch", "images_per_sec": 2300.0, "over_baseline": 0.92},
+                   {"loop": "baseline", "images_per_sec": 2500.0, "trainer_over_baseline": 0.96}], fh)
+    with open(hvd_row.output, "w") as fh:
+        json.dump([{"loop": "trainer", "images_per_sec": 2400.0},
+                   {"loop": "train/horovod", "images_per_sec": 2250.0, "peak_memory_mb": 11000.0}], fh)
+    assert gc.read_bench(torch_row) == "" and gc.read_bench(hvd_row) == ""
+    assert (torch_row.images_per_sec, torch_row.ratio) == (2400.0, 0.96)
+    assert torch_row.detail == ("plain loop 2500 img/s; host syncs/step 1; whole step under torchrun 2300 img/s "
+                                "(0.920x)")
+    assert hvd_row.images_per_sec == 2250.0 and hvd_row.peak_allocated_mb == 11000.0
+    torch_row.status = hvd_row.status = gc.PASS
+    gc.fill_ratios([torch_row, hvd_row])
+    assert hvd_row.ratio == pytest.approx(2250.0 / 2500.0)
+
+
+def test_max_batch_and_bench_optim_rows_read_their_outputs(tmp_path):
+    row = gr.max_batch_row(PY)
+    log = tmp_path / "max.log"
+    log.write_text("| batch | images/s | peak MiB | fits |\n| 1792 | 2762.8 | 75885 | yes |\n"
+                   "| 1816 (largest) | 2761.2 | 76900 | yes |\n")
+    assert gc.read_max_batch(row, str(log)) == "" and row.detail.startswith("largest batch 1816: 2761.2 img/s")
+    assert gc.read_max_batch(row, str(tmp_path / "none.log")) == "no (largest) row in the output"
+    optim = gr.bench_optim_row(PY, str(tmp_path))
+    with open(optim.output, "w") as fh:
         json.dump([{"optimizer": "sgd-foreach", "median_ms": 4.0, "ratio_to_sgd": 1.0},
-                   {"optimizer": "hybrid/adabound", "median_ms": 9.0, "ratio_to_sgd": 2.25},
-                   {"optimizer": "hybrid/adabound fused", "median_ms": 2.0, "ratio_to_sgd": 0.5}], fh)
-    assert gc.judge(row, 0, str(tmp_path / "bench-optim.log")) == ""
-    assert row.detail == "SGD 4.00 ms; ÷ SGD: hybrid/adabound 2.25x, hybrid/adabound fused 0.50x"
-    os.remove(row.output)
-    assert gc.read_bench_optim(row).startswith("no bench-optim JSON")
+                   {"optimizer": "hybrid/adabound", "median_ms": 9.0, "ratio_to_sgd": 2.25}], fh)
+    assert gc.judge(optim, 0, str(tmp_path / "bench-optim.log")) == ""
+    assert optim.detail == "SGD 4.00 ms; ÷ SGD: hybrid/adabound 2.25x"
 
 
-def test_table_and_json_carry_every_row_ratio_and_failure(tmp_path):
-    rows = gc.build_rows(1, True, str(tmp_path), "/venv/bin")
-    bench = next(r for r in rows if r.name == "bench-mixed-bf16")
-    bench.status, bench.images_per_sec, bench.baseline_images_per_sec, bench.ratio = gc.PASS, 2400.0, 2500.0, 0.96
-    train = next(r for r in rows if r.name == "train-1rank-mixed-bf16-eager")
-    train.status, train.images_per_sec, train.peak_allocated_mb, train.seconds = gc.PASS, 2000.0, 20480.4, 41.2
-    fp32 = next(r for r in rows if r.name == "train-1rank-fp32-eager")
-    fp32.status, fp32.detail = gc.FAIL, "timed out after 120 s"
-    fused = next(r for r in rows if r.name == "bench-mixed-fp16-fused")  # its own baseline never feeds a ratio
-    fused.precision, fused.baseline_images_per_sec = "mixed-bf16", 1.0
-    gc.fill_ratios(rows)
-    assert train.ratio == pytest.approx(0.8) and fp32.ratio is None
+# ----------------------------------------------------------------------------- rows as real processes
 
-    text = gc.write_results(rows, str(tmp_path), {"device": "NVIDIA H100 80GB HBM3", "gpus": 1})
-    assert text.startswith("# hybridtrain gpu-check: FAILED (train-1rank-fp32-eager)")
-    assert "| train-1rank-mixed-bf16-eager | 2000.0 | 0.800 | 20480 | n/a | n/a | pass | 41 |" in text
-    assert "| train-1rank-fp32-eager | n/a | n/a | n/a | n/a | n/a | **FAIL** | n/a | timed out after 120 s |" in text
-    assert "| train-2ranks-mixed-bf16-eager | n/a | n/a | n/a | n/a | n/a | not run | n/a | not run: one GPU" in text
-    table = [line for line in text.splitlines() if line.startswith("| ")]
-    assert len(table) == len(rows) + 2  # the header, its rule and one line per row
-    assert (tmp_path / "gpu_check.md").read_text() == text
-    saved = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert saved["passed"] is False and saved["failed"] == ["train-1rank-fp32-eager"]
-    assert saved["device"] == "NVIDIA H100 80GB HBM3"
-    assert [r["name"] for r in saved["rows"]] == names(rows) and saved["rows"][1]["precision"] == "fp32"
+def py_row(name: str, code: str, timeout: float = 30, **kw) -> gr.Row:
+    return gr.Row(name, "step", [sys.executable, "-c", code], timeout, **kw)
 
 
 def test_a_row_runs_as_a_real_process_with_its_log_and_its_timeout(tmp_path):
-    import sys
-    import time
-    ok = gc.Row("echo", "tests", [sys.executable, "-c", "print('1 passed in 0.1s')"], 30)
-    slow = gc.Row("sleeper", "tests", [sys.executable, "-c", "import time; print('waiting', flush=True); "
-                                                             "time.sleep(60)"], 2)
-    lines = []
+    ok = gr.Row("echo", "tests", [sys.executable, "-c", "print('1 passed in 0.1s')"], 30)
+    slow = py_row("sleeper", "import time; print('waiting', flush=True); time.sleep(60)", 2)
     deadline = time.monotonic() + 100
-    gc.run_row(ok, str(tmp_path), deadline, dict(os.environ), lines.append)
+    gc.run_row(ok, str(tmp_path), deadline, dict(os.environ), lambda line: None)
     started = time.monotonic()
-    gc.run_row(slow, str(tmp_path), deadline, dict(os.environ), lines.append)
+    gc.run_row(slow, str(tmp_path), deadline, dict(os.environ), lambda line: None)
     assert ok.status == gc.PASS and ok.detail == "1 passed in 0.1s"
     assert slow.status == gc.FAIL and slow.detail.startswith("timed out after 2 s") and time.monotonic() - started < 20
     assert "waiting" in (tmp_path / "sleeper.log").read_text() and "1 passed" in (tmp_path / "echo.log").read_text()
-    late = gc.Row("late", "tests", [sys.executable, "-c", "pass"], 30)
-    gc.run_row(late, str(tmp_path), time.monotonic() + 5, dict(os.environ), lines.append)
-    assert late.status == gc.FAIL and late.detail.startswith("not run: time budget spent")
+    late = py_row("late", "pass", estimate_s=60)
+    gc.run_row(late, str(tmp_path), time.monotonic() + 30, dict(os.environ), lambda line: None)
+    assert late.status == gc.NOT_RUN and late.detail.startswith(gc.NEXT_CALL)
 
 
-def test_a_training_row_starts_from_an_empty_run_directory_and_fails_without_metrics(tmp_path):
-    import sys
-    import time
-    run_dir = tmp_path / "runs" / "stale"
-    run_dir.mkdir(parents=True)
-    (run_dir / "metrics.jsonl").write_text('{"epoch": 1}\n')  # an earlier check's: the trainer would refuse it
-    row = gc.Row("stale", "train", [sys.executable, "-c", "pass"], 30, output=str(run_dir))
+def test_a_missing_program_fails_its_row_not_the_check(tmp_path):
+    """Review 3 #1: Popen's FileNotFoundError is the row's failure."""
+    row = gr.Row("gone", "train", [str(tmp_path / "venv" / "bin" / "torchrun")], 30, output=str(tmp_path / "run"))
     gc.run_row(row, str(tmp_path), time.monotonic() + 60, dict(os.environ), lambda line: None)
-    assert not run_dir.exists()
-    assert row.status == gc.FAIL and row.detail == "no metrics.jsonl"
+    assert row.status == gc.FAIL and row.detail.startswith("could not start:") and "torchrun" in row.detail
 
 
-# ----------------------------------------------------------------------------- the node checks, first
+def test_the_table_survives_a_failed_and_a_killed_row_and_is_written_after_every_row(tmp_path):
+    out = str(tmp_path)
+    rows = [py_row("first", "print('ok')"),
+            py_row("reads-the-table", f"import json; d = json.load(open({out + '/gpu_check.json'!r})); "
+                                      f"assert d['rows'][0]['status'] == 'pass', d['rows'][0]"),
+            py_row("fails", "import sys; sys.exit(3)"),
+            py_row("killed", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"),
+            py_row("after", "print('still runs')")]
+    write = lambda: gc.write_results(rows, out, {"device": "cpu"})
+    text = gc.execute(rows, out, time.monotonic() + 120, dict(os.environ), None, write, lambda line: None)
+    assert [r.status for r in rows] == [gc.PASS, gc.PASS, gc.FAIL, gc.FAIL, gc.PASS]
+    assert rows[2].detail.startswith("exit status 3") and rows[3].detail.startswith("exit status -9")
+    saved = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert saved["failed"] == ["fails", "killed"] and len(saved["rows"]) == 5
+    assert text.startswith("# hybridtrain gpu-check: FAILED (fails, killed)") and "Not covered here:" in text
+    assert (tmp_path / "gpu_check.md").read_text() == text
 
-def test_the_node_probe_is_valid_python_that_runs_check_node():
-    compile(gc.NODE_PROBE % (gc.PRECISIONS,), "probe", "exec")
-    assert "check_node(torch.device('cuda', 0), p)" in gc.NODE_PROBE
+
+def test_a_check_stopped_by_sigterm_keeps_the_rows_that_ended_and_stops_the_running_one(tmp_path):
+    marker = tmp_path / "grandchild.pid"
+    script = textwrap.dedent(f"""
+        import os, sys, time
+        from hybridtrain.perf import gpu_check as gc, gpu_rows as gr
+        out = {str(tmp_path)!r}
+        rows = [gr.Row("done", "step", [sys.executable, "-c", "pass"], 30),
+                gr.Row("long", "step", [sys.executable, "-c", "import os, time; open({str(marker)!r}, 'w').write("
+                       "str(os.getpid())); time.sleep(120)"], 300)]
+        write = lambda: gc.write_results(rows, out, {{}})
+        gc.execute(rows, out, time.monotonic() + 300, dict(os.environ), None, write, print)
+        print("after", rows[1].status, flush=True)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    stdout, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and "stopped by SIGTERM" in stdout and "after pending" in stdout
+    saved = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert [r["status"] for r in saved["rows"]] == [gc.PASS, "pending"]
+    with pytest.raises(ProcessLookupError):  # the row's process did not outlive the check
+        os.kill(int(marker.read_text()), 0)
 
 
-def test_an_fp32_refusal_ends_the_check_in_one_line():
-    line = "Tesla V100 is sm_70 (Volta, e.g. V100), and this torch 2.13.0 has kernels only for sm_75: reinstall"
-    with pytest.raises(gc.UserError, match="reinstall"):
-        gc.node_row({"fp32": (line, []), "mixed-fp16": (line, []), "mixed-bf16": (line, [])})
+def test_horovod_rows_wait_for_the_background_build_and_the_others_run_meanwhile(tmp_path):
+    out = str(tmp_path)
+    stamp = "import time; open({!r}, 'w').write(str(time.time()))"
+    build = gc.Background(py_row("build", "import time; time.sleep(3)"), out, dict(os.environ), lambda line: None)
+    rows = [py_row("horovod", stamp.format(str(tmp_path / "h")), horovod=True),
+            py_row("plain", stamp.format(str(tmp_path / "p")))]
+    gc.execute(rows, out, time.monotonic() + 120, dict(os.environ), build, lambda: "", lambda line: None)
+    assert build.row.status == gc.PASS and [r.status for r in rows] == [gc.PASS, gc.PASS]
+    assert float((tmp_path / "p").read_text()) < float((tmp_path / "h").read_text())
+    failed = gc.Background(py_row("build", "import sys; sys.exit(1)"), out, dict(os.environ), lambda line: None)
+    waiting = [py_row("horovod2", "pass", horovod=True)]
+    gc.execute(waiting, out, time.monotonic() + 60, dict(os.environ), failed, lambda: "", lambda line: None)
+    assert failed.row.status == gc.FAIL and waiting[0].status == gc.NOT_RUN
+    assert waiting[0].detail.startswith("not run: no Horovod build")
 
 
-def test_a_bf16_refusal_turns_its_rows_into_not_run(tmp_path):
-    bf16 = "precision bf16 needs a GPU with native BF16 (compute capability 8.0 or newer)"
-    warning = "warning: Tesla P40 (sm_61) computes FP16 at 1/64 of its FP32 rate"
-    checks = {"fp32": ("", []), "mixed-fp16": ("", [warning]), "mixed-bf16": (bf16, [])}
-    first = gc.node_row(checks)
-    assert first.status == gc.PASS and bf16 in first.detail and warning in first.detail
-    rows = gc.skip_refused(gc.build_rows(1, False, str(tmp_path), "/venv/bin"), checks)
-    refused = [r for r in rows if r.precision == "mixed-bf16" and "2ranks" not in r.name]
-    assert refused and all(r.status == gc.NOT_RUN and bf16 in r.detail and r.kind == "note" for r in refused)
-    assert all(r.status == "pending" for r in rows if r.precision == "fp32")
+def test_a_second_call_keeps_the_rows_that_passed(tmp_path):
+    rows = [py_row("passed", "pass"), py_row("failed", "pass")]
+    rows[0].status, rows[0].images_per_sec, rows[1].status = gc.PASS, 123.0, gc.FAIL
+    gc.write_results(rows, str(tmp_path), {})
+    again = [py_row("passed", "pass"), py_row("failed", "pass")]
+    assert gc.take_earlier(again, gc.earlier_rows(str(tmp_path))) == 1
+    assert again[0].status == gc.PASS and again[0].images_per_sec == 123.0 and "earlier call" in again[0].detail
+    assert again[1].status == "pending"
+
+
+# ----------------------------------------------------------------------------- the resume row, on the CPU
+
+def test_the_resume_driver_finds_a_resumed_torch_engine_run_bitwise_equal(tmp_path, small_digits):
+    cfg = tiny_config(small_digits, str(tmp_path / "unused"), train={"epochs": 2, "batch_size": 16, "threads": 1,
+                                                                     "progress": False, "device": "cpu"})
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    proc = run([sys.executable, "-m", "hybridtrain.perf.resume_check", "--out", str(tmp_path / "check"), "--engine",
+                "torch", "--config", str(path), "--set", "train.deterministic=true"], timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "check" / "resume_check.json").read_text())
+    assert result["equal"] and result["straight"].endswith("checkpoint-epoch0002.pt")
+    row = gr.Row("resume", "resume", output=str(tmp_path / "check"))
+    assert gc.read_resume(row) == "" and row.images_per_sec
+
+
+def test_the_resume_comparison_names_what_differs():
+    import torch
+
+    from hybridtrain.perf.resume_check import differences
+    a = {"model": {"w": torch.ones(2), "n": torch.tensor(3)}, "optimizer": {"state": {0: {"step": 1}}}}
+    b = {"model": {"w": torch.tensor([1.0, 1.0 + 2**-20]), "n": torch.tensor(3)},
+         "optimizer": {"state": {0: {"step": 2}}}}
+    assert differences(a, a) == [] and differences(a, b) == ["/model/w", "/optimizer/state/0/step"]
+
+
+# ----------------------------------------------------------------------------- the bundle and the rehearsal
+
+def test_make_gpu_bundle_holds_the_build_for_python_3_12_and_fits_the_limit(tmp_path):
+    proc = subprocess.run(["make", "-s", "gpu-bundle"], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    files = os.listdir(os.path.join(REPO, ".gpu-bundle"))
+    for prefix in ("horovod-0.28.1.tar.gz", "cffi-", "pycparser-", "setuptools-", "wheel-"):
+        assert any(f.startswith(prefix) for f in files), (prefix, files)
+    assert any(f.startswith("cffi-") and "-cp312-" in f for f in files)
+    line = [s for s in proc.stdout.splitlines() if s.startswith("gpu-bundle:")][-1]
+    total = float(line.split(") ")[-1].split(" MiB")[0])
+    assert total < 64, line
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="cutting the network needs root")
+def test_the_rehearsal_passes_offline_from_a_venv_without_torchrun(tmp_path):
+    """Review 3's reason for the issue: the first real call must not fail on its install or launch. The image-like
+    venv has torch but no torchrun, Horovod, cffi or setuptools; the build reuses this machine's Horovod wheel
+    (HYBRIDTRAIN_CACHE) when its key matches, so the compile itself is rehearsed by the install tests."""
+    bundle = os.path.join(REPO, ".gpu-bundle")
+    if not os.path.isfile(os.path.join(bundle, "horovod-0.28.1.tar.gz")):
+        subprocess.run(["make", "-s", "gpu-bundle"], cwd=REPO, check=True, timeout=300, stdin=subprocess.DEVNULL)
+    out = tmp_path / "rehearsal"
+    env = {**os.environ, "HYBRIDTRAIN_CACHE": os.path.join(os.path.expanduser("~"), ".cache", "hybridtrain")}
+    offline = ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$0" "$@"']  # no network but loopback
+    proc = subprocess.run([*offline, sys.executable, "-m", "hybridtrain", "gpu-check", "--rehearse", "--bundle",
+                           bundle, "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=1200,
+                          env=env, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    report = (out / "rehearsal.md").read_text()
+    for name in ("image-python", "build", "config", "command-line", "imports-image", "imports-horovod",
+                 "imports-gpu-tests", "launch-torch-1rank", "launch-torch-2ranks", "launch-horovod-1rank"):
+        assert f"| {name} | pass |" in report, report
+    assert not (out / "image-venv" / "bin" / "torchrun").exists()
+    assert "install: ok" in (out / "build.log").read_text()

@@ -56,6 +56,7 @@ def launch_command(engine: str, np_: int, program: list[str], horovod_args: tupl
     """The command that runs ``program`` (e.g. [hybridtrain, train, ...]) as ``np_`` local ranks under
     ``engine``'s launcher: the sub-jobs of scale, bench and experiment. ``horovod_args``: horovodrun's own
     options (a timeline)."""
-    if engine == "torch":
-        return [venv_tool("torchrun"), "--standalone", f"--nproc-per-node={np_}", "--no-python", *program]
+    if engine == "torch":  # torchrun as a module: a venv that sees an image's torch through a .pth has no script
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={np_}",
+                "--no-python", *program]
     return [venv_tool("horovodrun"), "--gloo", "-np", str(np_), "-H", f"localhost:{np_}", *horovod_args, *program]

@@ -1,34 +1,22 @@
-"""``hybridtrain gpu-check``: the whole GPU path of the project on one machine, in one command.
+"""``hybridtrain gpu-check``: the GPU path of the project on one GPU machine, in calls of a few minutes.
 
-It starts from a bare GPU machine (Python, torch and torchvision installed system-wide, no network, no
-Horovod) and a wheelhouse folder (docs/benchmarks.md lists its files). Every step is a row of one table and
-one real process whose whole output goes to ``OUT/<row>.log``:
+Built for a lent, offline GPU machine whose ``python3`` is a venv holding torch (any torch from 2.3) and no
+Horovod, no DALI: it uses that Python and its torch as they are, and builds Horovod with NCCL from the bundle
+(``make gpu-bundle``: ``.gpu-bundle/``) in the background while the rows that need no Horovod run. Every row is
+one real process whose whole output goes to ``OUT/<row>.log``; the table (``OUT/gpu_check.md`` and ``.json``) is
+written again after every row, so a crash or a kill never loses what ran. A second call with the same ``--out``
+(or ``--resume``) skips the rows that passed and reuses the build; ``--fresh`` runs everything again.
 
-0. ``node-check``: the trainer's own node checks (``hybridtrain.distributed.node.check_node``: torch's kernels for
-   this GPU, the driver against torch's CUDA, bf16 below sm_80, FP16 on a P40) per precision, first; a refusal
-   in fp32 ends the check in one line, and the rows of a refused precision say ``not run`` and why;
-1. ``build``: Horovod with NCCL, by the project's ``install.sh`` into a venv that sees the system torch
-   (skipped when ``horovod.torch`` with NCCL already imports, here or in that venv);
-2. ``gpu-tests``: the tests that run on the GPU when it has one (host syncs, compiled and graphed steps);
-3. ``train-1rank-<precision>-<mode>``: ``horovodrun -np 1 hybridtrain train`` with the H100 recipe on
-   synthetic input, fp32 / mixed-fp16 / mixed-bf16, each eager, compiled and graphed: steady img/s (the
-   epochs after the first), peak memory from ``metrics.jsonl``;
-4. ``train-2ranks-...``: two ranks over NCCL when there are 2+ GPUs (a ``not run`` row otherwise);
-5. ``bench-<precision>``: ``hybridtrain bench --baseline --horovod``: the trainer's step, and the whole step as
-   ``train`` runs it under horovodrun, against a plain PyTorch loop; ``bench-mixed-fp16-fused`` the same with
-   ``optim.fused`` (the optimizer's compiled kernels), and ``bench-optim`` the optimizer step alone in both
-   phases, foreach and fused, against ``torch.optim.SGD``.
+``--plan`` prints the rows in the order they run with their estimated seconds and the call they fall in
+(hybridtrain.perf.gpu_rows), without a GPU; ``--rehearse`` runs on a CPU machine every step a call takes before
+its first GPU step (hybridtrain.perf.gpu_rehearsal).
 
-The table goes to the console, ``OUT/gpu_check.md`` and ``OUT/gpu_check.json``; the exit status is 1 when a
-row failed. Rows run under one time budget (``--budget-s``, default 510 s, the build included) so the check
-ends within 9 minutes; a row that cannot start inside it fails with ``not run: time budget spent`` and a
-second run (the build is reused) finishes it.
-
-Only the standard library is imported here (the bare machine's Python has no PyYAML), and this process never
-imports torch: :func:`cuda_devices` asks a child process.
+Exit status: 0 every row passed, 1 a row failed, 3 none failed but rows are left for the next call; 2 bad input
+or no usable GPU (one line). Only the standard library is imported here: torch is asked in a child process.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -40,69 +28,34 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from typing import Callable
 
 from hybridtrain.engine.metrics_file import read_metrics
 from hybridtrain.errors import UserError
 from hybridtrain.outputs import markdown_table
+from hybridtrain.perf.gpu_rows import (
+    CALL_BUDGETS_S,
+    EPOCHS,
+    NOT_COVERED,
+    RECIPE,
+    REPO,
+    TIMEOUT_S,
+    Pythons,
+    Row,
+    build_rows,
+    next_row,
+    plan_calls,
+)
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-RECIPE = os.path.join("configs", "resnet50_h100.yaml")
 HOROVOD_SDIST = "horovod-0.28.1.tar.gz"
-
-PRECISIONS = ("fp32", "mixed-fp16", "mixed-bf16")
-BENCH_PRECISIONS = ("mixed-fp16", "mixed-bf16")
-FUSED_BENCH_PRECISION = "mixed-fp16"  # bench with optim.fused: the precision MLPerf's H100 submissions train in
-MODES = {"eager": [], "compiled": ["train.compile=true"], "graphed": ["train.cuda_graphs=true"]}
-QUICK_MODE_PRECISION = "mixed-bf16"  # --quick: compiled and graphed for this precision only (the recipe's)
-BATCH = 256                 # the recipe's per-GPU batch
-STEPS_PER_EPOCH = 30        # per epoch, so epoch 2 times 30 steps after epoch 1 warmed up
-EPOCHS = 2                  # epoch 1: cudnn autotuning, compilation, graph capture; epoch 2: the steady one
-BENCH_STEPS, BENCH_WARMUP = 20, 5
-
-# pytest -k over tests/test_step_speed.py: the tests that use the GPU when there is one (their device() is
-# cuda) or run only there (test_graphed_steps_give_the_eager_losses skips without CUDA)
-# (test_fused_updates_... runs its compiled optimizer kernels on the GPU when there is one)
-GPU_TESTS = ["tests/test_step_speed.py", "tests/test_optim_math.py", "-k",
-             "guard_counts or reads_only or one_host_sync or compiled_steps or graphed_steps or hooks_firing "
-             "or hooks_forced or fused_updates"]
-
-BUDGET_S = 510              # the whole check, the build included: under 9 minutes with the report
-MIN_ROW_S = 30              # a row is not started with less than this left of the budget
-TIMEOUT_S = {"build": 900, "tests": 240, "eager": 120, "graphed": 150, "compiled": 300, "bench": 240,
-             "bench-optim": 240, "2ranks": 180}
+BUNDLE = os.path.join(REPO, ".gpu-bundle")      # make gpu-bundle
+WORK = os.path.join(REPO, ".gpu-check")         # the build's venv and cache: kept between calls on a warm machine
+BUDGET_S = CALL_BUDGETS_S[0]                    # the whole call, the node checks included
+MIN_ROW_S = 20                                  # no row is started with less than this left
 PROGRESS_EVERY_S = 30
 
-NO_GPU = ("gpu-check needs a CUDA GPU and this machine has none (torch.cuda.is_available() is False): "
-          "run it on a GPU node")
-ONE_GPU_NOTE = ("not run: one GPU, and NCCL refuses two ranks on one device; the CPU tests cover the gradient "
-                "hook path (2-rank Gloo jobs in tests/)")
-
 PASS, FAIL, NOT_RUN = "pass", "fail", "not run"
-
-
-@dataclass
-class Row:
-    """One line of the table: what to run and, once run, what it gave (None: not measured, shown n/a)."""
-    name: str                   # also the log's name: OUT/<name>.log
-    kind: str                   # build, tests, train, bench, bench-optim or note (a row that says why nothing ran)
-    argv: list = field(default_factory=list)
-    timeout_s: float = 0.0
-    precision: str = ""
-    mode: str = ""              # eager, compiled or graphed; a bench row: eager, or fused (optim.fused)
-    ranks: int = 1
-    output: str = ""            # train: the run directory; bench: the JSON file
-    env: dict = field(default_factory=dict)  # added to the environment
-    status: str = "pending"     # pass, fail or not run
-    seconds: float | None = None
-    images_per_sec: float | None = None           # steady, all ranks together
-    baseline_images_per_sec: float | None = None  # bench: the plain loop's
-    ratio: float | None = None                    # per GPU, ÷ the plain loop of the same precision
-    peak_allocated_mb: float | None = None
-    peak_reserved_mb: float | None = None
-    device_used_mb: float | None = None
-    detail: str = ""
+NEXT_CALL = "left for the next call"
 
 
 # ----------------------------------------------------------------------------- before any work
@@ -133,14 +86,15 @@ def probe_writable(folder: str, given: str) -> None:
         raise UserError(f"--out {given}: cannot write in {folder} ({exc.strerror}): give a writable folder") from None
 
 
-def check_wheelhouse(path: str | None) -> str | None:
+def check_bundle(path: str | None) -> str | None:
+    """The bundle folder (given, else .gpu-bundle/ when it exists), or None (the build then needs a registry)."""
     if path is None:
-        return None
+        return BUNDLE if os.path.isdir(BUNDLE) else None
     folder = os.path.abspath(path)
     if not os.path.isdir(folder):
-        raise UserError(f"--wheelhouse {path} is not a folder: prepare it as docs/benchmarks.md says")
+        raise UserError(f"--bundle {path} is not a folder: make it with make gpu-bundle (docs/benchmarks.md)")
     if not os.path.isfile(os.path.join(folder, HOROVOD_SDIST)):
-        raise UserError(f"--wheelhouse {path} has no {HOROVOD_SDIST}: prepare it as docs/benchmarks.md says")
+        raise UserError(f"--bundle {path} has no {HOROVOD_SDIST}: make it with make gpu-bundle (docs/benchmarks.md)")
     return folder
 
 
@@ -152,46 +106,30 @@ def check_checkout(repo: str = REPO) -> None:
                         f"run it from the checkout (python -m hybridtrain gpu-check ...)")
 
 
-CUDA_PROBE = ("import json, torch; ok = torch.cuda.is_available(); print(json.dumps("
-              "[torch.cuda.device_count() if ok else 0, torch.cuda.get_device_name(0) if ok else '']))")
+def checkout_env(env: dict, repo: str = REPO) -> dict:
+    """The environment of every row: the checkout first on PYTHONPATH (the image's Python has no hybridtrain)."""
+    return {**env, "PYTHONPATH": repo + os.pathsep + env.get("PYTHONPATH", ""), "PYTHONUNBUFFERED": "1"}
 
 
-def cuda_devices(python: str = sys.executable) -> tuple[int, str]:
-    """(number of CUDA GPUs, the first one's name), asked in a child process: this one never holds a CUDA
-    context, which would count in every row's device memory. A machine without a GPU is a UserError."""
+def probe(python: str = sys.executable) -> dict:
+    """hybridtrain.perf.gpu_probe in a child process (this one never holds a CUDA context, which would count in
+    every row's device memory): the GPUs, torch, DALI and the node checks. No usable GPU is a UserError."""
     try:
-        proc = subprocess.run([python, "-c", CUDA_PROBE], capture_output=True, text=True, timeout=180,
-                              stdin=subprocess.DEVNULL)
+        proc = subprocess.run([python, "-m", "hybridtrain.perf.gpu_probe"], capture_output=True, text=True,
+                              timeout=180, stdin=subprocess.DEVNULL, env=checkout_env(dict(os.environ)), cwd=REPO)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise UserError(f"gpu-check could not ask torch for the GPUs with {python}: {exc}") from None
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
         raise UserError(f"gpu-check needs torch in this Python ({python}): {last}")
-    count, name = json.loads(proc.stdout.strip().splitlines()[-1])
-    if not count:
-        raise UserError(NO_GPU)
-    return count, name
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    if not found["gpus"]:
+        raise UserError(no_gpu_line(found["reason"]))
+    return found
 
 
-NODE_PROBE = ("import json, torch\nfrom hybridtrain.distributed.node import check_node\n"
-              "from hybridtrain.errors import UserError\nout = {}\nfor p in %r:\n    try:\n"
-              "        out[p] = ['', check_node(torch.device('cuda', 0), p)]\n"
-              "    except UserError as e:\n        out[p] = [str(e), []]\nprint(json.dumps(out))")
-
-
-def node_checks(python: str = sys.executable, repo: str = REPO) -> dict:
-    """The trainer's node checks (hybridtrain.distributed.node.check_node) on GPU 0 for every precision the check
-    trains in, asked in a child process: {precision: (refusal line or '', [warnings])}."""
-    env = {**os.environ, "PYTHONPATH": repo + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    try:
-        proc = subprocess.run([python, "-c", NODE_PROBE % (PRECISIONS,)], capture_output=True, text=True,
-                              timeout=180, stdin=subprocess.DEVNULL, env=env, cwd=repo)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise UserError(f"gpu-check could not run the node checks with {python}: {exc}") from None
-    if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
-        raise UserError(f"gpu-check's node checks failed in {python}: {last}")
-    return {p: (line, warnings) for p, (line, warnings) in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
+def no_gpu_line(reason: str) -> str:
+    return f"gpu-check needs a CUDA GPU and torch cannot use one here ({reason}): run it on a GPU node"
 
 
 def node_row(checks: dict) -> Row:
@@ -214,107 +152,56 @@ def skip_refused(rows: list[Row], checks: dict) -> list[Row]:
     return rows
 
 
-# ----------------------------------------------------------------------------- Horovod with NCCL
+# ----------------------------------------------------------------------------- Horovod with NCCL, in the background
 
-def default_venv() -> str:
-    cache = os.environ.get("HYBRIDTRAIN_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "hybridtrain")
-    return os.path.join(cache, "gpu-venv")
-
-
-def nccl_ready(bin_dir: str) -> bool:
-    """True when bin_dir's python imports horovod.torch built with NCCL, and hybridtrain, horovodrun are there."""
+def nccl_ready(bin_dir: str, nccl: bool = True) -> bool:
+    """True when bin_dir's python imports horovod.torch (built with NCCL when ``nccl``) and horovodrun is there."""
     python = os.path.join(bin_dir, "python")
-    if not all(os.path.exists(os.path.join(bin_dir, n)) for n in ("python", "hybridtrain", "horovodrun")):
+    if not all(os.path.exists(os.path.join(bin_dir, n)) for n in ("python", "horovodrun")):
         return False
-    code = "import sys, hybridtrain, horovod.torch as hvd; sys.exit(0 if hvd.nccl_built() else 1)"
+    code = "import sys, horovod.torch as hvd; sys.exit(0 if hvd.nccl_built() or not %r else 1)" % nccl
     try:
-        return subprocess.run([python, "-c", code], capture_output=True, timeout=180,
-                              stdin=subprocess.DEVNULL).returncode == 0
+        return subprocess.run([python, "-c", code], capture_output=True, timeout=180, stdin=subprocess.DEVNULL,
+                              env=checkout_env(dict(os.environ))).returncode == 0
     except (OSError, subprocess.TimeoutExpired):
         return False
 
 
-def build_row(venv: str, wheelhouse: str | None, repo: str = REPO) -> Row:
-    env = {"HYBRIDTRAIN_TORCH": "system", "HYBRIDTRAIN_SKIP_DALI": "1", "HOROVOD_GPU_OPERATIONS": "NCCL",
-           "HYBRIDTRAIN_VENV": venv}
-    if wheelhouse:
-        env["HYBRIDTRAIN_WHEELHOUSE"] = wheelhouse
-    env["PYTHON"] = sys.executable  # the venv is made from it and sees its torch (install.sh: see_python_site)
-    return Row("build", "build", [os.path.join(repo, "install.sh")], TIMEOUT_S["build"], env=env)
+def build_row(venv: str, bundle: str | None, python: str = sys.executable, nccl: bool = True,
+              cache: str = os.path.join(WORK, "cache")) -> Row:
+    """install.sh into ``venv`` with the image's torch (HYBRIDTRAIN_TORCH=system), from the bundle offline."""
+    env = {"HYBRIDTRAIN_TORCH": "system", "HYBRIDTRAIN_SKIP_DALI": "1", "HYBRIDTRAIN_VENV": venv, "PYTHON": python,
+           "HYBRIDTRAIN_CACHE": cache}
+    if nccl:
+        env["HOROVOD_GPU_OPERATIONS"] = "NCCL"
+    if bundle:
+        env["HYBRIDTRAIN_WHEELHOUSE"] = bundle
+    return Row("build", "build", [os.path.join(REPO, "install.sh")], TIMEOUT_S["build"], env=env)
 
 
-# ----------------------------------------------------------------------------- the rows
+class Background:
+    """One row's process started now and judged when it ends (the Horovod build, while other rows run)."""
 
-def precision_sets(spec: str) -> list[str]:
-    """``mixed-bf16`` -> the config overrides it stands for."""
-    mode, _, dtype = spec.partition("-")
-    return [f"precision.mode={mode}"] + ([f"precision.compute_dtype={dtype}"] if dtype else [])
+    def __init__(self, row: Row, out: str, base_env: dict, say: Callable[[str], None]):
+        self.row, self.out, self.say = row, out, say
+        self.proc, self.start = start_row(row, out, base_env, say), time.monotonic()
 
+    def poll(self) -> bool:
+        """True once the row has ended (and is judged)."""
+        if self.proc is None or self.row.status != "pending":
+            return True
+        rc = self.proc.poll()
+        if rc is not None:
+            finish_row(self.row, rc, self.out, time.monotonic() - self.start, self.say)
+        elif time.monotonic() - self.start > self.row.timeout_s:
+            self.stop(f"timed out after {self.row.timeout_s:.0f} s")
+        return self.row.status != "pending"
 
-def train_sets(run_dir: str, precision: str, mode: str, ranks: int) -> list[str]:
-    """Overrides of the H100 recipe: its own GPU or one error line (never the CPU), synthetic input, NHWC, two
-    short epochs (T=1 AdaBound epoch, so the steady epoch is LARS-SGD), no TensorBoard."""
-    return [f"run_dir={run_dir}", "train.device=cuda", "data.backend=synthetic", "data.channels_last=true",
-            f"train.batch_size={BATCH}", f"data.synthetic_images={BATCH * STEPS_PER_EPOCH * ranks}",
-            f"train.epochs={EPOCHS}", "optim.adabound_epochs=1", "train.progress=false", "train.keep_checkpoints=1",
-            "report.tensorboard=false", *precision_sets(precision), *MODES[mode]]
-
-
-def train_row(bin_dir: str, out: str, precision: str, mode: str, ranks: int, repo: str = REPO,
-              engine: str = "horovod") -> Row:
-    """A short training run of the H100 recipe under horovodrun, or (``engine`` torch) under torchrun: DDP with
-    NCCL from the torch wheel and Gloo for the CPU collectives."""
-    name = f"train-{ranks}rank{'s' if ranks > 1 else ''}-{precision}-{mode}" + ("-torch" if engine == "torch" else "")
-    run_dir = os.path.join(out, "runs", name)
-    launcher = ([os.path.join(bin_dir, "torchrun"), "--standalone", f"--nproc-per-node={ranks}", "--no-python"]
-                if engine == "torch" else
-                [os.path.join(bin_dir, "horovodrun"), "--gloo", "-np", str(ranks), "-H", f"localhost:{ranks}"])
-    argv = [*launcher, os.path.join(bin_dir, "hybridtrain"), "train", "--config", os.path.join(repo, RECIPE),
-            "--engine", engine]
-    argv += [a for s in train_sets(run_dir, precision, mode, ranks) for a in ("--set", s)]
-    timeout = TIMEOUT_S["2ranks"] if ranks > 1 else TIMEOUT_S[mode]
-    return Row(name, "train", argv, timeout, precision, mode, ranks, output=run_dir)
-
-
-def bench_row(bin_dir: str, out: str, precision: str, fused: bool = False) -> Row:
-    """``bench --baseline`` at the recipe's batch, NHWC: with ``--horovod``, or (``fused``) with optim.fused."""
-    name = f"bench-{precision}" + ("-fused" if fused else "")
-    path = os.path.join(out, f"{name}.json")
-    argv = [os.path.join(bin_dir, "hybridtrain"), "bench", "--precision", precision, "--channels-last", "--baseline",
-            "--batch-size", str(BATCH), "--steps", str(BENCH_STEPS), "--warmup", str(BENCH_WARMUP), "--json", path]
-    argv += ["--set", "optim.fused=true"] if fused else ["--horovod"]
-    return Row(name, "bench", argv, TIMEOUT_S["bench"], precision, "fused" if fused else "eager", output=path)
-
-
-def bench_optim_row(bin_dir: str, out: str) -> Row:
-    """``bench-optim --fused``: ResNet-50's optimizer step alone, both phases, foreach and compiled."""
-    path = os.path.join(out, "bench-optim.json")
-    argv = [os.path.join(bin_dir, "hybridtrain"), "bench-optim", "--fused", "--steps", str(BENCH_STEPS), "--warmup",
-            str(BENCH_WARMUP), "--json", path]
-    return Row("bench-optim", "bench-optim", argv, TIMEOUT_S["bench-optim"], output=path)
-
-
-def build_rows(gpus: int, quick: bool, out: str, bin_dir: str, repo: str = REPO) -> list[Row]:
-    """The check's rows in the order they run: the GPU tests, eager training per precision, the bench against
-    the plain loop (eager, then with the fused optimizer), the optimizer alone, CUDA graphs, two ranks (or the row
-    saying why not), the torch engine (DDP, NCCL; two ranks when there are two GPUs), torch.compile (slowest:
-    compiling)."""
-    python = os.path.join(bin_dir, "python")
-    rows = [Row("gpu-tests", "tests", [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *GPU_TESTS],
-                TIMEOUT_S["tests"])]
-    rows += [train_row(bin_dir, out, p, "eager", 1, repo) for p in PRECISIONS]
-    rows += [bench_row(bin_dir, out, p) for p in BENCH_PRECISIONS]
-    rows += [bench_row(bin_dir, out, FUSED_BENCH_PRECISION, fused=True), bench_optim_row(bin_dir, out)]
-    heavy = [QUICK_MODE_PRECISION] if quick else list(PRECISIONS)
-    rows += [train_row(bin_dir, out, p, "graphed", 1, repo) for p in heavy]
-    if gpus >= 2:
-        rows.append(train_row(bin_dir, out, QUICK_MODE_PRECISION, "eager", 2, repo))
-    else:
-        rows.append(Row(f"train-2ranks-{QUICK_MODE_PRECISION}-eager", "note", precision=QUICK_MODE_PRECISION,
-                        mode="eager", ranks=2, status=NOT_RUN, detail=ONE_GPU_NOTE))
-    rows.append(train_row(bin_dir, out, QUICK_MODE_PRECISION, "eager", min(gpus, 2), repo, engine="torch"))
-    rows += [train_row(bin_dir, out, p, "compiled", 1, repo) for p in heavy]
-    return rows
+    def stop(self, why: str) -> None:
+        if self.proc is not None and self.row.status == "pending":
+            stop_group(self.proc)
+            self.row.status, self.row.detail = FAIL, why
+            self.row.seconds = time.monotonic() - self.start
 
 
 # ----------------------------------------------------------------------------- running one row
@@ -331,7 +218,7 @@ def last_line(path: str, width: int = 120) -> str:
 
 
 def stop_group(proc: subprocess.Popen) -> None:
-    """SIGTERM to the row's process group (horovodrun and its ranks), SIGKILL after 15 s."""
+    """SIGTERM to the row's process group (the launcher and its ranks), SIGKILL after 15 s."""
     for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
         try:
             os.killpg(proc.pid, sig)
@@ -344,71 +231,111 @@ def stop_group(proc: subprocess.Popen) -> None:
             continue
 
 
+def start_row(row: Row, out: str, base_env: dict, say: Callable[[str], None], repo: str = REPO):
+    """Run the row's ``before`` commands, then start its command in its own session (output to OUT/<name>.log).
+    None, with the row failed, when a command cannot start or a ``before`` command fails."""
+    log_path = os.path.join(out, f"{row.name}.log")
+    if row.kind in ("train", "resume") and os.path.isdir(row.output):
+        shutil.rmtree(row.output)  # this row's runs from an earlier call: the trainer starts fresh
+    env = {**base_env, **row.env}
+    say(f"gpu-check: {row.name}: running (timeout {row.timeout_s:.0f} s, log {log_path})")
+    with open(log_path, "w") as log:
+        try:
+            for cmd in row.before:
+                log.write(f"$ {shlex.join(cmd)}\n")
+                log.flush()
+                rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=repo,
+                                    env=env, timeout=row.timeout_s).returncode
+                if rc != 0:
+                    row.status, row.detail = FAIL, f"{shlex.join(cmd[:4])} ... exited {rc}"
+                    return None
+            log.write("$ " + shlex.join([f"{k}={v}" for k, v in row.env.items()] + row.argv) + "\n")
+            log.flush()
+            return subprocess.Popen(row.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    cwd=repo, env=env, start_new_session=True)
+        except (OSError, subprocess.TimeoutExpired) as exc:  # a missing launcher fails its row, not the check
+            row.status, row.detail = FAIL, f"could not start: {exc}"
+            log.write(row.detail + "\n")
+            return None
+
+
+def finish_row(row: Row, rc: int | None, out: str, seconds: float, say: Callable[[str], None]) -> Row:
+    row.seconds = seconds
+    if rc is None:
+        row.status, row.detail = FAIL, row.detail or "timed out"
+    else:
+        problem = judge(row, rc, os.path.join(out, f"{row.name}.log"))
+        row.status, row.detail = (FAIL, problem) if problem else (PASS, row.detail)
+    if row.kind in ("train", "resume"):
+        drop_weights(row.output)
+    say(f"gpu-check: {row.name}: {row.status} in {seconds:.0f} s" + (f": {row.detail}" if row.detail else ""))
+    return row
+
+
 def run_row(row: Row, out: str, deadline: float, base_env: dict, say: Callable[[str], None] = print,
-            repo: str = REPO) -> Row:
-    """Run ``row``'s command (output to OUT/<name>.log) within its timeout and the budget, then judge it."""
+            on_tick: Callable[[], None] = lambda: None) -> Row:
+    """Run ``row`` within its timeout and what is left of the budget, then judge it; ``on_tick`` runs every
+    second meanwhile (the background build is polled there)."""
     if row.kind == "note":
         return row
-    log_path = os.path.join(out, f"{row.name}.log")
     left = deadline - time.monotonic()
-    if left < MIN_ROW_S:
-        row.status, row.detail = FAIL, "not run: time budget spent (run again: the build is reused)"
-        with open(log_path, "w") as log:
-            log.write(f"$ {shlex.join(row.argv)}\n{row.detail}\n")
+    if left < max(MIN_ROW_S, row.estimate_s):
+        row.status, row.detail = NOT_RUN, f"{NEXT_CALL} (estimated {row.estimate_s:.0f} s, {max(left, 0):.0f} s left)"
         return row
     timeout = min(row.timeout_s, left)
-    if row.kind == "train" and os.path.isdir(row.output):
-        shutil.rmtree(row.output)  # this row's run directory from an earlier check: the trainer starts fresh
-    env = {**base_env, "PYTHONUNBUFFERED": "1", **row.env}
-    say(f"gpu-check: {row.name}: running (timeout {timeout:.0f} s, log {log_path})")
     start = time.monotonic()
-    with open(log_path, "w") as log:
-        log.write("$ " + shlex.join([f"{k}={v}" for k, v in row.env.items()] + row.argv) + "\n")
-        log.flush()
-        proc = subprocess.Popen(row.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=repo,
-                                env=env, start_new_session=True)
-        rc, next_note = None, start + PROGRESS_EVERY_S
+    proc = start_row(row, out, base_env, say)
+    if proc is None:
+        return finish_row(row, 1, out, time.monotonic() - start, say) if row.status == "pending" else row
+    rc, next_note = None, start + PROGRESS_EVERY_S
+    try:
         while rc is None:
             try:
                 rc = proc.wait(timeout=1.0)
             except subprocess.TimeoutExpired:
+                on_tick()
                 now = time.monotonic()
                 if now - start > timeout:
                     stop_group(proc)
+                    row.detail = (f"timed out after {timeout:.0f} s" if timeout == row.timeout_s else
+                                  f"stopped at the end of the budget after {timeout:.0f} s")
                     break
                 if now >= next_note:
-                    say(f"  {row.name}: {now - start:.0f} s: {last_line(log_path)}")
+                    say(f"  {row.name}: {now - start:.0f} s: {last_line(os.path.join(out, f'{row.name}.log'))}")
                     next_note += PROGRESS_EVERY_S
-    row.seconds = time.monotonic() - start
-    if rc is None:
-        row.status, row.detail = FAIL, f"timed out after {timeout:.0f} s"
-    else:
-        problem = judge(row, rc, log_path)
-        row.status, row.detail = (FAIL, problem) if problem else (PASS, row.detail)
-    if row.kind == "train":
-        drop_weights(row.output)
-    say(f"gpu-check: {row.name}: {row.status} in {row.seconds:.0f} s" + (f": {row.detail}" if row.detail else ""))
-    return row
+    except BaseException:  # the check itself is stopped (SIGTERM): no rank outlives it
+        stop_group(proc)
+        raise
+    return finish_row(row, rc, out, time.monotonic() - start, say)
 
 
 def judge(row: Row, rc: int, log_path: str) -> str:
     """'' when the row passed (its figures filled in), else what went wrong, in a few words."""
-    if row.kind == "train":
-        problem = read_train(row)
-    elif row.kind == "bench":
-        problem = read_bench(row)
-    elif row.kind == "bench-optim":
-        problem = read_bench_optim(row)
+    readers = {"train": read_train, "resume": read_resume, "bench": read_bench, "bench-optim": read_bench_optim,
+               "max-batch": lambda r: read_max_batch(r, log_path)}
+    if row.kind in readers:
+        problem = readers[row.kind](row)
+    elif row.kind == "step":  # a rehearsal step: its exit status says it all
+        problem = ""
     elif row.kind == "tests":
         summary = last_line(log_path)
         row.detail = summary if "passed" in summary or "failed" in summary else ""
         problem = "" if rc == 0 else (row.detail or f"pytest exited {rc}")
     else:  # build: install.sh's own one-line error says what is missing
-        errors = [line for line in read_text(log_path).splitlines() if line.startswith("install: error:")]
-        problem = errors[-1][:300] if rc != 0 and errors else ""
+        problem = read_build(row, rc, log_path)
     if rc != 0:
         return problem or f"exit status {rc} (see {os.path.basename(log_path)})"
     return problem
+
+
+def read_build(row: Row, rc: int, log_path: str) -> str:
+    errors = [line for line in read_text(log_path).splitlines() if line.startswith("install: error:")]
+    if rc != 0:
+        return errors[-1][:300] if errors else ""
+    bin_dir, nccl = os.path.join(row.env["HYBRIDTRAIN_VENV"], "bin"), "HOROVOD_GPU_OPERATIONS" in row.env
+    if not nccl_ready(bin_dir, nccl):
+        return f"install.sh ended but {bin_dir} has no horovod.torch" + (" with NCCL" if nccl else "")
+    return ""
 
 
 def read_text(path: str) -> str:
@@ -466,25 +393,64 @@ def drop_weights(run_dir: str) -> None:
 
 
 def read_bench(row: Row) -> str:
+    """The trainer's step against the plain loop (in process) and the whole step under the engine's launcher. A
+    Horovod bench row has no plain loop of its own: its figure is the whole step, its ratio from fill_ratios."""
     try:
         with open(row.output) as fh:
             results = json.load(fh)
     except (OSError, ValueError) as exc:
         return f"no bench JSON ({exc.__class__.__name__})"
-    trainer = next((r for r in results if r.get("loop") == "trainer"), None)
-    baseline = next((r for r in results if r.get("loop") == "baseline"), None)
-    if trainer is None or baseline is None:
-        return "bench JSON lacks the trainer or the baseline row"
-    row.images_per_sec, row.baseline_images_per_sec = trainer["images_per_sec"], baseline["images_per_sec"]
-    row.ratio = baseline.get("trainer_over_baseline")
-    row.peak_allocated_mb = trainer.get("peak_memory_mb")
-    row.peak_reserved_mb = trainer.get("peak_memory_reserved_mb")
-    row.device_used_mb = trainer.get("device_memory_used_mb")
-    train = next((r for r in results if r.get("loop") == "train/horovod"), None)
-    whole = f"; whole step under horovodrun {train['over_baseline']:.3f}x" if train and "over_baseline" in train else ""
-    row.detail = (f"plain loop {row.baseline_images_per_sec:.0f} img/s; host syncs/step "
-                  f"{trainer.get('host_syncs_per_step')}{whole}")
-    return "" if row.images_per_sec > 0 and row.baseline_images_per_sec > 0 else "zero img/s"
+    loops = {r.get("loop"): r for r in results}
+    whole = loops.get("train/horovod") or loops.get("train/torch")
+    trainer, baseline = loops.get("trainer"), loops.get("baseline")
+    main = whole if row.mode == "horovod" else trainer
+    if main is None or (row.mode != "horovod" and baseline is None):
+        return "bench JSON lacks the trainer, the plain loop or the whole step's row"
+    row.images_per_sec = main["images_per_sec"]
+    for key, name in (("peak_allocated_mb", "peak_memory_mb"), ("peak_reserved_mb", "peak_memory_reserved_mb"),
+                      ("device_used_mb", "device_memory_used_mb")):
+        setattr(row, key, main.get(name))
+    notes = [f"host syncs/step {trainer.get('host_syncs_per_step')}"] if trainer else []
+    if baseline is not None:
+        row.baseline_images_per_sec, row.ratio = baseline["images_per_sec"], baseline.get("trainer_over_baseline")
+        notes.insert(0, f"plain loop {row.baseline_images_per_sec:.0f} img/s")
+    if whole is not None and row.mode != "horovod":
+        launcher = "horovodrun" if whole["loop"] == "train/horovod" else "torchrun"
+        notes.append(f"whole step under {launcher} {whole['images_per_sec']:.0f} img/s"
+                     + (f" ({whole['over_baseline']:.3f}x)" if "over_baseline" in whole else ""))
+    row.detail = "; ".join(notes)
+    return "" if row.images_per_sec > 0 and (baseline is None or row.baseline_images_per_sec > 0) else "zero img/s"
+
+
+def read_resume(row: Row) -> str:
+    try:
+        with open(os.path.join(row.output, "resume_check.json")) as fh:
+            result = json.load(fh)
+    except (OSError, ValueError) as exc:
+        return f"no resume_check.json ({exc.__class__.__name__})"
+    straight = os.path.join(row.output, "straight")
+    try:
+        for key, value in train_figures(read_metrics(os.path.join(straight, "metrics.jsonl"))).items():
+            setattr(row, key, value)
+    except (OSError, UserError, KeyError, ZeroDivisionError):
+        pass  # the figures are a bonus here: the check is the comparison
+    if not result.get("equal"):
+        return "resumed run differs from the straight one: " + ", ".join(result.get("differences", []))[:200]
+    row.detail = "resumed from epoch 1: final checkpoint bitwise equal to the straight run's"
+    return ""
+
+
+def read_max_batch(row: Row, log_path: str) -> str:
+    largest = [line for line in read_text(log_path).splitlines() if "(largest)" in line]
+    if not largest:
+        return "no (largest) row in the output"
+    cells = [c.strip() for c in largest[-1].strip("|").split("|")]
+    row.detail = f"largest batch {cells[0].split()[0]}: {cells[1]} img/s, peak {cells[2]} MiB"
+    try:
+        row.images_per_sec, row.peak_allocated_mb = float(cells[1]), float(cells[2])
+    except (ValueError, IndexError):
+        pass
+    return ""
 
 
 def read_bench_optim(row: Row) -> str:
@@ -502,11 +468,13 @@ def read_bench_optim(row: Row) -> str:
 
 
 def fill_ratios(rows: list[Row]) -> list[Row]:
-    """Each training row's img/s per GPU ÷ the plain loop's img/s of the same precision (from its bench row)."""
+    """Each training row's (and the Horovod bench row's) img/s per GPU ÷ the plain loop's img/s of the same
+    precision, from the torch engine's bench row."""
     baselines = {r.precision: r.baseline_images_per_sec for r in rows
                  if r.kind == "bench" and r.mode == "eager" and r.baseline_images_per_sec}
     for r in rows:
-        if r.kind == "train" and r.images_per_sec and r.precision in baselines:
+        measured = r.kind == "train" or (r.kind == "bench" and r.mode == "horovod")
+        if measured and r.images_per_sec and r.precision in baselines:
             r.ratio = r.images_per_sec / r.ranks / baselines[r.precision]
     return rows
 
@@ -518,72 +486,163 @@ def fmt(value: float | None, digits: int = 0) -> str:
 
 
 def format_table(rows: list[Row]) -> str:
-    header = ["row", "steady img/s", "÷ plain loop", "peak allocated MiB", "peak reserved MiB", "device used MiB",
-              "result", "time s", "note"]
-    return markdown_table(header, [[r.name, fmt(r.images_per_sec, 1), fmt(r.ratio, 3), fmt(r.peak_allocated_mb),
-                                     fmt(r.peak_reserved_mb), fmt(r.device_used_mb),
+    header = ["row", "call", "steady img/s", "÷ plain loop", "peak allocated MiB", "peak reserved MiB",
+              "device used MiB", "result", "time s", "note"]
+    return markdown_table(header, [[r.name, r.call or "-", fmt(r.images_per_sec, 1), fmt(r.ratio, 3),
+                                     fmt(r.peak_allocated_mb), fmt(r.peak_reserved_mb), fmt(r.device_used_mb),
                                      "**FAIL**" if r.status == FAIL else r.status, fmt(r.seconds),
                                      r.detail.replace("|", "/")] for r in rows])
 
 
-def write_results(rows: list[Row], out: str, meta: dict) -> str:
-    """OUT/gpu_check.md (the table under a few lines of context) and OUT/gpu_check.json; returns the markdown."""
+def verdict(rows: list[Row]) -> str:
     failed = [r.name for r in rows if r.status == FAIL]
-    head = [f"# hybridtrain gpu-check: {'FAILED (' + ', '.join(failed) + ')' if failed else 'passed'}", ""]
-    head += [f"- {key}: {value}" for key, value in meta.items()]
-    text = "\n".join(head + ["", format_table(rows), ""])
-    with open(os.path.join(out, "gpu_check.md"), "w") as fh:
-        fh.write(text)
-    with open(os.path.join(out, "gpu_check.json"), "w") as fh:
-        json.dump({**meta, "passed": not failed, "failed": failed, "rows": [dataclasses.asdict(r) for r in rows]},
-                  fh, indent=1)
+    if failed:
+        return f"FAILED ({', '.join(failed)})"
+    left = [r for r in rows if r.status == "pending" or r.detail.startswith(NEXT_CALL)]
+    return f"{len(left)} rows still to run (call again with the same --out)" if left else "passed"
+
+
+def write_results(rows: list[Row], out: str, meta: dict) -> str:
+    """OUT/gpu_check.md (the table under its context and what one GPU cannot check) and OUT/gpu_check.json,
+    each replaced atomically (a kill never leaves half a table); returns the markdown."""
+    head = [f"# hybridtrain gpu-check: {verdict(rows)}", ""] + [f"- {key}: {value}" for key, value in meta.items()]
+    tail = ["", "Not covered here:"] + [f"- {line}" for line in NOT_COVERED]
+    text = "\n".join(head + ["", format_table(rows)] + tail + [""])
+    failed = [r.name for r in rows if r.status == FAIL]
+    record = {**meta, "passed": verdict(rows) == "passed", "failed": failed,
+              "rows": [dataclasses.asdict(r) for r in rows]}
+    for name, content in (("gpu_check.md", text), ("gpu_check.json", json.dumps(record, indent=1))):
+        path = os.path.join(out, name)
+        with open(path + ".tmp", "w") as fh:
+            fh.write(content)
+        os.replace(path + ".tmp", path)
     return text
 
 
 # ----------------------------------------------------------------------------- the command
 
-def run_gpu_check(out: str, wheelhouse: str | None = None, quick: bool = False, venv: str | None = None,
-                  budget_s: float = BUDGET_S, say: Callable[[str], None] = print) -> int:
-    """0 when every row passed, 1 otherwise; bad input or no GPU: UserError before any work."""
-    if budget_s <= 0:
-        raise UserError(f"--budget-s must be > 0, got {budget_s}")
-    out = check_out_dir(out)
-    wheelhouse = check_wheelhouse(wheelhouse)
-    check_checkout()
-    gpus, device = cuda_devices()
-    checks = node_checks()
-    first = node_row(checks)
-    os.makedirs(out, exist_ok=True)
-    deadline = time.monotonic() + budget_s
-    meta = {"device": device, "gpus": gpus, "quick": quick, "budget_s": budget_s, "python": sys.executable}
-    base_env = dict(os.environ)
-    here = os.path.dirname(sys.executable)
-    venv = os.path.abspath(venv or default_venv())
-    say(f"gpu-check: {device} x {gpus}; output in {out}")
-    if nccl_ready(here):
-        bin_dir, build = here, Row("build", "build", status=PASS,
-                                   detail=f"skipped: horovod.torch with NCCL imports in {sys.executable}")
-    elif nccl_ready(os.path.join(venv, "bin")):
-        bin_dir, build = os.path.join(venv, "bin"), Row("build", "build", status=PASS,
-                                                        detail=f"skipped: {venv} has horovod.torch with NCCL")
-    else:
-        bin_dir, build = os.path.join(venv, "bin"), build_row(venv, wheelhouse)
-        run_row(build, out, deadline, base_env, say)
-        if build.status == PASS and not nccl_ready(bin_dir):
-            build.status, build.detail = FAIL, f"install.sh ended but {bin_dir}/python has no horovod.torch with NCCL"
-    meta["bin"] = bin_dir
-    rows = [first, build]
-    say(f"gpu-check: node checks: {first.detail}")
-    if build.status == PASS:
-        say(f"gpu-check: Horovod with NCCL from {bin_dir}")
-        base_env["PATH"] = bin_dir + os.pathsep + base_env.get("PATH", "")
-        for row in skip_refused(build_rows(gpus, quick, out, bin_dir), checks):
-            rows.append(run_row(row, out, deadline, base_env, say))
-    else:
-        say("gpu-check: no Horovod with NCCL, so no other row can run")
+def earlier_rows(out: str) -> dict:
+    """{name: row} of the rows that passed in an earlier call with this --out (its gpu_check.json)."""
+    try:
+        with open(os.path.join(out, "gpu_check.json")) as fh:
+            saved = json.load(fh)
+        fields = {f.name for f in dataclasses.fields(Row)}
+        return {r["name"]: Row(**{k: v for k, v in r.items() if k in fields}) for r in saved["rows"]
+                if r.get("status") == PASS}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
+def take_earlier(rows: list[Row], earlier: dict) -> int:
+    """Rows that passed before keep their figures and are not run again; returns how many."""
+    taken = 0
+    for i, row in enumerate(rows):
+        before = earlier.get(row.name)
+        if before is not None and row.kind != "note":
+            before.call, before.detail = row.call, (before.detail + " (an earlier call)").strip()
+            rows[i], taken = before, taken + 1
+    return taken
+
+
+class Stopped(Exception):
+    """SIGTERM (the device call's time limit, a scheduler): the table is written and the rows stopped."""
+
+
+def raise_stopped(signum, frame):
+    raise Stopped()
+
+
+@contextlib.contextmanager
+def stopped_by_sigterm(say: Callable[[str], None]):
+    """SIGTERM ends the rows (run_row stops the running row's process group) instead of the process: what follows
+    the block (the last table) still runs."""
+    previous = signal.signal(signal.SIGTERM, raise_stopped)
+    try:
+        yield
+    except Stopped:
+        say("gpu-check: stopped by SIGTERM; the table holds every row that ended")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run_rows(rows: list[Row], out: str, deadline: float, base_env: dict, build: Background | None,
+             write: Callable[[], None], say: Callable[[str], None]) -> None:
+    """Every pending row in plan order (Horovod rows once the build has passed), the table written after each."""
+    pending = [r for r in rows if r.status == "pending" and r.kind != "note"]
+    tick = (lambda: build.poll() and write()) if build else (lambda: None)
+    while pending:
+        done = build is None or build.poll()
+        ready = build is None or build.row.status == PASS
+        row = next_row(pending, ready)
+        if row is None and not done and deadline - time.monotonic() > MIN_ROW_S:
+            time.sleep(1.0)  # only Horovod rows left: wait for the build
+            continue
+        if row is None:
+            for r in pending:
+                r.status, r.detail = NOT_RUN, (f"not run: no Horovod build ({build.row.detail})" if done else
+                                               f"{NEXT_CALL} (the Horovod build had not finished)")
+            break
+        pending.remove(row)
+        run_row(row, out, deadline, base_env, say, on_tick=tick)
+        write()
+
+
+def execute(rows: list[Row], out: str, deadline: float, base_env: dict, build: Background | None,
+            write: Callable[[], str], say: Callable[[str], None]) -> str:
+    """Run the rows (the table written after each), stop the build if it outlives them, write the last table."""
+    with stopped_by_sigterm(say):
+        write()
+        run_rows(rows, out, deadline, base_env, build, write, say)
+    if build is not None:
+        build.poll()
+        build.stop("stopped at the end of the call: the next call builds again")
     fill_ratios(rows)
-    text = write_results(rows, out, meta)
+    return write()
+
+
+def run_gpu_check(out: str, bundle: str | None = None, venv: str | None = None, budget_s: float = BUDGET_S,
+                  resume: bool = False, fresh: bool = False, say: Callable[[str], None] = print) -> int:
+    """0 when every row passed, 1 when one failed, 3 when rows are left for the next call; bad input or no GPU:
+    UserError before any work."""
+    deadline = time.monotonic() + budget_s  # the node checks count
+    out = check_out_dir(out)
+    bundle = check_bundle(bundle)
+    check_checkout()
+    earlier = {} if fresh else earlier_rows(out)
+    if resume and not earlier:
+        raise UserError(f"--resume: {out} holds no gpu_check.json with a passed row from an earlier call: drop "
+                        f"--resume to start")
+    found = probe()
+    first = node_row(found["checks"])
+    os.makedirs(out, exist_ok=True)
+    venv = os.path.abspath(venv or os.path.join(WORK, "venv"))
+    hvd_bin = os.path.join(venv, "bin")
+    here = os.path.dirname(sys.executable)
+    if nccl_ready(here):
+        hvd_bin = here
+    rows = plan_calls(skip_refused(build_rows(found["gpus"], out, Pythons(sys.executable, hvd_bin), found["dali"]),
+                                   found["checks"]))
+    taken = take_earlier(rows, earlier)
+    meta = {"device": found["name"], "gpus": found["gpus"], "torch": found["torch"], "python": sys.executable,
+            "budget_s": budget_s, "horovod": hvd_bin, "rows passed in earlier calls": taken}
+    base_env = checkout_env(dict(os.environ))
+    base_env["PATH"] = hvd_bin + os.pathsep + base_env.get("PATH", "")
+    say(f"gpu-check: {found['name']} x {found['gpus']}, torch {found['torch']}; output in {out}"
+        + (f"; {taken} rows passed in an earlier call" if taken else ""))
+    build = None
+    needs_horovod = any(r.horovod and r.status == "pending" for r in rows)
+    if not needs_horovod or nccl_ready(hvd_bin):
+        build_line = Row("build", "build", status=PASS, detail=f"reused: {hvd_bin} has horovod.torch with NCCL"
+                         if needs_horovod else "not needed: every Horovod row passed before")
+    else:
+        build = Background(build_row(venv, bundle), out, base_env, say)
+        build_line = build.row
+    table = [first, build_line, *rows]
+    write = lambda: write_results(table, out, meta)
+    text = execute(rows, out, deadline, base_env, build, write, say)
     say(text)
     say(f"gpu-check: table in {os.path.join(out, 'gpu_check.md')} and gpu_check.json; each row's output in "
         f"{out}/<row>.log")
-    return 1 if any(r.status == FAIL for r in rows) else 0
+    if any(r.status == FAIL for r in table):
+        return 1
+    return 3 if any(r.status in (NOT_RUN, "pending") and r.detail.startswith(NEXT_CALL) for r in table) else 0

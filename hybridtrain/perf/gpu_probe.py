@@ -1,0 +1,52 @@
+"""gpu-check's child process: what the check needs to know of this machine before any row, in one JSON line.
+
+    python -m hybridtrain.perf.gpu_probe
+
+{"gpus", "name", "torch", "cuda", "dali", "checks": {precision: [refusal or "", [warnings]]}, "reason"}: the node
+checks (hybridtrain.distributed.node.check_node) per precision the rows train in; ``reason`` says why torch cannot
+use a GPU when it has none (a driver too old for torch's CUDA first: review 3 #5).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+
+from hybridtrain.perf.gpu_rows import PRECISIONS
+
+
+def no_gpu_reason(torch_cuda: str, driver_api: int, unusable: str) -> str:
+    """Why a torch sees no GPU: its CUDA build against the driver's (cuDriverGetVersion), else torch's own words."""
+    from hybridtrain.distributed.node import driver_refusal
+    return driver_refusal(driver_api, torch_cuda) or unusable
+
+
+def dali_installed() -> bool:
+    try:
+        return importlib.util.find_spec("nvidia.dali") is not None
+    except ImportError:  # no nvidia namespace at all
+        return False
+
+
+def probe() -> dict:
+    import torch
+
+    from hybridtrain.distributed.node import check_node, driver_api_version
+    from hybridtrain.distributed.topology import cuda_unusable_reason
+    from hybridtrain.errors import UserError
+    found = {"gpus": 0, "name": "", "torch": torch.__version__, "cuda": torch.version.cuda or "",
+             "dali": dali_installed(), "checks": {}, "reason": ""}
+    if not torch.cuda.is_available():
+        found["reason"] = no_gpu_reason(found["cuda"], driver_api_version() if found["cuda"] else 0,
+                                        cuda_unusable_reason())
+        return found
+    found["gpus"], found["name"] = torch.cuda.device_count(), torch.cuda.get_device_name(0)
+    for precision in PRECISIONS:
+        try:
+            found["checks"][precision] = ["", check_node(torch.device("cuda", 0), precision)]
+        except UserError as exc:
+            found["checks"][precision] = [str(exc), []]
+    return found
+
+
+if __name__ == "__main__":
+    print(json.dumps(probe()))
