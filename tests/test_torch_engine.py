@@ -79,6 +79,19 @@ def test_the_rendezvous_comes_from_torchrun_or_from_srun():
         process_env({k: v for k, v in srun_env.items() if k != "MASTER_ADDR"})
 
 
+def test_gloo_can_be_forced_for_two_ranks_on_one_gpu_and_only_gloo():
+    """gpu-path-3 #8: gpu-check's 2-rank row on one GPU runs DDP over Gloo (NCCL refuses a shared GPU)."""
+    import torch
+
+    from hybridtrain.distributed.torch_distributed import BACKEND_VAR, backend_for
+    cuda = torch.device("cuda", 0)  # a device object: nothing is allocated
+    assert backend_for(cuda, {BACKEND_VAR: "gloo"}) == "gloo" and backend_for(torch.device("cpu"), {}) == "gloo"
+    if torch.distributed.is_nccl_available():
+        assert backend_for(cuda, {}) == "cpu:gloo,cuda:nccl"
+    with pytest.raises(UserError, match=f"{BACKEND_VAR}='nccl': its one value is gloo"):
+        backend_for(cuda, {BACKEND_VAR: "nccl"})
+
+
 # ----------------------------------------------------------------------------- the collective timeout (pure)
 
 @pytest.mark.parametrize("stall,gloo", [(600, 60), (8, 300), (1, 60), (60, 3600), (86400, 60)])

@@ -57,9 +57,23 @@ def process_env(env=None) -> dict:
     return {"rank": rank, "size": size, "local_rank": local_rank, "local_size": local_size}
 
 
-def backend_for(device: torch.device) -> str:
-    """Gloo on CPUs; on GPUs NCCL for GPU tensors and Gloo for the CPU ones (objects, flags, statistics)."""
-    if device.type != "cuda":
+# HYBRIDTRAIN_TORCH_BACKEND=gloo: every collective over Gloo, CUDA tensors too, and ranks may share a GPU, which
+# NCCL refuses: gpu-check's two ranks on one GPU (DDP's buckets and FP16 hook on CUDA tensors; review 3 #8)
+BACKEND_VAR = "HYBRIDTRAIN_TORCH_BACKEND"
+
+
+def gloo_forced(env=None) -> bool:
+    value = (os.environ if env is None else env).get(BACKEND_VAR, "")
+    if value not in ("", "gloo"):
+        raise UserError(f"{BACKEND_VAR}={value!r}: its one value is gloo (every collective over Gloo, so that ranks "
+                        f"can share a GPU); unset it for NCCL on GPUs")
+    return value == "gloo"
+
+
+def backend_for(device: torch.device, env=None) -> str:
+    """Gloo on CPUs; on GPUs NCCL for GPU tensors and Gloo for the CPU ones (objects, flags, statistics); Gloo
+    for all of them when BACKEND_VAR says so."""
+    if device.type != "cuda" or gloo_forced(env):
         return "gloo"
     if not dist.is_nccl_available():
         raise UserError("this torch was built without NCCL, so the torch engine cannot all-reduce on GPUs: install "
@@ -105,7 +119,8 @@ def init(threads: int = 0, horovod_cfg=None, elastic: bool = False, device: str 
             dist.init_process_group(backend_for(chosen), init_method="env://", rank=where["rank"],
                                     world_size=where["size"], timeout=timeout)
     peers = tuple(allgather_object((socket.gethostname(), os.getpid(), gpu_id(chosen)), "peers"))
-    check_gpu_binding(peers)
+    if not gloo_forced():  # Gloo carries two ranks on one GPU; NCCL does not
+        check_gpu_binding(peers)
     topo = Topology(dist.get_rank(), dist.get_world_size(), where["local_rank"], where["local_size"], peers, chosen,
                     NAME)
     return bind(topo, threads)
