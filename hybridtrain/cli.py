@@ -83,6 +83,20 @@ def parse_size(text: str) -> tuple[int, int]:
     return int(width), int(height)
 
 
+def cmd_prepare_imagenet(args) -> int:
+    from hybridtrain.data.prepare.imagenet import prepare_imagenet, summary_lines
+    check_output_dir(args.out, "--out")
+    summary = prepare_imagenet(args.source, args.out, md5=not args.no_md5, resize=args.resize,
+                               workers=args.workers, val_labels=args.val_labels)
+    print("\n".join(summary_lines(summary, args.out)))
+    if args.shards:
+        from hybridtrain.data.prepare.pack_shards import pack_shards
+        shards = pack_shards(args.out, args.shards, args.workers)
+        print(f"shards ready in {shards['root']}: {shards['train_shards']} train / {shards['val_shards']} val tar "
+              f"files (set data.path={shards['root']})")
+    return 0
+
+
 def cmd_reorganise_val(args) -> int:
     from hybridtrain.data.prepare.flat_val import reorganise_flat_val
     check_output_dir(args.out, "--out")
@@ -439,7 +453,29 @@ def build_parser() -> argparse.ArgumentParser:
     synth.add_argument("--workers", type=WORKERS, default=0, help="processes (default 0 = all cores)")
     synth.set_defaults(func=cmd_prepare_synthetic)
 
-    reorg = sub.add_parser("reorganise-val", help="sort a flat ImageNet val folder into class folders")
+    imagenet = prep_sub.add_parser("imagenet", help="ILSVRC2012 from the official archives, the Kaggle tree or an "
+                                                    "extracted tree (flat val): verified, in parallel, resumable")
+    imagenet.add_argument("--source", required=True,
+                          help="folder holding ILSVRC2012_img_train.tar, ILSVRC2012_img_val.tar and "
+                               "ILSVRC2012_devkit_t12.tar.gz; or the Kaggle tree (ILSVRC/Data/CLS-LOC, "
+                               "LOC_val_solution.csv); or train/<wnid>/ with val/ flat or in class folders")
+    imagenet.add_argument("--out", required=True,
+                          help="new or empty folder (a stopped run with the same options continues there)")
+    imagenet.add_argument("--val-labels", metavar="FILE",
+                          help="labels of a flat val/ ('IMAGE WNID' lines or LOC_val_solution.csv; default: found "
+                               "next to val/)")
+    imagenet.add_argument("--no-md5", action="store_true",
+                          help="skip the md5 check of the official archives (a partial or re-packed copy)")
+    imagenet.add_argument("--resize", type=bounded_int(8, 100_000), metavar="SHORT",
+                          help="write copies whose shorter side is SHORT px (e.g. 256 or 160; smaller ones kept)")
+    imagenet.add_argument("--shards", type=bounded_int(1, 1_000_000), metavar="N",
+                          help="also pack OUT/shards/: N WebDataset tar shards of train (NNNNNN.jpg + NNNNNN.cls), "
+                               "as many of val (fewer if val is smaller)")
+    imagenet.add_argument("--workers", type=WORKERS, default=0, help="processes (default 0 = all cores)")
+    imagenet.set_defaults(func=cmd_prepare_imagenet)
+
+    reorg = sub.add_parser("reorganise-val", help="sort a flat ImageNet val folder into class folders (symlinks); "
+                                                  "prepare-data imagenet does the whole set")
     reorg.add_argument("flat_dir", help="folder of ILSVRC2012_val_*.JPEG")
     reorg.add_argument("--labels", required=True,
                        help="label file: 'IMAGE CLASS' lines, or Kaggle's LOC_val_solution.csv")

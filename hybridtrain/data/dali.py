@@ -115,10 +115,18 @@ class GraphSpec:
 def imagenet_graph(file_list: str, file_root: str, spec: GraphSpec):
     """Read (the rank's shard, in list order), decode, augment or center-crop, normalise; returns (images, sample
     ids)."""
-    from nvidia.dali import fn, types
+    from nvidia.dali import fn
 
     jpegs, ids = fn.readers.file(file_list=file_list, file_root=file_root, shuffle_after_epoch=False,
                                  pad_last_batch=True, name=READER_NAME)
+    return decode_and_augment(jpegs, spec), ids
+
+
+def decode_and_augment(jpegs, spec: GraphSpec):
+    """The graph after the reader (shared with the tar shards' reader, ``dali_shards``): decode, augment or
+    center-crop, normalise."""
+    from nvidia.dali import fn, types
+
     decoder = "mixed" if spec.device == "gpu" else "cpu"
     mirror = 0
     if spec.training:
@@ -139,7 +147,7 @@ def imagenet_graph(file_list: str, file_root: str, spec: GraphSpec):
         images = fn.crop_mirror_normalize(images, crop=crop, mirror=mirror, mean=[255 * m for m in IMAGENET_MEAN],
                                           std=[255 * s for s in IMAGENET_STD], output_layout=layout,
                                           dtype=types.FLOAT16 if spec.output == "fp16" else types.FLOAT)
-    return images, ids
+    return images
 
 
 def pipeline_seed(seed: int, rank: int, start_epoch: int) -> int:
@@ -245,13 +253,16 @@ class DaliLoader:
         self.num_threads, self.prefetch_queue_depth, self.device_id = num_threads, prefetch_queue_depth, device_id
         self.pin = pin  # a CPU pipeline feeding a GPU: page-locked batches, so the copy to the GPU is asynchronous
         self.class_of = torch.tensor([label for _, label in images.samples], dtype=torch.int64)
-        self.lines = file_list_lines(images)
+        self.lines = self.list_lines(images)
         self.shard = shard_range(len(images), rank, world_size)
         self.epoch = 0
         self.reusable = None  # validation: the pipeline whose reader is back at its list's start
         self.builds = 0
         on_gpu = spec.device == "gpu" and not pin
         self.in_flight = InFlight(stream_fence(torch.device("cuda", device_id))) if on_gpu else None
+
+    def list_lines(self, images: ImageList) -> list[str] | None:
+        return file_list_lines(images)
 
     @property
     def batch_sampler(self):
@@ -384,15 +395,15 @@ def graph_spec(cfg, training: bool, device: str, dtype: torch.dtype, channels_la
 
 
 def _create(images: ImageList, cfg, rank: int, world_size: int, local_size: int, device: str, training: bool,
-            batch_size: int, dtype: torch.dtype, channels_last: bool, pin: bool) -> DaliLoader:
+            batch_size: int, dtype: torch.dtype, channels_last: bool, pin: bool, loader_class=None) -> DaliLoader:
     require_dali()
     if device == "gpu":
         require_gpu_for_dali_gpu()
     spec = graph_spec(cfg, training, device, dtype, channels_last)
     threads = cfg.data.workers or cores_per_rank(local_size)
     device_id = torch.cuda.current_device() if device == "gpu" else None
-    return DaliLoader(images, spec, rank, world_size, batch_size, cfg.seed, threads, cfg.data.prefetch, device_id,
-                      pin)
+    return (loader_class or DaliLoader)(images, spec, rank, world_size, batch_size, cfg.seed, threads,
+                                        cfg.data.prefetch, device_id, pin)
 
 
 def create_dali_train_loader(images: ImageList, cfg, rank: int, world_size: int, local_size: int, device: str,

@@ -21,6 +21,10 @@ class ImageList:
     def __len__(self) -> int:
         return len(self.samples)
 
+    def open(self, index: int):
+        """What ``PIL.Image.open`` reads for sample ``index``: its path here (a stream for tar shards)."""
+        return self.samples[index][0]
+
 
 def is_image_file(name: str) -> bool:
     return name.lower().endswith(IMAGE_EXTENSIONS)

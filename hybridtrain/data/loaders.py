@@ -19,6 +19,7 @@ from hybridtrain.data import dali, sharding
 from hybridtrain.data.check import CLEAN_LIST_HINT, read_filelist
 from hybridtrain.data.folder import ImageList, UnreadableImage, scan_dataset
 from hybridtrain.data.presets import IMAGENET_MEAN, IMAGENET_STD
+from hybridtrain.data.shards import ShardImages, is_shard_dir, scan_shards
 from hybridtrain.data.synthetic import SyntheticLoader
 from hybridtrain.distributed.topology import cores_per_rank
 from hybridtrain.errors import UserError
@@ -114,6 +115,11 @@ def delivered_dtype(model_dtype: torch.dtype) -> torch.dtype:
 
 def read_splits(cfg) -> tuple[ImageList, ImageList]:
     """Both splits from the class folders, or from the clean file lists of ``check-data``."""
+    if is_shard_dir(cfg.data.path):
+        if cfg.data.file_lists:
+            raise UserError(f"data.path={cfg.data.path} holds tar shards, which data.file_lists cannot filter: unset "
+                            f"data.file_lists, or point data.path at the folder tree")
+        return scan_shards(cfg.data.path)
     if not cfg.data.file_lists:
         return scan_dataset(cfg.data.path)
     splits = []
@@ -160,8 +166,14 @@ def create_loaders(cfg, topo, model_dtype: torch.dtype = torch.float32) -> Loade
         device = "gpu" if backend == "dali_gpu" else "cpu"
         args = (topo.rank, topo.size, topo.local_size, device, delivered_dtype(model_dtype), cfg.data.channels_last)
         pin = device == "cpu" and topo.device.type == "cuda"  # dali_cpu on a GPU node: asynchronous copies
-        train = dali.create_dali_train_loader(train_set, cfg, *args, pin=pin)
-        val = dali.create_dali_val_loader(val_set, cfg, *args, pin=pin)
+        if isinstance(train_set, ShardImages):  # tar shards: fn.readers.webdataset
+            from hybridtrain.data.dali_shards import create_shard_loader
+            rank, size, local_size, *rest = args
+            train = create_shard_loader(train_set, cfg, rank, size, local_size, rest[0], True, *rest[1:], pin=pin)
+            val = create_shard_loader(val_set, cfg, rank, size, local_size, rest[0], False, *rest[1:], pin=pin)
+        else:
+            train = dali.create_dali_train_loader(train_set, cfg, *args, pin=pin)
+            val = dali.create_dali_val_loader(val_set, cfg, *args, pin=pin)
         dropped = train.dropped_per_epoch
     return Loaders(train, val, num_classes, len(train_set), len(val_set), dropped, skipped)
 

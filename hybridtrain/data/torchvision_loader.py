@@ -26,7 +26,7 @@ class ImageListDataset(Dataset):
     """Items are (image, label, index); keys are (index, epoch) so augmentation can be seeded."""
 
     def __init__(self, images: ImageList, transform, seed: int):
-        self.samples = images.samples
+        self.images, self.samples = images, images.samples
         self.transform = transform
         self.seed = seed
 
@@ -42,7 +42,7 @@ class ImageListDataset(Dataset):
         with torch.random.fork_rng(devices=[], enabled=in_process):
             torch.manual_seed(sample_seed(self.seed, epoch, index))
             try:
-                with Image.open(path) as img:
+                with Image.open(self.images.open(index)) as img:
                     return self.transform(to_rgb(img)), label, index
             except Exception as exc:  # every decoder failure: OSError, SyntaxError, DecompressionBombError, ...
                 return UnreadableImage(path, f"{type(exc).__name__}: {str(exc)[:200]}")

@@ -1,0 +1,211 @@
+"""``hybridtrain prepare-data imagenet``: ILSVRC2012 from the files users have, into the folder layout the trainer
+reads (``OUT/train/<wnid>/``, ``OUT/val/<wnid>/``, ``OUT/classes.txt`` in sorted WNID order), verified, in
+parallel processes, resumable; optionally resized (``--resize``) and packed into tar shards (``--shards``).
+
+The steps, all checked before the long work: the source's layout (``ilsvrc.detect_source``), ``--out`` (new,
+empty, or a run of this command with the same settings, which continues), the free disk space, the md5 of the
+official archives. Then the jobs (``ilsvrc_jobs``) run in worker processes; at the end the tree is counted again,
+``classes.txt`` and ``rewritten.txt`` are written and the counts are compared with ILSVRC2012's.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing
+import os
+import shutil
+
+from tqdm import tqdm
+
+from hybridtrain.data.prepare.ilsvrc import ARCHIVE_MD5, FULL_COUNTS, Source, detect_source
+from hybridtrain.data.prepare.ilsvrc_jobs import STATE, done_path, read_done, run_job, write_atomically
+from hybridtrain.errors import UserError
+from hybridtrain.outputs import check_input_dir, nearest_existing
+
+PARAMS, COMPLETE = "params.json", "complete.json"
+TYPICAL_SHORT_SIDE = 400  # ImageNet's images: about 400 px on their shorter side (500x375 typical)
+MD5_CHUNK = 8 << 20
+
+
+def state_file(out: str, name: str) -> str:
+    return os.path.join(out, STATE, name)
+
+
+def read_json(path: str):
+    try:
+        with open(path) as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return None
+
+
+def check_out(out: str, params: dict) -> str:
+    """'new', 'resume' (a run with these settings stopped) or 'complete'; one line for anything else."""
+    if not os.path.isdir(out) or not os.listdir(out):
+        return "new"
+    found = read_json(state_file(out, PARAMS))
+    if found is None:
+        raise UserError(f"--out {out} is not empty and was not made by prepare-data imagenet: give a new or empty "
+                        f"folder as --out")
+    if found != params:
+        differ = sorted(k for k in set(found) | set(params) if found.get(k) != params.get(k))
+        raise UserError(f"--out {out} holds a prepare-data imagenet run with other settings ({', '.join(differ)}: "
+                        f"{', '.join(f'{k}={found.get(k)}' for k in differ)}): give the same options to continue it, "
+                        f"or give a new folder as --out")
+    return "complete" if os.path.isfile(state_file(out, COMPLETE)) else "resume"
+
+
+# ----------------------------------------------------------------------------- checks before the work
+
+def gigabytes(n: float) -> str:
+    return f"{n / 1e9:.1f} GB"
+
+
+def output_bytes(source: Source, resize: int | None) -> float:
+    """The tree's estimated size: the source's images, scaled by the resized area."""
+    scale = 1.0 if resize is None else min(1.0, (resize / TYPICAL_SHORT_SIDE) ** 2)
+    return source.nbytes * scale
+
+
+def check_free_space(out: str, needed: float, free: float | None = None) -> None:
+    """One line when the disk of ``out`` has less than ``needed`` bytes free."""
+    free = shutil.disk_usage(nearest_existing(out)).free if free is None else free
+    if free < needed:
+        raise UserError(f"--out {out}: its disk has {gigabytes(free)} free and the output needs about "
+                        f"{gigabytes(needed)}: free space on that disk, give an --out on a larger one, or make a "
+                        f"smaller copy with --resize 160")
+
+
+def file_md5(path: str) -> str:
+    digest = hashlib.md5()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(MD5_CHUNK), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def archive_stamp(path: str) -> list:
+    st = os.stat(path)
+    return [os.path.basename(path), st.st_size, int(st.st_mtime)]
+
+
+def verify_md5(archives: list[str], workers: int, expected: dict[str, str] = ARCHIVE_MD5) -> None:
+    """Each archive's md5 against the published one, in parallel; one line naming the first that differs."""
+    with pool(min(workers, len(archives))) as p:
+        sums = list(tqdm(p.imap(file_md5, archives), total=len(archives), desc="md5", unit="archive", disable=None))
+    for path, got in zip(archives, sums):
+        want = expected[os.path.basename(path)]
+        if got != want:
+            raise UserError(f"{path} has md5 {got}, not the published {want}: the file is damaged or incomplete "
+                            f"(download it again), or, for a partial or re-packed copy on purpose, add --no-md5")
+
+
+def pool(workers: int):
+    return multiprocessing.get_context("forkserver").Pool(max(1, workers))
+
+
+# ----------------------------------------------------------------------------- the work
+
+def run_jobs(source: Source, out: str, resize: int | None, workers: int) -> list[dict]:
+    """Every job's record: those done by an earlier run are read, the others run now with a progress bar."""
+    os.makedirs(os.path.dirname(done_path(out, source.jobs[0])), exist_ok=True)
+    records = {job.name: read_done(out, job) for job in source.jobs}
+    pending = [job for job in source.jobs if records[job.name] is None]
+    if pending:
+        args = [(job, out, resize) for job in pending]
+        bar = tqdm(total=len(pending), desc="imagenet", unit="job", disable=None)
+        if workers == 1 or len(pending) == 1:
+            results = (run_job(a) for a in args)
+            for record in results:
+                records[record["job"]] = record
+                bar.update()
+        else:
+            with pool(min(workers, len(pending))) as p:
+                for record in p.imap_unordered(run_job, args, chunksize=1):
+                    records[record["job"]] = record
+                    bar.update()
+        bar.close()
+    return [records[job.name] for job in source.jobs]
+
+
+def count_tree(out: str, split: str) -> dict[str, int]:
+    """Images per class folder of ``OUT/split`` as they are on disk (hidden temporary files left out)."""
+    root = os.path.join(out, split)
+    counts = {}
+    for wnid in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        with os.scandir(os.path.join(root, wnid)) as entries:
+            counts[wnid] = sum(1 for e in entries if not e.name.startswith("."))
+    return counts
+
+
+def finish(source: Source, out: str, records: list[dict]) -> dict:
+    """Check the records against the tree, write classes.txt and rewritten.txt; returns the summary."""
+    unreadable = [u for r in records for u in r["unreadable"]]
+    if unreadable:
+        raise UserError(f"{len(unreadable)} image(s) of {source.root} could not be decoded (first: {unreadable[0]}): "
+                        f"the source is damaged: download or copy it again")
+    tree = {split: count_tree(out, split) for split in ("train", "val")}
+    for split in ("train", "val"):
+        recorded = sum(r["count"] for r in records if r["split"] == split)
+        if recorded != sum(tree[split].values()):
+            raise UserError(f"{out}/{split} holds {sum(tree[split].values())} images but this run wrote {recorded}: "
+                            f"something else writes there: give a new folder as --out")
+    classes = sorted(tree["train"])
+    extra = sorted(set(tree["val"]) - set(classes))
+    if extra:
+        raise UserError(f"the validation labels name {len(extra)} class(es) with no training images (first: "
+                        f"{extra[0]}): the label file does not belong to this training set")
+    write_atomically(os.path.join(out, "classes.txt"), "".join(f"{c}\n" for c in classes).encode())
+    rewritten = sorted(line for r in records for line in r["rewritten"])
+    write_atomically(os.path.join(out, "rewritten.txt"), "".join(f"{line}\n" for line in rewritten).encode())
+    summary = {"layout": source.layout, "train": sum(tree["train"].values()), "val": sum(tree["val"].values()),
+               "classes": len(classes), "rewritten": rewritten,
+               "full": [sum(tree["train"].values()), sum(tree["val"].values()), len(classes)] ==
+               [FULL_COUNTS["train"], FULL_COUNTS["val"], FULL_COUNTS["classes"]]}
+    write_atomically(state_file(out, COMPLETE), json.dumps(summary).encode())
+    return summary
+
+
+def prepare_imagenet(source_dir: str, out: str, md5: bool = True, resize: int | None = None, workers: int = 0,
+                     val_labels: str | None = None) -> dict:
+    """The folder layout in ``out`` from ``source_dir``; continues a stopped run; returns the summary."""
+    check_input_dir(source_dir, "--source", "give the folder holding the ImageNet archives or tree")
+    if resize is not None and resize < 8:
+        raise UserError(f"--resize must be at least 8 (the shorter side in px), got {resize}: e.g. --resize 256")
+    workers = workers or os.cpu_count() or 1
+    source = detect_source(source_dir, val_labels)
+    params = {"dataset": "imagenet", "source": os.path.abspath(source_dir), "layout": source.layout,
+              "resize": resize}
+    state = check_out(out, params)
+    if state == "complete":
+        return read_json(state_file(out, COMPLETE)) | {"resumed": "complete"}
+    done = sum(read_done(out, job) is not None for job in source.jobs) if state == "resume" else 0
+    check_free_space(out, output_bytes(source, resize) * (1 - done / len(source.jobs)))
+    verified = read_json(state_file(out, "md5.json")) or {}
+    stamps = [archive_stamp(p) for p in source.archives]
+    if md5 and source.archives and verified.get("stamps") != stamps:
+        verify_md5(source.archives, workers)  # before anything is written: a refused archive leaves no --out
+    os.makedirs(os.path.join(out, STATE), exist_ok=True)
+    write_atomically(state_file(out, PARAMS), json.dumps(params).encode())
+    if md5 and source.archives:
+        write_atomically(state_file(out, "md5.json"), json.dumps({"stamps": stamps}).encode())
+    summary = finish(source, out, run_jobs(source, out, resize, workers))
+    summary["md5"] = "verified" if md5 and source.archives else "skipped (--no-md5)" if source.archives else "none"
+    return summary | {"resumed": state == "resume", "done_before": done}
+
+
+def summary_lines(summary: dict, out: str) -> list[str]:
+    """What the command prints: the counts against ILSVRC2012's, and the rewritten files."""
+    full = FULL_COUNTS
+    counts = f"{summary['train']:,} train / {summary['val']:,} val images, {summary['classes']:,} classes"
+    if summary["full"]:
+        verdict = "the full ILSVRC2012 (1,281,167 / 50,000 / 1,000)"
+    else:
+        verdict = (f"a subset: ILSVRC2012 has {full['train']:,} / {full['val']:,} / {full['classes']:,}")
+    lines = [f"imagenet ready in {out} (from the {summary['layout']}): {counts}: {verdict}"]
+    rewritten = summary["rewritten"]
+    if rewritten:
+        lines.append(f"{len(rewritten)} image(s) rewritten as 8-bit RGB JPEG (listed in {out}/rewritten.txt):")
+        lines += [f"  {line}" for line in rewritten[:50]]
+    lines.append(f"classes.txt: {summary['classes']} WNIDs in sorted order (line number = class index)")
+    return lines

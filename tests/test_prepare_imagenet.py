@@ -1,0 +1,253 @@
+"""``prepare-data imagenet`` on a miniature ILSVRC2012 made here in its three forms (the official archives with a
+real devkit meta.mat, the Kaggle tree, an extracted tree with a flat val folder): the folder layout, verified and
+resumable, the resized copy, and the tar shards read by both backends (in-process partitions, then real 2-rank
+trainings). Real ``hybridtrain`` processes for the command line; DALI's CPU pipelines for real."""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import signal
+import subprocess
+import tarfile
+import time
+
+import numpy as np
+import pytest
+from conftest import HYBRIDTRAIN, assert_one_error_line, env_with_venv, horovodrun, read_metrics, run, tiny_config
+from PIL import Image
+from torchvision.datasets.imagenet import ARCHIVE_META
+
+from hybridtrain.data.prepare.imagenet import check_free_space, file_md5, prepare_imagenet, verify_md5
+from hybridtrain.errors import UserError
+
+# 12 leaf classes; their ILSVRC2012_IDs follow this (unsorted) order, so the devkit's order is not the WNID order
+LEAVES = ["n04592741", "n01440764", "n09999999", "n02105855", "n03000134", "n01530575",
+          "n07714571", "n02085620", "n04044716", "n01443537", "n06359193", "n03888257"]
+NON_LEAVES = ["n00001740", "n00021939", "n02084071"]  # synsets with children: not classes
+TRAIN_PER_CLASS, VAL_PER_CLASS = 6, 2
+PNG_AS_JPEG = ("n02105855", 2)  # ImageNet's n02105855_2933.JPEG is a PNG
+CMYK = ("n03000134", 1)  # and ~22 training images are CMYK JPEGs
+
+
+def picture(wnid: str, i: int) -> Image.Image:
+    c = LEAVES.index(wnid)
+    size = (48, 64) if i % 3 == 0 else (64, 48)
+    rng = np.random.default_rng([c, i])
+    pixels = np.clip(rng.normal(20 * c, 40, (size[1], size[0], 3)), 0, 255).astype(np.uint8)
+    return Image.fromarray(pixels, "RGB")
+
+
+def encoded(wnid: str, i: int) -> bytes:
+    buf = io.BytesIO()
+    img = picture(wnid, i)
+    if (wnid, i) == PNG_AS_JPEG:
+        img.save(buf, "PNG")
+    elif (wnid, i) == CMYK:
+        img.convert("CMYK").save(buf, "JPEG", quality=90)
+    else:
+        img.save(buf, "JPEG", quality=90)
+    return buf.getvalue()
+
+
+def val_truth() -> list[str]:
+    """The class of ILSVRC2012_val_00000001, _02, ...: classes interleaved in a seeded order."""
+    labels = [w for w in LEAVES for _ in range(VAL_PER_CLASS)]
+    return [labels[i] for i in np.random.default_rng(7).permutation(len(labels))]
+
+
+def val_name(n: int) -> str:
+    return f"ILSVRC2012_val_{n + 1:08d}.JPEG"
+
+
+def add_bytes(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    tar.addfile(info, io.BytesIO(data))
+
+
+def meta_mat() -> bytes:
+    import scipy.io
+    names = ["ILSVRC2012_ID", "WNID", "words", "gloss", "num_children", "children", "wordnet_height",
+             "num_train_images"]
+    synsets = np.zeros((len(LEAVES) + len(NON_LEAVES), 1), dtype=[(n, "O") for n in names])
+    for k, wnid in enumerate(LEAVES + NON_LEAVES):
+        leaf = k < len(LEAVES)
+        synsets[k, 0] = (k + 1, wnid, f"words {wnid}", "gloss", 0 if leaf else 3,
+                         np.zeros((1, 0)) if leaf else np.array([[1, 2, 3]]), 0 if leaf else 2,
+                         TRAIN_PER_CLASS if leaf else 0)
+    buf = io.BytesIO()
+    scipy.io.savemat(buf, {"synsets": synsets})
+    return buf.getvalue()
+
+
+def make_archives(src) -> str:
+    os.makedirs(src)
+    with tarfile.open(os.path.join(src, "ILSVRC2012_img_train.tar"), "w") as outer:
+        for wnid in LEAVES:
+            inner = io.BytesIO()
+            with tarfile.open(fileobj=inner, mode="w") as tar:
+                for i in range(TRAIN_PER_CLASS):
+                    add_bytes(tar, f"{wnid}_{i}.JPEG", encoded(wnid, i))
+            add_bytes(outer, f"{wnid}.tar", inner.getvalue())
+    counters = {w: 0 for w in LEAVES}
+    with tarfile.open(os.path.join(src, "ILSVRC2012_img_val.tar"), "w") as tar:
+        for n, wnid in enumerate(val_truth()):
+            add_bytes(tar, val_name(n), encoded(wnid, 100 + counters[wnid]))
+            counters[wnid] += 1
+    truth = "".join(f"{LEAVES.index(w) + 1}\n" for w in val_truth())  # ILSVRC2012_IDs
+    with tarfile.open(os.path.join(src, "ILSVRC2012_devkit_t12.tar.gz"), "w:gz") as tar:
+        add_bytes(tar, "ILSVRC2012_devkit_t12/data/meta.mat", meta_mat())
+        add_bytes(tar, "ILSVRC2012_devkit_t12/data/ILSVRC2012_validation_ground_truth.txt", truth.encode())
+    return str(src)
+
+
+def write_tree(train_dir, val_dir) -> None:
+    for wnid in LEAVES:
+        os.makedirs(os.path.join(train_dir, wnid))
+        for i in range(TRAIN_PER_CLASS):
+            open(os.path.join(train_dir, wnid, f"{wnid}_{i}.JPEG"), "wb").write(encoded(wnid, i))
+    os.makedirs(val_dir)
+    counters = {w: 0 for w in LEAVES}
+    for n, wnid in enumerate(val_truth()):
+        open(os.path.join(val_dir, val_name(n)), "wb").write(encoded(wnid, 100 + counters[wnid]))
+        counters[wnid] += 1
+
+
+def make_kaggle(src) -> str:
+    data = os.path.join(src, "ILSVRC", "Data", "CLS-LOC")
+    write_tree(os.path.join(data, "train"), os.path.join(data, "val"))
+    rows = [f"{val_name(n)[:-5]},{w} 10 10 40 40 {w} 5 5 20 20" for n, w in enumerate(val_truth())]
+    open(os.path.join(src, "LOC_val_solution.csv"), "w").write("ImageId,PredictionString\n" + "\n".join(rows) + "\n")
+    open(os.path.join(src, "LOC_synset_mapping.txt"), "w").write("".join(f"{w} words\n" for w in LEAVES))
+    return str(src)
+
+
+def make_flat_tree(src) -> str:
+    write_tree(os.path.join(src, "train"), os.path.join(src, "val"))
+    lines = "".join(f"{val_name(n)} {w}\n" for n, w in enumerate(val_truth()))
+    open(os.path.join(src, "labels.txt"), "w").write(lines)
+    return str(src)
+
+
+def tree_files(root) -> dict[str, bytes]:
+    """Every file of the layout the trainer reads (train/, val/, classes.txt), by relative path."""
+    files = {"classes.txt": open(os.path.join(root, "classes.txt"), "rb").read()}
+    for split in ("train", "val"):
+        for folder, _, names in os.walk(os.path.join(root, split)):
+            for name in names:
+                path = os.path.join(folder, name)
+                files[os.path.relpath(path, root)] = open(path, "rb").read()
+    return files
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory) -> dict[str, str]:
+    base = tmp_path_factory.mktemp("ilsvrc")
+    return {"archives": make_archives(base / "archives"), "kaggle": make_kaggle(base / "kaggle"),
+            "flat": make_flat_tree(base / "flat")}
+
+
+@pytest.fixture(scope="module")
+def prepared(sources, tmp_path_factory) -> str:
+    """The archives prepared by the real command (md5 off: these are not the published archives)."""
+    out = str(tmp_path_factory.mktemp("prepared") / "imagenet")
+    proc = run([HYBRIDTRAIN, "prepare-data", "imagenet", "--source", sources["archives"], "--out", out, "--no-md5",
+                "--workers", "2", "--shards", "4"], timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "72 train / 24 val images, 12 classes: a subset: ILSVRC2012 has 1,281,167 / 50,000 / 1,000" in proc.stdout
+    assert f"train/{PNG_AS_JPEG[0]}/{PNG_AS_JPEG[0]}_{PNG_AS_JPEG[1]}.JPEG PNG-RGB" in proc.stdout
+    assert f"train/{CMYK[0]}/{CMYK[0]}_{CMYK[1]}.JPEG JPEG-CMYK" in proc.stdout
+    assert "4 train / 4 val tar files" in proc.stdout
+    return out
+
+
+def test_the_archives_give_sorted_classes_true_val_labels_and_only_rgb_jpegs(prepared):
+    assert open(os.path.join(prepared, "classes.txt")).read().split() == sorted(LEAVES)  # not the ILSVRC2012_ID order
+    for n, wnid in enumerate(val_truth()):
+        assert os.path.isfile(os.path.join(prepared, "val", wnid, val_name(n))), (n, wnid)
+    files = tree_files(prepared)
+    assert len([f for f in files if f.startswith("train/")]) == 72 and len([f for f in files if f.startswith("val/")]) == 24
+    for rel, data in files.items():
+        if rel != "classes.txt":
+            with Image.open(io.BytesIO(data)) as img:
+                assert (img.format, img.mode) == ("JPEG", "RGB"), rel
+    kept = os.path.join("train", LEAVES[0], f"{LEAVES[0]}_1.JPEG")  # an RGB JPEG is copied byte for byte
+    assert files[kept] == encoded(LEAVES[0], 1)
+    assert sorted(open(os.path.join(prepared, "rewritten.txt")).read().split()[::2]) == sorted(
+        f"train/{w}/{w}_{i}.JPEG" for w, i in (PNG_AS_JPEG, CMYK))
+
+
+@pytest.mark.parametrize("form, extra", [("kaggle", []), ("flat", ["labels.txt"])])
+def test_the_kaggle_tree_and_a_flat_val_tree_give_the_same_tree(form, extra, sources, prepared, tmp_path):
+    out = str(tmp_path / "out")
+    labels = os.path.join(sources[form], extra[0]) if extra else None
+    summary = prepare_imagenet(sources[form], out, workers=1, val_labels=labels)
+    assert (summary["train"], summary["val"], summary["classes"], summary["full"]) == (72, 24, 12, False)
+    assert tree_files(out) == tree_files(prepared)
+
+
+def test_an_md5_mismatch_is_one_line_naming_the_file_both_sums_and_no_md5(sources, tmp_path):
+    out = tmp_path / "out"
+    proc = run([HYBRIDTRAIN, "prepare-data", "imagenet", "--source", sources["archives"], "--out", str(out)])
+    devkit = os.path.join(sources["archives"], "ILSVRC2012_devkit_t12.tar.gz")
+    line = assert_one_error_line(proc, "--no-md5")
+    named = [p for p in os.listdir(sources["archives"]) if p in line]
+    assert len(named) == 1 and file_md5(os.path.join(sources["archives"], named[0])) in line
+    assert ARCHIVE_META[{"ILSVRC2012_img_train.tar": "train", "ILSVRC2012_img_val.tar": "val"}.get(
+        named[0], "devkit")][1] in line  # the published sum, as torchvision has it
+    assert not out.exists()
+    # the published sum of the right file passes (the sum from md5sum, not from our own code)
+    mine = subprocess.run(["md5sum", devkit], capture_output=True, text=True, check=True).stdout.split()[0]
+    verify_md5([devkit], 1, {os.path.basename(devkit): mine})
+
+
+def test_a_killed_prepare_resumes_to_the_same_tree_and_never_shows_half_an_image(sources, tmp_path):
+    reference = str(tmp_path / "reference")
+    prepare_imagenet(sources["flat"], reference, resize=40, workers=1,
+                     val_labels=os.path.join(sources["flat"], "labels.txt"))
+    out = str(tmp_path / "out")
+    cmd = [HYBRIDTRAIN, "prepare-data", "imagenet", "--source", sources["archives"], "--out", out, "--no-md5",
+           "--resize", "40", "--workers", "1"]
+    proc = subprocess.Popen(cmd, env=env_with_venv(1), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    done = os.path.join(out, ".hybridtrain-prepare", "done")
+    deadline = time.monotonic() + 120
+    while not (os.path.isdir(done) and len(os.listdir(done)) >= 2) and time.monotonic() < deadline:
+        time.sleep(0.002)
+    os.killpg(proc.pid, signal.SIGKILL)  # the command and its worker, mid-way
+    proc.wait()
+    assert 2 <= len(os.listdir(done)) < 13, "the kill came too late to test a resume"
+    assert not os.path.exists(os.path.join(out, "classes.txt"))
+    for folder, _, names in os.walk(out):
+        for name in names:
+            if name.endswith(".JPEG"):  # what the trainer would read: whole images only
+                with Image.open(os.path.join(folder, name)) as img:
+                    img.load()
+    again = run(cmd, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert tree_files(out) == tree_files(reference)
+    for rel, data in tree_files(out).items():
+        if rel != "classes.txt":
+            assert min(Image.open(io.BytesIO(data)).size) == 40, rel
+
+
+def test_bad_sources_and_outputs_are_one_line(sources, tmp_path):
+    def refused(source, out, *needles):
+        proc = run([HYBRIDTRAIN, "prepare-data", "imagenet", "--source", str(source), "--out", str(out), "--no-md5"])
+        return assert_one_error_line(proc, *needles)
+
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    os.symlink(os.path.join(sources["archives"], "ILSVRC2012_img_train.tar"), partial / "ILSVRC2012_img_train.tar")
+    refused(partial, tmp_path / "a", "ILSVRC2012_img_val.tar", "ILSVRC2012_devkit_t12.tar.gz")
+    refused(tmp_path, tmp_path / "b", "no ImageNet found", "Kaggle", "official archives")
+    users = tmp_path / "users"
+    users.mkdir()
+    (users / "holiday.jpg").write_bytes(b"the user's photo")
+    line = refused(sources["kaggle"], users, "not empty", "new or empty folder")
+    assert "rm " not in line and "delete" not in line and "remove" not in line
+    assert (users / "holiday.jpg").read_bytes() == b"the user's photo"
+    with pytest.raises(UserError, match=r"1\.0 GB free .* about 2\.0 GB.*--resize 160"):
+        check_free_space(str(tmp_path), 2e9, free=1e9)
