@@ -4,9 +4,7 @@ resumable, the resized copy, and the tar shards read by both backends (in-proces
 trainings). Real ``hybridtrain`` processes for the command line; DALI's CPU pipelines for real."""
 from __future__ import annotations
 
-import hashlib
 import io
-import json
 import os
 import signal
 import subprocess
@@ -15,7 +13,16 @@ import time
 
 import numpy as np
 import pytest
-from conftest import HYBRIDTRAIN, assert_one_error_line, env_with_venv, horovodrun, read_metrics, run, tiny_config
+from conftest import (
+    HYBRIDTRAIN,
+    assert_one_error_line,
+    env_with_venv,
+    horovodrun,
+    read_metrics,
+    run,
+    tiny_config,
+    torchrun,
+)
 from PIL import Image
 from torchvision.datasets.imagenet import ARCHIVE_META
 
@@ -251,3 +258,75 @@ def test_bad_sources_and_outputs_are_one_line(sources, tmp_path):
     assert (users / "holiday.jpg").read_bytes() == b"the user's photo"
     with pytest.raises(UserError, match=r"1\.0 GB free .* about 2\.0 GB.*--resize 160"):
         check_free_space(str(tmp_path), 2e9, free=1e9)
+
+
+# ----------------------------------------------------------------------------- tar shards, both backends
+
+def shard_loaders(data: str, backend: str, rank: int, world_size: int = 2, batch: int = 8):
+    from hybridtrain.config import config_from_dict
+    from hybridtrain.data.loaders import create_loaders
+    from hybridtrain.distributed.topology import Topology
+    loading = {"in_process": True} if backend == "torchvision" else {"workers": 1}
+    cfg = config_from_dict({"seed": 3, "data": {"path": data, "backend": backend, "crop_size": 32, "val_resize": 32,
+                                                "hflip": False, **loading}, "train": {"batch_size": batch}})
+    return create_loaders(cfg, Topology(rank, world_size, rank, world_size))
+
+
+def epoch_batches(loader, epoch: int) -> list[tuple]:
+    loader.batch_sampler.set_epoch(epoch)
+    return [(images, labels, indices) for images, labels, indices in loader]
+
+
+def test_shards_hold_every_image_under_its_folder_index(prepared):
+    from hybridtrain.data.folder import scan_dataset
+    from hybridtrain.data.shards import scan_shards
+    folders, shards = scan_dataset(prepared), scan_shards(os.path.join(prepared, "shards"))
+    for tree, packed in zip(folders, shards):
+        assert packed.classes == tree.classes and len(packed) == len(tree)
+        for i, (path, label) in enumerate(tree.samples):
+            assert packed.open(i).read() == open(path, "rb").read() and packed.samples[i][1] == label
+    names = [m for m in tarfile.open(shards[0].shard_paths[0]).getnames()]
+    assert names[:2] == [names[0][:-4] + ".jpg", names[0][:-4] + ".cls"] and len(names) == 2 * 18
+
+
+@pytest.mark.parametrize("backend", ["torchvision", "dali_cpu"])
+def test_both_backends_partition_the_shards_by_global_rank_and_reshuffle_every_epoch(backend, prepared):
+    shards = os.path.join(prepared, "shards")
+    ranks = [shard_loaders(shards, backend, r) for r in range(2)]
+    folder = shard_loaders(prepared, backend, 0)
+    labels = {i: label for i, (_, label) in enumerate(scan_shards_train(shards))}
+    subsets = []
+    for epoch in range(2):
+        per_rank = [epoch_batches(r.train, epoch) for r in ranks]
+        assert len(per_rank[0]) == len(per_rank[1]) == ranks[0].steps_per_epoch == 4  # equal steps, full batches
+        seen = [int(i) for batches in per_rank for _, _, idx in batches for i in idx]
+        assert len(seen) == len(set(seen)) == 64 == 72 - ranks[0].dropped_per_epoch
+        assert all(int(lab) == labels[int(i)] for b in per_rank for _, ls, idx in b for lab, i in zip(ls, idx))
+        subsets.append([{int(i) for _, _, idx in batches for i in idx} for batches in per_rank])
+        if backend == "torchvision" and epoch == 0:  # the folder form's exact batches, pixel for pixel
+            for (a, la, ia), (b, lb, ib) in zip(per_rank[0], epoch_batches(folder.train, 0)):
+                assert ia.tolist() == ib.tolist() and la.tolist() == lb.tolist() and (a == b).all()
+    assert subsets[0] != subsets[1], "the ranks read the same samples in both epochs"
+    val = [epoch_batches(r.val, 0) for r in ranks]
+    assert sorted(int(i) for batches in val for _, _, idx in batches for i in idx) == list(range(24))
+    images = {int(i): img for batches in val for imgs, _, idx in batches for img, i in zip(imgs, idx)}
+    for imgs, _, idx in epoch_batches(folder.val, 0):  # validation decodes the same pixels from both forms
+        assert all((images[int(i)] == img).all() for img, i in zip(imgs, idx))
+
+
+def scan_shards_train(shards: str):
+    from hybridtrain.data.shards import scan_shards
+    return scan_shards(shards)[0].samples
+
+
+def test_two_ranks_train_from_the_shards_on_both_backends(prepared, tmp_path, write_config):
+    """DALI's webdataset reader under horovodrun, the torchvision reader under torchrun (the torch engine)."""
+    shards = os.path.join(prepared, "shards")
+    sections = dict(train={"epochs": 1, "batch_size": 8}, optim={"warmup_epochs": 0.5})
+    for backend, launch in (("dali_cpu", horovodrun), ("torchvision", torchrun)):
+        run_dir = str(tmp_path / backend)
+        cfg = write_config(tiny_config(shards, run_dir, data={"backend": backend}, **sections), f"{backend}.yaml")
+        proc = launch(2, ["train", "--config", cfg], timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        (record,) = read_metrics(run_dir)
+        assert record["samples_seen"] == 4 * 2 * 8 and record["val_count"] == 24, (backend, record)

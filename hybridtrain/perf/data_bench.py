@@ -1,8 +1,10 @@
 """``hybridtrain bench-data``: the input pipeline alone, in images/s after warmup, on one process.
 
-Each row builds the backend's training loader with the given number of threads (DALI threads, or
-DataLoader worker processes for torchvision), pulls ``warmup`` batches (pipeline build, worker start-up,
-file cache), then times ``steps`` batches. Nothing else runs: no model, no Horovod.
+``--data`` may be a folder tree (``prepare-data``, optionally ``--resize``d) or tar shards (``prepare-data
+imagenet --shards``): the ``form`` column says which. Each row builds the backend's training loader with the
+given number of threads (DALI threads, or DataLoader worker processes for torchvision), pulls ``warmup`` batches
+(pipeline build, worker start-up, file cache), then times ``steps`` batches. Nothing else runs: no model, no
+Horovod.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from tqdm import tqdm
 
 from hybridtrain.config import config_from_dict
 from hybridtrain.data.loaders import create_loaders
+from hybridtrain.data.shards import is_shard_dir
 from hybridtrain.distributed.topology import Topology, cores_per_rank
 from hybridtrain.errors import UserError
 from hybridtrain.outputs import markdown_table
@@ -38,7 +41,8 @@ def measure(backend: str, data: str, threads: int, batch_size: int, crop: int, s
         next(stream)
     elapsed = time.perf_counter() - start
     return {"backend": backend, "threads": threads, "batch_size": batch_size, "crop": crop, "steps": steps,
-            "images_per_sec": steps * batch_size / elapsed, "ms_per_batch": 1000 * elapsed / steps}
+            "images_per_sec": steps * batch_size / elapsed, "ms_per_batch": 1000 * elapsed / steps,
+            "form": "tar shards" if is_shard_dir(data) else "folders"}
 
 
 def thread_counts(requested: list[int]) -> list[int]:
@@ -57,6 +61,8 @@ def bench_data(backends: list[str], data: str, threads: list[int], batch_size: i
 
 
 def format_table(rows: list[dict]) -> str:
-    return markdown_table(["backend", "threads", "batch", "crop", "images/s", "ms/batch"],
+    header = ["backend", "threads", "batch", "crop", "images/s", "ms/batch", "images/s per thread", "form"]
+    return markdown_table(header,
                           [[r["backend"], r["threads"], r["batch_size"], r["crop"], f"{r['images_per_sec']:.1f}",
-                            f"{r['ms_per_batch']:.1f}"] for r in rows])
+                            f"{r['ms_per_batch']:.1f}", f"{r['images_per_sec'] / r['threads']:.1f}", r["form"]]
+                           for r in rows])

@@ -207,5 +207,9 @@ def summary_lines(summary: dict, out: str) -> list[str]:
     if rewritten:
         lines.append(f"{len(rewritten)} image(s) rewritten as 8-bit RGB JPEG (listed in {out}/rewritten.txt):")
         lines += [f"  {line}" for line in rewritten[:50]]
+    if summary.get("md5") == "verified":
+        lines.append("md5 of the archives: the published sums")
+    elif summary.get("md5", "").startswith("skipped"):
+        lines.append("md5 of the archives: not checked (--no-md5)")
     lines.append(f"classes.txt: {summary['classes']} WNIDs in sorted order (line number = class index)")
     return lines
