@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
 import signal
 import subprocess
 import tarfile
@@ -186,11 +187,11 @@ def test_the_archives_give_sorted_classes_true_val_labels_and_only_rgb_jpegs(pre
         f"train/{w}/{w}_{i}.JPEG" for w, i in (PNG_AS_JPEG, CMYK))
 
 
-@pytest.mark.parametrize("form, extra", [("kaggle", []), ("flat", ["labels.txt"])])
-def test_the_kaggle_tree_and_a_flat_val_tree_give_the_same_tree(form, extra, sources, prepared, tmp_path):
+@pytest.mark.parametrize("form, labels", [("kaggle", None), ("flat", "labels.txt"), ("class-folder val", None)])
+def test_the_kaggle_tree_and_extracted_trees_give_the_same_tree(form, labels, sources, prepared, tmp_path):
+    source = prepared if form == "class-folder val" else sources[form]  # a prepared tree is an extracted one
     out = str(tmp_path / "out")
-    labels = os.path.join(sources[form], extra[0]) if extra else None
-    summary = prepare_imagenet(sources[form], out, workers=1, val_labels=labels)
+    summary = prepare_imagenet(source, out, workers=1, val_labels=labels and os.path.join(source, labels))
     assert (summary["train"], summary["val"], summary["classes"], summary["full"]) == (72, 24, 12, False)
     assert tree_files(out) == tree_files(prepared)
 
@@ -210,34 +211,57 @@ def test_an_md5_mismatch_is_one_line_naming_the_file_both_sums_and_no_md5(source
     verify_md5([devkit], 1, {os.path.basename(devkit): mine})
 
 
-def test_a_killed_prepare_resumes_to_the_same_tree_and_never_shows_half_an_image(sources, tmp_path):
-    reference = str(tmp_path / "reference")
-    prepare_imagenet(sources["flat"], reference, resize=40, workers=1,
-                     val_labels=os.path.join(sources["flat"], "labels.txt"))
+def test_a_killed_prepare_resumes_to_the_same_tree_and_never_shows_half_an_image(sources, prepared, tmp_path):
+    """The source's 10th val image is a named pipe: the val job blocks there, deterministically, after the training
+    jobs finished and 9 val images were written; the whole process group is killed, the pipe replaced by the
+    image, and the same command continues."""
+    source = tmp_path / "source"
+    shutil.copytree(sources["flat"], source)
+    blocker = source / "val" / val_name(9)
+    image = blocker.read_bytes()
+    blocker.unlink()
+    os.mkfifo(blocker)
     out = str(tmp_path / "out")
-    cmd = [HYBRIDTRAIN, "prepare-data", "imagenet", "--source", sources["archives"], "--out", out, "--no-md5",
-           "--resize", "40", "--workers", "1"]
-    proc = subprocess.Popen(cmd, env=env_with_venv(1), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    cmd = [HYBRIDTRAIN, "prepare-data", "imagenet", "--source", str(source), "--out", out, "--workers", "2",
+           "--val-labels", str(source / "labels.txt")]
+    proc = subprocess.Popen(cmd, env=env_with_venv(1), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             start_new_session=True)
     done = os.path.join(out, ".hybridtrain-prepare", "done")
     deadline = time.monotonic() + 120
-    while not (os.path.isdir(done) and len(os.listdir(done)) >= 2) and time.monotonic() < deadline:
-        time.sleep(0.002)
-    os.killpg(proc.pid, signal.SIGKILL)  # the command and its worker, mid-way
-    proc.wait()
-    assert 2 <= len(os.listdir(done)) < 13, "the kill came too late to test a resume"
-    assert not os.path.exists(os.path.join(out, "classes.txt"))
+    while (val_written(out) < 9 or records(done) < 12) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)  # the command, its forkserver and its workers
+    assert proc.wait() == -signal.SIGKILL, proc.stderr.read().decode()
+    assert val_written(out) == 9 and records(done) == 12 and not os.path.exists(os.path.join(out, "classes.txt"))
     for folder, _, names in os.walk(out):
         for name in names:
             if name.endswith(".JPEG"):  # what the trainer would read: whole images only
                 with Image.open(os.path.join(folder, name)) as img:
                     img.load()
+    blocker.unlink()
+    blocker.write_bytes(image)
     again = run(cmd, timeout=300)
     assert again.returncode == 0, again.stderr
-    assert tree_files(out) == tree_files(reference)
+    assert "continued a stopped run: 12 of 13 jobs were done" in again.stdout
+    assert tree_files(out) == tree_files(prepared)
+
+
+def records(done: str) -> int:
+    return len([n for n in os.listdir(done) if n.endswith(".json")]) if os.path.isdir(done) else 0
+
+
+def val_written(out: str) -> int:
+    return sum(len([n for n in names if not n.startswith(".")]) for _, _, names in os.walk(os.path.join(out, "val")))
+
+
+def test_resize_writes_copies_with_the_given_shorter_side(sources, tmp_path):
+    out = str(tmp_path / "out")
+    summary = prepare_imagenet(sources["kaggle"], out, resize=40, workers=1)
+    assert summary["rewritten"] and (summary["train"], summary["val"]) == (72, 24)
     for rel, data in tree_files(out).items():
         if rel != "classes.txt":
-            assert min(Image.open(io.BytesIO(data)).size) == 40, rel
+            with Image.open(io.BytesIO(data)) as img:
+                assert min(img.size) == 40 and max(img.size) == 53 and (img.format, img.mode) == ("JPEG", "RGB"), rel
 
 
 def test_bad_sources_and_outputs_are_one_line(sources, tmp_path):
@@ -258,6 +282,14 @@ def test_bad_sources_and_outputs_are_one_line(sources, tmp_path):
     assert (users / "holiday.jpg").read_bytes() == b"the user's photo"
     with pytest.raises(UserError, match=r"1\.0 GB free .* about 2\.0 GB.*--resize 160"):
         check_free_space(str(tmp_path), 2e9, free=1e9)
+
+
+def test_an_out_of_other_settings_is_refused_and_a_finished_one_is_kept(sources, prepared):
+    before = tree_files(prepared)
+    with pytest.raises(UserError, match=r"other settings \(resize: resize=None\).*same options to continue"):
+        prepare_imagenet(sources["archives"], prepared, md5=False, resize=40)
+    assert prepare_imagenet(sources["archives"], prepared, md5=False)["resumed"] == "complete"
+    assert tree_files(prepared) == before
 
 
 # ----------------------------------------------------------------------------- tar shards, both backends
@@ -320,12 +352,14 @@ def scan_shards_train(shards: str):
 
 
 def test_two_ranks_train_from_the_shards_on_both_backends(prepared, tmp_path, write_config):
-    """DALI's webdataset reader under horovodrun, the torchvision reader under torchrun (the torch engine)."""
+    """DALI's webdataset reader under horovodrun, the torchvision reader under torchrun (the torch engine), in a
+    spawned loader worker per loader (the shards' open files are per process)."""
     shards = os.path.join(prepared, "shards")
     sections = dict(train={"epochs": 1, "batch_size": 8}, optim={"warmup_epochs": 0.5})
     for backend, launch in (("dali_cpu", horovodrun), ("torchvision", torchrun)):
         run_dir = str(tmp_path / backend)
-        cfg = write_config(tiny_config(shards, run_dir, data={"backend": backend}, **sections), f"{backend}.yaml")
+        data = {"backend": backend, "workers": 1}  # DALI: 1 thread; torchvision: 1 worker process
+        cfg = write_config(tiny_config(shards, run_dir, data=data, **sections), f"{backend}.yaml")
         proc = launch(2, ["train", "--config", cfg], timeout=300)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         (record,) = read_metrics(run_dir)

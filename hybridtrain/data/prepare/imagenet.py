@@ -14,6 +14,7 @@ import json
 import multiprocessing
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 
 from tqdm import tqdm
 
@@ -76,11 +77,13 @@ def check_free_space(out: str, needed: float, free: float | None = None) -> None
                         f"smaller copy with --resize 160")
 
 
-def file_md5(path: str) -> str:
+def file_md5(path: str, progress=None) -> str:
     digest = hashlib.md5()
     with open(path, "rb") as fh:
         for chunk in iter(lambda: fh.read(MD5_CHUNK), b""):
-            digest.update(chunk)
+            digest.update(chunk)  # hashlib lets go of the GIL here: the archives are hashed in parallel threads
+            if progress is not None:
+                progress.update(len(chunk))
     return digest.hexdigest()
 
 
@@ -90,9 +93,12 @@ def archive_stamp(path: str) -> list:
 
 
 def verify_md5(archives: list[str], workers: int, expected: dict[str, str] = ARCHIVE_MD5) -> None:
-    """Each archive's md5 against the published one, in parallel; one line naming the first that differs."""
-    with pool(min(workers, len(archives))) as p:
-        sums = list(tqdm(p.imap(file_md5, archives), total=len(archives), desc="md5", unit="archive", disable=None))
+    """Each archive's md5 against the published one, all at once in threads behind one progress bar (in bytes);
+    one line naming the first that differs."""
+    total = sum(os.path.getsize(p) for p in archives)
+    with tqdm(total=total, desc="md5", unit="B", unit_scale=True, disable=None) as bar, \
+            ThreadPoolExecutor(max(1, min(workers, len(archives)))) as threads:
+        sums = list(threads.map(lambda path: file_md5(path, bar), archives))
     for path, got in zip(archives, sums):
         want = expected[os.path.basename(path)]
         if got != want:
@@ -181,28 +187,37 @@ def prepare_imagenet(source_dir: str, out: str, md5: bool = True, resize: int | 
         return read_json(state_file(out, COMPLETE)) | {"resumed": "complete"}
     done = sum(read_done(out, job) is not None for job in source.jobs) if state == "resume" else 0
     check_free_space(out, output_bytes(source, resize) * (1 - done / len(source.jobs)))
-    verified = read_json(state_file(out, "md5.json")) or {}
-    stamps = [archive_stamp(p) for p in source.archives]
-    if md5 and source.archives and verified.get("stamps") != stamps:
-        verify_md5(source.archives, workers)  # before anything is written: a refused archive leaves no --out
-    os.makedirs(os.path.join(out, STATE), exist_ok=True)
-    write_atomically(state_file(out, PARAMS), json.dumps(params).encode())
-    if md5 and source.archives:
-        write_atomically(state_file(out, "md5.json"), json.dumps({"stamps": stamps}).encode())
+    start_state(out, params, source.archives if md5 else [], workers)
     summary = finish(source, out, run_jobs(source, out, resize, workers))
     summary["md5"] = "verified" if md5 and source.archives else "skipped (--no-md5)" if source.archives else "none"
-    return summary | {"resumed": state == "resume", "done_before": done}
+    return summary | {"resumed": state == "resume", "done_before": done, "jobs": len(source.jobs)}
+
+
+def start_state(out: str, params: dict, archives: list[str], workers: int) -> None:
+    """Verify ``archives`` (unless an earlier run verified these very files), then record the run's settings."""
+    stamps = [archive_stamp(p) for p in archives]
+    if archives and (read_json(state_file(out, "md5.json")) or {}).get("stamps") != stamps:
+        verify_md5(archives, workers)  # before anything is written: a refused archive leaves no --out
+    os.makedirs(os.path.join(out, STATE), exist_ok=True)
+    write_atomically(state_file(out, PARAMS), json.dumps(params).encode())
+    if archives:
+        write_atomically(state_file(out, "md5.json"), json.dumps({"stamps": stamps}).encode())
 
 
 def summary_lines(summary: dict, out: str) -> list[str]:
     """What the command prints: the counts against ILSVRC2012's, and the rewritten files."""
     full = FULL_COUNTS
     counts = f"{summary['train']:,} train / {summary['val']:,} val images, {summary['classes']:,} classes"
+    ilsvrc = f"{full['train']:,} / {full['val']:,} / {full['classes']:,}"
     if summary["full"]:
-        verdict = "the full ILSVRC2012 (1,281,167 / 50,000 / 1,000)"
+        verdict = f"the full ILSVRC2012 ({ilsvrc})"
+    elif all(summary[k] <= full[k] for k in ("train", "val", "classes")):
+        verdict = f"a subset: ILSVRC2012 has {ilsvrc}"
     else:
-        verdict = (f"a subset: ILSVRC2012 has {full['train']:,} / {full['val']:,} / {full['classes']:,}")
+        verdict = f"more than ILSVRC2012 ({ilsvrc}): is the source another data set?"
     lines = [f"imagenet ready in {out} (from the {summary['layout']}): {counts}: {verdict}"]
+    if summary.get("resumed") is True:
+        lines.append(f"continued a stopped run: {summary['done_before']} of {summary['jobs']} jobs were done")
     rewritten = summary["rewritten"]
     if rewritten:
         lines.append(f"{len(rewritten)} image(s) rewritten as 8-bit RGB JPEG (listed in {out}/rewritten.txt):")
