@@ -21,12 +21,22 @@ index) and each label from the ``.cls`` member, checked against the manifest's.
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import re
 
 import numpy as np
 import torch
 
-from hybridtrain.data.dali import READER_NAME, DaliLoader, GraphSpec, _create, decode_and_augment, shard_range
+from hybridtrain.data.dali import (
+    READER_NAME,
+    DaliLoader,
+    GraphSpec,
+    _create,
+    decode_and_augment,
+    pipeline_seed,
+    shard_range,
+)
 from hybridtrain.data.shards import ShardImages
 from hybridtrain.errors import UserError
 
@@ -85,8 +95,6 @@ class DaliShardLoader(DaliLoader):
     def _build(self, order: np.ndarray, epoch: int):
         from nvidia.dali import pipeline_def
 
-        from hybridtrain.data.dali import pipeline_seed
-
         shards = order[self.mine.start:self.mine.stop].tolist()
         paths = [self.images.shard_paths[s] for s in shards]
         index_paths = [self.images.index_paths[s] for s in shards]
@@ -114,8 +122,18 @@ class DaliShardLoader(DaliLoader):
                                 same_on_all_ranks=False)
         return images, torch.tensor(ids, dtype=torch.int64)
 
-    def _find_culprit(self, order: np.ndarray, run: int) -> None:
-        return None  # DALI's own message names the sample
+    @contextlib.contextmanager
+    def _errors(self, order: np.ndarray, run: int):
+        """A DALI failure becomes this rank's one line: the shards cannot be filtered by check-data's lists, so
+        the fix is the source's."""
+        try:
+            yield
+        except RuntimeError as exc:
+            cause = re.search(r"encountered:\s*\n\s*(\S.*)", str(exc))
+            raise UserError(f"DALI failed reading the shards of {self.images.root} "
+                            f"({(cause.group(1) if cause else str(exc)).strip()[:300]}): run check-data on the folder "
+                            f"tree they were packed from, fix or remove the bad image there, and pack the shards "
+                            f"again", same_on_all_ranks=False) from None
 
 
 def create_shard_loader(images: ShardImages, cfg, rank: int, world_size: int, local_size: int, device: str,
