@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from hybridtrain.data.folder import scan_dataset
 from hybridtrain.data.prepare.ilsvrc_jobs import write_atomically
+from hybridtrain.data.prepare.imagenet import check_free_space, pool
 from hybridtrain.data.sharding import split_sizes
 from hybridtrain.errors import UserError
 from hybridtrain.outputs import finish_partial, start_partial
@@ -94,6 +95,8 @@ def pack_shards(tree: str, shards: int, workers: int = 0) -> dict:
             raise UserError(f"{out} already holds {len(meta['train']['shards'])} train shards, not {shards}: use "
                             f"them (data.path={out}), or move that folder away to pack anew")
         return {"root": out, "train_shards": shards, "val_shards": len(meta["val"]["shards"])}
+    images_bytes = sum(os.path.getsize(path) for split in (train, val) for path, _ in split.samples)
+    check_free_space(out, images_bytes * 1.02)  # + tar headers and the indices
     tmp = start_partial(out, "--out")
     jobs, meta = [], {"classes": train.classes}
     for split, images, count, shuffle in (("train", train, shards, True), ("val", val, min(shards, len(val)), False)):
@@ -119,7 +122,6 @@ def run_packing(jobs: list, workers: int) -> None:
             write_shard(job)
             bar.update()
     else:
-        from hybridtrain.data.prepare.imagenet import pool
         with pool(min(workers, len(jobs))) as p:
             for _ in p.imap_unordered(write_shard, jobs, chunksize=1):
                 bar.update()
