@@ -5,6 +5,7 @@ import contextlib
 import errno
 import io
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -164,6 +165,14 @@ def run_guarded(action, crash_log_dir=lambda: None) -> int:
 PEER_REFUSAL_WAIT_S = 10.0
 
 
+def quiet_on_sigterm() -> None:
+    """SIGTERM ends this process at once and silently (a preemption handler may still be installed)."""
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    except ValueError:  # not the main thread: leave the handler as it is
+        pass
+
+
 def _run_guarded(action, crash_log_dir) -> int:
     try:
         return action() or 0
@@ -173,6 +182,7 @@ def _run_guarded(action, crash_log_dir) -> int:
             prefix = "" if rank == 0 else f"rank {rank}: "
             print(f"hybridtrain: error: {prefix}{exc}", file=sys.stderr, flush=True)
         else:
+            quiet_on_sigterm()  # the launcher's stop after rank 0's line is not a preemption to report
             time.sleep(PEER_REFUSAL_WAIT_S)  # rank 0 prints the line, then its exit ends this job
         return 2
     except PeerFailure as exc:

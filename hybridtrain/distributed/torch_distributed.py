@@ -8,6 +8,7 @@ the small CPU collectives of statistics, flags and objects over Gloo, as Horovod
 """
 from __future__ import annotations
 
+import gc
 import os
 import socket
 from datetime import timedelta
@@ -186,10 +187,17 @@ def barrier() -> None:
 
 
 def shutdown() -> None:
-    """Destroy the process group while Python is whole: a Gloo group left for the interpreter's teardown can abort
-    the process (SIGABRT, "terminate called without an active exception") after a run that succeeded."""
+    """Destroy the process group while Python is whole, and with it Gloo's worker threads. Left running into the
+    interpreter's teardown, a worker that releases its last finished work (an all-gather's tensors) takes the GIL
+    there and aborts the process (SIGABRT, "terminate called without an active exception"; seen under gdb in
+    ProcessGroupGloo::runLoop -> ~AsyncAllgatherWork -> decref_pyobject -> take_gil -> pthread_exit).
+    destroy_process_group only unregisters the group: the group's destructor, which waits for its workers with the
+    GIL released (pytorch/pytorch#154976), runs when the last reference goes, so the DDP wrappers that hold it (in
+    reference cycles, hence gc.collect) go first. The caller drops its own references before calling this."""
     if dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
+        gc.collect()
 
 
 def sync_batch_norm_class() -> type:

@@ -82,6 +82,7 @@ def run_training(cfg: Config, resume: str | None = None, move_aside: bool = Fals
             raise failures.peer_failure(topo) from None
         raise
     finally:
+        t = None  # noqa: F841 - the trainer's DDP wrapper holds the process group: shutdown destroys it only when free
         if outcome == "done":
             distributed.shutdown()
         elif outcome == "failed":
