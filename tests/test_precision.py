@@ -165,22 +165,9 @@ def precision_config(data, run_dir, mode, epochs=1, **precision):
                        model={"arch": "resnet18", "residual_bn_scale": 0.25 if mode == "fp16_pure" else 1.0})
 
 
-@pytest.mark.parametrize("mode, extra", [("fp64", {}), ("fp32", {}), ("mixed", {}), ("mixed", {"compute_dtype": "bf16"}),
-                                         ("layered", {}), ("fp16_pure", {})])
-def test_every_mode_trains_on_two_ranks_without_nan_and_identical_parameters(mode, extra, tiny_digits, tmp_path,
-                                                                               write_config):
-    run_dir = str(tmp_path / "run")
-    proc = horovodrun(2, ["train", "--config", write_config(precision_config(tiny_digits, run_dir, mode, **extra))])
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    (record,) = read_metrics(run_dir)
-    assert all(v == v for k, v in record.items() if isinstance(v, float)), record  # no NaN anywhere
-    assert record["peak_memory_mb"] > 0 and len(record["peak_memory_mb_per_rank"]) == 2
-    if mode == "fp16_pure" or (mode in ("mixed", "layered") and not extra):  # FP16 computes: dynamic scaling
-        assert record["loss_scale"] * 2 ** record["skipped_steps"] == 65536.0  # 2 steps: halvings only
-    else:
-        assert record["loss_scale"] == 1.0 and record["skipped_steps"] == 0
-    report = json.load(open(os.path.join(run_dir, "report.json")))
-    assert len(set(report["rank_digests"])) == 1
+# Every mode on two Horovod ranks (no NaN, equal parameters, the loss scale's halvings) is checked on the 2-epoch NHWC
+# runs of tests/test_preemption.py::test_channels_last_trains_on_two_ranks_and_its_model_loads_strictly_into_torchvision
+# (one run per mode for the whole suite, issue 32).
 
 
 def test_checkpoint_carries_the_scaler_and_resume_is_exact(tiny_digits, tmp_path, write_config):

@@ -569,7 +569,10 @@ def run_rows(rows: list[Row], out: str, deadline: float, base_env: dict, build: 
              write: Callable[[], None], say: Callable[[str], None]) -> None:
     """Every pending row in plan order (Horovod rows once the build has passed), the table written after each."""
     pending = [r for r in rows if r.status == "pending" and r.kind != "note"]
-    tick = (lambda: build.poll() and write()) if build else (lambda: None)
+
+    def tick() -> None:  # while a row runs: the build's end goes into the table once
+        if build is not None and build.row.status == "pending" and build.poll():
+            write()
     while pending:
         done = build is None or build.poll()
         ready = build is None or build.row.status == PASS
