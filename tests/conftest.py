@@ -50,6 +50,7 @@ FILE_WEIGHTS = {
     "test_oldest_torch.py": 120,  # 3 two-rank torchrun launches in .venv-oldest
     "test_bad_input_round2.py": 120,  # ~25 one-rank processes, 2 trainings
     "test_launch.py": 100,  # 107 tests: launch scripts' dry runs (bash), 2 one-rank launches
+    "test_prepare_imagenet.py": 95,  # 2 two-rank launches (shards: DALI, torchvision), ~6 prepare-data processes
 }
 
 
