@@ -306,24 +306,30 @@ class DaliLoader:
             self.reusable = pipe
 
     def _build(self, order: np.ndarray, epoch: int):
+        with reader_file_list(self.lines, order[self.shard.start:self.shard.stop]) as file_list:  # read by build()
+            return self._built(imagenet_graph, order, epoch, file_list, self.images.root, self.spec)
+
+    def _built(self, graph, order: np.ndarray, epoch: int, *graph_args):
+        """``graph(*graph_args)`` as this loader's pipeline for ``epoch``, built (a failure names its file)."""
         from nvidia.dali import pipeline_def
 
-        with reader_file_list(self.lines, order[self.shard.start:self.shard.stop]) as file_list:  # read by build()
-            pipe = pipeline_def(imagenet_graph)(
-                file_list, self.images.root, self.spec, batch_size=self.batch_size,
-                num_threads=self.num_threads, device_id=self.device_id, seed=pipeline_seed(self.seed, self.rank, epoch),
-                prefetch_queue_depth=self.prefetch_queue_depth)
-            with self._errors(order, 0):
-                pipe.build()
+        pipe = pipeline_def(graph)(*graph_args, batch_size=self.batch_size, num_threads=self.num_threads,
+                                   device_id=self.device_id, seed=pipeline_seed(self.seed, self.rank, epoch),
+                                   prefetch_queue_depth=self.prefetch_queue_depth)
+        with self._errors(order, 0):
+            pipe.build()
         self.builds += 1
         return pipe
 
     def _run(self, pipe, order: np.ndarray, run: int) -> tuple[torch.Tensor, torch.Tensor]:
         with self._errors(order, run):
             images, ids = pipe.run(*self._output_stream(pipe))
+        return self._to_torch(pipe, images), torch.from_numpy(np.asarray(ids.as_array()).reshape(-1).astype(np.int64))
+
+    def _to_torch(self, pipe, images) -> torch.Tensor:
+        """A batch of DALI images as torch's: shared where DALI allows, NCHW-shaped (NHWC strides kept)."""
         images = self._shared(images) if getattr(pipe, "exec_dynamic", False) and not self.pin else self._copied(images)
-        images = images.permute(0, 3, 1, 2) if self.spec.channels_last else images
-        return images, torch.from_numpy(np.asarray(ids.as_array()).reshape(-1).astype(np.int64))
+        return images.permute(0, 3, 1, 2) if self.spec.channels_last else images
 
     @contextlib.contextmanager
     def _errors(self, order: np.ndarray, run: int):

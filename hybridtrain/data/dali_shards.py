@@ -34,7 +34,6 @@ from hybridtrain.data.dali import (
     GraphSpec,
     _create,
     decode_and_augment,
-    pipeline_seed,
     shard_range,
 )
 from hybridtrain.data.shards import ShardImages
@@ -93,26 +92,16 @@ class DaliShardLoader(DaliLoader):
         return np.random.default_rng([self.seed, epoch]).permutation(s) if self.spec.training else np.arange(s)
 
     def _build(self, order: np.ndarray, epoch: int):
-        from nvidia.dali import pipeline_def
-
         shards = order[self.mine.start:self.mine.stop].tolist()
         paths = [self.images.shard_paths[s] for s in shards]
         index_paths = [self.images.index_paths[s] for s in shards]
         fill = max(1, min(SHUFFLE_BUFFER, int(self.counts[shards].sum())))
-        pipe = pipeline_def(shard_graph)(
-            paths, index_paths, self.spec, fill, batch_size=self.batch_size, num_threads=self.num_threads,
-            device_id=self.device_id, seed=pipeline_seed(self.seed, self.rank, epoch),
-            prefetch_queue_depth=self.prefetch_queue_depth)
-        with self._errors(order, 0):
-            pipe.build()
-        self.builds += 1
-        return pipe
+        return self._built(shard_graph, order, epoch, paths, index_paths, self.spec, fill)
 
     def _run(self, pipe, order: np.ndarray, run: int) -> tuple[torch.Tensor, torch.Tensor]:
         with self._errors(order, run):
             images, cls = pipe.run(*self._output_stream(pipe))
-        images = self._shared(images) if getattr(pipe, "exec_dynamic", False) and not self.pin else self._copied(images)
-        images = images.permute(0, 3, 1, 2) if self.spec.channels_last else images
+        images = self._to_torch(pipe, images)
         ids = [sample_key(cls[i].source_info()) for i in range(len(cls))]
         labels = [int(np.asarray(cls[i]).tobytes()) for i in range(len(cls))]
         for key, label in zip(ids, labels):

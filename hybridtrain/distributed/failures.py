@@ -5,6 +5,7 @@ import hashlib
 import os
 import socket
 import tempfile
+import time
 
 from hybridtrain.errors import PeerFailure
 
@@ -26,9 +27,24 @@ def departed(topo) -> tuple[list[int], list[int]]:
             [rank for rank, pid in local if process_alive(pid)])
 
 
+EXIT_GRACE_S = 2.0  # a killed process closes its sockets before it becomes a zombie: its peers can learn first
+
+
+def settled_departures(topo, grace_s: float = EXIT_GRACE_S) -> tuple[list[int], list[int]]:
+    """departed(), looked at again for up to ``grace_s`` while every local rank still looks alive: the kernel
+    closes a killed process's sockets (which fails its peers' collectives) before the process turns into a
+    zombie, so right after the failure a dead rank can still look alive."""
+    deadline = time.monotonic() + grace_s
+    gone, alive = departed(topo)
+    while not gone and time.monotonic() < deadline:
+        time.sleep(0.05)
+        gone, alive = departed(topo)
+    return gone, alive
+
+
 def peer_failure(topo) -> PeerFailure:
     """The one line a surviving rank prints: which rank died (when it ran on this host) and how to resume."""
-    gone, alive = departed(topo) if topo.peers else ([], [topo.rank])
+    gone, alive = settled_departures(topo) if topo.peers else ([], [topo.rank])
     host = socket.gethostname()
     if gone:
         cause = (f"rank {', '.join(map(str, gone))} ({'its process is' if len(gone) == 1 else 'their processes are'} "
