@@ -5,6 +5,7 @@ import argparse
 import math
 import os
 import re
+import subprocess
 import sys
 
 from hybridtrain.errors import UserError, run_guarded
@@ -258,6 +259,27 @@ def parse_engines(text: str) -> tuple[str, ...]:
         raise UserError(f"--engine must list horovod and/or torch, each once, got '{text}': e.g. --engine "
                         f"horovod,torch")
     return names
+
+
+def cmd_cluster(args) -> int:
+    from hybridtrain.perf import netns_cluster as cluster
+    if args.action == "exec":
+        if not args.command or args.command[0] not in cluster.hosts_now():
+            raise UserError(f"cluster exec needs a host of the cluster and a command, e.g. hybridtrain cluster exec h1 "
+                            f"-- hostname (hosts now: {', '.join(cluster.hosts_now()) or 'none'})")
+        cluster.require_root()
+        return subprocess.run(cluster.host_command(args.command[0], args.command[1:])).returncode
+    if args.command:
+        raise UserError(f"cluster {args.action} takes no command, got '{' '.join(args.command)}'")
+    if args.action == "up":
+        cluster.up(args.hosts, args.link)
+    elif args.action == "down":
+        removed = cluster.down()
+        print(f"removed {len(removed)} namespaces" if removed else "no cluster to remove")
+        return 0
+    cluster.require_root()
+    print(cluster.format_status(cluster.status()))
+    return 0
 
 
 def cmd_predict(args) -> int:
@@ -591,6 +613,15 @@ def build_parser() -> argparse.ArgumentParser:
     scale.add_argument("--oversubscribe", action="store_true",
                        help="allow more ranks than cores (for calibrating predict on a small machine)")
     scale.set_defaults(func=cmd_scale)
+
+    clu = sub.add_parser("cluster", help="N hosts on this machine (network namespaces with an sshd each, joined by "
+                                         "a bridge, links limited with tc tbf): up, down, status, exec HOST -- CMD")
+    clu.add_argument("action", choices=("up", "down", "status", "exec"))
+    clu.add_argument("command", nargs="*", help="exec: the host and its command, e.g. h1 -- hostname")
+    clu.add_argument("--hosts", type=bounded_int(2, 200), default=2, help="up: the number of hosts (default 2)")
+    clu.add_argument("--link", default="none", help="up: each host's link rate as tc writes it (100mbit, 1gbit, "
+                                                    "10gbit) or none (default none)")
+    clu.set_defaults(func=cmd_cluster)
 
     from hybridtrain.perf.cluster_model_cli import add_predict_arguments
     add_predict_arguments(sub.add_parser("predict", help="model step time, img/s and efficiency of large clusters"))

@@ -1,0 +1,259 @@
+"""``hybridtrain cluster``: N hosts on this machine, joined by rate-limited links (a cluster in a box, issue 36).
+
+Each host ``h<i>`` is a network namespace ``htc-h<i>`` with one interface ``eth0`` at 10.77.0.<i+1>/24, its own
+hostname (every command run on it, and the sshd, get a UTS namespace named ``h<i>``) and an ``/etc/hosts``
+(``/etc/netns/htc-h<i>/hosts``, which ``ip netns exec`` binds over /etc/hosts) naming all hosts. An sshd listens on
+port 2222 of every host and takes the cluster's own key (``/run/hybridtrain-cluster/id``), so ``horovodrun -H
+h0:1,h1:1 -p 2222 --ssh-identity-file /run/hybridtrain-cluster/id`` launches across them. The hosts' veth pairs
+meet on a bridge in a namespace of its own (``htc-switch``), so nothing of the machine's own network changes.
+
+A link rate (``tc`` syntax: 100mbit, 1gbit, 10gbit; ``none`` for no limit) puts the token-bucket filter (``tbf``) on
+both ends of every host's link, so the host sends and receives at that rate. These kernels have no ``netem``, so no
+latency can be added: a link here is as fast to answer as the machine's own stack (tens of microseconds).
+
+``down`` removes every namespace, process and file the cluster made, whatever state a failed run left; running it
+twice is harmless. ``up`` begins with it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+
+from hybridtrain.errors import UserError
+
+PREFIX = "htc-"
+SWITCH = PREFIX + "switch"
+BRIDGE = "br0"
+SUBNET = "10.77.0"
+SSH_PORT = 2222
+STATE_DIR = "/run/hybridtrain-cluster"
+RATE = re.compile(r"^(\d+(?:\.\d+)?)(kbit|mbit|gbit)$")
+RATE_UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+TBF_BURST_S = 0.002  # tokens for 2 ms at the link rate (never less than 64 KiB: one GSO segment)
+TBF_QUEUE_S = 0.02  # a packet waits at most 20 ms in the filter's queue, then is dropped
+TOOLS = ("ip", "tc", "unshare", "ssh", "ssh-keygen")
+SSHD = "/usr/sbin/sshd"
+
+
+# ----------------------------------------------------------------------------- names and rates
+
+def host_name(i: int) -> str:
+    return f"h{i}"
+
+
+def namespace(host: str) -> str:
+    return PREFIX + host
+
+
+def address(i: int) -> str:
+    return f"{SUBNET}.{i + 1}"
+
+
+def identity_file() -> str:
+    return os.path.join(STATE_DIR, "id")
+
+
+def link_bits_per_s(rate: str) -> float | None:
+    """A link rate as ``tc`` writes it (100mbit, 1gbit, 10gbit) in bit/s; ``none``: no limit (None)."""
+    if rate == "none":
+        return None
+    found = RATE.match(rate)
+    if not found or float(found.group(1)) <= 0:
+        raise UserError(f"--link must be a rate as tc writes it (100mbit, 1gbit, 10gbit) or none, got '{rate}'")
+    return float(found.group(1)) * RATE_UNITS[found.group(2)]
+
+
+def tbf_args(rate: str) -> list[str]:
+    """tc's tbf options for ``rate``: a burst of 2 ms of the rate (at least 64 KiB) and a 20 ms queue."""
+    bits = link_bits_per_s(rate)
+    burst = max(64 * 1024, int(bits / 8 * TBF_BURST_S))
+    return ["tbf", "rate", rate, "burst", str(burst), "latency", f"{int(TBF_QUEUE_S * 1000)}ms"]
+
+
+# ----------------------------------------------------------------------------- running things
+
+def sh(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL)
+    if check and proc.returncode != 0:
+        raise UserError(f"cluster: '{' '.join(args)}' failed: {proc.stderr.strip() or proc.stdout.strip()}")
+    return proc
+
+
+def host_command(host: str, argv: list[str]) -> list[str]:
+    """``argv`` run on ``host``: in its network namespace (with its /etc/hosts) and a UTS namespace of its name."""
+    return ["ip", "netns", "exec", namespace(host), "unshare", "--uts", "--", "sh", "-c",
+            'hostname "$0" && exec "$@"', host, *argv]
+
+
+def require_root() -> None:
+    if os.geteuid() != 0:
+        raise UserError("hybridtrain cluster needs root (network namespaces, tc, sshd): run it as root")
+    missing = [tool for tool in TOOLS if not shutil.which(tool)] + ([] if os.path.exists(SSHD) else [SSHD])
+    if missing:
+        raise UserError(f"hybridtrain cluster needs {', '.join(missing)}: install iproute2, util-linux and "
+                        f"openssh-server (HYBRIDTRAIN_SYSTEM_PACKAGES=1 ./install.sh)")
+
+
+def hosts_now() -> list[str]:
+    """The hosts of the cluster that exists now."""
+    return [ns[len(PREFIX):] for ns in namespaces() if ns != SWITCH]
+
+
+def namespaces() -> list[str]:
+    """The cluster's namespaces that exist now (also those a failed run left)."""
+    out = sh("ip", "netns", "list", check=False).stdout
+    return [line.split()[0] for line in out.splitlines() if line.startswith(PREFIX)]
+
+
+# ----------------------------------------------------------------------------- up, down, status
+
+def set_link(host: str, rate: str) -> None:
+    """Limit ``host``'s link to ``rate`` both ways (tbf on its eth0 and on its port of the switch); none: no limit."""
+    for ns, dev in ((namespace(host), "eth0"), (SWITCH, host)):
+        sh("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root", check=False)
+        if rate != "none":
+            sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", *tbf_args(rate))
+
+
+def set_link_up(host: str, up: bool) -> None:
+    """Cut ``host``'s link (its port of the switch goes down) or restore it."""
+    sh("ip", "-n", SWITCH, "link", "set", host, "up" if up else "down")
+
+
+def up(hosts: int, rate: str) -> dict:
+    """Make the cluster (after ``down``, so whatever a failed run left goes first); on failure, remove it again."""
+    require_root()
+    link_bits_per_s(rate)
+    if not 2 <= hosts <= 200:
+        raise UserError(f"--hosts must be 2 to 200, got {hosts}")
+    down()
+    try:
+        return build(hosts, rate)
+    except BaseException:
+        down()
+        raise
+
+
+def build(hosts: int, rate: str) -> dict:
+    names = [host_name(i) for i in range(hosts)]
+    os.makedirs(STATE_DIR, mode=0o700, exist_ok=True)
+    for key in ("host_key", "id"):
+        sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "hybridtrain-cluster", "-f",
+           os.path.join(STATE_DIR, key))
+    sh("ip", "netns", "add", SWITCH)
+    sh("ip", "-n", SWITCH, "link", "add", BRIDGE, "type", "bridge")
+    sh("ip", "-n", SWITCH, "link", "set", BRIDGE, "up")
+    hosts_file = "127.0.0.1 localhost\n" + "".join(f"{address(i)} {h}\n" for i, h in enumerate(names))
+    for i, host in enumerate(names):
+        ns = namespace(host)
+        sh("ip", "netns", "add", ns)
+        sh("ip", "-n", SWITCH, "link", "add", host, "type", "veth", "peer", "name", "eth0", "netns", ns)
+        sh("ip", "-n", SWITCH, "link", "set", host, "master", BRIDGE)
+        sh("ip", "-n", SWITCH, "link", "set", host, "up")
+        sh("ip", "-n", ns, "addr", "add", f"{address(i)}/24", "dev", "eth0")
+        sh("ip", "-n", ns, "link", "set", "lo", "up")
+        sh("ip", "-n", ns, "link", "set", "eth0", "up")
+        os.makedirs(f"/etc/netns/{ns}", exist_ok=True)
+        with open(f"/etc/netns/{ns}/hosts", "w") as fh:
+            fh.write(hosts_file)
+        set_link(host, rate)
+    os.makedirs("/run/sshd", exist_ok=True)
+    for i, host in enumerate(names):
+        sh(*host_command(host, [SSHD, "-p", str(SSH_PORT), "-o", f"ListenAddress={address(i)}",
+                                "-o", f"HostKey={STATE_DIR}/host_key", "-o", f"PidFile={STATE_DIR}/{host}.pid",
+                                "-o", f"AuthorizedKeysFile={STATE_DIR}/id.pub", "-o", "StrictModes=no",
+                                "-o", "UsePAM=no", "-o", "PermitRootLogin=yes", "-o", "MaxStartups=100"]))
+    state = {"hosts": names, "addresses": [address(i) for i in range(hosts)], "link": rate, "ssh_port": SSH_PORT,
+             "identity": identity_file()}
+    with open(os.path.join(STATE_DIR, "state.json"), "w") as fh:
+        json.dump(state, fh)
+    wait_for_sshd(names)
+    return state
+
+
+def wait_for_sshd(names: list[str], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    for host in names:
+        while not os.path.exists(os.path.join(STATE_DIR, f"{host}.pid")):
+            if time.monotonic() > deadline:
+                raise UserError(f"cluster: the sshd of {host} did not start: run hybridtrain cluster down and retry")
+            time.sleep(0.05)
+
+
+def down() -> list[str]:
+    """Remove everything the cluster made: every process in its namespaces, the namespaces (their veths go along),
+    their /etc/netns folders and the state folder. Idempotent. Returns the namespaces it removed."""
+    require_root()
+    found = namespaces()
+    for ns in found:
+        end_processes(ns)
+    for ns in found:
+        sh("ip", "netns", "del", ns, check=False)
+    if os.path.isdir("/etc/netns"):
+        for name in os.listdir("/etc/netns"):
+            if name.startswith(PREFIX):
+                shutil.rmtree(os.path.join("/etc/netns", name), ignore_errors=True)
+    shutil.rmtree(STATE_DIR, ignore_errors=True)
+    return found
+
+
+def end_processes(ns: str, grace_s: float = 3.0) -> None:
+    """SIGTERM, then SIGKILL after ``grace_s``, every process in namespace ``ns`` (sshds, training ranks)."""
+    def pids() -> list[int]:
+        return [int(p) for p in sh("ip", "netns", "pids", ns, check=False).stdout.split()]
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids():
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace_s
+        while pids() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+def status() -> dict | None:
+    """The cluster as it is now: hosts, their link rate and state, sshd alive; None when there is none."""
+    found = namespaces()
+    if not found:
+        return None
+    try:
+        with open(os.path.join(STATE_DIR, "state.json")) as fh:
+            state = json.load(fh)
+    except (OSError, ValueError):
+        return {"broken": True, "namespaces": found}
+    rows = []
+    for host, addr in zip(state["hosts"], state["addresses"]):
+        link = sh("ip", "-n", SWITCH, "-o", "link", "show", host, check=False).stdout
+        qdisc = sh("ip", "netns", "exec", namespace(host), "tc", "qdisc", "show", "dev", "eth0", check=False).stdout
+        rate = re.search(r"rate (\S+)", qdisc)
+        rows.append({"host": host, "address": addr, "link": rate.group(1) if rate else "none",
+                     "up": "state UP" in link or ",UP" in link.split(">")[0],
+                     "sshd": sshd_alive(host)})
+    return {**state, "broken": False, "rows": rows}
+
+
+def sshd_alive(host: str) -> bool:
+    try:
+        with open(os.path.join(STATE_DIR, f"{host}.pid")) as fh:
+            os.kill(int(fh.read().strip()), 0)
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def format_status(state: dict | None) -> str:
+    if state is None:
+        return "no cluster (hybridtrain cluster up --hosts N --link RATE makes one)"
+    if state["broken"]:
+        return (f"a broken cluster: namespaces {', '.join(state['namespaces'])} without their state file: "
+                f"hybridtrain cluster down removes them")
+    lines = [f"{len(state['hosts'])} hosts, ssh port {state['ssh_port']}, key {state['identity']}"]
+    lines += [f"{r['host']:>4} {r['address']:<12} link {r['link']:<8} {'up' if r['up'] else 'CUT'}  "
+              f"sshd {'running' if r['sshd'] else 'GONE'}" for r in state["rows"]]
+    return "\n".join(lines)
