@@ -48,7 +48,12 @@
 #   - DALI: nvidia-dali-cuda130 or -cuda120 to match torch's CUDA;
 #   - Horovod: HOROVOD_GPU_OPERATIONS=NCCL (unless set), its kernels for the node's compute capabilities
 #     (HOROVOD_BUILD_CUDA_CC_LIST, unless set), NCCL from the system or from torch's matching NCCL wheel.
-# Without a GPU (no nvidia-smi) the install is the one for CPUs, as before.
+# Without a GPU (no nvidia-smi) the install is the one for CPUs, as before. An nvidia-smi that fails, hangs, finds
+# no GPU or reports a GPU as ERR!/[N/A] stops the plan in one line naming the cause (node.py's smi_failure):
+#   HYBRIDTRAIN_GPUS=none       an install without GPUs on a node that has nvidia-smi (it is not asked)
+#   HYBRIDTRAIN_GPUS=0,1        plan for these GPUs only (nvidia-smi -i, its indices): a node with GPUs of two
+#                               kinds, or with one failed GPU
+#   HYBRIDTRAIN_SMI_TIMEOUT=20  seconds each nvidia-smi call may take before the driver is called hung
 #
 #   ./install.sh --plan        prints what it would install on this node and why, and installs nothing
 #                              (run it on a login node, or in a job on the GPU node, before the real install)
@@ -184,7 +189,28 @@ check_settings() {
   fi
   [[ "${HOROVOD_BUILD_CUDA_CC_LIST:-70}" =~ ^[0-9]{2,3}(,[0-9]{2,3})*$ ]] \
     || fail "HOROVOD_BUILD_CUDA_CC_LIST=$HOROVOD_BUILD_CUDA_CC_LIST: use compute capabilities without dots, comma-separated, e.g. 70 or 80,90"
+  [[ "${HYBRIDTRAIN_GPUS:-0}" =~ ^(none|[0-9]+(,[0-9]+)*)$ ]] \
+    || fail "HYBRIDTRAIN_GPUS=$HYBRIDTRAIN_GPUS: use none (an install without GPUs) or GPU indices as 'nvidia-smi -L' lists them, comma-separated, e.g. 0,1"
+  [[ "${HYBRIDTRAIN_SMI_TIMEOUT:-20}" =~ ^[1-9][0-9]{0,3}$ ]] \
+    || fail "HYBRIDTRAIN_SMI_TIMEOUT=$HYBRIDTRAIN_SMI_TIMEOUT: use whole seconds, 1 to 9999 (default 20)"
   if [ -n "${CUDA_HOME:-}" ] && [ ! -d "$CUDA_HOME" ]; then fail "CUDA_HOME=$CUDA_HOME is not a folder: point it at a CUDA toolkit, or unset it"; fi
+}
+
+# nvidia-smi "$@" with a time limit (HYBRIDTRAIN_SMI_TIMEOUT seconds): its output (stdout and stderr) and exit
+# status, or status 124 when it did not answer in time. A hung driver can hold nvidia-smi in the kernel, where
+# no signal ends it: it is killed and left behind, never waited for (its output goes to a file, not a pipe).
+ask_smi() {
+  local out pid rc=0 tenths=0 limit=$(( ${HYBRIDTRAIN_SMI_TIMEOUT:-20} * 10 ))
+  out="$(mktemp)"
+  nvidia-smi "$@" >"$out" 2>&1 </dev/null &
+  pid=$!
+  while kill -0 "$pid" 2>/dev/null; do
+    if [ "$tenths" -ge "$limit" ]; then kill -KILL "$pid" 2>/dev/null; rm -f "$out"; return 124; fi
+    sleep 0.1; tenths=$((tenths + 1))
+  done
+  wait "$pid" || rc=$?
+  cat "$out"; rm -f "$out"
+  return "$rc"
 }
 
 # What this node's GPUs and driver need (hybridtrain/distributed/node.py, run with $PYTHON: no venv and no torch
@@ -194,16 +220,22 @@ PLAN_TORCH="" PLAN_TORCHVISION="" PLAN_VARIANT="" PLAN_CUDA="" PLAN_INDEX="" PLA
 PLAN_CC_LIST="" PLAN_ERROR="" PLAN_LINES=""
 plan_node() {
   command -v "$PYTHON" >/dev/null || fail "python3 not found: install Python >= 3.9 (Debian: apt-get install python3 python3-venv python3-dev), or set PYTHON"
-  local smi="" system_torch="" out
-  if command -v nvidia-smi >/dev/null; then
-    smi="$(nvidia-smi --query-gpu=compute_cap,driver_version --format=csv,noheader 2>&1)" \
-      || smi="$smi"$'\n'"$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | sed 's/^/-, /')"
+  local smi="" status=0 system_torch="" out driver=""
+  local -a select=()
+  [ -z "${HYBRIDTRAIN_GPUS:-}" ] || select=(-i "$HYBRIDTRAIN_GPUS")
+  if [ "${HYBRIDTRAIN_GPUS:-}" != none ] && command -v nvidia-smi >/dev/null; then
+    smi="$(ask_smi "${select[@]}" --query-gpu=compute_cap,driver_version --format=csv,noheader)" || status=$?
+    if [ "$status" != 0 ] && grep -q 'is not a valid field' <<<"$smi"; then   # a driver too old for compute_cap
+      status=0
+      driver="$(ask_smi "${select[@]}" --query-gpu=driver_version --format=csv,noheader)" || status=$?
+      smi="$smi"$'\n'"$(sed 's/^/-, /' <<<"$driver")"
+    fi
   fi
   if [ "$TORCH_MODE" = system ]; then   # torch's version and CUDA, and the driver API its process loads
     system_torch="$(PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m hybridtrain.distributed.node probe-torch 2>/dev/null)" \
       || fail "could not ask $PYTHON about its torch (python -m hybridtrain.distributed.node probe-torch): run it to see why"
   fi
-  out="$(printf '%s\n' "$smi" | PLAN_SYSTEM_TORCH="$system_torch" PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" \
+  out="$(printf '%s\n' "$smi" | PLAN_SMI_STATUS="$status" PLAN_SYSTEM_TORCH="$system_torch" PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" \
          "$PYTHON" -m hybridtrain.distributed.node plan)" || fail "could not work out this node's plan with $PYTHON (hybridtrain/distributed/node.py): see its error above"
   eval "$out"
 }

@@ -21,6 +21,7 @@ from hybridtrain.data.folder import ImageList, UnreadableImage, scan_dataset
 from hybridtrain.data.presets import IMAGENET_MEAN, IMAGENET_STD
 from hybridtrain.data.shards import ShardImages, is_shard_dir, scan_shards
 from hybridtrain.data.synthetic import SyntheticLoader
+from hybridtrain.data.workers import WorkerBatches, check_shared_memory
 from hybridtrain.distributed.topology import cores_per_rank
 from hybridtrain.errors import UserError
 
@@ -158,6 +159,10 @@ def create_loaders(cfg, topo, model_dtype: torch.dtype = torch.float32) -> Loade
     if backend == "torchvision":
         from hybridtrain.data.torchvision_loader import create_train_loader, create_val_loader
         workers = cfg.data.workers or cores_per_rank(topo.local_size)
+        if not cfg.data.in_process:
+            d = cfg.data
+            check_shared_memory(WorkerBatches(cfg.train.batch_size, d.val_batch_size or cfg.train.batch_size,
+                                              d.crop_size, workers, d.prefetch), topo.local_size, bool(d.workers))
         pin = topo.device.type == "cuda"
         train = create_train_loader(train_set, cfg, topo.rank, topo.size, workers, pin)
         val = create_val_loader(val_set, cfg, topo.rank, topo.size, workers, pin)
@@ -166,7 +171,7 @@ def create_loaders(cfg, topo, model_dtype: torch.dtype = torch.float32) -> Loade
         device = "gpu" if backend == "dali_gpu" else "cpu"
         args = (topo.rank, topo.size, topo.local_size, device, delivered_dtype(model_dtype), cfg.data.channels_last)
         pin = device == "cpu" and topo.device.type == "cuda"  # dali_cpu on a GPU node: asynchronous copies
-        if isinstance(train_set, ShardImages):  # tar shards: fn.readers.webdataset
+        if isinstance(train_set, ShardImages):  # tar shards: fn.external_source, the folder order
             from hybridtrain.data.dali_shards import create_shard_loader
             rank, size, local_size, *rest = args
             train = create_shard_loader(train_set, cfg, rank, size, local_size, rest[0], True, *rest[1:], pin=pin)

@@ -15,7 +15,7 @@ from hybridtrain.data import sharding
 from hybridtrain.data.folder import ImageList, UnreadableImage
 from hybridtrain.data.images import to_rgb
 from hybridtrain.data.presets import train_transform, val_transform
-from hybridtrain.data.workers import die_with_the_rank, spawn_context
+from hybridtrain.data.workers import SharedMemoryErrors, die_with_the_rank, spawn_context
 
 
 def sample_seed(seed: int, epoch: int, index: int) -> int:
@@ -82,6 +82,14 @@ class EpochBatches:
         return len(self.batches_for_epoch(self.epoch, self.start))
 
 
+class WorkerLoader(DataLoader):
+    """A DataLoader with worker processes whose iterators say in one line when /dev/shm runs out
+    (``SharedMemoryErrors``); the workers still start at ``iter()``, as ``Loaders.start`` needs."""
+
+    def __iter__(self):
+        return SharedMemoryErrors(super().__iter__())
+
+
 def _loader(dataset, batch_sampler, cfg, workers: int, pin: bool) -> DataLoader:
     # spawn, not fork (unsafe after Horovod's threads start) nor forkserver (its server outlives a killed rank):
     # spawned workers are the rank's own children, so die_with_the_rank applies. pin: page-locked batches for a
@@ -89,7 +97,7 @@ def _loader(dataset, batch_sampler, cfg, workers: int, pin: bool) -> DataLoader:
     if cfg.data.in_process:
         return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=Collate(cfg.data.channels_last),
                           pin_memory=pin)
-    return DataLoader(dataset, batch_sampler=batch_sampler, num_workers=workers,
+    return WorkerLoader(dataset, batch_sampler=batch_sampler, num_workers=workers,
                       collate_fn=Collate(cfg.data.channels_last), multiprocessing_context=spawn_context(),
                       persistent_workers=True, prefetch_factor=cfg.data.prefetch, worker_init_fn=die_with_the_rank,
                       pin_memory=pin)

@@ -1,5 +1,7 @@
 """The loader workers' lives: spawned through a wrapper that ignores SIGTERM until they can die with their
-rank (a scheduler's SIGTERM to the process group is the rank's to handle), killed at exit, never left behind."""
+rank (a scheduler's SIGTERM to the process group is the rank's to handle), killed at exit, never left behind;
+and the shared memory (/dev/shm) their batches pass through, checked before they start
+(:func:`check_shared_memory`) and named in one line when it runs out anyway (:func:`shared_memory_failure`)."""
 from __future__ import annotations
 
 import atexit
@@ -12,6 +14,13 @@ import signal
 import stat
 import sys
 import tempfile
+from dataclasses import dataclass
+
+from hybridtrain.errors import UserError
+
+SHM_DIR = "/dev/shm"
+PAGE = 4096   # tmpfs gives a file whole pages
+MB = 1 << 20
 
 
 def die_with_the_rank(worker_id: int) -> None:
@@ -102,3 +111,136 @@ def is_ours(path: str, script: str) -> bool:
     except OSError:
         return False
     return stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022 and content == script
+
+
+# ----------------------------------------------------------------------------- shared memory (/dev/shm)
+
+@dataclass(frozen=True)
+class WorkerBatches:
+    """What one rank's two loaders (training and validation, both with persistent workers) put in /dev/shm: each
+    batch a worker makes travels to the rank as a shared-memory file (torch's file_descriptor strategy)."""
+    batch: int          # train.batch_size
+    val_batch: int      # data.val_batch_size or train.batch_size
+    crop: int           # data.crop_size: both loaders deliver crop x crop uint8 pixels
+    workers: int        # per loader
+    prefetch: int       # data.prefetch: batches in flight per worker
+
+    def bytes_per_rank(self) -> int:
+        return loader_shm_bytes(self.batch, self.crop, self.workers, self.prefetch) + \
+            loader_shm_bytes(self.val_batch, self.crop, self.workers, self.prefetch)
+
+
+def pages(nbytes: int) -> int:
+    return -(-nbytes // PAGE) * PAGE
+
+
+def batch_shm_bytes(batch: int, crop: int) -> int:
+    """One batch in shared memory: its uint8 images (batch x 3 x crop x crop), labels and indices (int64), each a
+    file of whole pages."""
+    return pages(batch * 3 * crop * crop) + 2 * pages(8 * batch)
+
+
+def loader_shm_bytes(batch: int, crop: int, workers: int, prefetch: int) -> int:
+    """The most one loader holds at once: workers x prefetch batches in flight (torch keeps that many asked
+    for), the batch the rank is receiving and the one it still trains on."""
+    return (workers * prefetch + 2) * batch_shm_bytes(batch, crop)
+
+
+def shm_space(path: str = SHM_DIR) -> tuple[int, int] | None:
+    """(total, free) bytes of the shared-memory file system, or None where there is none to ask."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+
+
+def fitting_prefetch(batches: WorkerBatches, limit: int) -> int:
+    """The largest data.prefetch (>= 1) whose batches fit in ``limit`` bytes per rank, or 0."""
+    fits = [p for p in range(batches.prefetch - 1, 0, -1)
+            if WorkerBatches(batches.batch, batches.val_batch, batches.crop, batches.workers, p).bytes_per_rank()
+            <= limit]
+    return fits[0] if fits else 0
+
+
+def shm_fixes(batches: WorkerBatches, local_size: int, limit: int, workers_set: bool) -> str:
+    """The fixes for a /dev/shm too small for the loaders: a larger one (containers), fewer batches in flight
+    when some data.prefetch fits in ``limit`` bytes per rank, or no worker processes (data.in_process)."""
+    size_gb = max(1, -(-batches.bytes_per_rank() * local_size * 5 // 4 // (1 << 30)))   # 25 % to spare
+    prefetch = fitting_prefetch(batches, limit)
+    return (f"start the container with --shm-size={size_gb}g or more (docker run; or --ipc=host; Kubernetes: a "
+            f"memory emptyDir at /dev/shm)"
+            + (f", or lower data.prefetch to {prefetch}" if prefetch else "")
+            + ", or decode in the rank's own process with data.in_process=true (slower: no loader workers"
+            + ("; drop data.workers)" if workers_set else ")"))
+
+
+def shm_refusal(batches: WorkerBatches, local_size: int, space: tuple[int, int] | None, workers_set: bool) -> str:
+    """'' when this node's ranks' loader batches fit in /dev/shm, else the one line. ``space``: (total, free)
+    bytes. Refused when the node's ``local_size`` ranks need more than /dev/shm holds, or this rank alone more
+    than is free now (the node's other ranks may be starting their workers at this moment, so free space is
+    not divided among them)."""
+    if space is None:
+        return ""
+    total, free = space
+    rank_need = batches.bytes_per_rank()
+    node_need = rank_need * local_size
+    if node_need <= total and rank_need <= free:
+        return ""
+    ranks = f"this node's {local_size} ranks need" if local_size > 1 else "this rank needs"
+    return (f"{SHM_DIR} is too small for the loader workers: {total / MB:.0f} MB ({free / MB:.0f} MB free), and "
+            f"{ranks} about {node_need / MB:.0f} MB for their batches in flight (data.workers={batches.workers} "
+            f"x data.prefetch={batches.prefetch} + 2 batches of {batches.batch} x {batches.crop}x{batches.crop} "
+            f"pixels, per loader): {shm_fixes(batches, local_size, min(free, total // local_size), workers_set)}")
+
+
+def check_shared_memory(batches: WorkerBatches, local_size: int, workers_set: bool) -> None:
+    """Refuse, in one line, loader workers whose batches cannot fit in /dev/shm (a container started without
+    --shm-size has 64 MB), before any worker starts: otherwise every worker prints a traceback and the job
+    stops or hangs. A refusal, not a silent fall-back to in-process loading, which would train at a fraction
+    of the speed asked for."""
+    line = shm_refusal(batches, local_size, shm_space(), workers_set)
+    if line:
+        raise UserError(line, same_on_all_ranks=False)
+
+
+# what torch says when a worker's batch finds /dev/shm full: "unable to allocate shared memory(shm) for file
+# </torch_...>: No space left on device" (2.13; "unable to write to file </torch_..." in 2.3), or, where the
+# kernel signals the write, "DataLoader worker (pid N) is killed by signal: Bus error ... out of shared memory"
+SHM_FULL_WORDS = ("shared memory(shm)", "</torch_", "out of shared memory", "Bus error")
+
+
+def shared_memory_failure(error: BaseException) -> str:
+    """The one line for a loader worker that failed because /dev/shm is full, else ''."""
+    text = str(error)
+    if not any(word in text for word in SHM_FULL_WORDS):
+        return ""
+    if "No space left" not in text and "Bus error" not in text:
+        return ""
+    space = shm_space()
+    size = f" ({space[0] / MB:.0f} MB, {space[1] / MB:.0f} MB free now)" if space else ""
+    return (f"{SHM_DIR}{size} ran out of space while a loader worker passed a batch to this rank: start the "
+            f"container with a larger --shm-size (docker run; or --ipc=host), lower data.prefetch or data.workers, "
+            f"or decode in the rank's own process with data.in_process=true (slower: no loader workers)")
+
+
+class SharedMemoryErrors:
+    """A loader's iterator whose /dev/shm failures (:func:`shared_memory_failure`) are this rank's one line."""
+
+    def __init__(self, iterator):
+        self.iterator = iterator
+
+    def __iter__(self):
+        return self
+
+    def __len__(self) -> int:
+        return len(self.iterator)
+
+    def __next__(self):
+        try:
+            return next(self.iterator)
+        except RuntimeError as exc:
+            line = shared_memory_failure(exc)
+            if line:
+                raise UserError(line, same_on_all_ranks=False) from None
+            raise

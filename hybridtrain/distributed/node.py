@@ -130,6 +130,77 @@ def parse_smi(text: str) -> tuple[list, str]:
     return caps, driver
 
 
+SMI_TIMED_OUT = 124   # install.sh's exit status for an nvidia-smi that did not answer within its time limit
+
+
+def smi_failure(text: str, status: int, timeout_s: str = "20", gpus: str = "") -> str:
+    """The one line for an ``nvidia-smi`` that cannot say what this node has, else ''. ``text``: what the
+    compute_cap/driver query printed (stdout and stderr); ``status``: its exit status (SMI_TIMED_OUT: killed after
+    ``timeout_s`` seconds); ``gpus``: HYBRIDTRAIN_GPUS (nvidia-smi -i). Every fix named here works with
+    nvidia-smi: CUDA_VISIBLE_DEVICES does not change what it lists, HYBRIDTRAIN_GPUS does."""
+    first = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    others = "or install on another GPU node of this kind (the venv works on all of them)"
+    if status == SMI_TIMED_OUT:
+        return (f"nvidia-smi did not answer within {timeout_s} s: the NVIDIA driver on this node hangs (a GPU in an "
+                f"error state: dmesg shows its Xid; or a driver still loading): have the node drained or rebooted, "
+                f"{others}; where nvidia-smi is only slow (many GPUs, no persistence mode), raise "
+                f"HYBRIDTRAIN_SMI_TIMEOUT (now {timeout_s})")
+    caps, driver = parse_smi(text)
+    if "Driver/library version mismatch" in text:
+        return (f"nvidia-smi: '{first}': the NVIDIA driver was updated and this node still runs the old kernel "
+                f"module: reboot the node (or have the admins reload the nvidia modules), {others}")
+    if "No devices were found" in text:
+        if gpus:
+            return (f"nvidia-smi -i {gpus}: 'No devices were found': HYBRIDTRAIN_GPUS={gpus} names GPUs that "
+                    f"nvidia-smi does not list: use indices from 'nvidia-smi -L', or unset it")
+        return ("nvidia-smi finds no GPU ('No devices were found'): this job or container was given none: in a "
+                "Slurm job ask for them (srun --gpus=N, or --gres=gpu:N), in a container pass them (docker run "
+                "--gpus all, apptainer --nv); for an install without GPUs here, HYBRIDTRAIN_GPUS=none")
+    if not caps and not driver and (status != 0 or first):
+        return (f"nvidia-smi failed (exit {status}): '{first or 'no output'}': the NVIDIA driver does not answer on "
+                f"this node: have it fixed (ask the admins), {others}; for an install without GPUs here, "
+                f"HYBRIDTRAIN_GPUS=none")
+    if driver and not driver_ok(driver, "12.0"):
+        return ""   # too old to report compute_cap: choose() names the driver upgrade
+    broken = broken_gpus(text, gpus)
+    if broken:
+        index, line = broken[0]
+        healthy = [i for i in smi_indices(text, gpus) if i not in {b[0] for b in broken}]
+        state = ("ERR!: the GPU is in an error state" if "ERR!" in line else
+                 "the driver cannot read its compute capability" if fields_na(line) else "not a GPU's values")
+        more = f"; {len(broken) - 1} more GPU(s) too" if broken[1:] else ""
+        return (f"nvidia-smi reports GPU {index} as '{line}' ({state}{more}): the GPU has failed (dmesg shows its "
+                f"Xid): have it reset (nvidia-smi -r -i {index}, as root) or "
+                f"the node rebooted" + (f", or plan for the healthy GPUs only: HYBRIDTRAIN_GPUS={','.join(healthy)}"
+                                        if healthy else f", {others}"))
+    return ""
+
+
+def fields_na(line: str) -> bool:
+    return "N/A" in line or "Unknown Error" in line
+
+
+def smi_indices(text: str, gpus: str = "") -> list[str]:
+    """nvidia-smi's index of each GPU line of the query (lines in index order; with -i, the listed ones)."""
+    rows = [line for line in text.splitlines() if line.count(",") >= 1]
+    listed = [g.strip() for g in gpus.split(",") if g.strip()] if gpus else []
+    return listed if len(listed) == len(rows) else [str(i) for i in range(len(rows))]
+
+
+def broken_gpus(text: str, gpus: str = "") -> list[tuple[str, str]]:
+    """(nvidia-smi index, its line) of each GPU whose compute capability or driver field is not a value: 'ERR!'
+    (the GPU is in an error state) or '[N/A]'/'[Unknown Error]' on a driver new enough to report it."""
+    rows = [line.strip() for line in text.splitlines() if line.count(",") >= 1]
+    bad = []
+    for index, line in zip(smi_indices(text, gpus), rows):
+        fields = [f.strip() for f in line.split(",")]
+        if fields[0] == "-":   # install.sh's driver-only fallback line
+            continue
+        if not (re.fullmatch(r"\d+\.\d+", fields[0]) and re.fullmatch(r"\d+(\.\d+)+", fields[1])):
+            bad.append((index, line))
+    return bad
+
+
 # ----------------------------------------------------------------------------- kernels and drivers
 
 def kernels_for(cap: tuple, archs) -> str:
@@ -231,13 +302,18 @@ def refusal_for(caps: list, driver: str, torch_version: str, builds: list[Build]
             return (f"torch {torch_version} has no build with kernels for {generation(old)} (its CUDA 13 builds "
                     f"start at sm_75, and PyTorch stopped the CUDA 12.6 build after 2.14): install with "
                     f"HYBRIDTRAIN_TORCH=2.14.1 (its CUDA 12.6 build), see docs/hardware.md")
-        return (f"torch {torch_version} has no build with kernels for {generation(old)}: use HYBRIDTRAIN_TORCH="
-                f"{PINNED_TORCH}, or HYBRIDTRAIN_TORCH_INDEX with a build for it")
+        pinned_fits = torch_version != PINNED_TORCH and any(kernels_for(old, b.archs)
+                                                            for b in builds_for(PINNED_TORCH))
+        return (f"torch {torch_version} has no build with kernels for {generation(old)}: "
+                + (f"leave HYBRIDTRAIN_TORCH unset for torch {PINNED_TORCH}, which has, or " if pinned_fits else "")
+                + "install with HYBRIDTRAIN_TORCH=system from a Python whose torch has kernels for it (e.g. a "
+                  "vendor image's), or HYBRIDTRAIN_TORCH_INDEX with such a build")
     fitting_kernels = [b for b in builds if all(kernels_for(c, b.archs) for c in caps)]
     if not fitting_kernels:
         return (f"no single torch {torch_version} build has kernels for every GPU of this node ({node}): the "
-                f"CUDA 13 build starts at sm_75 and the CUDA 12 build stops at sm_90; give the job GPUs of one "
-                f"kind (CUDA_VISIBLE_DEVICES)")
+                f"CUDA 13 build starts at sm_75 and the CUDA 12 build stops at sm_90; install for the GPUs of one "
+                f"kind, HYBRIDTRAIN_GPUS=<their indices in nvidia-smi -L>, and train on those "
+                f"(CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=<the same indices>)")
     need = min(b.min_driver for b in fitting_kernels)
     return (f"the NVIDIA driver {driver or '(unknown)'} is older than r{need[0]} ({driver_name(need)}), which "
             f"the torch {torch_version} build for {node.split(' with ')[0]} needs (CUDA "
@@ -559,7 +635,8 @@ def int_or_zero(text: str) -> int:
 
 
 def main(argv: list[str]) -> int:
-    """``plan``: read nvidia-smi's CSV from stdin, the settings from the environment (HYBRIDTRAIN_TORCH,
+    """``plan``: read nvidia-smi's CSV from stdin (its exit status in PLAN_SMI_STATUS: see :func:`smi_failure`),
+    the settings from the environment (HYBRIDTRAIN_TORCH, HYBRIDTRAIN_GPUS, HYBRIDTRAIN_SMI_TIMEOUT,
     HYBRIDTRAIN_TORCH_INDEX, DALI_CUDA_MAJOR, HOROVOD_GPU_OPERATIONS, and for HYBRIDTRAIN_TORCH=system
     PLAN_SYSTEM_TORCH, what ``probe-torch`` printed: 'version cuda [driver_api cuinit torchvision]'); print PLAN_*
     shell assignments. ``probe-torch``: see :func:`probe_torch`. ``check-torch VERSION``: the refusal line, if
@@ -575,7 +652,14 @@ def main(argv: list[str]) -> int:
         print("usage: python -m hybridtrain.distributed.node plan < nvidia-smi.csv | probe-torch | check-torch VERSION",
               file=sys.stderr)
         return 2
-    caps, driver = parse_smi(sys.stdin.read())
+    smi = sys.stdin.read()
+    gpus = os.environ.get("HYBRIDTRAIN_GPUS", "")
+    failure = "" if gpus == "none" else smi_failure(smi, int_or_zero(os.environ.get("PLAN_SMI_STATUS", "0")),
+                                                    os.environ.get("HYBRIDTRAIN_SMI_TIMEOUT") or "20", gpus)
+    if failure:
+        sys.stdout.write(shell_assignments(Plan(error=failure)))
+        return 0
+    caps, driver = parse_smi(smi)
     mode = os.environ.get("HYBRIDTRAIN_TORCH", "pinned") or "pinned"
     ops = os.environ.get("HOROVOD_GPU_OPERATIONS")
     kwargs = {"index": os.environ.get("HYBRIDTRAIN_TORCH_INDEX", ""), "dali": os.environ.get("DALI_CUDA_MAJOR", ""),
@@ -599,6 +683,9 @@ def main(argv: list[str]) -> int:
             plan.cuda = ""
     else:
         plan = choose(caps, driver, PINNED_TORCH if mode == "pinned" else mode, **kwargs)
+    if gpus and plan.lines and plan.lines[0].startswith("node: "):
+        plan.lines[0] += (" (HYBRIDTRAIN_GPUS=none: nvidia-smi not asked)" if gpus == "none" else
+                          f" (HYBRIDTRAIN_GPUS={gpus}: nvidia-smi -i {gpus})")
     wheelhouse = os.environ.get("HYBRIDTRAIN_WHEELHOUSE", "")
     if wheelhouse:  # offline: every wheel comes from there, no index is asked
         plan.lines = [f"download: none: torch and torchvision come from HYBRIDTRAIN_WHEELHOUSE={wheelhouse}, which "
