@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import os
-import socket
 import time
 from dataclasses import dataclass, field
 
@@ -35,8 +33,15 @@ from hybridtrain.engine import checkpoint
 from hybridtrain.engine.epoch import EpochPosition, EpochProgress
 from hybridtrain.engine.loop import end_epoch, finish, run_epoch
 from hybridtrain.engine.metrics_file import truncate_metrics
-from hybridtrain.engine.records import log_setup
-from hybridtrain.engine.resume import checkpoint_state, resume_state
+from hybridtrain.engine.records import SampleAudit, audit_path, log_setup
+from hybridtrain.engine.resume import (
+    carried_progress,
+    checkpoint_state,
+    consumed_samples,
+    resume_state,
+    step_in_epoch,
+    stopped_layout,
+)
 from hybridtrain.engine.telemetry import log, tensorboard_writer
 from hybridtrain.engine.trainer import Trainer, build_trainer
 from hybridtrain.errors import UserError
@@ -120,43 +125,6 @@ class ElasticState(import_elastic_state()):
         self.save()
 
 
-class SampleAudit:
-    """The sample indices of every batch this rank trained on; written at each commit, so only committed steps
-    appear (``elastic.audit_samples``). One JSON line per commit: epoch, ranks, rank, samples."""
-
-    def __init__(self, loader, path: str | None):
-        self.loader, self.path, self.pending = loader, path, []
-
-    @property
-    def batch_sampler(self):
-        return self.loader.batch_sampler
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def __iter__(self):
-        for batch in self.loader:
-            if self.path and isinstance(batch, tuple):
-                self.pending.extend(batch[2].tolist())
-            yield batch
-
-    def write(self, epoch: int, topo) -> None:
-        if not self.path:
-            return
-        with open(self.path, "a") as fh:
-            fh.write(json.dumps({"epoch": epoch + 1, "ranks": topo.size, "rank": topo.rank,
-                                 "samples": self.pending}) + "\n")
-        self.pending = []
-
-
-def audit_path(cfg: Config) -> str | None:
-    if not cfg.elastic.audit_samples:
-        return None
-    folder = os.path.join(cfg.run_dir, "samples")
-    os.makedirs(folder, exist_ok=True)
-    return os.path.join(folder, f"{socket.gethostname()}-{os.getpid()}.jsonl")
-
-
 def fit_to_ranks(cfg: Config, t: Trainer) -> None:
     """What depends on the number of ranks, for the job Horovod formed last: loaders (shards), steps per epoch
     and the schedule's N."""
@@ -170,7 +138,7 @@ def fit_to_ranks(cfg: Config, t: Trainer) -> None:
         raise UserError(f"train.accumulation_steps={t.k} is more than the {t.data.steps_per_epoch} batches per "
                         f"epoch on {t.topo.size} ranks: lower it, or train.batch_size")
     t.bundle.schedule = create_schedule(cfg, t.topo.size * t.k, t.updates)  # N = ranks x k, as at the start
-    t.data.train = SampleAudit(t.data.train, audit_path(cfg))
+    t.audit = SampleAudit(audit_path(cfg))  # a rolled-back segment's samples were never committed: dropped
 
 
 def on_reset(cfg: Config, state: ElasticState) -> None:
@@ -200,14 +168,16 @@ def start_run(cfg: Config, state: ElasticState, resume: str | None) -> None:
 
 def restore_position(cfg: Config, t: Trainer, loaded: dict, pos: Position) -> None:
     """A checkpoint into the trainer and the position. A preempted static run's mid-epoch checkpoint resumes
-    on any number of ranks: its ranks' passes are turned into samples consumed."""
+    on any number of ranks and any batch: its samples consumed (resume.consumed_samples, with the layout it
+    stopped on) are the position."""
     checkpoint.restore(loaded, t.model, t.bundle.optimizer)
     t.precision.scaler.load_state_dict(loaded["scaler"])
     pos.epoch, pos.elapsed_s = loaded["epoch"] + 1, loaded.get("elapsed_s", 0.0)
     partial = loaded.get("partial")
     if partial:
         ranks = [r["progress"] for r in partial["ranks"]]
-        pos.consumed = ranks[0]["passes"] * len(ranks) * cfg.train.batch_size
+        pos.consumed = partial.get("samples", consumed_samples(partial.get("start", 0), ranks[0]["passes"],
+                                                               *stopped_layout(loaded)))
         pos.totals = [sum(r[key] for r in ranks) for key in ("loss_sum", "correct", "seen")]
         pos.train_time_s = max(r["train_time_s"] for r in ranks)
         pos.skipped_steps = ranks[0]["skipped_steps"]
@@ -234,24 +204,16 @@ class Committer:
         totals = distributed.allreduce_sum(torch.tensor([done.loss_sum, done.correct, done.seen],
                                                         dtype=torch.float64), "elastic_totals")
         pos.totals = totals.tolist()
-        pos.consumed = self.segment_start + done.passes * t.topo.size * self.batch_size
+        pos.consumed = consumed_samples(self.segment_start, done.passes, t.topo.size, self.batch_size)
         pos.train_time_s, pos.skipped_steps = done.train_time_s, done.skipped_steps
         pos.elapsed_s = time.perf_counter() - self.run_start
-        t.data.train.write(pos.epoch, t.topo)
+        t.audit.write(pos.epoch, t.topo)
         state.commit()
 
 
-def step_in_epoch(consumed: int, world_size: int, batch_size: int, accumulation_steps: int) -> int:
-    """The optimizer step of the epoch where a segment starts: consumed samples / the current global batch
-    (rounded down), so the schedule keeps its place in epochs when N changes."""
-    return consumed // (world_size * batch_size * accumulation_steps)
-
-
 def segment_base(pos: Position, topo) -> EpochProgress:
-    """The epoch's totals so far as this rank's starting point: rank 0 carries them (the epoch's sums are
-    all-reduced), every rank carries the time and the skipped steps."""
-    sums = pos.totals if topo.is_root else [0.0, 0.0, 0.0]
-    return EpochProgress(0, *sums, pos.train_time_s, pos.skipped_steps)
+    """The epoch's totals so far as this rank's starting point (resume.carried_progress)."""
+    return carried_progress(pos.totals, pos.train_time_s, pos.skipped_steps, topo.is_root)
 
 
 def train_elastic(state: ElasticState, cfg: Config, resume: str | None) -> dict | None:
@@ -278,7 +240,7 @@ def train_elastic(state: ElasticState, cfg: Config, resume: str | None) -> dict 
             checkpoint.save_checkpoint(save_state(cfg, state, record), cfg.run_dir, pos.epoch + 1,
                                        cfg.train.keep_checkpoints)
         end_epoch(cfg, t, pos.epoch, result, epoch_start, run_start, [], board, save)
-        t.data.train.write(pos.epoch, t.topo)
+        t.audit.write(pos.epoch, t.topo)
         state.position = Position(epoch=pos.epoch + 1, elapsed_s=time.perf_counter() - run_start, started=True)
         state.commit()
     return finish(cfg, t, board)
@@ -295,7 +257,7 @@ def run_elastic(cfg: Config, resume: str | None = None) -> dict | None:
     hvd = horovod.import_horovod()
     t = build_trainer(cfg, distributed.init(cfg.train.threads, cfg.horovod, elastic=True,
                                           device=cfg.train.device, engine="horovod"))
-    t.data.train = SampleAudit(t.data.train, audit_path(cfg))
+    t.audit = SampleAudit(audit_path(cfg))
     state = ElasticState(t, Position())
     state.register_reset_callbacks([lambda: on_reset(cfg, state)])
     return hvd.elastic.run(train_elastic)(state, cfg, resume)

@@ -1,6 +1,7 @@
 """One training epoch (with gradient accumulation and per-rank loss weights) and one evaluation pass."""
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ import torch
 from hybridtrain.data.loaders import to_device
 from hybridtrain.distributed import collectives as distributed
 from hybridtrain.engine.step import classification_loss, train_step
+from hybridtrain.engine.watchdog import local_work
 from hybridtrain.errors import UserError
 from hybridtrain.models.batchnorm import RunningStatsGuard
 from hybridtrain.optim import optimizer_spec
@@ -58,6 +60,7 @@ class EpochHooks:
     progress: object = None  # .update(loss_sum, seen, passes) after every pass (telemetry.ProgressBar)
     stop_after_step: Callable | None = None  # (snapshot) -> bool, asked after every step on every rank
     warmup: int = 0  # the first steps timed apart (warmup_steps)
+    compile_steps: int = 0  # the first steps run as local work for the stall watchdog (compile, autotuning)
 
 
 @dataclass
@@ -94,6 +97,23 @@ def warmup_steps(compiles: bool, updates_per_epoch: int, steps: int = 3) -> int:
     return steps if compiles and updates_per_epoch >= 2 * steps else 0
 
 
+def compile_steps(compiles: bool, warmup: int) -> int:
+    """The first steps of an epoch that may compile, capture or autotune for longer than the stall limit: the
+    warmup steps, at least the first, when the epoch compiles (`compiles_in_epoch`); else none."""
+    return max(warmup, 1) if compiles else 0
+
+
+def first_batch_as_local_work(batches):
+    """``batches``, the first drawn as local work for the stall watchdog: the loader's start of an epoch (DALI
+    builds its pipeline, workers fill their queues) may outlast the stall limit."""
+    batches = iter(batches)
+    with local_work("the epoch's first batch"):
+        first = next(batches, None)
+    if first is not None:
+        yield first
+        yield from batches
+
+
 def train_one_epoch(t: Trainer, position: EpochPosition, hooks: EpochHooks) -> EpochResult:
     """``t.updates`` optimizer steps of ``t.k`` passes each, from ``position`` (EpochPosition says how a stopped
     epoch or an elastic segment continues exactly); one all-reduce per step. Left-over batches that cannot fill a
@@ -112,12 +132,14 @@ def train_one_epoch(t: Trainer, position: EpochPosition, hooks: EpochHooks) -> E
     began = time.perf_counter() - done.train_time_s
     warmup_end = done.passes // k + hooks.warmup if hooks.warmup else -1  # steps timed apart: compile, autotune
     warmup_time, warmup_seen = 0.0, torch.zeros((), dtype=torch.float64, device=device)
-    batches = itertools.islice(t.data.train, steps * k)  # no batch is drawn beyond the last pass
+    batches = first_batch_as_local_work(itertools.islice(t.data.train, steps * k))  # none beyond the last pass
     for _ in itertools.islice(batches, done.passes):  # drawn again and skipped: data and augmentation continue
         pass
 
     def micro_batches():
         for batch in itertools.islice(batches, k):
+            if t.audit is not None:
+                t.audit.record(batch)
             images, labels = to_device(batch, device, precision.policy.input_dtype)
             yield images, labels, micro_batch_weight(labels.numel(), t.batch_size, k)
 
@@ -131,9 +153,11 @@ def train_one_epoch(t: Trainer, position: EpochPosition, hooks: EpochHooks) -> E
             hooks.progress.update(loss_sum, seen, passes_done)
 
     passes_done = done.passes
+    compiling_end = done.passes // k + hooks.compile_steps
     for i in range(done.passes // k, steps):
         t.bundle.apply_schedule(position.epoch * t.updates + position.first_step + i)
-        train_step(t.step, t.bundle.optimizer, precision, micro_batches(), on_pass=record, bn_guard=bn_guard)
+        with local_work("a compiling step") if i < compiling_end else contextlib.nullcontext():
+            train_step(t.step, t.bundle.optimizer, precision, micro_batches(), on_pass=record, bn_guard=bn_guard)
         if i + 1 == warmup_end:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -162,23 +186,8 @@ def evaluate(model, loader, policy: Policy, tag: str) -> EvalResult:
     model.eval()
     device = next(model.parameters()).device
     sums = torch.zeros(5, dtype=torch.float64, device=device)  # loss, top1, top5, count, failed
-    failure = ""
-    batches = iter(loader)
-    while True:
-        try:
-            batch = next(batches, None)
-            if batch is None:
-                break
-            images, labels = to_device(batch, device, policy.input_dtype)
-        except UserError as exc:
-            failure, sums[4] = str(exc), 1
-            break
-        with forward_context(policy, device):
-            logits = model(images)
-        loss = classification_loss(logits, labels, reduction="sum")
-        top1, top5 = topk_correct(logits, labels)
-        sums[:3] += torch.stack([loss.double(), top1.double(), top5.double()])
-        sums[3] += labels.numel()  # a scalar argument: no host-to-device copy
+    with local_work("validation"):  # the pass may outlast the stall limit; the wait for the peers' sums may not
+        failure = evaluate_shard(model, loader, policy, sums)
     sums = distributed.allreduce_sum(sums.cpu(), f"eval_totals.{tag}")
     if sums[4] > 0:
         raise UserError(first_failure(failure, tag))
@@ -186,6 +195,27 @@ def evaluate(model, loader, policy: Policy, tag: str) -> EvalResult:
     if count == 0:
         raise UserError("the validation set yielded no readable images: check data.path/val")
     return EvalResult(float(sums[0] / count), float(sums[1] / count), float(sums[2] / count), count)
+
+
+def evaluate_shard(model, loader, policy: Policy, sums: torch.Tensor) -> str:
+    """This rank's sums (loss, top1, top5, count, failed) into ``sums``; the unreadable file's line, or ""."""
+    device = sums.device
+    batches = iter(loader)
+    while True:
+        try:
+            batch = next(batches, None)
+            if batch is None:
+                return ""
+            images, labels = to_device(batch, device, policy.input_dtype)
+        except UserError as exc:
+            sums[4] = 1
+            return str(exc)
+        with forward_context(policy, device):
+            logits = model(images)
+        loss = classification_loss(logits, labels, reduction="sum")
+        top1, top5 = topk_correct(logits, labels)
+        sums[:3] += torch.stack([loss.double(), top1.double(), top5.double()])
+        sums[3] += labels.numel()  # a scalar argument: no host-to-device copy
 
 
 def first_failure(mine: str, tag: str) -> str:

@@ -16,7 +16,7 @@ from hybridtrain.engine import checkpoint, rundir
 from hybridtrain.engine.epoch import (
     EpochHooks,
     EpochPosition,
-    EpochProgress,
+    compile_steps,
     compiles_in_epoch,
     evaluate,
     train_one_epoch,
@@ -25,11 +25,18 @@ from hybridtrain.engine.epoch import (
 from hybridtrain.engine.memory import reset_peak_memory
 from hybridtrain.engine.metrics_file import truncate_metrics
 from hybridtrain.engine.preemption import PreemptionWatch, steps_between_checks
-from hybridtrain.engine.records import log_setup, record_epoch, training_record, with_validation
+from hybridtrain.engine.records import (
+    SampleAudit,
+    audit_path,
+    log_setup,
+    record_epoch,
+    training_record,
+    with_validation,
+)
 from hybridtrain.engine.resume import checkpoint_state, restore, resume_state, save_stopped_epoch
 from hybridtrain.engine.telemetry import ProgressBar, log, tensorboard_writer
 from hybridtrain.engine.trainer import Trainer, build_trainer
-from hybridtrain.engine.watchdog import StallWatchdog
+from hybridtrain.engine.watchdog import StallWatchdog, root_writes
 from hybridtrain.errors import PeerFailure, UserError, is_peer_failure
 from hybridtrain.models.batchnorm import average_running_statistics
 
@@ -95,12 +102,11 @@ def run_training(cfg: Config, resume: str | None = None, move_aside: bool = Fals
 def end_epoch(cfg: Config, t: Trainer, epoch: int, result, epoch_start: float, run_start: float, history: list,
               board, save) -> dict:
     """The one end-of-epoch path of the static and the elastic loop: BN statistics averaged over the ranks ->
-    the checkpoint (rank 0, ``save(record)``), so a failing validation loses no training -> validation -> the
-    record in metrics.jsonl, TensorBoard and the log."""
+    the checkpoint (rank 0, ``save(record)``; local work for the watchdog on every rank), so a failing validation
+    loses no training -> validation -> the record in metrics.jsonl, TensorBoard and the log."""
     average_running_statistics(t.model, cfg.bn.combine)
     record = training_record(t, epoch, result, epoch_start, run_start)
-    if t.topo.is_root:
-        save(record)
+    root_writes(t.topo, lambda: save(record))
     try:
         ev = evaluate(t.model, t.data.val, t.precision.policy, tag=str(epoch))
     except UserError as exc:
@@ -125,13 +131,12 @@ def train_epochs(cfg: Config, t: Trainer, watch: PreemptionWatch, resume: str | 
                  owner: rundir.RunDir | None = None) -> dict | None:
     topo = t.topo
     metrics_path = os.path.join(cfg.run_dir, "metrics.jsonl")
-    start_epoch, history, elapsed_before, progress = 0, [], 0.0, None
+    start_epoch, history, elapsed_before, resumed = 0, [], 0.0, None
     state = resume_state(cfg, topo, required=resume == "required") if resume else None
     if state:
-        progress = restore(t, state)
+        resumed = restore(t, state, cfg.data.backend)
         start_epoch, elapsed_before = state["epoch"] + 1, state.get("elapsed_s", 0.0)
-        where = f"step {progress.passes // t.k} of epoch {start_epoch + 1}" if progress else f"epoch {start_epoch}"
-        log(topo, f"hybridtrain: resumed from {where} in {cfg.run_dir}")
+        log(topo, f"hybridtrain: resumed from {resumed_at(resumed, t, start_epoch)} in {cfg.run_dir}")
     else:
         distributed.broadcast_model(t.model)
         t.bundle.optimizer.load_state_dict(distributed.broadcast_object(t.bundle.optimizer.state_dict(), "optim_init"))
@@ -144,11 +149,22 @@ def train_epochs(cfg: Config, t: Trainer, watch: PreemptionWatch, resume: str | 
     board = tensorboard_writer(cfg) if topo.is_root else None
     if state:
         complete_pending_record(cfg, t, state, history, board)
+    t.audit = SampleAudit(audit_path(cfg))
     watchdog = StallWatchdog(cfg.horovod.stall_warning_s, cfg.horovod.stall_shutdown_s, topo.rank)
     try:
-        return train_epoch_range(cfg, t, watch, watchdog, start_epoch, progress, run_start, history, board, owner)
+        return train_epoch_range(cfg, t, watch, watchdog, start_epoch, resumed, run_start, history, board, owner)
     finally:
         watchdog.close()
+
+
+def resumed_at(position: EpochPosition | None, t: Trainer, start_epoch: int) -> str:
+    """Where a resumed run continues, for its log line."""
+    if position is None:
+        return f"epoch {start_epoch}"
+    if position.resume.passes:  # the layout it stopped on: every rank continues its own batches
+        return f"step {position.first_step + position.resume.passes // t.k} of epoch {position.epoch + 1}"
+    return (f"sample {position.start} of epoch {position.epoch + 1}'s permutation (another layout: the rest in global "
+            f"batches of {t.topo.size} x {t.batch_size})")
 
 
 def run_epoch(cfg: Config, t: Trainer, position: EpochPosition, first_of_process: bool, after_step):
@@ -157,15 +173,16 @@ def run_epoch(cfg: Config, t: Trainer, position: EpochPosition, first_of_process
     bar = ProgressBar(t.updates * t.k, position.epoch, cfg.train.epochs, t.topo.size) \
         if t.topo.is_root and cfg.train.progress else None
     reset_peak_memory(t.topo.device)
-    warmup = warmup_steps(compiles_in_epoch(position.epoch, first_of_process, cfg.optim), t.updates)
-    result = train_one_epoch(t, position, EpochHooks(bar, after_step, warmup))
+    compiles = compiles_in_epoch(position.epoch, first_of_process, cfg.optim)
+    warmup = warmup_steps(compiles, t.updates)
+    result = train_one_epoch(t, position, EpochHooks(bar, after_step, warmup, compile_steps(compiles, warmup)))
     if bar:
         bar.close()
     return result
 
 
 def train_epoch_range(cfg: Config, t: Trainer, watch: PreemptionWatch, watchdog: StallWatchdog, start_epoch: int,
-                      progress: EpochProgress | None, run_start: float, history: list, board,
+                      resumed: EpochPosition | None, run_start: float, history: list, board,
                       owner: rundir.RunDir | None) -> dict | None:
     """Epochs ``start_epoch`` to the end, each followed by the end-of-epoch path; a SIGTERM stops after a step."""
     topo = t.topo
@@ -175,16 +192,18 @@ def train_epoch_range(cfg: Config, t: Trainer, watch: PreemptionWatch, watchdog:
         return watch.after_step(snapshot)
     for epoch in range(start_epoch, cfg.train.epochs):
         epoch_start = time.perf_counter()
-        position = EpochPosition(epoch, resume=progress if epoch == start_epoch else None)
+        position = resumed if resumed and epoch == start_epoch else EpochPosition(epoch)
         result = run_epoch(cfg, t, position, epoch == start_epoch, after_step)
         if result.stopped:
             watch.close()
-            save_stopped_epoch(cfg, t, epoch, result.stopped, time.perf_counter() - run_start)
+            t.audit.write(epoch, topo)
+            save_stopped_epoch(cfg, t, position, result.stopped, time.perf_counter() - run_start)
             return None
         def save(record, epoch=epoch):
             checkpoint.save_checkpoint(checkpoint_state(cfg, t, epoch, time.perf_counter() - run_start, record),
                                        cfg.run_dir, epoch + 1, cfg.train.keep_checkpoints, owner=owner)
         watchdog.beat()
+        t.audit.write(epoch, topo)
         end_epoch(cfg, t, epoch, result, epoch_start, run_start, history, board, save)
         watchdog.beat()
         if epoch + 1 < cfg.train.epochs and watch.agreed_now():

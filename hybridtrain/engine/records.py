@@ -1,7 +1,9 @@
 """An epoch's record: what metrics.jsonl, TensorBoard and the log get, and the setup lines."""
 from __future__ import annotations
 
+import json
 import os
+import socket
 import time
 
 from hybridtrain.config import Config
@@ -68,3 +70,32 @@ def training_record(t: Trainer, epoch: int, result, epoch_start: float, run_star
             "device_memory_used_mb": max(columns["device_memory_used_mb"], default=None),
             "warmup_time_s": result.warmup_time_s, "warmup_samples": result.warmup_samples,
             "fp32_math": t.fp32_math, "compression": t.compression, "world_size": t.topo.size}
+
+
+class SampleAudit:
+    """The sample indices of every batch this rank trained on (``elastic.audit_samples``), written when they are
+    safe: at an epoch's end, at a SIGTERM's stop (its checkpoint holds them), and under --elastic at every commit
+    (a rolled-back step never appears). One JSON line per write: epoch, ranks, rank, samples."""
+
+    def __init__(self, path: str | None):
+        self.path, self.pending = path, []
+
+    def record(self, batch) -> None:
+        if self.path and isinstance(batch, tuple):
+            self.pending.extend(batch[2].tolist())
+
+    def write(self, epoch: int, topo) -> None:
+        if not self.path:
+            return
+        with open(self.path, "a") as fh:
+            fh.write(json.dumps({"epoch": epoch + 1, "ranks": topo.size, "rank": topo.rank,
+                                 "samples": self.pending}) + "\n")
+        self.pending = []
+
+
+def audit_path(cfg: Config) -> str | None:
+    if not cfg.elastic.audit_samples:
+        return None
+    folder = os.path.join(cfg.run_dir, "samples")
+    os.makedirs(folder, exist_ok=True)
+    return os.path.join(folder, f"{socket.gethostname()}-{os.getpid()}.jsonl")

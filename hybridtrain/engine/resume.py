@@ -8,9 +8,10 @@ import torch
 from hybridtrain.config import Config
 from hybridtrain.distributed import collectives as distributed
 from hybridtrain.engine import checkpoint
-from hybridtrain.engine.epoch import EpochProgress
+from hybridtrain.engine.epoch import EpochPosition, EpochProgress
 from hybridtrain.engine.telemetry import log
 from hybridtrain.engine.trainer import Trainer
+from hybridtrain.engine.watchdog import root_writes
 from hybridtrain.errors import UserError
 from hybridtrain.models.batchnorm import average_running_statistics, running_buffers
 
@@ -36,20 +37,66 @@ def resume_state(cfg: Config, topo, required: bool = True) -> dict | None:
     return state
 
 
-def restore(t: Trainer, state: dict) -> EpochProgress | None:
-    """Load a checkpoint into the trainer; a mid-epoch one also gives this rank's place in its epoch."""
+def restore(t: Trainer, state: dict, backend: str) -> EpochPosition | None:
+    """Load a checkpoint into the trainer; a mid-epoch one also gives where its epoch continues. On the layout it
+    stopped on (ranks, train.batch_size) every rank continues its own batches with its own BN buffers (bitwise);
+    on another layout the epoch continues by samples, as an elastic resize does (``position_by_samples``)."""
     checkpoint.restore(state, t.model, t.bundle.optimizer)
     if "scaler" in state:
         t.precision.scaler.load_state_dict(state["scaler"])
     partial = state.get("partial")
     if not partial:
         return None
-    if len(partial["ranks"]) != t.topo.size:
-        raise UserError(f"the newest checkpoint stopped mid-epoch on {len(partial['ranks'])} ranks: resume it on "
-                        f"{len(partial['ranks'])} ranks (this job has {t.topo.size})")
-    mine = partial["ranks"][t.topo.rank]
-    load_bn_buffers(t.model, mine["bn_buffers"])  # this rank's own, as before the stop (not the average)
-    return EpochProgress(**mine["progress"])
+    ranks, batch_size = stopped_layout(state)
+    start, first_step = partial.get("start", 0), partial.get("first_step", 0)
+    progress = [EpochProgress(**r["progress"]) for r in partial["ranks"]]
+    if (ranks, batch_size) == (t.topo.size, t.batch_size):
+        load_bn_buffers(t.model, partial["ranks"][t.topo.rank]["bn_buffers"])  # its own, not the average
+        return EpochPosition(partial["epoch"], progress[t.topo.rank], start, first_step)
+    consumed = partial.get("samples", consumed_samples(start, progress[0].passes, ranks, batch_size))
+    if backend.startswith("dali"):
+        raise UserError(f"the newest checkpoint stopped mid-epoch after {consumed} samples of epoch "
+                        f"{partial['epoch'] + 1} with train.batch_size={batch_size} on {ranks} rank(s), this job has "
+                        f"train.batch_size={t.batch_size} on {t.topo.size} rank(s), and data.backend={backend} "
+                        f"starts an epoch only at its beginning: resume with train.batch_size={batch_size} on "
+                        f"{ranks} rank(s), or with data.backend=torchvision")
+    totals = [sum(getattr(p, key) for p in progress) for key in ("loss_sum", "correct", "seen")]
+    return position_by_samples(partial["epoch"], consumed, totals, max(p.train_time_s for p in progress),
+                               progress[0].skipped_steps, t)
+
+
+def stopped_layout(state: dict) -> tuple[int, int]:
+    """(ranks, train.batch_size) of the run that wrote a mid-epoch checkpoint (older ones: its saved config's)."""
+    partial = state["partial"]
+    return len(partial["ranks"]), partial.get("batch_size", state["config"]["train"]["batch_size"])
+
+
+def consumed_samples(start: int, passes: int, world_size: int, batch_size: int) -> int:
+    """Samples of an epoch's permutation consumed after ``passes`` passes from sample ``start``: every pass takes
+    the next global batch, ``world_size * batch_size`` samples, however it is split between the ranks."""
+    return start + passes * world_size * batch_size
+
+
+def step_in_epoch(consumed: int, world_size: int, batch_size: int, accumulation_steps: int) -> int:
+    """The optimizer step of the epoch where a segment starts: consumed samples / the current global batch
+    (rounded down), so the schedule keeps its place in epochs when N changes."""
+    return consumed // (world_size * batch_size * accumulation_steps)
+
+
+def carried_progress(totals: list[float], train_time_s: float, skipped_steps: int, is_root: bool) -> EpochProgress:
+    """An epoch's totals so far as this rank's starting point: rank 0 carries the sums (the epoch's sums are
+    all-reduced), every rank the time and the skipped steps."""
+    sums = totals if is_root else [0.0, 0.0, 0.0]
+    return EpochProgress(0, *sums, train_time_s, skipped_steps)
+
+
+def position_by_samples(epoch: int, consumed: int, totals: list[float], train_time_s: float, skipped_steps: int,
+                        t: Trainer) -> EpochPosition:
+    """Epoch ``epoch`` continued at sample ``consumed`` of its permutation on this job's layout: the rest of the
+    permutation is cut into this job's global batches (``sharding.train_batches(start=...)``), so no sample is
+    trained twice or skipped; only the final remainder (less than one global batch) is left out, as always."""
+    return EpochPosition(epoch, carried_progress(totals, train_time_s, skipped_steps, t.topo.is_root), consumed,
+                         step_in_epoch(consumed, t.topo.size, t.batch_size, t.k))
 
 
 @torch.no_grad()
@@ -68,17 +115,23 @@ def checkpoint_state(cfg: Config, t: Trainer, completed_epoch: int, elapsed_s: f
             **({"pending_record": pending_record} if pending_record else {})}
 
 
-def save_stopped_epoch(cfg: Config, t: Trainer, epoch: int, stopped: EpochProgress, elapsed_s: float) -> None:
-    """A preempted epoch's checkpoint: the averaged model, plus every rank's own BN buffers and progress."""
+def save_stopped_epoch(cfg: Config, t: Trainer, position: EpochPosition, stopped: EpochProgress,
+                       elapsed_s: float) -> None:
+    """A preempted epoch's checkpoint: the averaged model, every rank's own BN buffers and progress, and the
+    layout and samples consumed, so that a resume on another layout continues by samples."""
     mine = {"bn_buffers": [buf.detach().cpu().clone() for buf in running_buffers(t.model)],
             "progress": dataclasses.asdict(stopped)}
     ranks = distributed.allgather_object(mine, "stopped_epoch")
     average_running_statistics(t.model, cfg.bn.combine)  # the checkpoint's model is the averaged one
-    if t.topo.is_root:
+
+    epoch, step = position.epoch, position.first_step + stopped.passes // t.k
+
+    def write():
         state = checkpoint_state(cfg, t, epoch - 1, elapsed_s)
-        state["partial"] = {"epoch": epoch, "ranks": ranks}
-        path = checkpoint.save_checkpoint(state, cfg.run_dir, epoch + 1, cfg.train.keep_checkpoints,
-                                          step=stopped.passes // t.k)
-        log(t.topo, f"hybridtrain: stopped on SIGTERM after step {stopped.passes // t.k} of epoch {epoch + 1}; "
+        state["partial"] = {"epoch": epoch, "ranks": ranks, "batch_size": t.batch_size, "start": position.start,
+                            "first_step": position.first_step,
+                            "samples": consumed_samples(position.start, stopped.passes, t.topo.size, t.batch_size)}
+        path = checkpoint.save_checkpoint(state, cfg.run_dir, epoch + 1, cfg.train.keep_checkpoints, step=step)
+        log(t.topo, f"hybridtrain: stopped on SIGTERM after step {step} of epoch {epoch + 1}; "
                     f"resumable from {path}: rerun the same command with --resume auto")
-    distributed.barrier()
+    root_writes(t.topo, write)

@@ -40,6 +40,7 @@ class Trainer:
     step: object  # forward and backward, eager, compiled or graphed (step.build_step)
     compression: str = "none"  # the gradient all-reduce's wire, resolved from horovod.compression
     fp32_math: str = "ieee"  # FP32 convolutions and matmuls: ieee or tf32
+    audit: object = None  # records.SampleAudit: the trained samples' indices (elastic.audit_samples)
 
 
 def build_trainer(cfg: Config, topo) -> Trainer:

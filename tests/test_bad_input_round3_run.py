@@ -1,0 +1,159 @@
+"""Issue 34, classes 4 and 5, on real runs.
+
+4. The stall watchdog never kills a healthy run: a validation pass longer than ``horovod.stall_shutdown_s`` is
+   the rank's own work (``watchdog.local_work``), not a hang. A truly stuck rank is still named within the limit:
+   tests/test_run_ownership.py::test_a_rank_frozen_mid_training_is_ended_by_the_stall_limits_with_a_warning_first
+   (Horovod) and tests/test_torch_engine.py::test_a_frozen_torch_rank_is_ended_by_the_stall_limits_with_a_warning_first
+   (torch) SIGSTOP rank 1 mid-training and still get the one 'a rank hung' line after stall_shutdown_s.
+5. Resume never trains an image twice or skips one: a mid-epoch checkpoint resumed on another layout (rank count,
+   train.batch_size) continues at the samples of the epoch's permutation already consumed.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections import Counter
+
+import numpy as np
+import pytest
+import yaml
+from conftest import HYBRIDTRAIN, env_with_venv, horovodrun, rank_output, read_metrics, tiny_config
+
+from hybridtrain.data import sharding
+from hybridtrain.engine.resume import consumed_samples, step_in_epoch
+from hybridtrain.engine.watchdog import exit_after_s
+
+STALL_SHUTDOWN_S = 2  # shorter than the validation pass below (~1,800 images), longer than any training step
+
+
+# ----------------------------------------------------------------------------- the sample arithmetic (pure)
+
+def test_consumed_samples_and_the_resumed_step_by_hand():
+    """3 steps of 1 rank x 8 (k=1) consumed 24 samples; on 2 ranks x 12 that is step 1 (24 // 24); a second stop
+    2 passes into that segment has consumed 24 + 2 x 24 = 72. With k=2 on 2 x 12 a step takes 48: step 0."""
+    assert consumed_samples(0, 3, 1, 8) == 24
+    assert step_in_epoch(24, 2, 12, 1) == 1
+    assert consumed_samples(24, 2, 2, 12) == 72
+    assert step_in_epoch(24, 2, 12, 2) == 0 and step_in_epoch(72, 2, 12, 2) == 1
+    assert consumed_samples(40, 5, 3, 4) == 100  # 40 + 5 x 12
+
+
+@pytest.mark.parametrize("before,after,stop_steps", [((1, 8), (2, 12), 3), ((2, 8), (2, 5), 2), ((2, 8), (3, 8), 4),
+                                                    ((4, 4), (1, 16), 1)])
+def test_a_changed_layout_continues_the_permutation_each_sample_at_most_once(before, after, stop_steps):
+    """80 samples, stopped after ``stop_steps`` steps of (ranks, batch) ``before``, continued on ``after`` from the
+    consumed samples: every sample trained at most once, and exactly the permutation's first ``consumed + the
+    new layout's full global batches`` are trained (hand check: 1 x 8 for 3 steps = 24, then 2 x 12: 56 left,
+    2 steps of 24 = 48, so 72 trained and 8 left out, fewer than one global batch)."""
+    n, seed, epoch = 80, 3, 0
+    order = np.random.default_rng([seed, epoch]).permutation(n)  # the epoch's permutation, computed here
+    (r0, b0), (r1, b1) = before, after
+    first = [i for rank in range(r0) for batch in sharding.train_batches(n, rank, r0, b0, seed, epoch)[:stop_steps]
+             for i in batch]
+    consumed = consumed_samples(0, stop_steps, r0, b0)
+    rest = [i for rank in range(r1) for batch in sharding.train_batches(n, rank, r1, b1, seed, epoch, start=consumed)
+            for i in batch]
+    trained = Counter(first + rest)
+    assert max(trained.values()) == 1
+    full = (n - consumed) // (r1 * b1) * (r1 * b1)
+    assert sorted(trained) == sorted(order[:consumed + full].tolist())
+    assert n - len(trained) < r1 * b1
+    if (before, after, stop_steps) == ((1, 8), (2, 12), 3):
+        assert (consumed, len(rest), len(trained)) == (24, 48, 72)
+
+
+# ----------------------------------------------------------------------------- one stop and one resume (real)
+
+@pytest.fixture(scope="module")
+def digits_with_a_long_validation(digits_dir, tmp_path_factory) -> str:
+    """8 train images per class (80: 10 steps of 1 x 8), and every digits image (train and val, ~1,800) as the
+    validation set: a validation pass of several seconds on the CPU, longer than STALL_SHUTDOWN_S."""
+    out = tmp_path_factory.mktemp("data") / "long-val"
+    for cls in sorted(os.listdir(os.path.join(digits_dir, "train"))):
+        os.makedirs(out / "train" / cls)
+        os.makedirs(out / "val" / cls)
+        for name in sorted(os.listdir(os.path.join(digits_dir, "train", cls)))[:8]:
+            shutil.copy(os.path.join(digits_dir, "train", cls, name), out / "train" / cls / name)
+        for split in ("train", "val"):
+            for name in os.listdir(os.path.join(digits_dir, split, cls)):
+                shutil.copy(os.path.join(digits_dir, split, cls, name), out / "val" / cls / f"{split}-{name}")
+    return str(out)
+
+
+def recipe(data: str, run_dir: str, batch_size: int) -> dict:
+    return tiny_config(data, run_dir, train={"epochs": 1, "batch_size": batch_size, "threads": 1, "progress": False},
+                       optim={"name": "goyal", "lr": 0.05, "warmup_epochs": 0}, elastic={"audit_samples": True},
+                       horovod={"stall_warning_s": 1, "stall_shutdown_s": STALL_SHUTDOWN_S})
+
+
+def stop_one_rank_mid_epoch(config: str) -> subprocess.CompletedProcess:
+    """``hybridtrain train`` as one process, SIGTERM'd once its setup line is out (as Slurm does before a limit)."""
+    proc = subprocess.Popen([HYBRIDTRAIN, "train", "--config", config], env=env_with_venv(1), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if "steps/epoch" in line:
+                proc.send_signal(signal.SIGTERM)
+                break
+        lines += proc.stdout.readlines()
+        proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, "".join(lines), "")
+
+
+@pytest.fixture(scope="module")
+def stopped_then_resumed(digits_with_a_long_validation, tmp_path_factory):
+    """Epoch 1 stopped mid-way on 1 rank x 8, then resumed with --resume auto on 2 ranks x 12 (both the rank
+    count and the per-rank batch changed) with the stall limit shorter than the validation pass."""
+    run_dir = tmp_path_factory.mktemp("resume-layout") / "run"
+    config = run_dir.parent / "config.yaml"
+    config.write_text(yaml.safe_dump(recipe(digits_with_a_long_validation, str(run_dir), 8)))
+    stopped = stop_one_rank_mid_epoch(str(config))
+    assert stopped.returncode == 0 and "stopped on SIGTERM after step" in stopped.stdout, stopped.stdout[-3000:]
+    config.write_text(yaml.safe_dump(recipe(digits_with_a_long_validation, str(run_dir), 12)))
+    start = time.monotonic()
+    resumed = horovodrun(2, ["train", "--config", str(config), "--resume", "auto"])
+    return stopped, resumed, run_dir, time.monotonic() - start
+
+
+def audited(run_dir) -> list[dict]:
+    return [json.loads(line) for path in glob.glob(os.path.join(run_dir, "samples", "*.jsonl"))
+            for line in open(path) if line.strip()]
+
+
+def test_a_resume_on_other_ranks_and_batch_trains_every_sample_once(stopped_then_resumed):
+    stopped, resumed, run_dir, _ = stopped_then_resumed
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    lines = audited(run_dir)
+    before = [i for r in lines if r["ranks"] == 1 for i in r["samples"]]
+    after = [i for r in lines if r["ranks"] == 2 for i in r["samples"]]
+    consumed = len(before)
+    assert consumed % 8 == 0 and 0 < consumed < 80, lines  # whole steps of 1 x 8, stopped mid-epoch
+    assert f"resumed from sample {consumed} of epoch 1" in resumed.stdout, resumed.stdout[-3000:]
+    trained = Counter(before + after)
+    assert max(trained.values()) == 1, [i for i, c in trained.items() if c > 1]
+    full = (80 - consumed) // 24 * 24  # the rest in global batches of 2 x 12; the remainder is left out
+    order = np.random.default_rng([3, 0]).permutation(80)  # seed 3 (tiny_config), epoch 0
+    assert sorted(trained) == sorted(order[:consumed + full].tolist())
+    [record] = read_metrics(str(run_dir))
+    assert record["samples_seen"] == consumed + full <= 80, record
+
+
+def test_a_validation_longer_than_the_stall_limit_is_work_not_a_hang(stopped_then_resumed):
+    """The resumed run's validation (and rank 1's wait for rank 0's checkpoint write) outlast stall_shutdown_s
+    on both ranks: no warning, no 'a rank hung', a finished run."""
+    _, resumed, run_dir, _ = stopped_then_resumed
+    output = rank_output(resumed.stdout + resumed.stderr)
+    assert resumed.returncode == 0 and "no training step finished" not in output, output[-3000:]
+    [record] = read_metrics(str(run_dir))
+    # the test means something: the time after training (checkpoint, validation) is past both ranks' limits
+    assert record["epoch_time_s"] - record["train_time_s"] > exit_after_s(STALL_SHUTDOWN_S, 1) + 1, record
