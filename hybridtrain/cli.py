@@ -30,9 +30,10 @@ def cmd_train(args) -> int:
         raise UserError(f"--resume takes no value or 'auto', got '{args.resume}': e.g. --resume auto")
     cfg = load_config(args.config, with_engine(args), for_command="train")
     args.crash_log_dir = cfg.run_dir  # where run_guarded writes a rank's traceback if a bug stops it
+    from hybridtrain.distributed.launcher import check_launch  # the launcher's variables: one line, never a wait
+    engine = check_launch(cfg.distributed.engine)
     if args.elastic:
-        from hybridtrain.distributed.launcher import resolve_engine
-        if resolve_engine(cfg.distributed.engine) != "horovod":
+        if engine != "horovod":
             raise UserError("--elastic is Horovod's elastic training and this job runs the torch engine: launch with "
                             "horovodrun --min-np/--max-np and --engine horovod, or drop --elastic and let torchrun "
                             "--max-restarts rerun the job with --resume auto (docs/elastic.md)")

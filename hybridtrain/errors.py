@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import io
+import json
 import os
 import signal
 import sys
@@ -11,15 +12,21 @@ import tempfile
 import time
 import traceback
 
-# horovodrun, Open MPI, MPICH/Intel MPI, PMIx, torchrun, srun (SLURM_PROCID last: under srun + torchrun it counts nodes)
-RANK_ENV_VARS = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "RANK", "SLURM_PROCID")
+# the rank each launcher gives, in the order they are trusted: torchrun's RANK first under torchrun (srun's PMI and
+# SLURM variables pass through torchrun unchanged, the same for all of its ranks), then horovodrun, Open MPI,
+# MPICH/Intel MPI, PMIx, and srun's own. A RANK that no torchrun set, or a SLURM_PROCID outside an srun step (a batch
+# script's shell has SLURM_PROCID=0), is not a rank: an old shell's variable must not keep rank 0 quiet.
+RANK_ENV_VARS = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
 
 
 def launcher_rank() -> int:
     """The rank the launcher assigned, readable before hvd.init() (0 when run alone)."""
-    for var in RANK_ENV_VARS:
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
+    env = os.environ
+    trusted = (("RANK",) if "TORCHELASTIC_RUN_ID" in env else ()) + RANK_ENV_VARS + \
+        (("SLURM_PROCID",) if "SLURM_STEP_ID" in env else ())
+    for var in trusted:
+        if env.get(var, "").isdigit():
+            return int(env[var])
     return 0
 
 
@@ -173,14 +180,71 @@ def quiet_on_sigterm() -> None:
         pass
 
 
+# ----------------------------------------------------------------------------- what torchrun is told
+
+TORCHRUN_ERROR_FILE = "TORCHELASTIC_ERROR_FILE"  # torchrun gives each rank its own: <run>/attempt_<n>/<rank>/error.json
+REFUSED_MARK = "hybridtrain-refused"
+
+
+def tell_torchrun(line: str) -> None:
+    """``line`` in the error file torchrun gave this rank, in the JSON of torch's ``@record``
+    (torch.distributed.elastic.multiprocessing.errors): torchrun's ChildFailedError box then shows our line where it
+    showed a link to torch's docs, and torchrun copies it, with the rank's exit status, into its own
+    TORCHELASTIC_ERROR_FILE when one is set (launch/torchrun.sh reads it there)."""
+    path = os.environ.get(TORCHRUN_ERROR_FILE)
+    if not path:
+        return
+    data = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
+    with contextlib.suppress(OSError):
+        with open(path, "w") as fh:
+            json.dump(data, fh)
+
+
+def refusal_mark() -> str | None:
+    """Under torchrun --max-restarts: the file, in torchrun's folder of this run (shared by its attempts), that
+    keeps the first attempt's refusal of bad input. torchrun restarts every failed attempt, and no restart can fix
+    bad input: a restarted rank that finds the file ends at once with status 2, silently, instead of importing
+    torch to refuse the same input again with the same line (issue 34, class 2)."""
+    path, restarts = os.environ.get(TORCHRUN_ERROR_FILE), os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
+    if not path or restarts in ("", "0"):
+        return None
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(path))), REFUSED_MARK)
+
+
+def refused_in_an_earlier_attempt() -> str | None:
+    """The line an earlier attempt of this torchrun run refused its input with, or None."""
+    mark = refusal_mark()
+    if mark is None or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        return None
+    try:
+        with open(mark) as fh:
+            return fh.read().strip() or None
+    except OSError:
+        return None
+
+
+def keep_refusal(line: str) -> None:
+    mark = refusal_mark()
+    if mark:
+        with contextlib.suppress(OSError):
+            with open(mark, "w") as fh:
+                fh.write(line)
+
+
 def _run_guarded(action, crash_log_dir) -> int:
+    earlier = refused_in_an_earlier_attempt()
+    if earlier:
+        tell_torchrun(earlier)
+        return 2
     try:
         return action() or 0
     except UserError as exc:
         rank = launcher_rank()
+        line = f"hybridtrain: error: {'' if rank == 0 else f'rank {rank}: '}{exc}"
         if rank == 0 or not exc.same_on_all_ranks:
-            prefix = "" if rank == 0 else f"rank {rank}: "
-            print(f"hybridtrain: error: {prefix}{exc}", file=sys.stderr, flush=True)
+            keep_refusal(line)
+            tell_torchrun(line)
+            print(line, file=sys.stderr, flush=True)
         else:
             quiet_on_sigterm()  # the launcher's stop after rank 0's line is not a preemption to report
             time.sleep(PEER_REFUSAL_WAIT_S)  # rank 0 prints the line, then its exit ends this job
@@ -207,7 +271,9 @@ def _run_guarded(action, crash_log_dir) -> int:
         if line is None:
             return report_bug(exc, crash_log_dir())
         rank = launcher_rank()
-        print(f"hybridtrain: error: {'' if rank == 0 else f'rank {rank}: '}{line}", file=sys.stderr, flush=True)
+        line = f"hybridtrain: error: {'' if rank == 0 else f'rank {rank}: '}{line}"
+        tell_torchrun(line)
+        print(line, file=sys.stderr, flush=True)
         return 2
     except Exception as exc:
         return report_bug(exc, crash_log_dir())
@@ -264,5 +330,7 @@ def dangling_link(path: str) -> str | None:
 def report_bug(exc: Exception, log_dir: str | None) -> int:
     """A bug, not bad input: one line naming the rank and the error; the traceback goes to a log file."""
     rank = launcher_rank()
-    print(unexpected_error_line(exc, rank, write_crash_log(exc, rank, log_dir)), file=sys.stderr, flush=True)
+    line = unexpected_error_line(exc, rank, write_crash_log(exc, rank, log_dir))
+    tell_torchrun(line)
+    print(line, file=sys.stderr, flush=True)
     return 1

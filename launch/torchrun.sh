@@ -67,8 +67,78 @@ else
   [[ "$endpoint" =~ ^[^:[:space:]]+:[0-9]+$ ]] || die "--rdzv-endpoint must be HOST:PORT, got '$endpoint'"
   where=(--nnodes "$nnodes" --rdzv-backend=c10d --rdzv-endpoint "$endpoint" --rdzv-id "$rdzv_id")
 fi
+# torchrun's own end, made short. torchrun ends a failed job with its Python traceback and a ChildFailedError box
+# (25-60 lines), and a SIGTERM to torchrun itself (a preemption) with a SignalException traceback and status 1.
+# Here torchrun runs in a session of its own with TORCHELASTIC_ERROR_FILE set, so it copies the first failed rank's
+# error file (hybridtrain's one line and that rank's status) there; its log lines, traceback and box are left out
+# of stderr (the ranks' own lines pass), and one line ends the job with the rank's status: 2 bad input (no restart
+# can fix it), 3 a rank died or hung (--resume auto continues), 1 a bug. A SIGTERM to this script goes to the
+# ranks, which stop after the same step with a resumable checkpoint: status 0, as a preemption ends.
+TORCHRUN_LOG='^[IWE][0-9][0-9][0-9][0-9] [0-9:.]+ +[0-9]+ .*(torch/distributed/|torchelastic)'
+
+without_torchruns_block() {
+  # drops torchrun's log lines, and its traceback when it ends in ChildFailedError (then the box to its last
+  # '=' rule) or SignalException; any other traceback (a rank's) passes whole
+  awk -v log_line="$TORCHRUN_LOG" '
+    skip_box { if ($0 ~ /^=+$/ && ++rules == 2) skip_box = 0; next }
+    held != "" {
+      if ($0 ~ /^[ \t]/ || $0 ~ /^Traceback/) { held = held "\n" $0; next }
+      if ($0 ~ /^torch\.distributed\.elastic\..*(ChildFailedError|SignalException)/) {
+        held = ""; if ($0 ~ /ChildFailedError/) { skip_box = 1; rules = 0 }; next
+      }
+      print held; held = ""
+    }
+    $0 == "Traceback (most recent call last):" { held = $0; next }
+    $0 ~ log_line { next }
+    { print; fflush() }
+    END { if (held != "") print held }'
+}
+
+# end_line STATUS ERROR_FILE STOPPED: the one line after torchrun, and the status to exit with
+end_line() {
+  local status="$1" file="$2" stopped="$3" code=""
+  if [ -s "$file" ]; then
+    code="$(grep -o '"errorCode": *-\{0,1\}[0-9]*' "$file" | grep -o -- '-\{0,1\}[0-9]*$' || true)"
+    if grep -q 'SignalException' "$file"; then code="signal"; fi
+  fi
+  if [ "$status" = 0 ]; then return 0; fi
+  case "$stopped:$code" in
+    1:*) echo "launch: torchrun stopped on SIGTERM; the ranks checkpointed their place: rerun the same command with --resume auto" >&2; EXIT=0 ;;
+    *:2) echo "launch: error: torchrun: the job refused its input (the line above says why; status 2): fix it and run again, a restart cannot" >&2; EXIT=2 ;;
+    *:3) echo "launch: error: torchrun: a rank died or hung (the line above names it; status 3): rerun the same command with --resume auto" >&2; EXIT=3 ;;
+    *:1) echo "launch: error: torchrun: a rank stopped on an unexpected error (the line above says where its traceback is; status 1)" >&2; EXIT=1 ;;
+    *:signal) echo "launch: error: torchrun was stopped by a signal; the ranks' lines above say where they stopped: rerun the same command with --resume auto" >&2; EXIT=1 ;;
+    *) echo "launch: error: torchrun: a rank ended without a line (killed by a signal, or out of memory?; torchrun status $status): see the lines above; --resume auto continues from the last checkpoint" >&2; EXIT="$status" ;;
+  esac
+}
+
+run_torchrun() {
+  print_cmd "$@"
+  [ "$DRY_RUN" != 1 ] || exit 0
+  local dir pid filter status=0 stopped=0
+  dir="$(mktemp -d "${TMPDIR:-/tmp}/hybridtrain-torchrun.XXXXXX")"
+  mkfifo "$dir/stderr"
+  without_torchruns_block <"$dir/stderr" >&2 &
+  filter=$!
+  TORCHELASTIC_ERROR_FILE="$dir/error.json" setsid "$@" 2>"$dir/stderr" &
+  pid=$!
+  # shellcheck disable=SC2064  # the pid is known now
+  trap "stopped=1; pkill -TERM -P $pid || true" TERM
+  # shellcheck disable=SC2064
+  trap "kill -INT $pid 2>/dev/null || true" INT
+  while true; do  # wait returns early for a trapped signal, with torchrun still running
+    if wait "$pid"; then status=0; else status=$?; fi
+    kill -0 "$pid" 2>/dev/null || break
+  done
+  trap - TERM INT
+  wait "$filter" || true  # the ranks' last lines before the end line
+  EXIT="$status"
+  end_line "$status" "$dir/error.json" "$stopped"
+  rm -rf "$dir"
+  exit "$EXIT"
+}
+
 command -v torchrun >/dev/null || [ "$DRY_RUN" = 1 ] ||
   die "torchrun is not on PATH: activate the environment install.sh made (source .venv/bin/activate)"
-
-run_cmd torchrun "${where[@]}" --nproc-per-node "$nproc_per_node" --max-restarts "$restarts" --no-python \
+run_torchrun torchrun "${where[@]}" --nproc-per-node "$nproc_per_node" --max-restarts "$restarts" --no-python \
   hybridtrain train --config "$config" --engine torch "${trainer_args[@]}"

@@ -34,8 +34,8 @@ from test_horovod_training import rank_pids, signal_a_rank_after_epoch_one
 from test_preemption import file_digest, train_until_sigterm
 
 from hybridtrain.distributed.collectives import state_digest
+from hybridtrain.distributed.launch_env import process_env, slurm_tasks_per_node
 from hybridtrain.distributed.launcher import launcher_engine, resolve_engine
-from hybridtrain.distributed.torch_distributed import process_env, slurm_tasks_per_node
 from hybridtrain.errors import UserError
 
 
@@ -67,11 +67,11 @@ def test_an_engine_under_the_other_launcher_is_one_line_naming_the_right_launche
 
 
 def test_the_rendezvous_comes_from_torchrun_or_from_srun():
-    torchrun_env = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
-                    "MASTER_ADDR": "n1", "MASTER_PORT": "29500", "SLURM_PROCID": "1"}
+    torchrun_env = {"TORCHELASTIC_RUN_ID": "j", "RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1",
+                    "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "n1", "MASTER_PORT": "29500", "SLURM_PROCID": "1"}
     assert process_env(torchrun_env) == {"rank": 5, "size": 8, "local_rank": 1, "local_size": 4}
-    srun_env = {"SLURM_PROCID": "6", "SLURM_NTASKS": "8", "SLURM_LOCALID": "2", "SLURM_TASKS_PER_NODE": "4(x2)",
-                "MASTER_ADDR": "n1", "MASTER_PORT": "29500"}
+    srun_env = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "6", "SLURM_NTASKS": "8", "SLURM_LOCALID": "2",
+                "SLURM_TASKS_PER_NODE": "4(x2)", "MASTER_ADDR": "n1", "MASTER_PORT": "29500"}
     assert process_env(srun_env) == {"rank": 6, "size": 8, "local_rank": 2, "local_size": 4}
     assert slurm_tasks_per_node({"SLURM_STEP_TASKS_PER_NODE": "3,2"}) == 3
     assert process_env({}) == {"rank": 0, "size": 1, "local_rank": 0, "local_size": 1}

@@ -16,46 +16,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from hybridtrain.distributed.launch_env import process_env
 from hybridtrain.distributed.topology import Topology, bind, check_gpu_binding, gpu_id, select_device
 from hybridtrain.errors import UserError
 
 NAME = "torch"
-TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-SRUN_HINT = ("export MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1) MASTER_PORT=29500 "
-             "before srun (launch/slurm-torch.sbatch does)")
-
-
-def slurm_tasks_per_node(env) -> int:
-    """This node's task count under srun: SLURM_NTASKS_PER_NODE, else the first count of SLURM_STEP_TASKS_PER_NODE
-    or SLURM_TASKS_PER_NODE ('4(x2),3' -> 4)."""
-    for var in ("SLURM_NTASKS_PER_NODE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
-        value = env.get(var, "").split("(")[0].split(",")[0]
-        if value.isdigit():
-            return int(value)
-    return 1
-
-
-def process_env(env=None) -> dict:
-    """(rank, size, local_rank, local_size) as the launcher set them, and whether a rendezvous is needed.
-
-    torchrun: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT. srun with one task per GPU and no
-    torchrun: SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, the tasks per node, and MASTER_ADDR/PORT from the batch
-    script. Neither: a job of one process."""
-    env = os.environ if env is None else env
-    if "RANK" in env and "WORLD_SIZE" in env:
-        rank, size = int(env["RANK"]), int(env["WORLD_SIZE"])
-        local_rank = int(env.get("LOCAL_RANK", 0))
-        local_size = int(env.get("LOCAL_WORLD_SIZE", size))
-    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        rank, size = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
-        local_rank, local_size = int(env.get("SLURM_LOCALID", 0)), slurm_tasks_per_node(env)
-    else:
-        return {"rank": 0, "size": 1, "local_rank": 0, "local_size": 1}
-    if size > 1 and not (env.get("MASTER_ADDR") and env.get("MASTER_PORT")):
-        raise UserError(f"the torch engine's ranks meet at MASTER_ADDR:MASTER_PORT and this {size}-rank job sets no "
-                        f"{'MASTER_ADDR' if not env.get('MASTER_ADDR') else 'MASTER_PORT'}: launch with torchrun, "
-                        f"or under srun {SRUN_HINT}")
-    return {"rank": rank, "size": size, "local_rank": local_rank, "local_size": local_size}
 
 
 # HYBRIDTRAIN_TORCH_BACKEND=gloo: every collective over Gloo, CUDA tensors too, and ranks may share a GPU, which
@@ -102,6 +67,18 @@ def collective_timeout_s(horovod_cfg) -> int:
                horovod_cfg.stall_shutdown_s + WATCHDOG_STAGGER_MAX_S + WATCHDOG_MARGIN_S)
 
 
+def attempt_store(where: dict, timeout: timedelta):
+    """The store the ranks meet in (MASTER_ADDR:MASTER_PORT, as torch's env:// finds it), under a prefix of its own
+    for each of torchrun's attempts. torchrun --max-restarts keeps one store (its agent's) for every attempt of a
+    job, and torch's own prefix ("default_pg") is the same in each: a restarted rank found the addresses that the
+    ranks of the attempt before had published there, connected to a rank that was gone and died in Gloo's
+    connectFullMesh ("Connection refused"), so the restart failed too (issue 34, class 3)."""
+    store, _, _ = next(dist.rendezvous("env://", rank=where["rank"], world_size=where["size"], timeout=timeout))
+    store.set_timeout(timeout)
+    return dist.PrefixStore(f"hybridtrain/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/default_pg",
+                            store)
+
+
 def init(threads: int = 0, horovod_cfg=None, elastic: bool = False, device: str = "auto") -> Topology:
     """Join (or form) the process group, bind the rank to its device and share (host, pid, GPU) of every rank."""
     if elastic:
@@ -114,10 +91,10 @@ def init(threads: int = 0, horovod_cfg=None, elastic: bool = False, device: str 
         torch.cuda.set_device(chosen)
     if not dist.is_initialized():
         timeout = timedelta(seconds=collective_timeout_s(horovod_cfg))
-        if where["size"] == 1 and "MASTER_ADDR" not in os.environ:  # alone: no port to open
+        if where["size"] == 1:  # alone: no port to open (a MASTER_PORT left in the shell may be another job's)
             dist.init_process_group(backend_for(chosen), store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         else:
-            dist.init_process_group(backend_for(chosen), init_method="env://", rank=where["rank"],
+            dist.init_process_group(backend_for(chosen), store=attempt_store(where, timeout), rank=where["rank"],
                                     world_size=where["size"], timeout=timeout)
     peers = tuple(allgather_object((socket.gethostname(), os.getpid(), gpu_id(chosen)), "peers"))
     if not gloo_forced():  # Gloo carries two ranks on one GPU; NCCL does not

@@ -26,6 +26,7 @@ import torch
 
 from hybridtrain.distributed import collectives as distributed
 from hybridtrain.distributed import failures
+from hybridtrain.errors import launcher_rank
 
 MAX_STEPS_BETWEEN_CHECKS = 8
 
@@ -69,12 +70,24 @@ class PreemptionWatch:
 
     def _end_if_a_peer_died(self) -> None:
         topo = self.topo
-        if topo is None or not topo.peers or not failures.departed(topo)[0]:
-            return  # a real preemption (or no job yet): the flag stops the run after a step
+        if topo is None:
+            self._end_before_the_job_formed()
+        if not topo.peers or not failures.departed(topo)[0]:
+            return  # a real preemption: the flag stops the run after a step
         failure = failures.peer_failure(topo)
         if failure.announce:
             print(f"hybridtrain: {failure}", file=sys.stderr, flush=True)
         os._exit(3)
+
+    @staticmethod
+    def _end_before_the_job_formed() -> None:
+        """SIGTERM while the ranks are still meeting: nothing of this process is trained yet, and no step will come
+        to agree on a stop. The flag alone kept a rank waiting for a peer that had died in the same set-up (a
+        restart of torchrun --max-restarts) until the launcher's SIGKILL 30 s later (issue 34, class 3)."""
+        if launcher_rank() == 0:
+            print("hybridtrain: stopped on SIGTERM while the ranks were meeting (nothing trained in this run yet): "
+                  "rerun the same command with --resume auto", file=sys.stderr, flush=True)
+        os._exit(0)
 
     def after_step(self, snapshot=None) -> bool:
         """True on every rank at the same step once any rank got SIGTERM (no wait on the critical path).
