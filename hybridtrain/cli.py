@@ -40,14 +40,45 @@ def cmd_train(args) -> int:
         if args.move_aside:
             raise UserError("--move-aside is for static runs; with --elastic, give a new run_dir or --resume")
         from hybridtrain.engine.elastic import run_elastic  # torch and Horovod from here on
-        finished = run_elastic(cfg, resume=args.resume)
+        finished = explaining_memory(cfg, lambda: run_elastic(cfg, resume=args.resume))
     else:
         from hybridtrain.engine.loop import run_training  # torch from here on
-        finished = run_training(cfg, resume=args.resume, move_aside=args.move_aside)
+        finished = explaining_memory(cfg, lambda: run_training(cfg, resume=args.resume, move_aside=args.move_aside))
     if finished:  # rank 0 of a run that trained its last epoch: the paper's report
         from hybridtrain.reports.report import report_run, summary_table
         print(summary_table(report_run(cfg.run_dir, extra=finished)), flush=True)
     return 0
+
+
+def out_of_memory_device(exc: BaseException) -> str | None:
+    """'GPU' or 'CPU' when ``exc`` is torch running out of memory, else None: torch.OutOfMemoryError (CUDA's caching
+    allocator, c10::OutOfMemoryError; torch.cuda.OutOfMemoryError is the same class), or the RuntimeError of the CPU
+    allocator (c10/core/impl/alloc_cpu.cpp: "DefaultCPUAllocator: can't allocate memory")."""
+    import torch  # loaded already: the engine ran
+    if isinstance(exc, torch.OutOfMemoryError):
+        return "CPU" if "DefaultCPUAllocator" in str(exc) else "GPU"
+    if isinstance(exc, RuntimeError) and "DefaultCPUAllocator" in str(exc) and \
+            ("can't allocate memory" in str(exc) or "not enough memory" in str(exc)):
+        return "CPU"
+    return None
+
+
+def explaining_memory(cfg, train):
+    """``train()``; running out of memory at a batch the config allows is one line naming the batch and the fix."""
+    try:
+        return train()
+    except RuntimeError as exc:
+        device = out_of_memory_device(exc)
+        if device is None:
+            raise
+        t, val_batch = cfg.train, cfg.data.val_batch_size or cfg.train.batch_size
+        half = max(1, t.batch_size // 2)
+        raise UserError(f"out of {device} memory at train.batch_size={t.batch_size} per rank (data.val_batch_size="
+                        f"{val_batch}, data.crop_size={cfg.data.crop_size}, precision.mode={cfg.precision.mode}): "
+                        f"lower train.batch_size (e.g. --set train.batch_size={half} --set train.accumulation_steps="
+                        f"{t.accumulation_steps * 2} keeps the global batch), or data.val_batch_size if validation "
+                        f"ran out; 'hybridtrain bench --find-max-batch' finds the largest batch that fits a GPU",
+                        same_on_all_ranks=False) from None
 
 
 def with_engine(args) -> list[str]:
@@ -108,7 +139,13 @@ def cmd_reorganise_val(args) -> int:
 
 
 def cmd_check_data(args) -> int:
-    from hybridtrain.data.check import check_data, format_report, problem_count, write_filelist
+    from hybridtrain.data.check import (
+        check_data,
+        format_report,
+        problem_count,
+        refuse_names_a_list_cannot_hold,
+        write_filelist,
+    )
     check_output_file(args.report, "--report", "check-data.json")
     if args.write_filelist is not None:
         check_output_dir(args.write_filelist, "--write-filelist")
@@ -119,6 +156,7 @@ def cmd_check_data(args) -> int:
     write_json_atomically(args.report, report)
     print(f"report written to {args.report}")
     if args.write_filelist:
+        refuse_names_a_list_cannot_hold(report)
         os.makedirs(args.write_filelist, exist_ok=True)
         for split in report["splits"]:
             path = os.path.join(args.write_filelist, f"{split}.txt")
@@ -127,7 +165,7 @@ def cmd_check_data(args) -> int:
     bad = problem_count(report)
     if bad and not args.write_filelist:
         print(f"hybridtrain: {bad} corrupt image(s): rerun with --write-filelist DIR and train with "
-              f"data.file_lists=DIR, or remove them", file=sys.stderr)
+              f"data.file_lists=DIR, or move them out of the dataset", file=sys.stderr)
     return 1 if bad else 0
 
 

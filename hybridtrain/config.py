@@ -6,7 +6,6 @@ wrong type or out-of-range value raises :class:`UserError` with one line naming 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import hashlib
 import json
 import math
@@ -311,9 +310,82 @@ def printable(text: str) -> str:
     return text if text.isprintable() else show(text)
 
 
-def _suggest(key, allowed, prefix: str) -> str:
-    near = difflib.get_close_matches(str(key), list(allowed), n=1)
-    return f" (did you mean '{prefix}{near[0]}'?)" if near else ""
+def edit_distance(a: str, b: str) -> int:
+    """Optimal-string-alignment distance: insertions, deletions, substitutions and swaps of neighbours, each 1."""
+    rows = [list(range(len(b) + 1))]
+    for i, ca in enumerate(a, 1):
+        row = [i]
+        for j, cb in enumerate(b, 1):
+            row.append(min(rows[-1][j] + 1, row[j - 1] + 1, rows[-1][j - 1] + (ca != cb)))
+            if i > 1 and j > 1 and ca == b[j - 2] and a[i - 2] == cb:
+                row[j] = min(row[j], rows[-2][j - 2] + 1)
+        rows.append(row)
+    return rows[-1][-1]
+
+
+def typo_limit(key: str) -> int:
+    """The edit distance within which ``key`` is a typo of another key: 1 below 5 letters, 2 below 10, else 3."""
+    return 1 if len(key) < 5 else 2 if len(key) < 10 else 3
+
+
+def all_keys(cls=None, prefix: str = "") -> list[str]:
+    """Every dotted key of the config, sections included (``train``, ``train.epochs``, ...)."""
+    keys = []
+    for f in dataclasses.fields(cls or Config):
+        keys.append(prefix + f.name)
+        default = _default(f)
+        if dataclasses.is_dataclass(default):
+            keys += all_keys(type(default), f"{prefix}{f.name}.")
+    return keys
+
+
+def _unique_nearest(key: str, names: list[str]) -> str | None:
+    """The one name within ``typo_limit`` of ``key`` and nearer than every other, else None."""
+    ranked = sorted((edit_distance(key, n), n) for n in names)
+    if not ranked or ranked[0][0] > typo_limit(key) or (len(ranked) > 1 and ranked[1][0] == ranked[0][0]):
+        return None
+    return ranked[0][1]
+
+
+def _shortened(key: str, names: list[str]) -> str | None:
+    """The one name whose words start with the words of ``key`` in order (``crop`` -> ``crop_size``, ``accum_steps``
+    -> ``accumulation_steps``, ``classes`` -> ``num_classes``), else None."""
+    def fits(name):
+        words = iter(name.split("_"))
+        return all(any(w.startswith(part) for w in words) for part in key.split("_"))
+    found = [n for n in names if n != key and fits(n)]
+    if len(found) > 1:  # crop: crop_size rather than min_crop_area
+        found = [n for n in found if n.startswith(key.split("_")[0])]
+    return found[0] if len(found) == 1 else None
+
+
+def suggest_key(dotted: str) -> str | None:
+    """The key that an unknown dotted key was meant to be: a near spelling in its section; else the same or a near
+    name in another section (``data.batch_size`` -> ``train.batch_size``, not ``data.val_batch_size``); else the one
+    key of its section that it shortens; else a name one letter off in another section. None when no key is clearly
+    meant: a wrong guess would set another key."""
+    section, _, key = dotted.rpartition(".")
+    keys = all_keys()
+    here = [k.rpartition(".")[2] for k in keys if k.rpartition(".")[0] == section]
+    near = _unique_nearest(key, here)
+    if near is not None:
+        return f"{section}.{near}" if section else near
+    sections = {k.rpartition(".")[0] for k in keys}
+    elsewhere = [k for k in keys if k.rpartition(".")[0] != section and k not in sections]  # keys, not sections
+    same = [k for k in elsewhere if k.rpartition(".")[2] == key]
+    if len(same) == 1:
+        return same[0]
+    short = _shortened(key, here)
+    if short is not None:
+        return f"{section}.{short}" if section else short
+    near = _unique_nearest(key, [k.rpartition(".")[2] for k in elsewhere]) if len(key) >= 5 else None
+    found = [k for k in elsewhere if k.rpartition(".")[2] == near]
+    return found[0] if not same and len(found) == 1 and edit_distance(key, near) == 1 else None
+
+
+def _suggest(dotted: str) -> str:
+    near = suggest_key(dotted)
+    return f" (did you mean '{near}'?)" if near else ""
 
 
 def _default(f: dataclasses.Field):
@@ -335,7 +407,10 @@ def _coerce(value: Any, f: dataclasses.Field, dotted: str):
         value = _as_float(value, meta, dotted)
     elif expected is str:
         if not isinstance(value, str):
-            raise UserError(f"config error: {dotted} must be a string, got {show(value)}")
+            hint = (f" (YAML reads that unquoted value as a {type(value).__name__}: to mean the text, quote it, e.g. "
+                    f"{dotted.rpartition('.')[2]}: \"...\")" if value is None or isinstance(value, (bool, int, float))
+                    else "")
+            raise UserError(f"config error: {dotted} must be a string, got {show(value)}{hint}")
         if "\0" in value:
             raise UserError(f"config error: {dotted} holds a NUL character (\\0), which no path or name may hold: "
                             f"remove it")
@@ -425,7 +500,7 @@ def _build(cls, values: dict, prefix: str = ""):
         dotted = f"{prefix}{key}"
         if key not in fields:
             allowed = ", ".join(fields)
-            raise UserError(f"config error: unknown key '{show(dotted)[1:-1]}'{_suggest(key, fields, prefix)}; "
+            raise UserError(f"config error: unknown key '{show(dotted)[1:-1]}'{_suggest(str(dotted))}; "
                             f"allowed here: {allowed}")
         f = fields[key]
         default = _default(f)
@@ -449,6 +524,7 @@ class StrictLoader(yaml.SafeLoader):
 
     def construct_mapping(self, node, deep=False):
         if isinstance(node, yaml.MappingNode):
+            merge_sections_deeply(node)
             seen: dict = {}
             for key_node, _ in node.value:
                 if key_node.tag == "tag:yaml.org,2002:merge":
@@ -464,17 +540,59 @@ class StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
-# Numbers as people write them: YAML 1.1 (PyYAML) reads 6.5e4, 1e-3 and 1.0e300 as text, wanting a dot and a signed
-# exponent; YAML 1.2 and every other reader take them as numbers, and so does the config.
-YAML12_FLOAT = r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)[eE][-+]?[0-9]+$"
+MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+def merge_sections_deeply(node: yaml.MappingNode) -> None:
+    """A section given both by a merge (``<<: *base``) and here merges key by key, as nested keys do: YAML's own merge
+    would let ``train: {batch_size: 32}`` replace the base's whole train section, dropping its other keys."""
+    merged: dict = {}  # key -> its value node from the merges; the first merge that gives a key wins, as in YAML
+    for key_node, value_node in node.value:
+        if key_node.tag == MERGE_TAG:
+            sources = value_node.value if isinstance(value_node, yaml.SequenceNode) else [value_node]
+            for source in (s for s in sources if isinstance(s, yaml.MappingNode)):
+                for k, v in source.value:
+                    if isinstance(k, yaml.ScalarNode) and k.tag != MERGE_TAG:
+                        merged.setdefault(k.value, v)
+    for i, (key_node, value_node) in enumerate(node.value):
+        base = merged.get(key_node.value) if isinstance(key_node, yaml.ScalarNode) else None
+        if key_node.tag != MERGE_TAG and isinstance(value_node, yaml.MappingNode) and \
+                isinstance(base, yaml.MappingNode) and base is not value_node:
+            merge = yaml.ScalarNode(MERGE_TAG, "<<", value_node.start_mark, value_node.start_mark)
+            node.value[i] = (key_node, yaml.MappingNode(value_node.tag, [(merge, base), *value_node.value],
+                                                        value_node.start_mark, value_node.end_mark,
+                                                        value_node.flow_style))
+
+
+# Numbers as people write them, as YAML 1.2 and every reader but PyYAML's YAML 1.1 take them:
+#   6.5e4, 1e-3, 1.0e300   floats (YAML 1.1 wants a dot and a signed exponent, else text)
+#   010, 0123              decimal 10 and 123 (YAML 1.1: octal 8 and 83); 0o10 is octal 8, 0x10 hex 16
+#   1:30, 2024-01-02       text, as written (YAML 1.1: sexagesimal 90, a date)
+YAML12_FLOAT = (r"^(?:[-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?|[-+]?\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?"
+                r"|[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$")
+YAML12_INT = r"^(?:[-+]?[0-9][0-9_]*|0o[0-7_]+|0x[0-9a-fA-F_]+|0b[01_]+)$"
+YAML11_ONLY = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float", "tag:yaml.org,2002:timestamp")
+
+
+def yaml12_int(loader, node) -> int:
+    """An int as YAML 1.2 writes it: leading zeros are decimal; 0o, 0x and 0b name the base."""
+    text = loader.construct_scalar(node).replace("_", "")
+    base = {"0o": 8, "0x": 16, "0b": 2}.get(text[:2].lower(), 10)
+    return int(text[2:] if base != 10 else text, base)
 
 
 def _read_numbers_as_yaml12() -> None:
-    """Once, at the first load (nothing runs at import): the float resolver for exponents without a dot or sign."""
-    if "yaml12_floats" not in StrictLoader.__dict__:
-        StrictLoader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(YAML12_FLOAT),
-                                           list("-+0123456789."))
-        StrictLoader.yaml12_floats = True
+    """Once, at the first load (nothing runs at import): StrictLoader's int, float and timestamp resolvers replaced
+    by YAML 1.2's int and float."""
+    if "yaml12_numbers" in StrictLoader.__dict__:
+        return
+    StrictLoader.yaml_implicit_resolvers = {
+        first: [(tag, regexp) for tag, regexp in resolvers if tag not in YAML11_ONLY]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    StrictLoader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(YAML12_FLOAT), list("-+0123456789."))
+    StrictLoader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(YAML12_INT), list("-+0123456789"))
+    StrictLoader.add_constructor("tag:yaml.org,2002:int", yaml12_int)
+    StrictLoader.yaml12_numbers = True
 
 
 class UnsafeTag(yaml.YAMLError):
@@ -503,7 +621,9 @@ UNSAFE_FIX = ("asks to build or run Python objects, which a recipe never needs, 
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
-    """``train.epochs=5`` -> (['train', 'epochs'], 5); the value is parsed as YAML."""
+    """``train.epochs=5`` -> (['train', 'epochs'], 5); the value is parsed as YAML (numbers as YAML 1.2 writes them).
+    A ``#`` that YAML would read as the start of a comment is refused: a shell passes it only quoted, so it is part
+    of the value the user means."""
     if "=" not in text:
         raise UserError(f"bad --set {show(text)}: write it as key.sub=value, e.g. --set train.epochs=5")
     key, raw = text.split("=", 1)
@@ -515,12 +635,53 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         raise UserError(f"bad --set {show(key)}=...: the tag {show(exc.tag)} {UNSAFE_FIX}") from None
     except RecursionError:
         raise UserError(f"bad --set {show(key)}=...: the value nests too deeply: give a plain value") from None
-    except (yaml.YAMLError, ValueError):  # not YAML, or a date YAML cannot build (2020-13-45): the text itself
+    except (yaml.YAMLError, ValueError):  # not YAML: the text itself
         value = raw
+    if raw.count("#") > _hashes(value):
+        raise UserError(f"bad --set {show(text)}: YAML reads ' #' as the start of a comment, so the value would be "
+                        f"{show(value)}: to keep the #, put the value in YAML quotes (--set '{key}=\"{raw}\"'), "
+                        f"or leave the comment out")
     return key.strip().split("."), value
 
 
+def _hashes(value) -> int:
+    """How many '#' the strings of a parsed value hold (keys and nested values included)."""
+    if isinstance(value, str):
+        return value.count("#")
+    if isinstance(value, dict):
+        return sum(_hashes(k) + _hashes(v) for k, v in value.items())
+    if isinstance(value, list):
+        return sum(_hashes(v) for v in value)
+    return 0
+
+
+def _field_at(path: list[str]) -> dataclasses.Field | None:
+    """The dataclass field a dotted key names, or None (a section, a key inside a mapping, an unknown key)."""
+    cls, found = Config, None
+    for part in path:
+        fields = {f.name: f for f in dataclasses.fields(cls)} if cls else {}
+        found = fields.get(part)
+        if found is None:
+            return None
+        default = _default(found)
+        cls = type(default) if dataclasses.is_dataclass(default) else None
+    return None if cls else found
+
+
+def _as_written(path: list[str], value: Any, text: str) -> Any:
+    """A --set value for a text key as the user typed it: ``run_dir=2024-01-02``, ``run_dir=010`` or ``run_dir=yes``
+    name a folder, not a date, 8 or true."""
+    f = _field_at(path)
+    raw = text.split("=", 1)[1].strip()
+    plain_scalar = raw and raw[0] not in "\"'[{&*!|>"
+    if f is not None and isinstance(_default(f), str) and not isinstance(value, (str, list, dict)) and plain_scalar:
+        return raw
+    return value
+
+
 def _apply_override(tree: dict, path: list[str], value: Any) -> None:
+    """Set the key; a mapping given for a section or a mapping key merges into what the recipe has there, as
+    nested keys would (``--set train={batch_size: 32}`` changes train.batch_size alone)."""
     node = tree
     for part in path[:-1]:
         if node.get(part) is None:  # absent, or an empty section in the file (``train:``)
@@ -528,7 +689,11 @@ def _apply_override(tree: dict, path: list[str], value: Any) -> None:
         node = node[part]
         if not isinstance(node, dict):
             raise UserError(f"bad --set: {show('.'.join(path))} goes through a value that is not a section")
-    node[path[-1]] = value
+    if isinstance(value, dict) and isinstance(node.get(path[-1]), dict):
+        for key, item in value.items():
+            _apply_override(node, [path[-1], key], item)
+    else:
+        node[path[-1]] = value
 
 
 def read_yaml(path: str) -> dict:
@@ -577,7 +742,7 @@ def load_config(path: str | None = None, overrides: list[str] | None = None, for
     tree = read_yaml(path) if path else {}
     for text in overrides or []:
         key_path, value = parse_override(text)
-        _apply_override(tree, key_path, value)
+        _apply_override(tree, key_path, _as_written(key_path, value, text))
     cfg = validate(_build(Config, tree))
     if for_command:
         check_paths(cfg, for_command)
@@ -731,11 +896,23 @@ def check_paths(cfg: Config, for_command: str) -> None:
         _check_autotune_log(cfg.horovod.autotune_log)
 
 
+SHELL_VARIABLE = re.compile(r"\$(?:\{[A-Za-z_][A-Za-z0-9_]*[^}]*\}|[A-Za-z_][A-Za-z0-9_]*)")
+
+
 def _not_expanded(key: str, path: str) -> None:
-    """A leading '~' is the shell's: hybridtrain takes a path as written, so '~/x' would be a folder named '~'."""
+    """A leading '~' and a $VAR or ${VAR} are the shell's: hybridtrain takes a path as written, so '~/x' would be a
+    folder named '~' and '${SCRATCH}/run' one named '${SCRATCH}'."""
     if path.startswith("~") and not os.path.exists(path):
         raise UserError(f"{key}={path} starts with '~', which only a shell expands: write the path without ~ (e.g. "
                         f"{os.path.expanduser(path)}) or use $HOME in a --set on the command line")
+    variable = SHELL_VARIABLE.search(path)
+    if variable and not os.path.exists(path):
+        name = variable.group(0).strip("${}").split(":")[0].split("-")[0]
+        now = os.environ.get(name)
+        value = f"; ${name} is {now} here" if now is not None else f"; ${name} is not set here"
+        raise UserError(f"{key}={path} holds {variable.group(0)}, which only a shell expands (a recipe and a quoted "
+                        f"--set are read as written{value}): write the path itself, or pass --set {key}=... "
+                        f"unquoted or in double quotes so that the shell expands it")
 
 
 def _check_data_path(path: str) -> None:

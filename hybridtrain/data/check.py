@@ -15,14 +15,20 @@ import os
 from PIL import Image
 from tqdm import tqdm
 
-from hybridtrain.data.folder import ImageList, is_image_file, refuse_lookalike_names, require_two_classes
+from hybridtrain.data.folder import (
+    ImageList,
+    is_image_file,
+    read_text_lines,
+    refuse_lookalike_names,
+    require_two_classes,
+)
 from hybridtrain.data.images import to_rgb
 from hybridtrain.errors import UserError
 from hybridtrain.outputs import check_input_dir, write_text_atomically
 
 SPLITS = ("train", "val")
 CLEAN_LIST_HINT = ("run 'hybridtrain check-data DATA --write-filelist DIR' and train with data.file_lists=DIR "
-                   "(or remove the file)")
+                   "(or move the file out of the dataset)")
 FULL_TABLE_MAX_CLASSES = 20
 
 
@@ -97,8 +103,8 @@ def format_report(report: dict) -> str:
                      f"{len(s['non_images']):>10}")
     for split, s in report["splits"].items():
         lines += class_lines(split, s["classes"])
-        lines += [f"corrupt   {split}/{c['path']}  ({c['error']})" for c in s["corrupt"]]
-        lines += [f"non-image {split}/{p}" for p in s["non_images"]]
+        lines += [f"corrupt   {split}/{shown_name(c['path'])}  ({shown_name(c['error'])})" for c in s["corrupt"]]
+        lines += [f"non-image {split}/{shown_name(p)}" for p in s["non_images"]]
     return "\n".join(lines)
 
 
@@ -107,11 +113,29 @@ def class_lines(split: str, counts: dict) -> list[str]:
     if not counts:
         return [f"{split}: no class folders"]
     if len(counts) <= FULL_TABLE_MAX_CLASSES:
-        return [f"{split}/{name:<24} {n:>8}" for name, n in counts.items()]
+        return [f"{split}/{shown_name(name):<24} {n:>8}" for name, n in counts.items()]
     low, high = min(counts, key=counts.get), max(counts, key=counts.get)
     empty = [name for name, n in counts.items() if n == 0]
-    return [f"{split}: images per class from {counts[low]} ({low}) to {counts[high]} ({high})"
-            + (f"; {len(empty)} class(es) with no readable image, e.g. {empty[0]}" if empty else "")]
+    return [f"{split}: images per class from {counts[low]} ({shown_name(low)}) to {counts[high]} ({shown_name(high)})"
+            + (f"; {len(empty)} class(es) with no readable image, e.g. {shown_name(empty[0])}" if empty else "")]
+
+
+def shown_name(name: str) -> str:
+    """A file name for a line of text: a name that is not UTF-8 (os.listdir's surrogate escapes) with its odd bytes
+    written as \\xNN, so that printing it never fails."""
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+def refuse_names_a_list_cannot_hold(report: dict) -> None:
+    """One line naming the first readable image whose name is not UTF-8: a file list is UTF-8 text and the loaders
+    read it as such, so the list could name it only wrongly. Checked before any list is written."""
+    for split, s in report["splits"].items():
+        for rel, _ in s["samples"]:
+            if shown_name(rel) != rel:
+                raise UserError(f"{split}/{shown_name(rel)}: the file name is not UTF-8 (written on a system with "
+                                f"another encoding?), and a file list is UTF-8 text: rename it in UTF-8, e.g. convmv "
+                                f"-r -f latin1 -t utf8 --notest {os.path.join(report['root'], split)}, then run "
+                                f"check-data again (no file list was written)")
 
 
 def write_filelist(report: dict, split: str, path: str) -> int:
@@ -126,16 +150,15 @@ def read_filelist(split_dir: str, path: str) -> ImageList:
     classes = sorted(d for d in os.listdir(split_dir) if os.path.isdir(os.path.join(split_dir, d)))
     label_of = {name: label for label, name in enumerate(classes)}
     samples = []
-    with open(path, encoding="utf-8-sig") as fh:  # a spreadsheet's BOM and CRLF too
-        for n, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            rel, _, label = line.rstrip("\r\n").rpartition(" ")
-            folder = rel.split("/", 1)[0]
-            if not label.isdigit() or label_of.get(folder) != int(label):
-                data_root = os.path.dirname(os.path.normpath(split_dir))
-                raise UserError(f"file list {path} line {n} does not match the class folders of {split_dir}: "
-                                f"run 'hybridtrain check-data {data_root} --write-filelist "
-                                f"{os.path.dirname(path) or '.'}' again")
-            samples.append((os.path.join(split_dir, rel), int(label)))
+    for n, line in enumerate(read_text_lines(path), 1):  # a spreadsheet's BOM and CRLF too
+        if not line.strip():
+            continue
+        rel, _, label = line.rpartition(" ")
+        folder = rel.split("/", 1)[0]
+        if not label.isdigit() or label_of.get(folder) != int(label):
+            data_root = os.path.dirname(os.path.normpath(split_dir))
+            raise UserError(f"file list {path} line {n} does not match the class folders of {split_dir}: "
+                            f"run 'hybridtrain check-data {data_root} --write-filelist "
+                            f"{os.path.dirname(path) or '.'}' again")
+        samples.append((os.path.join(split_dir, rel), int(label)))
     return require_two_classes(ImageList(split_dir, classes, samples, []))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import unicodedata
 from dataclasses import dataclass
 
@@ -28,6 +29,21 @@ class ImageList:
 
 def is_image_file(name: str) -> bool:
     return name.lower().endswith(IMAGE_EXTENSIONS)
+
+
+def read_text_lines(path: str) -> list[str]:
+    """The lines of a label file or file list: UTF-8 (a spreadsheet's BOM and CRLF too), or one line naming the first
+    byte that is not, never a class name with a replacement character in it."""
+    with open(path, "rb") as fh:
+        data = fh.read()
+    try:
+        return re.split(r"\r\n|\r|\n", data.decode("utf-8-sig"))  # the newlines of open(), not splitlines()'s
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise UserError(f"{path} line {line} is not UTF-8 text (byte 0x{data[exc.start]:02x}; saved as Windows-1252 "
+                        f"or Latin-1?), so its names would be misread: convert it, e.g. iconv -f WINDOWS-1252 -t "
+                        f"UTF-8 {path} > {os.path.splitext(path)[0]}.utf8{os.path.splitext(path)[1]}, and give "
+                        f"that file") from None
 
 
 def require_two_classes(images: ImageList) -> ImageList:
@@ -71,7 +87,10 @@ def scan_split(root: str, split: str) -> ImageList:
     classes = sorted(d for d in os.listdir(split_dir) if os.path.isdir(os.path.join(split_dir, d)))
     refuse_lookalike_names(classes, split_dir)
     if not classes:
-        raise UserError(f"{split_dir} has no class folders: expected {split_dir}/<class>/*.jpg")
+        flat = len(images_in(split_dir))
+        hint = (f"; it holds {flat} images directly (a flat folder: sort them into class folders with 'hybridtrain "
+                f"reorganise-val {split_dir} --labels FILE --out NEW', which keeps these)" if flat else "")
+        raise UserError(f"{split_dir} has no class folders: expected {split_dir}/<class>/*.jpg{hint}")
     samples, skipped = [], []
     for label, name in enumerate(classes):
         class_dir = os.path.join(split_dir, name)
@@ -79,9 +98,39 @@ def scan_split(root: str, split: str) -> ImageList:
         images = [f for f in files if is_image_file(f) and os.path.isfile(os.path.join(class_dir, f))]
         skipped += [os.path.join(class_dir, f) for f in files if f not in images]
         if not images:
-            raise UserError(f"class folder {class_dir} has no images: add images or remove the folder")
+            raise UserError(f"class folder {class_dir} has no images{what_is_there(root, split, name, files)}")
         samples += [(os.path.join(class_dir, f), label) for f in images]
     return require_two_classes(ImageList(split_dir, classes, samples, skipped))
+
+
+def images_in(folder: str) -> list[str]:
+    """The image files directly in ``folder`` (none when it is not a folder)."""
+    if not os.path.isdir(folder):
+        return []
+    return [f for f in os.listdir(folder) if is_image_file(f) and os.path.isfile(os.path.join(folder, f))]
+
+
+def what_is_there(root: str, split: str, name: str, files: list[str]) -> str:
+    """For a class folder without images directly in it: what it does hold and how to go on without losing any of it
+    (never 'remove the folder': it may hold the user's images one level down, or the class's images in the other
+    split)."""
+    class_dir = os.path.join(root, split, name)
+    nested = {f: len(images_in(os.path.join(class_dir, f))) for f in files if os.path.isdir(os.path.join(class_dir, f))}
+    nested = {f: n for f, n in nested.items() if n}
+    if nested:
+        sub, count = next(iter(nested.items()))
+        return (f" directly in it, but {sum(nested.values())} in its subfolder(s) ({sub}/ holds {count}): the loader "
+                f"reads only {split}/<class>/<image>, so move them up (mv {os.path.join(class_dir, sub)}/* "
+                f"{class_dir}/), keeping every image")
+    other = "val" if split == "train" else "train"
+    elsewhere = len(images_in(os.path.join(root, other, name)))
+    held = f"; it holds {len(files)} other file(s), e.g. {files[0]}" if files else ""
+    if elsewhere:
+        return (f"{held}, while {os.path.join(root, other, name)} holds {elsewhere} of the class: add its {split} "
+                f"images to {class_dir}; to train without the class, move both {name} folders (train and val) out of "
+                f"{root}, keeping its {elsewhere} {other} images")
+    return (f"{held}: add its images, or, to train without the class, move the folder out of {root} (in train and "
+            f"val)")
 
 
 def scan_dataset(root: str) -> tuple[ImageList, ImageList]:

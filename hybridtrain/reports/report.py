@@ -34,10 +34,44 @@ def load_run(run_dir: str) -> tuple[dict, list[dict]]:
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
         raise UserError(f"{run_dir} has no metrics.jsonl: give the run_dir of a 'hybridtrain train' run")
-    history = [{**{key: float("nan") for key in RECORD_FIGURES}, **r} for r in read_metrics(path)]  # older versions
+    history = checked_records(path, read_metrics(path))
     if not history:
         raise UserError(f"{path} has no complete record: the run finished no epoch yet")
     return read_run_config(run_dir), history
+
+
+# the figures of a record beyond RECORD_FIGURES that the report reads
+COUNTED_FIGURES = ("world_size", "warmup_samples", "warmup_time_s")
+
+
+def checked_records(path: str, records: list[dict]) -> list[dict]:
+    """The records with each figure a number: one the record lacks (older versions) or holds as null (a record
+    edited by hand or by another tool) is NaN, reported as unknown ('-'). One line for an epoch that is not a count,
+    a val_top1 or figure that is not a number (world_size and the warmup figures not null either), and an epoch that
+    does not follow the one before: the same epoch twice is two runs' records in one file (a report would count its
+    images twice)."""
+    checked, line_of = [], {}
+    for n, record in enumerate(records, 1):
+        epoch = record["epoch"]
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 1:
+            raise UserError(f"{path} record {n}: epoch is {json.dumps(epoch)[:40]}, not an epoch count: restore the "
+                            f"file, or remove that line")
+        if checked and epoch <= checked[-1]["epoch"]:
+            again = f"repeats epoch {epoch} (record {line_of[epoch]})" if epoch in line_of else \
+                f"goes back to epoch {epoch} after epoch {checked[-1]['epoch']}"
+            raise UserError(f"{path} record {n} {again}: the file holds the records of two runs (concatenated, or "
+                            f"copied over each other), and a report would count their images twice: keep one run's "
+                            f"records (each run's own metrics.jsonl)")
+        for key in ("val_top1", *RECORD_FIGURES, *COUNTED_FIGURES):
+            value = record.get(key)
+            wrong = value is None and key in COUNTED_FIGURES and key in record  # a null rank count: no guess
+            if wrong or value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise UserError(f"{path} record {n} (epoch {epoch}): {key} is {json.dumps(value)[:40]}, not a number: "
+                                f"restore the file, or remove that line")
+        unknown = {key: float("nan") for key in ("val_top1", *RECORD_FIGURES)}  # lacked, or null: not recorded
+        checked.append({**unknown, **{key: value for key, value in record.items() if value is not None}})
+        line_of[epoch] = n
+    return checked
 
 
 def read_run_config(run_dir: str) -> dict:
@@ -62,13 +96,32 @@ def single_gpu_speed_of(run_dir: str, history: list[dict], world_size: int, give
         return given, "given (--single-gpu-speed)"
     scale_path = os.path.join(run_dir, "scale.json")
     if os.path.isfile(scale_path):
-        with open(scale_path) as fh:
-            rows = [r for r in json.load(fh)["rows"] if r["world_size"] == 1]
-        if rows:
-            return rows[0]["images_per_sec"], "measured by hybridtrain scale (scale.json)"
+        speed = single_rank_speed(scale_path)
+        if speed is not None:
+            return speed, "measured by hybridtrain scale (scale.json)"
     if world_size == 1 and math.isfinite(run_speed(history)):
         return run_speed(history), "this run (one rank)"
     return None, "unknown: pass --single-gpu-speed or run hybridtrain scale"
+
+
+def single_rank_speed(path: str) -> float | None:
+    """The images/s of the 1-rank row of a ``hybridtrain scale`` result (None when it has none); one line naming the
+    file when it is cut short or damaged."""
+    fix = ("run 'hybridtrain scale --out DIR' again, or move scale.json out of the run_dir and pass "
+           "--single-gpu-speed")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            rows = json.load(fh)["rows"]
+        speeds = [r["images_per_sec"] for r in rows if r["world_size"] == 1]
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
+        cut = isinstance(exc, json.JSONDecodeError) and exc.pos >= len(exc.doc.rstrip()) - 1
+        what = "is cut short (its write was stopped?)" if cut else f"is not a scale.json ({type(exc).__name__}: " \
+                                                                     f"{str(exc)[:60]})"
+        raise UserError(f"{path} {what}: {fix}") from None
+    for speed in speeds[:1]:
+        if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not 0 < speed < math.inf:
+            raise UserError(f"{path}: the 1-rank row's images_per_sec is {str(speed)[:40]}, not a speed: {fix}")
+    return speeds[0] if speeds else None
 
 
 def run_speed(history: list[dict]) -> float:
@@ -99,7 +152,8 @@ def run_figures(history: list[dict], world_size: int, top1_target: float, top5_t
                "actual_avg_single_gpu_time_s": None, "model_single_gpu_time_s": None, "model_gap": None,
                "single_gpu_speed": single_gpu_speed, "single_gpu_speed_source": speed_source,
                "scaling_efficiency": efficiency, "final_top1": top1[-1], "final_top5": top5[-1],
-               "best_top1": max(top1), "images_per_sec": speed, "total_time_s": ends[-1],
+               "best_top1": max((x for x in top1 if math.isfinite(x)), default=None), "images_per_sec": speed,
+               "total_time_s": ends[-1],
                "images_per_epoch": history[-1]["samples_seen"]}
     if epoch and all(math.isfinite(x) for x in ends[:epoch] + evals[:epoch]):  # older records may lack times
         time = metrics.actual_training_time(ends, epoch, evals)
@@ -145,11 +199,13 @@ def report_run(run_dir: str, top1_target: float | None = None, top5_target: floa
 # ----------------------------------------------------------------------------- text
 
 def minutes(seconds: float | None) -> str:
-    return "not reached" if seconds is None else f"{seconds / 60:.2f} min ({seconds:.1f} s)"
+    if seconds is None:
+        return "not reached"
+    return f"{seconds / 60:.2f} min ({seconds:.1f} s)" if math.isfinite(seconds) else "-"
 
 
 def pct(x: float | None) -> str:
-    return "-" if x is None else f"{100 * x:.2f}%"
+    return "-" if x is None or not math.isfinite(x) else f"{100 * x:.2f}%"
 
 
 def headline_rows(f: dict) -> list[tuple[str, str]]:

@@ -53,8 +53,8 @@ def _check_target(out: str, params: dict) -> bool:
         if found == params:
             return True
         what = found.get("dataset", "a dataset") if isinstance(found, dict) else "a dataset (damaged marker)"
-        raise UserError(f"{out} holds {what} prepared with other settings ({MARKER}): remove it, or choose another "
-                        f"--out")
+        raise UserError(f"{out} holds {what} prepared with other settings ({MARKER}), left as it is: choose another "
+                        f"--out (or give the settings it was prepared with)")
     if os.listdir(out):
         raise UserError(f"{out} is not empty and was not made by prepare-data: choose another --out")
     return False

@@ -10,7 +10,7 @@ import os
 import shutil
 import unicodedata
 
-from hybridtrain.data.folder import is_image_file
+from hybridtrain.data.folder import is_image_file, read_text_lines
 from hybridtrain.errors import UserError
 from hybridtrain.outputs import check_input_dir, check_input_file, finish_partial, start_partial
 
@@ -20,8 +20,7 @@ CSV_HEADER = "ImageId,PredictionString"
 def read_val_labels(labels_file: str) -> dict[str, str]:
     """Image name without extension -> class name, from either label format."""
     check_input_file(labels_file, "--labels", "give the label file ('IMAGE CLASS' lines, or LOC_val_solution.csv)")
-    with open(labels_file, encoding="utf-8-sig", errors="replace") as fh:  # a spreadsheet's BOM and CRLF too
-        lines = [(n, line.strip()) for n, line in enumerate(fh, 1) if line.strip()]
+    lines = [(n, line.strip()) for n, line in enumerate(read_text_lines(labels_file), 1) if line.strip()]
     is_csv = bool(lines) and lines[0][1].replace(" ", "") == CSV_HEADER
     labels, line_of, spelling = {}, {}, {}
     for n, line in lines[1:] if is_csv else lines:
@@ -96,8 +95,12 @@ def reorganise_flat_val(flat_dir: str, labels_file: str, out_dir: str, link: boo
     """Write ``out_dir/<class>/<image>`` as symlinks to the flat images (or copies); returns counts."""
     labels = read_val_labels(labels_file)
     files = match_images(flat_dir, labels, labels_file)
-    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
-        raise UserError(f"{out_dir} already exists and is not an empty folder: remove it or choose another --out")
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise UserError(f"--out {out_dir} is a file: choose a new or empty folder as --out")
+    held = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []
+    if held:
+        raise UserError(f"--out {out_dir} is not empty: it holds {len(held)} entries (e.g. {held[0]}), which are left "
+                        f"as they are: choose a new or empty folder as --out (e.g. {os.path.normpath(out_dir)}-sorted)")
     tmp = start_partial(out_dir)  # removes only an OUT.partial a previous run of ours left
     for stem, cls in labels.items():
         os.makedirs(os.path.join(tmp, cls), exist_ok=True)
