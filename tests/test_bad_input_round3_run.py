@@ -16,13 +16,14 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections import Counter
 
 import numpy as np
 import pytest
 import yaml
-from conftest import HYBRIDTRAIN, env_with_venv, horovodrun, rank_output, read_metrics, tiny_config
+from conftest import HYBRIDTRAIN, REPO, env_with_venv, horovodrun, rank_output, read_metrics, tiny_config
 
 from hybridtrain.data import sharding
 from hybridtrain.engine.resume import consumed_samples, step_in_epoch
@@ -157,3 +158,28 @@ def test_a_validation_longer_than_the_stall_limit_is_work_not_a_hang(stopped_the
     [record] = read_metrics(str(run_dir))
     # the test means something: the time after training (checkpoint, validation) is past both ranks' limits
     assert record["epoch_time_s"] - record["train_time_s"] > exit_after_s(STALL_SHUTDOWN_S, 1) + 1, record
+
+
+def test_local_work_stops_the_clock_and_a_stall_after_it_is_still_named():
+    """The mechanism on the real watchdog (stall_shutdown_s=1, rank 0): 3 s of local work, twice the limit, pass
+    without a word; the clock starts again at its end, so the stall right after it ends the rank (3) with the
+    'a rank hung' line about 1 s later, not sooner and not never."""
+    script = ("import sys, time\nfrom hybridtrain.engine.watchdog import StallWatchdog, local_work\n"
+              "w = StallWatchdog(1, 1, rank=0, poll_s=0.05); w.beat()\n"
+              "with local_work('validation'):\n    time.sleep(3)\n"
+              "print('after', flush=True); sys.stderr.flush(); time.sleep(30)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=REPO)
+    try:
+        after = proc.stdout.readline()  # the local work is over (the imports before it take seconds under load)
+        ended = time.monotonic()
+        proc.wait(timeout=60)
+        took = time.monotonic() - ended
+        stderr = proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 3 and after == "after\n", after + stderr
+    assert "warning: rank 0: no training step finished for 1 s" in stderr, stderr  # from the end of the work
+    assert "a rank hung" in stderr and "error: rank 0: no training step finished for 1 s" in stderr, stderr
+    assert 0.5 <= took < 6, took
