@@ -68,6 +68,20 @@ def test_a_changed_layout_continues_the_permutation_each_sample_at_most_once(bef
         assert (consumed, len(rest), len(trained)) == (24, 48, 72)
 
 
+def test_dali_on_another_layout_is_one_line_naming_both_layouts_and_the_fix():
+    """DALI's readers start an epoch only at its beginning: continuing by samples cannot be exact there."""
+    from hybridtrain.engine.resume import check_continuable_by_samples
+    from hybridtrain.errors import UserError
+    check_continuable_by_samples("torchvision", 0, 24, (1, 8), (2, 12))  # torchvision (and synthetic) continue
+    check_continuable_by_samples("synthetic", 0, 24, (1, 8), (2, 12))
+    with pytest.raises(UserError) as refused:
+        check_continuable_by_samples("dali_cpu", 0, 24, (1, 8), (2, 12))
+    line = str(refused.value)
+    assert "\n" not in line and "after 24 samples of epoch 1" in line, line
+    assert "train.batch_size=8 on 1 rank(s)" in line and "train.batch_size=12 on 2 rank(s)" in line, line
+    assert "resume with train.batch_size=8 on 1 rank(s), or with data.backend=torchvision" in line, line
+
+
 # ----------------------------------------------------------------------------- one stop and one resume (real)
 
 @pytest.fixture(scope="module")

@@ -54,15 +54,22 @@ def restore(t: Trainer, state: dict, backend: str) -> EpochPosition | None:
         load_bn_buffers(t.model, partial["ranks"][t.topo.rank]["bn_buffers"])  # its own, not the average
         return EpochPosition(partial["epoch"], progress[t.topo.rank], start, first_step)
     consumed = partial.get("samples", consumed_samples(start, progress[0].passes, ranks, batch_size))
-    if backend.startswith("dali"):
-        raise UserError(f"the newest checkpoint stopped mid-epoch after {consumed} samples of epoch "
-                        f"{partial['epoch'] + 1} with train.batch_size={batch_size} on {ranks} rank(s), this job has "
-                        f"train.batch_size={t.batch_size} on {t.topo.size} rank(s), and data.backend={backend} "
-                        f"starts an epoch only at its beginning: resume with train.batch_size={batch_size} on "
-                        f"{ranks} rank(s), or with data.backend=torchvision")
+    check_continuable_by_samples(backend, partial["epoch"], consumed, (ranks, batch_size), (t.topo.size, t.batch_size))
     totals = [sum(getattr(p, key) for p in progress) for key in ("loss_sum", "correct", "seen")]
     return position_by_samples(partial["epoch"], consumed, totals, max(p.train_time_s for p in progress),
                                progress[0].skipped_steps, t)
+
+
+def check_continuable_by_samples(backend: str, epoch: int, consumed: int, stopped: tuple[int, int],
+                                 now: tuple[int, int]) -> None:
+    """A stopped epoch continues on another (ranks, train.batch_size) layout only where the loader can start an
+    epoch at a sample (``set_epoch(epoch, start)``): DALI's readers cannot, so that is one line with the fix."""
+    if backend.startswith("dali"):
+        raise UserError(f"the newest checkpoint stopped mid-epoch after {consumed} samples of epoch {epoch + 1} with "
+                        f"train.batch_size={stopped[1]} on {stopped[0]} rank(s), this job has train.batch_size="
+                        f"{now[1]} on {now[0]} rank(s), and data.backend={backend} starts an epoch only at its "
+                        f"beginning: resume with train.batch_size={stopped[1]} on {stopped[0]} rank(s), or with "
+                        f"data.backend=torchvision")
 
 
 def stopped_layout(state: dict) -> tuple[int, int]:
