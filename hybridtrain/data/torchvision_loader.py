@@ -49,7 +49,11 @@ class ImageListDataset(Dataset):
 
 
 class Collate:
-    """Stack (image, label, index) items into one batch, NCHW or channels_last; an unreadable one wins."""
+    """Stack (image, label, index) items into one batch, NCHW or channels_last; an unreadable one wins.
+
+    In a worker the batch is moved to shared memory here, where a full /dev/shm raises in the worker's fetch and
+    reaches the rank as its error (``SharedMemoryErrors``): left to the queue's feeder thread, the move fails
+    there, prints a traceback and loses the batch, and the rank waits for it forever."""
 
     def __init__(self, channels_last: bool):
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
@@ -59,8 +63,12 @@ class Collate:
         if bad:
             return bad[0]
         images, labels, indices = zip(*items)
-        return (torch.stack(images).contiguous(memory_format=self.memory_format), torch.tensor(labels),
-                torch.tensor(indices))
+        batch = (torch.stack(images).contiguous(memory_format=self.memory_format), torch.tensor(labels),
+                 torch.tensor(indices))
+        if torch.utils.data.get_worker_info() is not None:
+            for tensor in batch:
+                tensor.share_memory_()
+        return batch
 
 
 class EpochBatches:

@@ -142,8 +142,9 @@ def batch_shm_bytes(batch: int, crop: int) -> int:
 
 def loader_shm_bytes(batch: int, crop: int, workers: int, prefetch: int) -> int:
     """The most one loader holds at once: workers x prefetch batches in flight (torch keeps that many asked
-    for), the batch the rank is receiving and the one it still trains on."""
-    return (workers * prefetch + 2) * batch_shm_bytes(batch, crop)
+    for), the batch the rank is receiving and the one it still trains on; and its semaphores, a page each (a
+    queue per worker and one for results, 3 each; two events, 5 each in all; counted in a real /dev/shm)."""
+    return (workers * prefetch + 2) * batch_shm_bytes(batch, crop) + (3 * workers + 8) * PAGE
 
 
 def shm_space(path: str = SHM_DIR) -> tuple[int, int] | None:
