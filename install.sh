@@ -228,7 +228,7 @@ plan_node() {
     if [ "$status" != 0 ] && grep -q 'is not a valid field' <<<"$smi"; then   # a driver too old for compute_cap
       status=0
       driver="$(ask_smi "${select[@]}" --query-gpu=driver_version --format=csv,noheader)" || status=$?
-      smi="$smi"$'\n'"$(sed 's/^/-, /' <<<"$driver")"
+      smi="$smi"$'\n'"-, ${driver//$'\n'/$'\n'-, }"
     fi
   fi
   if [ "$TORCH_MODE" = system ]; then   # torch's version and CUDA, and the driver API its process loads

@@ -24,15 +24,17 @@ INSTALL = REPO / "install.sh"
 
 # ----------------------------------------------------------------------------- 7. broken GPU nodes at install
 
-def stand_in_smi(tmp_path: Path, rows: str = "", status: int = 0, sleep: float = 0) -> dict:
+def stand_in_smi(tmp_path: Path, rows: str = "", status: int = 0, sleep: float = 0, old: bool = False) -> dict:
     """An environment whose PATH has a stand-in nvidia-smi: it prints ``rows`` (one per GPU, in index order) and
     exits with ``status``; with -i LIST only those rows ('No devices were found', exit 6, for an index it lacks);
     the driver-only query prints each row's second field; ``sleep`` seconds first (a hung driver: it sleeps
-    with exec, so that killing it ends it). It writes its pid to smi.pid."""
+    with exec, so that killing it ends it); ``old``: a driver older than the compute_cap field (exit 2 for that
+    query, as r470 does). It writes its pid to smi.pid."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     (bin_dir / "rows").write_text(rows)
     script = bin_dir / "nvidia-smi"
+    refuse_cap = 'echo "Field \\"compute_cap\\" is not a valid field to query."; exit 2' if old else ":"
     script.write_text(f"""#!/bin/bash
 echo $$ > "{bin_dir}/smi.pid"
 {f'sleep {sleep}' if sleep else ':'}
@@ -41,7 +43,10 @@ if [ "$1" = -i ]; then
   out="$(awk -v ids=",$2," 'index(ids, "," NR - 1 ",")' "{bin_dir}/rows")"
   [ -n "$out" ] || {{ echo "No devices were found"; exit 6; }}
 fi
-case "$*" in *compute_cap*) ;; *) out="$(sed 's/^[^,]*, //' <<<"$out")" ;; esac
+case "$*" in
+  *compute_cap*) {refuse_cap} ;;
+  *) out="$(sed 's/^[^,]*, //' <<<"$out")" ;;
+esac
 printf '%s\\n' "$out"
 exit {status}
 """)
@@ -100,7 +105,7 @@ def test_the_fixes_offered_for_broken_gpus_work(tmp_path):
     gpus = line.split("HYBRIDTRAIN_GPUS=")[1].split()[0].rstrip(",;)")
     healthy = install(env, "--plan", HYBRIDTRAIN_GPUS=gpus)
     assert healthy.returncode == 0, healthy.stderr
-    assert f"plan: node: 2 x sm_90 (Hopper, e.g. H100/H200), driver 580.95.05 (HYBRIDTRAIN_GPUS=0,2" in healthy.stdout
+    assert "plan: node: 2 x sm_90 (Hopper, e.g. H100/H200), driver 580.95.05 (HYBRIDTRAIN_GPUS=0,2" in healthy.stdout
     assert "HOROVOD_BUILD_CUDA_CC_LIST=90" in healthy.stdout
     none = install(stand_in_smi(tmp_path, "No devices were found", 6), "--plan", HYBRIDTRAIN_GPUS="none")
     assert none.returncode == 0 and "plan: node: no NVIDIA GPU: the install is the one for CPUs (HYBRIDTRAIN_GPUS=none" \
@@ -110,6 +115,13 @@ def test_the_fixes_offered_for_broken_gpus_work(tmp_path):
     assert not (tmp_path / "bin" / "smi.pid").exists(), "HYBRIDTRAIN_GPUS=none must not ask nvidia-smi"
     wrong = install(env, "--plan", HYBRIDTRAIN_GPUS="7")
     one_install_error(wrong, "HYBRIDTRAIN_GPUS=7 names GPUs that nvidia-smi does not list")
+
+
+def test_a_driver_too_old_for_compute_cap_is_still_named(tmp_path):
+    """r470 refuses the compute_cap field (exit 2, a failure that is not the node's): the driver-only query that
+    follows, now under the same time limit, still names the driver and its upgrade."""
+    one_install_error(install(stand_in_smi(tmp_path, "-, 470.82.01\n", old=True), "--plan"),
+                      "the NVIDIA driver 470.82.01 is older than r525", "upgrade the driver")
 
 
 def test_a_node_with_two_kinds_of_gpu_is_planned_for_the_kind_named(tmp_path):
