@@ -5,6 +5,7 @@ trainings). Real ``hybridtrain`` processes for the command line; DALI's CPU pipe
 from __future__ import annotations
 
 import io
+import json
 import os
 import shutil
 import signal
@@ -246,6 +247,61 @@ def test_a_killed_prepare_resumes_to_the_same_tree_and_never_shows_half_an_image
     assert tree_files(out) == tree_files(prepared)
 
 
+def test_a_killed_pack_keeps_its_finished_shards_and_resumes_to_the_same_shards(sources, prepared, tmp_path):
+    """``--shards 4 --workers 1`` packs the training shards in order; a probe (sitecustomize) makes opening the 5th
+    image of shard 2 hang, so the pack stops there, deterministically, after shards 0 and 1 are whole (a named
+    pipe cannot do it: the scan skips what is not a regular file); the process group is killed and the same
+    command, without the probe, continues: shards 0 and 1 are kept (the same files), and the result is byte for
+    byte the uninterrupted pack."""
+    from hybridtrain.data.folder import scan_dataset
+    from hybridtrain.data.prepare.pack_shards import shard_plan
+    out = tmp_path / "imagenet"
+    shutil.copytree(prepared, out, ignore=lambda folder, names: ["shards"] if folder == prepared else [])
+    train, _ = scan_dataset(str(out))
+    probe, hanging = tmp_path / "probe", tmp_path / "hanging"
+    probe.mkdir()
+    (probe / "sitecustomize.py").write_text(HANG_ON_OPEN)
+    env = dict(env_with_venv(1), PYTHONPATH=str(probe), HANG_ON_OPEN=train.samples[shard_plan(72, 4, True)[2][4]][0],
+               HANG_MARK=str(hanging))
+    cmd = [HYBRIDTRAIN, "prepare-data", "imagenet", "--source", sources["archives"], "--out", str(out), "--no-md5",
+           "--workers", "1", "--shards", "4"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not hanging.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL, proc.stderr.read().decode()
+    partial = out / "shards.partial" / "train"
+    assert sorted(p.name for p in partial.glob("*.tar")) == ["000000.tar", "000001.tar"]
+    assert (partial / "000002.tar.tmp").exists() and not (out / "shards").exists()  # half a tar, out of the way
+    kept = ("000000.tar", "000001.tar", "000000.idx")
+    for name in kept:  # a second link to each finished file: the same file afterwards means it was kept
+        os.link(partial / name, tmp_path / name)
+    again = run(cmd, timeout=300)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "4 train / 4 val tar files" in again.stdout
+    assert all(os.path.samefile(tmp_path / name, out / "shards" / "train" / name) for name in kept)
+    assert not (out / "shards.partial").exists()
+    assert tree_bytes(out / "shards") == tree_bytes(os.path.join(prepared, "shards"))
+
+
+HANG_ON_OPEN = """
+import builtins, os, time
+_open, _path, _mark = builtins.open, os.environ["HANG_ON_OPEN"], os.environ["HANG_MARK"]
+def _hanging_open(file, *args, **kwargs):
+    if isinstance(file, str) and file == _path:
+        _open(_mark, "w").close()
+        time.sleep(3600)
+    return _open(file, *args, **kwargs)
+builtins.open = _hanging_open
+"""
+
+
+def tree_bytes(root) -> dict[str, bytes]:
+    return {os.path.relpath(os.path.join(folder, name), root): open(os.path.join(folder, name), "rb").read()
+            for folder, _, names in os.walk(root) for name in names}
+
+
 def records(done: str) -> int:
     return len([n for n in os.listdir(done) if n.endswith(".json")]) if os.path.isdir(done) else 0
 
@@ -321,29 +377,61 @@ def test_shards_hold_every_image_under_its_folder_index(prepared):
     assert names[:2] == [names[0][:-4] + ".jpg", names[0][:-4] + ".cls"] and len(names) == 2 * 18
 
 
+def expected_keys(backend: str, rank: int, epoch: int, n: int = 72, ranks: int = 2, batch: int = 8) -> list[list]:
+    """Each batch's sample keys, in plain NumPy: the epoch's permutation of all n samples by (seed 3, epoch), and the
+    rank's part of it: DALI's (folder form) the rank's contiguous range [r*n/k, (r+1)*n/k), torchvision's
+    the rank's slice of each global batch; both run n // (k*b) full steps."""
+    order = np.random.default_rng([3, epoch]).permutation(n)
+    steps = n // (ranks * batch)
+    if backend == "dali_cpu":
+        mine = order[rank * n // ranks:(rank + 1) * n // ranks]
+        return [mine[s * batch:(s + 1) * batch].tolist() for s in range(steps)]
+    return [order[(s * ranks + rank) * batch:(s * ranks + rank + 1) * batch].tolist() for s in range(steps)]
+
+
 @pytest.mark.parametrize("backend", ["torchvision", "dali_cpu"])
-def test_both_backends_partition_the_shards_by_global_rank_and_reshuffle_every_epoch(backend, prepared):
+def test_both_backends_read_the_shards_in_their_folder_forms_exact_order(backend, prepared):
+    """Sample by sample, each backend reads the shards in the order it reads the folders: the same (seed, epoch)
+    permutation, rank slice, steps and drops; DALI's folder form cuts the epoch's order into contiguous rank
+    ranges, torchvision's into the ranks' slices of each global batch."""
     shards = os.path.join(prepared, "shards")
     ranks = [shard_loaders(shards, backend, r) for r in range(2)]
-    folder = shard_loaders(prepared, backend, 0)
+    folders = [shard_loaders(prepared, backend, r) for r in range(2)]
     labels = {i: label for i, (_, label) in enumerate(scan_shards_train(shards))}
-    subsets = []
+    orders = []
     for epoch in range(2):
         per_rank = [epoch_batches(r.train, epoch) for r in ranks]
         assert len(per_rank[0]) == len(per_rank[1]) == ranks[0].steps_per_epoch == 4  # equal steps, full batches
         seen = [int(i) for batches in per_rank for _, _, idx in batches for i in idx]
         assert len(seen) == len(set(seen)) == 64 == 72 - ranks[0].dropped_per_epoch
         assert all(int(lab) == labels[int(i)] for b in per_rank for _, ls, idx in b for lab, i in zip(ls, idx))
-        subsets.append([{int(i) for _, _, idx in batches for i in idx} for batches in per_rank])
-        if backend == "torchvision" and epoch == 0:  # the folder form's exact batches, pixel for pixel
-            for (a, la, ia), (b, lb, ib) in zip(per_rank[0], epoch_batches(folder.train, 0)):
-                assert ia.tolist() == ib.tolist() and la.tolist() == lb.tolist() and (a == b).all()
-    assert subsets[0] != subsets[1], "the ranks read the same samples in both epochs"
-    val = [epoch_batches(r.val, 0) for r in ranks]
-    assert sorted(int(i) for batches in val for _, _, idx in batches for i in idx) == list(range(24))
+        for rank, (batches, folder) in enumerate(zip(per_rank, folders)):
+            assert [idx.tolist() for _, _, idx in batches] == expected_keys(backend, rank, epoch)
+            from_folders = epoch_batches(folder.train, epoch)
+            assert [(ls.tolist(), idx.tolist()) for _, ls, idx in batches] == [
+                (ls.tolist(), idx.tolist()) for _, ls, idx in from_folders]
+            if backend == "torchvision" and epoch == 0:  # the same pixels too (DALI's crops draw other seeds)
+                assert all((a == b).all() for (a, _, _), (b, _, _) in zip(batches, from_folders))
+        orders.append(seen)
+    assert orders[0] != orders[1] and set(orders[0][:32]) != set(orders[1][:32]), "the same order in both epochs"
+    for _ in range(2):  # DALI's validation pipeline serves every pass: it starts its list again
+        val = [epoch_batches(r.val, 0) for r in ranks]
+        assert [int(i) for batches in val for _, _, idx in batches for i in idx] == list(range(24))
     images = {int(i): img for batches in val for imgs, _, idx in batches for img, i in zip(imgs, idx)}
-    for imgs, _, idx in epoch_batches(folder.val, 0):  # validation decodes the same pixels from both forms
+    for imgs, _, idx in epoch_batches(folders[0].val, 0):  # validation decodes the same pixels from both forms
         assert all((images[int(i)] == img).all() for img, i in zip(imgs, idx))
+
+
+def test_a_cls_member_that_disagrees_with_the_manifest_is_one_line(prepared, tmp_path):
+    shards = str(tmp_path / "shards")
+    shutil.copytree(os.path.join(prepared, "shards"), shards)
+    with open(os.path.join(shards, "shards.json")) as fh:
+        meta = json.load(fh)
+    meta["train"]["labels"] = [(label + 1) % 12 for label in meta["train"]["labels"]]
+    with open(os.path.join(shards, "shards.json"), "w") as fh:
+        json.dump(meta, fh)
+    with pytest.raises(UserError, match=r"\.cls says class \d+ and shards\.json \d+: the shards are damaged"):
+        epoch_batches(shard_loaders(shards, "dali_cpu", 0).train, 0)
 
 
 def scan_shards_train(shards: str):
@@ -352,7 +440,7 @@ def scan_shards_train(shards: str):
 
 
 def test_two_ranks_train_from_the_shards_on_both_backends(prepared, tmp_path, write_config):
-    """DALI's webdataset reader under horovodrun, the torchvision reader under torchrun (the torch engine), in a
+    """DALI's external_source reader under horovodrun, the torchvision reader under torchrun (the torch engine), in a
     spawned loader worker per loader (the shards' open files are per process)."""
     shards = os.path.join(prepared, "shards")
     sections = dict(train={"epochs": 1, "batch_size": 8}, optim={"warmup_epochs": 0.5})

@@ -401,35 +401,37 @@ def graph_spec(cfg, training: bool, device: str, dtype: torch.dtype, channels_la
 
 
 def _create(images: ImageList, cfg, rank: int, world_size: int, local_size: int, device: str, training: bool,
-            batch_size: int, dtype: torch.dtype, channels_last: bool, pin: bool, loader_class=None) -> DaliLoader:
+            batch_size: int, dtype: torch.dtype, channels_last: bool, pin: bool, loader_class) -> DaliLoader:
     require_dali()
     if device == "gpu":
         require_gpu_for_dali_gpu()
     spec = graph_spec(cfg, training, device, dtype, channels_last)
     threads = cfg.data.workers or cores_per_rank(local_size)
     device_id = torch.cuda.current_device() if device == "gpu" else None
-    return (loader_class or DaliLoader)(images, spec, rank, world_size, batch_size, cfg.seed, threads,
-                                        cfg.data.prefetch, device_id, pin)
+    return loader_class(images, spec, rank, world_size, batch_size, cfg.seed, threads, cfg.data.prefetch, device_id,
+                        pin)
 
 
 def create_dali_train_loader(images: ImageList, cfg, rank: int, world_size: int, local_size: int, device: str,
                              dtype: torch.dtype = torch.float32, channels_last: bool = False,
-                             pin: bool = False) -> DaliLoader:
+                             pin: bool = False, loader_class=DaliLoader) -> DaliLoader:
     """Training loader; ``device`` "gpu" decodes on the current CUDA device (set it to the local rank); ``pin``: a
-    "cpu" pipeline's batches page-locked (for a GPU run; it needs CUDA)."""
+    "cpu" pipeline's batches page-locked (for a GPU run; it needs CUDA); ``loader_class``: DaliLoader or the tar
+    shards' (``dali_shards``)."""
     b = cfg.train.batch_size
     if train_steps(len(images), world_size, b) == 0:
         raise UserError(f"the training set ({len(images)} images) cannot give every one of {world_size} rank(s) "
                         f"a full batch of {b}: lower train.batch_size or use fewer ranks")
-    return _create(images, cfg, rank, world_size, local_size, device, True, b, dtype, channels_last, pin)
+    return _create(images, cfg, rank, world_size, local_size, device, True, b, dtype, channels_last, pin, loader_class)
 
 
 def create_dali_val_loader(images: ImageList, cfg, rank: int, world_size: int, local_size: int, device: str,
                            dtype: torch.dtype = torch.float32, channels_last: bool = False,
-                           pin: bool = False) -> DaliLoader:
+                           pin: bool = False, loader_class=DaliLoader) -> DaliLoader:
     """Validation loader: each real image exactly once across ranks, padded duplicates cut off."""
     if len(images) < world_size:
         raise UserError(f"the validation set ({len(images)} images) is smaller than the number of ranks "
                         f"({world_size}): add images or use fewer ranks")
     b = cfg.data.val_batch_size or cfg.train.batch_size
-    return _create(images, cfg, rank, world_size, local_size, device, False, b, dtype, channels_last, pin)
+    return _create(images, cfg, rank, world_size, local_size, device, False, b, dtype, channels_last, pin,
+                   loader_class)
