@@ -4,7 +4,7 @@ travels with the working tree (at most 64 MiB with it).
     python -m hybridtrain.perf.gpu_bundle [DIR]     # default .gpu-bundle
 
 The machine's ``python3`` is a Python 3.12 venv holding torch and most of hybridtrain's requirements, but no
-Horovod, cffi, pycparser, and (a 3.12 venv) no setuptools or wheel. The bundle holds Horovod's source
+Horovod, cffi, pycparser, pytest-timeout, and (a 3.12 venv) no setuptools or wheel. The bundle holds Horovod's source
 distribution and the wheels of its build and run requirements for CPython 3.12 on manylinux x86_64, and the
 same wheels for the Python running this (so that ``gpu-check --rehearse`` can build from it here). Standard
 library only.
@@ -21,8 +21,9 @@ from hybridtrain.errors import UserError, run_guarded
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HOROVOD = "horovod==0.28.1"
 SDIST = "horovod-0.28.1.tar.gz"
-# install.sh's HOROVOD_BUILD_REQS and HOROVOD_RUNTIME_REQS, with cffi's own requirement
-WHEELS = ["cffi", "pycparser", "setuptools", "wheel", "packaging", "psutil", "pyyaml", "cloudpickle"]
+# install.sh's HOROVOD_BUILD_REQS and HOROVOD_RUNTIME_REQS, with cffi's own requirement; pytest-timeout: the one
+# package of the test extra (setup.py) that the image lacks, which the build's offline install of hybridtrain asks for
+WHEELS = ["cffi", "pycparser", "setuptools", "wheel", "packaging", "psutil", "pyyaml", "cloudpickle", "pytest-timeout"]
 TARGET_PYTHON = "3.12"
 PLATFORMS = ["manylinux2014_x86_64", "manylinux_2_28_x86_64"]
 LIMIT_MIB = 64
