@@ -285,10 +285,25 @@ def cmd_report(args) -> int:
 def cmd_scale(args) -> int:
     from hybridtrain.perf.scaling import format_table, parse_compressions, run_scale
     check_output_dir(args.out, "--out")
-    rows = run_scale(args.config, args.set, args.np, parse_compressions(args.compression), args.steps,
-                     args.warmup, args.out, args.oversubscribe, parse_engines(args.engine))
-    print(format_table(rows))
-    print(f"scale.json and scale.png written to {args.out}")
+    if args.json:
+        check_output_file(args.json, "--json")
+    if args.cluster:
+        if args.np is not None:
+            raise UserError("--np counts ranks on this machine; --cluster N runs one rank on each of N hosts: drop one")
+        from hybridtrain.perf.scale_cluster import format_cluster_table, run_cluster_scale
+        rows = run_cluster_scale(args.config, args.set, args.cluster, args.link, parse_compressions(args.compression),
+                                 parse_engines(args.engine), args.steps, args.warmup, args.out, args.oversubscribe)
+        print(format_cluster_table(rows))
+    else:
+        if args.link != "none":
+            raise UserError(f"--link {args.link} limits the links of a --cluster: add --cluster N, or drop --link")
+        rows = run_scale(args.config, args.set, args.np or [1, 2], parse_compressions(args.compression), args.steps,
+                         args.warmup, args.out, args.oversubscribe, parse_engines(args.engine))
+        print(format_table(rows))
+        print(f"scale.json and scale.png written to {args.out}")
+    if args.json:
+        write_json_atomically(args.json, {"config": args.config, "overrides": args.set, "rows": rows})
+        print(f"rows written to {args.json}")
     return 0
 
 
@@ -641,7 +656,7 @@ def build_parser() -> argparse.ArgumentParser:
     scale = sub.add_parser("scale", help="synthetic-data benchmark at several rank counts: img/s, efficiency, "
                                          "all-reduce bytes and time")
     add_recipe_options(scale, "model, per-rank batch, crop and precision", default="configs/demo.yaml")
-    scale.add_argument("--np", default="1,2", type=count_list(1, 4096), help="rank counts, e.g. 1,2 (default 1,2)")
+    scale.add_argument("--np", type=count_list(1, 4096), help="rank counts, e.g. 1,2 (default 1,2)")
     scale.add_argument("--compression", default="fp16,none", help="fp16 and/or none (default fp16,none)")
     scale.add_argument("--steps", type=STEPS, default=20, help="timed steps (default 20)")
     scale.add_argument("--warmup", type=WARMUP, default=5, help="untimed steps first (default 5)")
@@ -651,6 +666,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default horovod)")
     scale.add_argument("--oversubscribe", action="store_true",
                        help="allow more ranks than cores (for calibrating predict on a small machine)")
+    scale.add_argument("--cluster", type=bounded_int(2, 200), metavar="N",
+                       help="run the rows across N hosts of a cluster in a box, one rank each (root; hybridtrain "
+                            "cluster; docs/cluster.md), next to predict's all-reduce model")
+    scale.add_argument("--link", default="none", help="with --cluster: each host's link rate as tc writes it (100mbit, "
+                                                      "1gbit, 10gbit) or none (default none)")
+    scale.add_argument("--json", help="also write the rows to this JSON file")
     scale.set_defaults(func=cmd_scale)
 
     clu = sub.add_parser("cluster", help="N hosts on this machine (network namespaces with an sshd each, joined by "

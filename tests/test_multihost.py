@@ -9,13 +9,14 @@ import json
 import os
 import shutil
 import subprocess
+import time
 
 import pytest
 from conftest import HOROVODRUN, HYBRIDTRAIN, REPO, TORCHRUN, env_with_venv, tiny_config
 
 from hybridtrain.perf import netns_cluster as cluster
 
-pytestmark = pytest.mark.skipif(
+needs_cluster = pytest.mark.skipif(
     os.geteuid() != 0 or not all(shutil.which(t) for t in cluster.TOOLS) or not os.path.exists(cluster.SSHD),
     reason="needs root, iproute2 and openssh-server (HYBRIDTRAIN_SYSTEM_PACKAGES=1 ./install.sh installs them)")
 
@@ -23,6 +24,18 @@ pytestmark = pytest.mark.skipif(
 def cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([HYBRIDTRAIN, "cluster", *args], capture_output=True, text=True, timeout=60,
                           stdin=subprocess.DEVNULL)
+
+
+def test_predicted_images_per_sec_is_the_flat_ring_at_the_link_rate():
+    """Hand-worked: 2 hosts, 1 Gbit/s = 125e6 B/s, ResNet-18's 11,689,512 parameters, compute 0.1 s at 32 per rank.
+    FP32: all-reduce = 2(N-1)/N x 46,758,048 B / 125e6 B/s = 0.374064 s, 64 images / 0.474064 s = 135.00 img/s;
+    FP16: 0.187032 s, 64 / 0.287032 = 222.97 img/s; no limit: compute alone, 64 / 0.1 = 640."""
+    from hybridtrain.perf.scale_cluster import predicted_images_per_sec
+    assert predicted_images_per_sec(0.1, 32, 11_689_512, "none", 2, "1gbit") == pytest.approx(135.0029, rel=1e-5)
+    assert predicted_images_per_sec(0.1, 32, 11_689_512, "fp16", 2, "1gbit") == pytest.approx(222.9716, rel=1e-5)
+    assert predicted_images_per_sec(0.1, 32, 11_689_512, "fp16", 2, "none") == pytest.approx(640.0)
+    assert predicted_images_per_sec(0.1, 32, 11_689_512, "none", 4, "100mbit") == pytest.approx(
+        128 / (0.1 + 1.5 * 46_758_048 / 12.5e6))
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +51,7 @@ def on_host(host: str, argv: list[str], **kwargs) -> subprocess.Popen:
                             text=True, env=env_with_venv(2), cwd=REPO, stdin=subprocess.DEVNULL, **kwargs)
 
 
+@needs_cluster
 def test_cluster_names_its_hosts_and_goes_down_cleanly_after_a_killed_run(hosts):
     """Each host has its own hostname and resolves the other; ``down`` after a run left processes behind (and a
     second ``down``) leaves nothing, and ``up`` then makes the cluster again."""
@@ -56,19 +70,58 @@ def test_cluster_names_its_hosts_and_goes_down_cleanly_after_a_killed_run(hosts)
     assert again.returncode == 0 and again.stdout.count("sshd running") == 2, again.stdout + again.stderr
 
 
-def test_horovodrun_over_ssh_between_two_hosts_ends_with_identical_ranks(hosts, small_digits, tmp_path,
-                                                                          write_config):
+def job_processes(hosts: list[str]) -> list[str]:
+    """The command lines of the processes on ``hosts`` that are not sshd (a job's ranks, launchers, loaders)."""
+    found = []
+    for host in hosts:
+        for pid in cluster.sh("ip", "netns", "pids", cluster.namespace(host)).stdout.split():
+            try:
+                cmdline = open(f"/proc/{pid}/cmdline").read().replace("\0", " ")
+            except OSError:
+                continue
+            if not cmdline.startswith("sshd"):
+                found.append(f"{host}: {cmdline}")
+    return found
+
+
+@needs_cluster
+def test_horovodrun_over_ssh_survives_a_cut_link_with_one_line_naming_the_lost_host_then_resumes(
+        hosts, small_digits, tmp_path, write_config):
+    """horovodrun -H h0:1,h1:1 over ssh; h1's link cut after epoch 1: Gloo's timeout (6 s) ends the job well within
+    the stall limit (30 s) with one line naming h1, and no process of the job is left; once the link is back,
+    --resume auto runs epoch 2 alone and the ranks end identical."""
     run_dir = str(tmp_path / "run")
-    cfg = write_config(tiny_config(small_digits, run_dir, train={"epochs": 1}, optim={"warmup_epochs": 0.5}))
-    proc = on_host("h0", [HOROVODRUN, "--gloo", "-np", "2", "-H", "h0:1,h1:1", "-p", str(cluster.SSH_PORT),
-                          "--ssh-identity-file", cluster.identity_file(), "--network-interfaces", "eth0",
-                          "--start-timeout", "60", HYBRIDTRAIN, "train", "--config", cfg])
-    out, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, out[-3000:]
+    stall_s = 30
+    cfg = write_config(tiny_config(small_digits, run_dir, train={"epochs": 2}, optim={"warmup_epochs": 0.5},
+                                   horovod={"gloo_timeout_s": 6, "stall_warning_s": 20, "stall_shutdown_s": stall_s}))
+    command = [HOROVODRUN, "--gloo", "-np", "2", "-H", "h0:1,h1:1", "--network-interfaces", "eth0",
+               "--start-timeout", "60", HYBRIDTRAIN, "train", "--config", cfg]
+    proc = on_host("h0", command)
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    deadline = time.monotonic() + 300
+    while not os.path.exists(metrics) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)  # epoch 1 done: the cut falls in epoch 2
+    cluster.set_link_up("h1", False)
+    try:
+        cut = time.monotonic()
+        out, _ = proc.communicate(timeout=120)
+        ended_s = time.monotonic() - cut
+        assert proc.returncode != 0 and ended_s < stall_s, out[-3000:]
+        lines = [line for line in out.splitlines() if "hybridtrain: error" in line or "job stopped" in line]
+        assert len(lines) == 1 and "lost host h1 (rank 1)" in lines[0], out[-3000:]
+        time.sleep(2)
+        assert job_processes(hosts) == []
+    finally:
+        cluster.set_link_up("h1", True)
+    resumed = on_host("h0", [*command, "--resume", "auto"])
+    out, _ = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, out[-3000:]
     report = json.load(open(os.path.join(run_dir, "report.json")))
     assert report["world_size"] == 2 and len(set(report["rank_digests"])) == 1
+    assert [json.loads(line)["epoch"] for line in open(metrics) if line.strip()] == [1, 2]
 
 
+@needs_cluster
 def test_one_torchrun_per_host_with_a_c10d_rendezvous_on_h0_ends_with_identical_ranks(hosts, small_digits, tmp_path,
                                                                                        write_config):
     run_dir = str(tmp_path / "run")

@@ -55,9 +55,39 @@ def peer_failure(topo) -> PeerFailure:
                  "error line, if any, says which); Horovod's stall limit (horovod.stall_shutdown_s) or Gloo's timeout "
                  "(horovod.gloo_timeout_s) ended the wait")
     else:
-        cause = "a rank on another host died, hung or failed (its error line, if any, says why)"
+        lost = unreachable_hosts(topo.peers, host)
+        cause = (f"this rank lost host {', '.join(lost)}: it does not answer on the network (its link is down or it is "
+                 f"off)" if lost else "a rank on another host died, hung or failed (its error line, if any, says why)")
     return PeerFailure(f"the job stopped because {cause}; checkpoints are intact: rerun the same command with "
                        f"--resume auto", announce=first_to_report(topo))
+
+
+PROBE_PORT = 22  # a host that is up answers here: sshd accepts, or the kernel refuses; a cut link answers nothing
+PROBE_TIMEOUT_S = 2.0
+
+
+def answers(host: str, port: int = PROBE_PORT, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
+    """True when ``host`` answers a TCP connect on ``port`` within ``timeout_s`` (accepted or refused)."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except (ConnectionRefusedError, socket.gaierror):  # refused: up; a name this host cannot resolve: unknown
+        return True
+    except OSError:  # timed out, no route
+        return False
+
+
+def unreachable_hosts(peers, own_host: str) -> list[str]:
+    """The other hosts of ``peers`` ((host, pid, GPU) per rank) that do not answer on the network, each as
+    'NAME (rank R, ...)'."""
+    ranks: dict[str, list[int]] = {}
+    for rank, (h, *_) in enumerate(peers):
+        if h != own_host:
+            ranks.setdefault(h, []).append(rank)
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(max_workers=min(32, len(ranks) or 1)) as pool:  # all at once: one timeout in all
+        answered = dict(zip(ranks, pool.map(answers, ranks)))
+    return [f"{h} (rank {', '.join(map(str, r))})" for h, r in ranks.items() if not answered[h]]
 
 
 def first_to_report(topo) -> bool:
@@ -66,7 +96,8 @@ def first_to_report(topo) -> bool:
     enough. A file created exclusively, named after the job's processes, decides."""
     if not topo.peers:
         return True
-    job = hashlib.sha256(repr(topo.peers).encode()).hexdigest()[:16]
+    # the host in the name too: hosts that share a temp folder (hybridtrain cluster's) each still report
+    job = hashlib.sha256(repr((topo.peers, socket.gethostname())).encode()).hexdigest()[:16]
     try:
         os.close(os.open(os.path.join(tempfile.gettempdir(), f"hybridtrain-failure-{job}"),
                          os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))

@@ -3,9 +3,11 @@
 Each host ``h<i>`` is a network namespace ``htc-h<i>`` with one interface ``eth0`` at 10.77.0.<i+1>/24, its own
 hostname (every command run on it, and the sshd, get a UTS namespace named ``h<i>``) and an ``/etc/hosts``
 (``/etc/netns/htc-h<i>/hosts``, which ``ip netns exec`` binds over /etc/hosts) naming all hosts. An sshd listens on
-port 2222 of every host and takes the cluster's own key (``/run/hybridtrain-cluster/id``), so ``horovodrun -H
-h0:1,h1:1 -p 2222 --ssh-identity-file /run/hybridtrain-cluster/id`` launches across them. The hosts' veth pairs
-meet on a bridge in a namespace of its own (``htc-switch``), so nothing of the machine's own network changes.
+port 2222 of every host and takes the cluster's own key (``/run/hybridtrain-cluster/id``), and each host's
+/etc/ssh (``/etc/netns/htc-h<i>/ssh``, bound over /etc/ssh like the hosts file) holds an ssh_config with that port
+and key and no known-hosts file, so ``ssh h1`` and ``horovodrun -H h0:1,h1:1`` work on the hosts as they are. The
+hosts' veth pairs meet on a bridge in a namespace of its own (``htc-switch``), so nothing of the machine's own
+network changes.
 
 A link rate (``tc`` syntax: 100mbit, 1gbit, 10gbit; ``none`` for no limit) puts the token-bucket filter (``tbf``) on
 both ends of every host's link, so the host sends and receives at that rate. These kernels have no ``netem``, so no
@@ -38,6 +40,14 @@ TBF_BURST_S = 0.002  # tokens for 2 ms at the link rate (never less than 64 KiB:
 TBF_QUEUE_S = 0.02  # a packet waits at most 20 ms in the filter's queue, then is dropped
 TOOLS = ("ip", "tc", "unshare", "ssh", "ssh-keygen")
 SSHD = "/usr/sbin/sshd"
+SSH_CONFIG = """# hybridtrain cluster: ssh between its hosts (the machine's own /etc/ssh is not used on them)
+Host *
+  Port {port}
+  IdentityFile {identity}
+  StrictHostKeyChecking no
+  UserKnownHostsFile /dev/null
+  LogLevel ERROR
+"""
 
 
 # ----------------------------------------------------------------------------- names and rates
@@ -161,10 +171,13 @@ def build(hosts: int, rate: str) -> dict:
         os.makedirs(f"/etc/netns/{ns}", exist_ok=True)
         with open(f"/etc/netns/{ns}/hosts", "w") as fh:
             fh.write(hosts_file)
+        os.makedirs(f"/etc/netns/{ns}/ssh", exist_ok=True)  # the hosts' own /etc/ssh: plain `ssh h1` works
+        with open(f"/etc/netns/{ns}/ssh/ssh_config", "w") as fh:
+            fh.write(SSH_CONFIG.format(port=SSH_PORT, identity=identity_file()))
         set_link(host, rate)
     os.makedirs("/run/sshd", exist_ok=True)
     for i, host in enumerate(names):
-        sh(*host_command(host, [SSHD, "-p", str(SSH_PORT), "-o", f"ListenAddress={address(i)}",
+        sh(*host_command(host, [SSHD, "-f", "/dev/null", "-p", str(SSH_PORT), "-o", f"ListenAddress={address(i)}",
                                 "-o", f"HostKey={STATE_DIR}/host_key", "-o", f"PidFile={STATE_DIR}/{host}.pid",
                                 "-o", f"AuthorizedKeysFile={STATE_DIR}/id.pub", "-o", "StrictModes=no",
                                 "-o", "UsePAM=no", "-o", "PermitRootLogin=yes", "-o", "MaxStartups=100"]))
@@ -245,6 +258,22 @@ def sshd_alive(host: str) -> bool:
         return True
     except (OSError, ValueError):
         return False
+
+
+def link_counters(hosts: list[str]) -> dict:
+    """Totals over ``hosts`` so far: TCP segments retransmitted (each host's /proc/net/snmp) and packets dropped
+    (by the tbf queues and the veth devices, both ends of every host's link)."""
+    retransmits = dropped = 0
+    for host in hosts:
+        snmp = sh("ip", "netns", "exec", namespace(host), "cat", "/proc/net/snmp").stdout.splitlines()
+        tcp = [line.split()[1:] for line in snmp if line.startswith("Tcp:")]
+        retransmits += int(dict(zip(tcp[0], tcp[1]))["RetransSegs"])
+        for ns, dev in ((namespace(host), "eth0"), (SWITCH, host)):
+            qdisc = sh("ip", "netns", "exec", ns, "tc", "-s", "qdisc", "show", "dev", dev).stdout
+            dropped += sum(int(n) for n in re.findall(r"dropped (\d+)", qdisc))
+            stats = json.loads(sh("ip", "-n", ns, "-j", "-s", "link", "show", dev).stdout)[0]["stats64"]
+            dropped += stats["rx"]["dropped"] + stats["tx"]["dropped"]
+    return {"tcp_retransmits": retransmits, "dropped_packets": dropped}
 
 
 def format_status(state: dict | None) -> str:

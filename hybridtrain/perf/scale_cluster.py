@@ -1,0 +1,127 @@
+"""``hybridtrain scale --cluster N --link RATE``: the ``scale`` rows across N hosts of a cluster in a box
+(hybridtrain/perf/netns_cluster.py), one rank per host, every host's link limited to RATE, next to what
+``predict``'s all-reduce model gives for them.
+
+Per engine: one rank alone (no cluster) gives the compute time per step t1 = step time of the 1-rank row and
+S1 = its img/s. Then the cluster comes up and each (engine, compression) row runs N ranks, one per host
+(``horovodrun -H h0:1,h1:1,...`` over ssh from h0; one ``torchrun`` per host with a c10d rendezvous on h0). The
+prediction is cluster_model.predict for a flat ring of N nodes of one GPU: compute t1, the gradients as 2 (fp16) or
+4 (none) bytes per parameter, the link rate as the bandwidth, latency 0 (netem is absent, so the links add none),
+no overlap; with ``--link none`` the links have no rate and the prediction is compute alone, N x S1. Each row also
+keeps the hosts' TCP retransmitted segments and dropped packets during the row (netns_cluster.link_counters).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+
+from hybridtrain.distributed.launcher import venv_tool
+from hybridtrain.errors import UserError
+from hybridtrain.outputs import markdown_table
+from hybridtrain.perf import netns_cluster as cluster
+from hybridtrain.perf.cluster_model import ClusterSpec, predict
+from hybridtrain.perf.scaling import available_slots, launch, measured_config
+
+RDZV_PORT = 29400
+BYTES_PER_ELEMENT = {"fp16": 2, "none": 4}
+
+
+def predicted_images_per_sec(compute_time_s: float, batch_per_rank: int, parameters: int, compression: str,
+                             hosts: int, link: str) -> float:
+    """predict's flat-ring model for ``hosts`` one-rank nodes joined by links of rate ``link`` (none: no limit)."""
+    bits = cluster.link_bits_per_s(link)
+    if bits is None:
+        return hosts * batch_per_rank / compute_time_s  # no rate limit: compute alone
+    bandwidth = bits / 8
+    spec = ClusterSpec(compute_time=compute_time_s, batch_per_gpu=batch_per_rank, parameter_count=parameters,
+                       bytes_per_element=BYTES_PER_ELEMENT[compression], gpus_per_node=1, nodes=hosts,
+                       intra_bandwidth=bandwidth, intra_latency=0.0, inter_bandwidth=bandwidth, inter_latency=0.0)
+    return predict(spec).images_per_second
+
+
+def host_commands(engine: str, hosts: list[str], program: list[str], tag: str) -> list[list[str]]:
+    """The commands that start ``program`` as one rank per host: horovodrun over ssh from the first host, or one
+    torchrun per host with a c10d rendezvous on the first (is_host says which agent serves it)."""
+    if engine == "horovod":
+        return [cluster.host_command(hosts[0], [
+            venv_tool("horovodrun"), "--gloo", "-np", str(len(hosts)), "-H", ",".join(f"{h}:1" for h in hosts),
+            "--network-interfaces", "eth0", "--start-timeout", "120", *program])]
+    return [cluster.host_command(host, [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(hosts)), "--nproc-per-node", "1",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts[0]}:{RDZV_PORT}", "--rdzv-id", tag,
+        "--rdzv-conf", f"is_host={int(i == 0)}", "--max-restarts", "0", "--no-python", *program])
+        for i, host in enumerate(hosts)]
+
+
+def cluster_row(config: str | None, overrides: list[str], hosts: list[str], compression: str, steps: int,
+                warmup: int, out: str, engine: str) -> dict:
+    """One row across the hosts: their launch, rank 0's record, the links' retransmits and drops meanwhile."""
+    tag = f"{engine}-hosts{len(hosts)}-{compression}"
+    record_path = os.path.join(out, f"{tag}.json")
+    if os.path.exists(record_path):
+        os.remove(record_path)
+    program = [sys.executable, "-m", "hybridtrain.perf.scaling", config or "", compression, str(steps), str(warmup),
+               record_path, "adabound", *overrides, f"distributed.engine={engine}"]
+    before = cluster.link_counters(hosts)
+    procs = [subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for cmd in host_commands(engine, hosts, program, tag)]
+    print("+ " + shlex.join(procs[0].args), flush=True)
+    outputs = [p.communicate()[0] for p in procs]
+    if any(p.returncode for p in procs) or not os.path.isfile(record_path):
+        lines = [x for o in outputs for x in o.splitlines() if "hybridtrain: error" in x][-1:] or ["see its output"]
+        with open(os.path.join(out, f"{tag}.log"), "w") as fh:
+            fh.write("\n".join(outputs))
+        raise UserError(f"cluster row {engine} compression={compression} failed: {lines[0]} (output in "
+                        f"{out}/{tag}.log)", same_on_all_ranks=False)
+    after = cluster.link_counters(hosts)
+    with open(record_path) as fh:
+        record = json.load(fh)
+    return {**record, **{key: after[key] - before[key] for key in after}}
+
+
+def run_cluster_scale(config: str | None, overrides: list[str], hosts: int, link: str, compressions: list[str],
+                      engines: tuple[str, ...], steps: int, warmup: int, out: str, oversubscribe: bool) -> list[dict]:
+    cluster.require_root()
+    cluster.link_bits_per_s(link)
+    for compression in compressions:  # a bad recipe fails before anything starts
+        measured_config(config, overrides, compression)
+    if steps < 1 or warmup < 0:
+        raise UserError("--steps must be >= 1 and --warmup >= 0")
+    slots, unit = available_slots("cpu")
+    if hosts > slots and not oversubscribe:
+        raise UserError(f"--cluster {hosts} runs one rank per host, {hosts} ranks on this machine's {slots} "
+                        f"{unit}s: use --cluster up to {slots}, or --oversubscribe (which measures contention)")
+    os.makedirs(out, exist_ok=True)
+    single = {engine: launch(config, overrides, 1, "none", steps, warmup, out, timeline=False, engine=engine)
+              for engine in engines}  # compute time and S1: one rank, no all-reduce
+    names = [cluster.host_name(i) for i in range(hosts)]
+    rows = []
+    cluster.up(hosts, link)
+    try:
+        for engine in engines:
+            one = single[engine]
+            for compression in compressions:
+                record = cluster_row(config, overrides, names, compression, steps, warmup, out, engine)
+                predicted = predicted_images_per_sec(one["step_time_s"], record["batch_per_rank"],
+                                                     record["parameters"], compression, hosts, link)
+                rows.append({**record, "link": link, "hosts": hosts, "single_rank_images_per_sec":
+                             one["images_per_sec"], "compute_time_s": one["step_time_s"],
+                             "efficiency": record["images_per_sec"] / (hosts * one["images_per_sec"]),
+                             "predicted_images_per_sec": predicted,
+                             "predicted_efficiency": predicted / (hosts * one["images_per_sec"])})
+    finally:
+        cluster.down()
+    return rows
+
+
+def format_cluster_table(rows: list[dict]) -> str:
+    header = ["engine", "hosts", "link", "compression", "img/s", "predicted img/s", "efficiency",
+              "predicted efficiency", "step ms", "TCP retransmits", "drops"]
+    return markdown_table(header, [[r["engine"], r["hosts"], r["link"], r["compression"],
+                                    f"{r['images_per_sec']:.1f}", f"{r['predicted_images_per_sec']:.1f}",
+                                    f"{100 * r['efficiency']:.1f}%", f"{100 * r['predicted_efficiency']:.1f}%",
+                                    f"{1000 * r['step_time_s']:.1f}", r["tcp_retransmits"], r["dropped_packets"]]
+                                   for r in rows])
