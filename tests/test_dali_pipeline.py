@@ -214,7 +214,7 @@ def test_flat_validation_folder_is_reorganised_into_classes(dataset, tmp_path, l
         placed = out / cls / name
         assert placed.is_symlink() == link
         assert placed.read_bytes() == (flat / name).read_bytes()
-    with pytest.raises(UserError, match="not an empty folder"):
+    with pytest.raises(UserError, match="is not empty: it holds"):
         reorganise_flat_val(str(flat), str(labels_file), str(out))
 
 
