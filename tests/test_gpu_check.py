@@ -81,7 +81,7 @@ def test_a_read_only_out_folder_is_refused(tmp_path):
     locked.chmod(stat.S_IRUSR | stat.S_IXUSR)
     try:
         assert_one_error_line(run([HYBRIDTRAIN, "gpu-check", "--out", str(locked / "out")], timeout=120),
-                              "cannot write in", "give a writable folder")
+                              "is not writable by this user", "choose another folder")
     finally:
         locked.chmod(stat.S_IRWXU)
 

@@ -26,13 +26,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Callable
 
 from hybridtrain.engine.metrics_file import read_metrics
 from hybridtrain.errors import UserError
-from hybridtrain.outputs import markdown_table
+from hybridtrain.outputs import check_output_dir, markdown_table
 from hybridtrain.perf.gpu_rows import (
     CALL_BUDGETS_S,
     EPOCHS,
@@ -59,32 +58,6 @@ NEXT_CALL = "left for the next call"
 
 
 # ----------------------------------------------------------------------------- before any work
-
-def check_out_dir(path: str) -> str:
-    """The absolute output folder, after checking that it is (or can be made) a writable folder; nothing is
-    created. A bad one is a UserError (one line)."""
-    out = os.path.abspath(path)
-    if os.path.exists(out):
-        if not os.path.isdir(out):
-            raise UserError(f"--out {path} is a file, not a folder: give a folder for the logs and the table")
-        probe_writable(out, path)
-        return out
-    parent = os.path.dirname(out)
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        raise UserError(f"--out {path} cannot be created: {parent} is a file, not a folder")
-    probe_writable(parent, path)
-    return out
-
-
-def probe_writable(folder: str, given: str) -> None:
-    try:
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as exc:
-        raise UserError(f"--out {given}: cannot write in {folder} ({exc.strerror}): give a writable folder") from None
-
 
 def check_bundle(path: str | None) -> str | None:
     """The bundle folder (given, else .gpu-bundle/ when it exists), or None (the build then needs a registry)."""
@@ -608,7 +581,7 @@ def run_gpu_check(out: str, bundle: str | None = None, venv: str | None = None, 
     """0 when every row passed, 1 when one failed, 3 when rows are left for the next call; bad input or no GPU:
     UserError before any work."""
     deadline = time.monotonic() + budget_s  # the node checks count
-    out = check_out_dir(out)
+    out = os.path.abspath(check_output_dir(out, "--out"))  # checked, not created
     bundle = check_bundle(bundle)
     check_checkout()
     earlier = {} if fresh else earlier_rows(out)

@@ -27,14 +27,13 @@ import venv
 from pathlib import Path
 
 from hybridtrain.errors import UserError
-from hybridtrain.outputs import markdown_table
+from hybridtrain.outputs import check_output_dir, markdown_table
 from hybridtrain.perf.gpu_check import (
     FAIL,
     PASS,
     WORK,
     check_bundle,
     check_checkout,
-    check_out_dir,
     checkout_env,
     last_line,
     run_row,
@@ -116,7 +115,7 @@ def launches(py: Pythons) -> dict:
 
 
 def rehearse(out: str, bundle: str | None, venv_dir: str | None = None, say=print) -> int:
-    out = check_out_dir(out)
+    out = os.path.abspath(check_output_dir(out, "--out"))
     bundle = check_bundle(bundle)
     if bundle is None:
         raise UserError("--rehearse needs the bundle: make gpu-bundle (or --bundle DIR)")
