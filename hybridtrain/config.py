@@ -225,7 +225,8 @@ class HorovodConfig:
                                       "when some ranks wait this long for a tensor the others submitted")
     stall_shutdown_s: int = number(600, lo=0, hi=86400,
                                    doc="HOROVOD_STALL_SHUTDOWN_TIME_SECONDS: end the job after such a "
-                                       "stall (a hung rank); 0 = never (Horovod's default)")
+                                       "stall (a hung rank); a rank's own long work (validation, a checkpoint "
+                                       "write, a first compile) is no stall; 0 = never (Horovod's default)")
     gloo_timeout_s: int = number(60, lo=1, hi=86400,
                                  doc="HOROVOD_GLOO_TIMEOUT_SECONDS: how long Gloo waits for every rank "
                                      "to connect at start")
@@ -258,8 +259,9 @@ class ElasticConfig:
     commit_steps: int = number(20, lo=1, hi=100_000,
                                doc="train --elastic: commit the training state in memory every N optimizer "
                                    "steps; a failed rank costs at most N steps, a resize waits up to N")
-    audit_samples: bool = plain(False, "train --elastic: each rank writes the sample indices of every committed step "
-                                       "to run_dir/samples/, to check that no sample is repeated or skipped")
+    audit_samples: bool = plain(False, "each rank writes the sample indices of the steps it trained (under --elastic: "
+                                       "committed) to run_dir/samples/, to check that no sample is repeated or "
+                                       "skipped")
 
 
 @dataclass
