@@ -67,7 +67,7 @@ class Loaders:
         """Stop the loaders' persistent workers now rather than when the garbage collector finds them (elastic
         training replaces the loaders at every resize)."""
         for loader in (self.train, self.val):
-            close_loader(getattr(loader, "loader", loader))  # elastic's SampleAudit wraps the training loader
+            close_loader(loader)
 
 
 def close_loader(loader) -> None:
