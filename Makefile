@@ -34,4 +34,4 @@ test: install install-oldest-torch
 # what a lent offline GPU machine lacks for `hybridtrain gpu-check` (Horovod's source and its build's wheels), in
 # .gpu-bundle/ beside the tree; prints its size with the tree's (docs/benchmarks.md). Needs a package registry.
 gpu-bundle:
-	PYTHONPATH=$(CURDIR) python3 -m hybridtrain.perf.gpu_bundle .gpu-bundle
+	PYTHONPATH=$(CURDIR) python3 -m hybridtrain.gpucheck.bundle .gpu-bundle

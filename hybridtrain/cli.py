@@ -337,7 +337,7 @@ def cmd_cluster(args) -> int:
 
 
 def cmd_predict(args) -> int:
-    from hybridtrain.perf.cluster_model_cli import run_predict
+    from hybridtrain.predict.cluster_model_cli import run_predict
     run_predict(args)
     return 0
 
@@ -362,15 +362,15 @@ def cmd_gpu_check(args) -> int:
     if args.resume and args.fresh:
         raise UserError("--resume keeps the rows that passed and --fresh runs them again: give one of them")
     if args.plan:
-        from hybridtrain.perf.gpu_rows import Pythons, build_rows, format_plan, plan_calls
+        from hybridtrain.gpucheck.rows import Pythons, build_rows, format_plan, plan_calls
         print(format_plan(plan_calls(build_rows(args.gpus or 1, args.out or "OUT", Pythons(horovod_bin="VENV/bin")))))
         return 0
     if args.out is None:
         raise UserError("gpu-check needs --out DIR (the folder for the table and each row's log), or --plan")
     if args.rehearse:
-        from hybridtrain.perf.gpu_rehearsal import rehearse
+        from hybridtrain.gpucheck.rehearsal import rehearse
         return rehearse(args.out, args.bundle, args.venv)
-    from hybridtrain.perf.gpu_check import run_gpu_check
+    from hybridtrain.gpucheck.check import run_gpu_check
     return run_gpu_check(args.out, args.bundle, args.venv, args.budget_s, args.resume, args.fresh)
 
 
@@ -683,7 +683,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                     "10gbit) or none (default none)")
     clu.set_defaults(func=cmd_cluster)
 
-    from hybridtrain.perf.cluster_model_cli import add_predict_arguments
+    from hybridtrain.predict.cluster_model_cli import add_predict_arguments
     add_predict_arguments(sub.add_parser("predict", help="model step time, img/s and efficiency of large clusters"))
     for action in sub.choices["predict"]._actions:  # predict's options get their bounds here
         action.type = PREDICT_TYPES.get(action.dest, action.type)

@@ -63,7 +63,7 @@ def pytest_collection_modifyitems(config, items):
 def venv_without(root, excluded: list[str]) -> str:
     """A real venv whose site-packages links every entry of this one except ``excluded`` (paths relative to
     site-packages, globs allowed, e.g. 'nvidia/dali'): importing those genuinely fails there. Returns its python."""
-    from hybridtrain.perf.gpu_rehearsal import linked_venv
+    from hybridtrain.gpucheck.rehearsal import linked_venv
     return linked_venv(str(root), excluded)
 
 

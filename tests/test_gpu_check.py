@@ -20,9 +20,9 @@ import pytest
 import yaml
 from conftest import HYBRIDTRAIN, REPO, assert_one_error_line, run, tiny_config, venv_without
 
-from hybridtrain.perf import gpu_check as gc
-from hybridtrain.perf import gpu_rows as gr
-from hybridtrain.perf.gpu_probe import no_gpu_reason
+from hybridtrain.gpucheck import check as gc
+from hybridtrain.gpucheck import rows as gr
+from hybridtrain.gpucheck.probe import no_gpu_reason
 
 PY = gr.Pythons("/image/bin/python", "/gpu-venv/bin")
 
@@ -310,7 +310,7 @@ def test_a_check_stopped_by_sigterm_keeps_the_rows_that_ended_and_stops_the_runn
     marker = tmp_path / "grandchild.pid"
     script = textwrap.dedent(f"""
         import os, sys, time
-        from hybridtrain.perf import gpu_check as gc, gpu_rows as gr
+        from hybridtrain.gpucheck import check as gc, rows as gr
         out = {str(tmp_path)!r}
         rows = [gr.Row("done", "step", [sys.executable, "-c", "pass"], 30),
                 gr.Row("long", "step", [sys.executable, "-c", "import os, time; open({str(marker)!r}, 'w').write("
@@ -366,7 +366,7 @@ def test_the_resume_driver_finds_a_resumed_torch_engine_run_bitwise_equal(tmp_pa
                                                                      "progress": False, "device": "cpu"})
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    proc = run([sys.executable, "-m", "hybridtrain.perf.resume_check", "--out", str(tmp_path / "check"), "--engine",
+    proc = run([sys.executable, "-m", "hybridtrain.gpucheck.resume_check", "--out", str(tmp_path / "check"), "--engine",
                 "torch", "--config", str(path), "--set", "train.deterministic=true"], timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "check" / "resume_check.json").read_text())
@@ -378,7 +378,7 @@ def test_the_resume_driver_finds_a_resumed_torch_engine_run_bitwise_equal(tmp_pa
 def test_the_resume_comparison_names_what_differs():
     import torch
 
-    from hybridtrain.perf.resume_check import differences
+    from hybridtrain.gpucheck.resume_check import differences
     a = {"model": {"w": torch.ones(2), "n": torch.tensor(3)}, "optimizer": {"state": {0: {"step": 1}}}}
     b = {"model": {"w": torch.tensor([1.0, 1.0 + 2**-20]), "n": torch.tensor(3)},
          "optimizer": {"state": {0: {"step": 2}}}}

@@ -6,8 +6,8 @@ much, and why; docs/paper_arithmetic.md lists the same findings.
 import numpy as np
 import pytest
 
-from hybridtrain.perf import cluster_model as predict
-from hybridtrain.perf.cluster_model import IMAGENET_TRAIN_IMAGES, RESNET50_PARAMETERS, ClusterSpec
+from hybridtrain.predict import cluster_model as predict
+from hybridtrain.predict.cluster_model import IMAGENET_TRAIN_IMAGES, RESNET50_PARAMETERS, ClusterSpec
 from hybridtrain.reports.paper_metrics import (
     actual_average_single_gpu_time,
     actual_training_time,

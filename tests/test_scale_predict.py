@@ -9,8 +9,8 @@ from conftest import HYBRIDTRAIN, assert_one_error_line, run
 
 from hybridtrain.errors import UserError
 from hybridtrain.models import create_model
-from hybridtrain.perf.cluster_model import RESNET50_PARAMETERS, ring_allreduce_time
 from hybridtrain.perf.scaling import allreduce_intervals, busy_time_us, read_timeline
+from hybridtrain.predict.cluster_model import RESNET50_PARAMETERS, ring_allreduce_time
 
 SETS = ["--set", "model.arch=resnet18", "--set", "train.batch_size=4", "--set", "data.crop_size=32",
         "--set", "optim.name=hybrid", "--set", "data.channels_last=true", "--set", "train.accumulation_steps=2"]

@@ -1,3 +1,3 @@
-"""Performance tools: checks and measurements that drive the rest of hybridtrain as real processes
-(``gpu_check``: the whole GPU path on one machine). May import: engine, reports and everything below;
-nothing imports it except ``cli``."""
+"""Benchmarks: measurements that drive the rest of hybridtrain as real processes (``bench``, ``max-batch``,
+``bench-data``, ``bench-optim``, ``scale``, and the ``python -m`` probes). May import: predict, engine, reports and
+everything below; nothing imports it except ``cli``."""

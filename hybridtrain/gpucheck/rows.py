@@ -145,12 +145,12 @@ def gloo_row(py: Pythons, out: str) -> Row:
 
 def resume_row(py: Pythons, out: str, precision: str = "mixed-fp16") -> Row:
     """A real run of 2 epochs and the same run resumed from its epoch-1 checkpoint, deterministic, on the torch
-    engine: the final checkpoints must be bitwise equal (hybridtrain.perf.resume_check)."""
+    engine: the final checkpoints must be bitwise equal (hybridtrain.gpucheck.resume_check)."""
     name = f"resume-{precision}-torch"
     folder = os.path.join(out, "runs", name)
     sets = [s for s in train_sets(os.path.join(folder, "straight"), precision, "eager", 1)
             if not s.startswith(("run_dir=", "train.keep_checkpoints="))]
-    argv = [py.image, "-m", "hybridtrain.perf.resume_check", "--out", folder, "--engine", "torch",
+    argv = [py.image, "-m", "hybridtrain.gpucheck.resume_check", "--out", folder, "--engine", "torch",
             "--config", os.path.join(REPO, RECIPE), *as_sets([*sets, "train.deterministic=true"])]
     return Row(name, "resume", argv, TIMEOUT_S["resume"], precision, "eager", output=folder, estimate_s=80)
 

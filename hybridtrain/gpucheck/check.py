@@ -8,8 +8,8 @@ written again after every row, so a crash or a kill never loses what ran. A seco
 (or ``--resume``) skips the rows that passed and reuses the build; ``--fresh`` runs everything again.
 
 ``--plan`` prints the rows in the order they run with their estimated seconds and the call they fall in
-(hybridtrain.perf.gpu_rows), without a GPU; ``--rehearse`` runs on a CPU machine every step a call takes before
-its first GPU step (hybridtrain.perf.gpu_rehearsal).
+(hybridtrain.gpucheck.rows), without a GPU; ``--rehearse`` runs on a CPU machine every step a call takes before
+its first GPU step (hybridtrain.gpucheck.rehearsal).
 
 Exit status: 0 every row passed, 1 a row failed, 3 none failed but rows are left for the next call; 2 bad input
 or no usable GPU (one line). Only the standard library is imported here: torch is asked in a child process.
@@ -31,8 +31,7 @@ from typing import Callable
 
 from hybridtrain.engine.metrics_file import read_metrics
 from hybridtrain.errors import UserError
-from hybridtrain.outputs import check_output_dir, markdown_table
-from hybridtrain.perf.gpu_rows import (
+from hybridtrain.gpucheck.rows import (
     CALL_BUDGETS_S,
     EPOCHS,
     NOT_COVERED,
@@ -45,6 +44,7 @@ from hybridtrain.perf.gpu_rows import (
     next_row,
     plan_calls,
 )
+from hybridtrain.outputs import check_output_dir, markdown_table
 
 HOROVOD_SDIST = "horovod-0.28.1.tar.gz"
 BUNDLE = os.path.join(REPO, ".gpu-bundle")      # make gpu-bundle
@@ -85,10 +85,10 @@ def checkout_env(env: dict, repo: str = REPO) -> dict:
 
 
 def probe(python: str = sys.executable) -> dict:
-    """hybridtrain.perf.gpu_probe in a child process (this one never holds a CUDA context, which would count in
+    """hybridtrain.gpucheck.probe in a child process (this one never holds a CUDA context, which would count in
     every row's device memory): the GPUs, torch, DALI and the node checks. No usable GPU is a UserError."""
     try:
-        proc = subprocess.run([python, "-m", "hybridtrain.perf.gpu_probe"], capture_output=True, text=True,
+        proc = subprocess.run([python, "-m", "hybridtrain.gpucheck.probe"], capture_output=True, text=True,
                               timeout=180, stdin=subprocess.DEVNULL, env=checkout_env(dict(os.environ)), cwd=REPO)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise UserError(f"gpu-check could not ask torch for the GPUs with {python}: {exc}") from None

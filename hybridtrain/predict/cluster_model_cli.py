@@ -23,8 +23,8 @@ from hybridtrain.outputs import (
     markdown_table,
     write_json_atomically,
 )
-from hybridtrain.perf import cluster_model as predict
-from hybridtrain.perf import time_to_target as ttt
+from hybridtrain.predict import cluster_model as predict
+from hybridtrain.predict import time_to_target as ttt
 
 GB = 1e9
 

@@ -1,6 +1,6 @@
 """gpu-check's child process: what the check needs to know of this machine before any row, in one JSON line.
 
-    python -m hybridtrain.perf.gpu_probe
+    python -m hybridtrain.gpucheck.probe
 
 {"gpus", "name", "torch", "cuda", "dali", "checks": {precision: [refusal or "", [warnings]]}, "reason"}: the node
 checks (hybridtrain.distributed.node.check_node) per precision the rows train in; ``reason`` says why torch cannot
@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 
-from hybridtrain.perf.gpu_rows import PRECISIONS
+from hybridtrain.gpucheck.rows import PRECISIONS
 
 
 def no_gpu_reason(torch_cuda: str, driver_api: int, unusable: str) -> str:

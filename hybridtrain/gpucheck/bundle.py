@@ -1,7 +1,7 @@
 """``make gpu-bundle``: what a lent, offline GPU machine lacks for gpu-check's Horovod build, in one folder that
 travels with the working tree (at most 64 MiB with it).
 
-    python -m hybridtrain.perf.gpu_bundle [DIR]     # default .gpu-bundle
+    python -m hybridtrain.gpucheck.bundle [DIR]     # default .gpu-bundle
 
 The machine's ``python3`` is a Python 3.12 venv holding torch and most of hybridtrain's requirements, but no
 Horovod, cffi, pycparser, pytest-timeout, and (a 3.12 venv) no setuptools or wheel. The bundle holds Horovod's source

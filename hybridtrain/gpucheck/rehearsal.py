@@ -27,8 +27,7 @@ import venv
 from pathlib import Path
 
 from hybridtrain.errors import UserError
-from hybridtrain.outputs import check_output_dir, markdown_table
-from hybridtrain.perf.gpu_check import (
+from hybridtrain.gpucheck.check import (
     FAIL,
     PASS,
     WORK,
@@ -38,16 +37,17 @@ from hybridtrain.perf.gpu_check import (
     last_line,
     run_row,
 )
-from hybridtrain.perf.gpu_check import build_row as horovod_build_row
-from hybridtrain.perf.gpu_rows import GPU_TESTS, RECIPE, REPO, Pythons, Row, build_rows
+from hybridtrain.gpucheck.check import build_row as horovod_build_row
+from hybridtrain.gpucheck.rows import GPU_TESTS, RECIPE, REPO, Pythons, Row, build_rows
+from hybridtrain.outputs import check_output_dir, markdown_table
 
 # what the lent machine's Python lacks (KINDS.md): links of everything else
 IMAGE_LACKS = ["horovod", "horovod-*", "cffi", "cffi-*", "_cffi_backend*", "pycparser", "pycparser-*", "setuptools",
                "setuptools-*", "_distutils_hack", "distutils-precedence.pth", "pkg_resources", "wheel", "wheel-*",
                "nvidia/dali", "nvidia/dali_*", "nvidia_dali*", "hybridtrain*", "__editable__*"]
 IMPORTS = {"image": "import torch, torchvision, torch.distributed.run, hybridtrain.engine.loop, "
-                    "hybridtrain.perf.step_bench, hybridtrain.perf.max_batch, hybridtrain.perf.resume_check, "
-                    "hybridtrain.perf.gpu_probe, hybridtrain.distributed.torch_distributed",
+                    "hybridtrain.perf.step_bench, hybridtrain.perf.max_batch, hybridtrain.gpucheck.resume_check, "
+                    "hybridtrain.gpucheck.probe, hybridtrain.distributed.torch_distributed",
            "horovod": "import horovod.torch, hybridtrain.engine.loop, hybridtrain.distributed.horovod, "
                       "hybridtrain.perf.step_bench, pytest"}
 STEP_TIMEOUT_S = 300

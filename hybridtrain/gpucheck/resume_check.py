@@ -1,7 +1,7 @@
 """gpu-check's resume row: one real run of the recipe, and the same run resumed from its epoch-1 checkpoint in a
 second folder; the two final checkpoints must be bitwise equal (model, optimizer state, BN statistics).
 
-    python -m hybridtrain.perf.resume_check --out DIR --engine torch --config RECIPE [--set KEY=VALUE ...]
+    python -m hybridtrain.gpucheck.resume_check --out DIR --engine torch --config RECIPE [--set KEY=VALUE ...]
 
 Both runs use the engine's launcher on one rank; ``train.deterministic=true`` belongs in the overrides on a GPU
 (cuDNN's autotuned kernels are not bitwise repeatable). Writes DIR/resume_check.json; exit 0 when equal, 1 when

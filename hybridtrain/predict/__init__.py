@@ -1,0 +1,10 @@
+"""The cluster model behind ``hybridtrain predict``: what N GPUs would give, from measured single-GPU rates.
+
+- ``cluster_model``: the all-reduce algorithms (ring, tree, hierarchical) over a cluster's links, and the scaling
+  efficiency they leave;
+- ``time_to_target``: the time to a top-1 target on N GPUs, against published runs;
+- ``cluster_model_cli``: ``predict``'s options, and its tables and figures.
+
+May import: reports and everything below it. Nothing imports it except cli and perf (``scale --cluster`` sets its
+measured rows beside the model's).
+"""
