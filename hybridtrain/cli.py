@@ -290,12 +290,14 @@ def cmd_scale(args) -> int:
     if args.cluster:
         if args.np is not None:
             raise UserError("--np counts ranks on this machine; --cluster N runs one rank on each of N hosts: drop one")
-        from hybridtrain.perf.scale_cluster import format_cluster_table, run_cluster_scale
-        rows = run_cluster_scale(args.config, args.set, args.cluster, args.link, parse_compressions(args.compression),
-                                 parse_engines(args.engine), args.steps, args.warmup, args.out, args.oversubscribe)
+        from hybridtrain.perf.scale_cluster import format_cluster_table, parse_links, run_cluster_scale
+        rows = run_cluster_scale(args.config, args.set, args.cluster, parse_links(args.link),
+                                 parse_compressions(args.compression), parse_engines(args.engine), args.steps,
+                                 args.warmup, args.out, args.oversubscribe)
         print(format_cluster_table(rows))
+        print(f"scale_cluster.json and scale_cluster.png written to {args.out}")
     else:
-        if args.link != "none":
+        if args.link != "none":  # the default
             raise UserError(f"--link {args.link} limits the links of a --cluster: add --cluster N, or drop --link")
         rows = run_scale(args.config, args.set, args.np or [1, 2], parse_compressions(args.compression), args.steps,
                          args.warmup, args.out, args.oversubscribe, parse_engines(args.engine))
@@ -670,7 +672,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run the rows across N hosts of a cluster in a box, one rank each (root; hybridtrain "
                             "cluster; docs/cluster.md), next to predict's all-reduce model")
     scale.add_argument("--link", default="none", help="with --cluster: each host's link rate as tc writes it (100mbit, "
-                                                      "1gbit, 10gbit) or none (default none)")
+                                                      "1gbit, 10gbit) or none, or several: 100mbit,1gbit,none "
+                                                      "(default none)")
     scale.add_argument("--json", help="also write the rows to this JSON file")
     scale.set_defaults(func=cmd_scale)
 

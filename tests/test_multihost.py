@@ -38,6 +38,17 @@ def test_predicted_images_per_sec_is_the_flat_ring_at_the_link_rate():
         128 / (0.1 + 1.5 * 46_758_048 / 12.5e6))
 
 
+def test_link_rates_are_read_as_tc_writes_them_and_a_bad_one_is_one_line():
+    from hybridtrain.errors import UserError
+    from hybridtrain.perf.scale_cluster import parse_links
+    assert [cluster.link_bits_per_s(x) for x in parse_links("100mbit,1gbit,2.5gbit,none")] == [1e8, 1e9, 2.5e9, None]
+    assert cluster.tbf_args("10gbit")[:5] == ["tbf", "rate", "10gbit", "burst", str(int(10e9 / 8 * 0.002))]
+    assert cluster.tbf_args("100mbit")[4] == str(64 * 1024)  # 2 ms at 100 Mbit/s is 25 kB: one GSO packet at least
+    for bad in ("1gb", "fast", "1gbit,1gbit", "0mbit"):
+        with pytest.raises(UserError, match="--link"):
+            parse_links(bad)
+
+
 @pytest.fixture(scope="module")
 def hosts():
     proc = cli("up", "--hosts", "2", "--link", "none")

@@ -261,8 +261,9 @@ def sshd_alive(host: str) -> bool:
 
 
 def link_counters(hosts: list[str]) -> dict:
-    """Totals over ``hosts`` so far: TCP segments retransmitted (each host's /proc/net/snmp) and packets dropped
-    (by the tbf queues and the veth devices, both ends of every host's link)."""
+    """Totals over ``hosts`` so far: TCP segments retransmitted (each host's /proc/net/snmp), packets dropped
+    (by the tbf queues and the veth devices, both ends of every host's link), and the machine's backlog drops (a
+    veth hands a packet to its peer's CPU backlog, netdev_max_backlog long, which drops it when full)."""
     retransmits = dropped = 0
     for host in hosts:
         snmp = sh("ip", "netns", "exec", namespace(host), "cat", "/proc/net/snmp").stdout.splitlines()
@@ -273,7 +274,9 @@ def link_counters(hosts: list[str]) -> dict:
             dropped += sum(int(n) for n in re.findall(r"dropped (\d+)", qdisc))
             stats = json.loads(sh("ip", "-n", ns, "-j", "-s", "link", "show", dev).stdout)[0]["stats64"]
             dropped += stats["rx"]["dropped"] + stats["tx"]["dropped"]
-    return {"tcp_retransmits": retransmits, "dropped_packets": dropped}
+    with open("/proc/net/softnet_stat") as fh:  # per CPU, the whole machine: column 2 counts packets dropped
+        backlog = sum(int(line.split()[1], 16) for line in fh)  # because the input backlog was full
+    return {"tcp_retransmits": retransmits, "dropped_packets": dropped, "backlog_drops": backlog}
 
 
 def format_status(state: dict | None) -> str:

@@ -22,8 +22,8 @@ from hybridtrain.distributed.launcher import venv_tool
 from hybridtrain.errors import UserError
 from hybridtrain.outputs import markdown_table
 from hybridtrain.perf import netns_cluster as cluster
-from hybridtrain.perf.cluster_model import ClusterSpec, predict
 from hybridtrain.perf.scaling import available_slots, launch, measured_config
+from hybridtrain.predict.cluster_model import ClusterSpec, predict
 
 RDZV_PORT = 29400
 BYTES_PER_ELEMENT = {"fp16": 2, "none": 4}
@@ -82,10 +82,22 @@ def cluster_row(config: str | None, overrides: list[str], hosts: list[str], comp
     return {**record, **{key: after[key] - before[key] for key in after}}
 
 
-def run_cluster_scale(config: str | None, overrides: list[str], hosts: int, link: str, compressions: list[str],
-                      engines: tuple[str, ...], steps: int, warmup: int, out: str, oversubscribe: bool) -> list[dict]:
+def parse_links(text: str) -> list[str]:
+    """--link's rates, e.g. 100mbit,1gbit,none, each checked."""
+    links = [x.strip() for x in text.split(",") if x.strip()]
+    if not links or len(set(links)) != len(links):
+        raise UserError(f"--link must list link rates, each once (e.g. 100mbit,1gbit,10gbit,none), got '{text}'")
+    for link in links:
+        cluster.link_bits_per_s(link)
+    return links
+
+
+def run_cluster_scale(config: str | None, overrides: list[str], hosts: int, links: list[str],
+                      compressions: list[str], engines: tuple[str, ...], steps: int, warmup: int, out: str,
+                      oversubscribe: bool) -> list[dict]:
+    """The rows at every link rate of ``links`` (the cluster comes up once; each rate is set on every host's link),
+    next to their prediction; ``scale_cluster.json`` and ``scale_cluster.png`` in ``out``."""
     cluster.require_root()
-    cluster.link_bits_per_s(link)
     for compression in compressions:  # a bad recipe fails before anything starts
         measured_config(config, overrides, compression)
     if steps < 1 or warmup < 0:
@@ -99,29 +111,66 @@ def run_cluster_scale(config: str | None, overrides: list[str], hosts: int, link
               for engine in engines}  # compute time and S1: one rank, no all-reduce
     names = [cluster.host_name(i) for i in range(hosts)]
     rows = []
-    cluster.up(hosts, link)
+    cluster.up(hosts, links[0])
     try:
-        for engine in engines:
-            one = single[engine]
-            for compression in compressions:
-                record = cluster_row(config, overrides, names, compression, steps, warmup, out, engine)
-                predicted = predicted_images_per_sec(one["step_time_s"], record["batch_per_rank"],
-                                                     record["parameters"], compression, hosts, link)
-                rows.append({**record, "link": link, "hosts": hosts, "single_rank_images_per_sec":
-                             one["images_per_sec"], "compute_time_s": one["step_time_s"],
-                             "efficiency": record["images_per_sec"] / (hosts * one["images_per_sec"]),
-                             "predicted_images_per_sec": predicted,
-                             "predicted_efficiency": predicted / (hosts * one["images_per_sec"])})
+        for link in links:
+            for host in names:
+                cluster.set_link(host, link)
+            for engine in engines:
+                one = single[engine]
+                for compression in compressions:
+                    record = cluster_row(config, overrides, names, compression, steps, warmup, out, engine)
+                    predicted = predicted_images_per_sec(one["step_time_s"], record["batch_per_rank"],
+                                                         record["parameters"], compression, hosts, link)
+                    rows.append({**record, "link": link, "hosts": hosts,
+                                 "single_rank_images_per_sec": one["images_per_sec"],
+                                 "compute_time_s": one["step_time_s"],
+                                 "efficiency": record["images_per_sec"] / (hosts * one["images_per_sec"]),
+                                 "predicted_images_per_sec": predicted,
+                                 "predicted_efficiency": predicted / (hosts * one["images_per_sec"])})
     finally:
         cluster.down()
+    with open(os.path.join(out, "scale_cluster.json"), "w") as fh:
+        json.dump({"config": config, "overrides": overrides, "rows": rows}, fh, indent=1)
+    plot_link_rates(rows, os.path.join(out, "scale_cluster.png"))
     return rows
 
 
+def plot_link_rates(rows: list[dict], path: str) -> str:
+    """Efficiency against link rate, measured (solid) and predicted (dashed), one colour per engine and wire;
+    ``none`` (no limit) drawn a decade past the fastest rate."""
+    from hybridtrain.outputs import figure, save_figure
+    rates = sorted({cluster.link_bits_per_s(r["link"]) for r in rows} - {None})
+    beyond = 10 * (rates[-1] if rates else 1e9)
+    def x(link: str) -> float:
+        return cluster.link_bits_per_s(link) or beyond
+    fig = figure(7, 4.5)
+    ax = fig.add_subplot(1, 1, 1)
+    for index, (engine, compression) in enumerate(sorted({(r["engine"], r["compression"]) for r in rows})):
+        mine = sorted((r for r in rows if (r["engine"], r["compression"]) == (engine, compression)),
+                      key=lambda r: x(r["link"]))
+        label = f"{engine}, {'FP16' if compression == 'fp16' else 'FP32'} wire"
+        color = f"C{index}"
+        ax.plot([x(r["link"]) for r in mine], [100 * r["efficiency"] for r in mine], marker="o", color=color,
+                label=f"{label}, measured")
+        ax.plot([x(r["link"]) for r in mine], [100 * r["predicted_efficiency"] for r in mine], linestyle="--",
+                marker="x", color=color, label=f"{label}, predicted")
+    ticks = [*rates, beyond] if any(r["link"] == "none" for r in rows) else rates
+    ax.set_xscale("log")
+    ax.set_xticks(ticks, [f"{t / 1e9:g} Gbit/s" if t < beyond else "no limit" for t in ticks])
+    ax.set(xlabel="link rate per host", ylabel="scaling efficiency (%)",
+           title=f"{rows[0]['hosts']} hosts, one rank each: actual / (N x S1)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    return save_figure(fig, path)
+
+
 def format_cluster_table(rows: list[dict]) -> str:
-    header = ["engine", "hosts", "link", "compression", "img/s", "predicted img/s", "efficiency",
-              "predicted efficiency", "step ms", "TCP retransmits", "drops"]
-    return markdown_table(header, [[r["engine"], r["hosts"], r["link"], r["compression"],
+    header = ["link", "engine", "hosts", "compression", "img/s", "predicted img/s", "efficiency",
+              "predicted efficiency", "step ms", "TCP retransmits", "drops", "backlog drops"]
+    return markdown_table(header, [[r["link"], r["engine"], r["hosts"], r["compression"],
                                     f"{r['images_per_sec']:.1f}", f"{r['predicted_images_per_sec']:.1f}",
                                     f"{100 * r['efficiency']:.1f}%", f"{100 * r['predicted_efficiency']:.1f}%",
-                                    f"{1000 * r['step_time_s']:.1f}", r["tcp_retransmits"], r["dropped_packets"]]
+                                    f"{1000 * r['step_time_s']:.1f}", r["tcp_retransmits"], r["dropped_packets"],
+                                    r["backlog_drops"]]
                                    for r in rows])
