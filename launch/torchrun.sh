@@ -97,19 +97,20 @@ without_torchruns_block() {
 # end_line STATUS ERROR_FILE STOPPED: the one line after torchrun, and the status to exit with
 end_line() {
   local status="$1" file="$2" stopped="$3" code=""
+  if [ "$status" = 0 ] && [ "$stopped" = 0 ]; then return 0; fi
   if [ -s "$file" ]; then
     code="$(grep -o '"errorCode": *-\{0,1\}[0-9]*' "$file" | grep -o -- '-\{0,1\}[0-9]*$' || true)"
-    if grep -q 'SignalException' "$file"; then code="signal"; fi
+    if grep -q 'SignalException' "$file"; then code="signal"; elif [ -z "$code" ]; then code="torchrun"; fi
   fi
   if [ "$status" != 0 ] && [ "$stopped" = 1 ] && [ "$code" != signal ]; then stopped=0; fi  # a failure after all
   case "$stopped:$code" in
     1:*) echo "launch: torchrun stopped on SIGTERM; the ranks checkpointed their place: rerun the same command with --resume auto" >&2; EXIT=0 ;;
-    0:) [ "$status" != 0 ] || return 0
-         echo "launch: error: torchrun: a rank ended without a line (killed by a signal, or out of memory?; torchrun status $status): see the lines above; --resume auto continues from the last checkpoint" >&2; EXIT="$status" ;;
+    0:) echo "launch: error: torchrun: a rank ended without a line (killed by a signal, or out of memory?; torchrun status $status): see the lines above; --resume auto continues from the last checkpoint" >&2; EXIT="$status" ;;
     *:2) echo "launch: error: torchrun: the job refused its input (the line above says why; status 2): fix it and run again, a restart cannot" >&2; EXIT=2 ;;
     *:3) echo "launch: error: torchrun: a rank died or hung (the line above names it; status 3): rerun the same command with --resume auto" >&2; EXIT=3 ;;
     *:1) echo "launch: error: torchrun: a rank stopped on an unexpected error (the line above says where its traceback is; status 1)" >&2; EXIT=1 ;;
     *:signal) echo "launch: error: torchrun was stopped by a signal; the ranks' lines above say where they stopped: rerun the same command with --resume auto" >&2; EXIT=1 ;;
+    *:torchrun) echo "launch: error: torchrun itself failed (its traceback above says why; status $status)" >&2; EXIT="$status" ;;
     *) echo "launch: error: torchrun: a rank ended with status $code (torchrun status $status): see the lines above" >&2; EXIT="$status" ;;
   esac
 }
