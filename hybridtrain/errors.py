@@ -194,6 +194,7 @@ def tell_torchrun(line: str) -> None:
     path = os.environ.get(TORCHRUN_ERROR_FILE)
     if not path:
         return
+    line = line.removeprefix("hybridtrain: error: ")  # the box repeats the line: not a second error line
     data = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
     with contextlib.suppress(OSError):
         with open(path, "w") as fh:
