@@ -16,7 +16,7 @@ import yaml
 from conftest import HYBRIDTRAIN, assert_one_error_line, env_with_venv, tiny_config
 
 from hybridtrain.data import workers as shm
-from hybridtrain.distributed import node
+from hybridtrain.hardware import install_plan
 
 REPO = Path(__file__).resolve().parent.parent
 INSTALL = REPO / "install.sh"
@@ -171,14 +171,14 @@ def test_the_new_settings_are_checked_first(tmp_path, setting, value):
 
 def test_no_refusal_offers_the_release_it_refuses():
     """The pinned torch for a GPU no build of it serves used to answer 'use HYBRIDTRAIN_TORCH=<the pin>'."""
-    future = node.refusal_for([(13, 0)], "590.10.01", node.PINNED_TORCH, node.builds_for(node.PINNED_TORCH))
-    assert f"HYBRIDTRAIN_TORCH={node.PINNED_TORCH}" not in future and "unset" not in future, future
+    future = install_plan.refusal_for([(13, 0)], "590.10.01", install_plan.PINNED_TORCH, install_plan.builds_for(install_plan.PINNED_TORCH))
+    assert f"HYBRIDTRAIN_TORCH={install_plan.PINNED_TORCH}" not in future and "unset" not in future, future
     assert "HYBRIDTRAIN_TORCH=system" in future
-    old = node.refusal_for([(10, 0)], "580.95.05", "2.5.1", node.builds_for("2.5.1"))  # cu121 stops at sm_90
-    assert f"leave HYBRIDTRAIN_TORCH unset for torch {node.PINNED_TORCH}" in old, old
-    assert node.choose([(10, 0)], "580.95.05").error == "", "the fix offered: the pin serves a B200"
-    pascal = node.refusal_for([(6, 1)], "580.95.05", "2.15.0", node.builds_for("2.15.0"))
-    assert "HYBRIDTRAIN_TORCH=2.14.1" in pascal and node.choose([(6, 1)], "580.95.05", "2.14.1").error == ""
+    old = install_plan.refusal_for([(10, 0)], "580.95.05", "2.5.1", install_plan.builds_for("2.5.1"))  # cu121 stops at sm_90
+    assert f"leave HYBRIDTRAIN_TORCH unset for torch {install_plan.PINNED_TORCH}" in old, old
+    assert install_plan.choose([(10, 0)], "580.95.05").error == "", "the fix offered: the pin serves a B200"
+    pascal = install_plan.refusal_for([(6, 1)], "580.95.05", "2.15.0", install_plan.builds_for("2.15.0"))
+    assert "HYBRIDTRAIN_TORCH=2.14.1" in pascal and install_plan.choose([(6, 1)], "580.95.05", "2.14.1").error == ""
 
 
 # ----------------------------------------------------------------------------- 8. a small /dev/shm

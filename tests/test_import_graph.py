@@ -91,7 +91,8 @@ def test_building_the_parser_imports_no_torch():
 FLOORS = (("hybridtrain", "hybridtrain.__main__", "hybridtrain.cli"), ("hybridtrain.perf", "hybridtrain.gpucheck"),
           ("hybridtrain.predict",), ("hybridtrain.reports", "hybridtrain.data.prepare"), ("hybridtrain.engine",),
           ("hybridtrain.data", "hybridtrain.models", "hybridtrain.optim", "hybridtrain.precision"),
-          ("hybridtrain.distributed",), ("hybridtrain.config", "hybridtrain.outputs"), ("hybridtrain.errors",))
+          ("hybridtrain.distributed", "hybridtrain.hardware"), ("hybridtrain.config", "hybridtrain.outputs"),
+          ("hybridtrain.errors",))
 
 
 def home(module: str) -> tuple[int, str]:
@@ -115,9 +116,9 @@ def wrong_way(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
 
 def test_imports_go_down_the_readme_chain_floor_by_floor():
     """cli -> perf (benchmarks), gpucheck (the GPU acceptance check) -> predict (the cluster model) -> reports,
-    data.prepare -> engine -> data, models, optim, precision -> distributed -> config,
-    outputs -> errors: the training code never imports a tool, a report or the command line, and the folders of
-    one floor stay apart."""
+    data.prepare -> engine -> data, models, optim, precision -> distributed, hardware (the install plan and the node
+    checks) -> config, outputs -> errors: the training code never imports a tool, a report or the command line,
+    and the folders of one floor stay apart."""
     graph = import_graph()
     assert {home(m)[1] for m in graph} == {p for floor in FLOORS for p in floor}  # every folder has its floor
     assert wrong_way(graph) == []

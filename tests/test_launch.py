@@ -472,9 +472,9 @@ def test_dockerfile_runs_install_sh(kind):
     assert len(install_runs) == 1, "exactly one RUN of ./install.sh"
     if kind.startswith("gpu"):
         assert "HOROVOD_GPU_OPERATIONS=NCCL" in install_runs[0]
-    if kind == "gpu-pascal-volta":  # the choice a Pascal/Volta node makes (hybridtrain/distributed/node.py)
-        from hybridtrain.distributed import node
-        plan = node.choose([(6, 0), (6, 1), (7, 0)], "525.60.13")
+    if kind == "gpu-pascal-volta":  # the choice a Pascal/Volta node makes (hybridtrain/hardware/install_plan.py)
+        from hybridtrain.hardware import install_plan
+        plan = install_plan.choose([(6, 0), (6, 1), (7, 0)], "525.60.13")
         assert f"HOROVOD_BUILD_CUDA_CC_LIST={plan.cc_list}" in install_runs[0] and f"DALI_CUDA_MAJOR={plan.dali}" in install_runs[0]
         assert f"ARG TORCH_INDEX={plan.index}" in DOCKERFILES[kind].read_text()
         base = dict(dockerfile_instructions(DOCKERFILES[kind]))["FROM"]

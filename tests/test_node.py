@@ -1,4 +1,4 @@
-"""What a node can run (hybridtrain/distributed/node.py): the install's choice on a table of real nodes, through
+"""What a node can run (hybridtrain/hardware/): the install's choice on a table of real nodes, through
 ``./install.sh --plan`` with a stand-in ``nvidia-smi`` on PATH (the only thing stood in: torch, Horovod and DALI are
 never mocked), and the trainer's refusals on tables of real arch lists and driver versions."""
 from __future__ import annotations
@@ -14,8 +14,9 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from hybridtrain.distributed import node
 from hybridtrain.errors import UserError
+from hybridtrain.hardware import checks, gpus
+from hybridtrain.hardware import install_plan as planner
 
 REPO = Path(__file__).resolve().parent.parent
 INSTALL = REPO / "install.sh"
@@ -42,11 +43,11 @@ NODES = [
 
 @pytest.mark.parametrize("name, smi, variant, dali, why", NODES, ids=[n[0] for n in NODES])
 def test_the_choice_for_real_nodes(name, smi, variant, dali, why):
-    caps, driver = node.parse_smi(smi)
-    plan = node.choose(caps, driver)
+    caps, driver = planner.parse_smi(smi)
+    plan = planner.choose(caps, driver)
     assert plan.error == ""
     assert (plan.variant, plan.dali, plan.gpu_operations) == (variant, dali, "NCCL")
-    assert plan.index == ("" if variant == "cu130" else f"{node.PYTORCH_INDEX}/{variant}")
+    assert plan.index == ("" if variant == "cu130" else f"{planner.PYTORCH_INDEX}/{variant}")
     assert why in plan.lines[1], plan.lines
     assert plan.cc_list == f"{caps[0][0]}{caps[0][1]}"
 
@@ -81,7 +82,7 @@ def test_install_plan_on_real_nodes(tmp_path, name, smi, variant, dali, why):
     lines = result.stdout.splitlines()
     assert all(line.startswith("plan: ") for line in lines) and len(lines) <= 6, result.stdout
     torch_line = next(line for line in lines if line.startswith("plan: torch "))
-    assert f"torch {node.PINNED_TORCH} and torchvision {node.PINNED_TORCHVISION}" in torch_line
+    assert f"torch {planner.PINNED_TORCH} and torchvision {planner.PINNED_TORCHVISION}" in torch_line
     assert f"({variant})" in torch_line and why in torch_line
     assert f"plan: DALI: nvidia-dali-cuda{dali}" in result.stdout
     assert "HOROVOD_BUILD_CUDA_CC_LIST=" in result.stdout and "GPU operations NCCL" in result.stdout
@@ -111,17 +112,17 @@ def test_install_refuses_a_node_no_build_fits_in_one_line(tmp_path, smi, needle)
 
 
 def test_a_torch_without_a_build_for_the_gpu_names_what_to_install():
-    plan = node.choose([(7, 0)], "535.183.01", "2.15.0")
+    plan = planner.choose([(7, 0)], "535.183.01", "2.15.0")
     assert "no build with kernels for sm_70" in plan.error and "HYBRIDTRAIN_TORCH=2.14.1" in plan.error
-    old = node.choose([(7, 0)], "535.183.01", "2.3.1")
-    assert (old.variant, old.torchvision, old.index) == ("cu121", "0.18", f"{node.PYTORCH_INDEX}/cu121")
+    old = planner.choose([(7, 0)], "535.183.01", "2.3.1")
+    assert (old.variant, old.torchvision, old.index) == ("cu121", "0.18", f"{planner.PYTORCH_INDEX}/cu121")
 
 
 @pytest.mark.parametrize("version, ok", [("2.2.2+cu121", False), ("2.1.0a0+32f93b1", False), ("2.3.0", True),
                                          ("2.3.0a0+6ddf5cf85e.nv24.04", True), ("2.13.0+cu130", True)])
 def test_a_system_torch_older_than_the_oldest_is_refused(version, ok):
     """The versions NGC images and site installs report (the plan reads torch.__version__ with the system Python)."""
-    line = node.check_system_torch(version)
+    line = planner.check_system_torch(version)
     assert (line == "") == ok, line
     if not ok:
         assert line.startswith("HYBRIDTRAIN_TORCH=system: this Python's torch") and "older than 2.3" in line
@@ -129,9 +130,9 @@ def test_a_system_torch_older_than_the_oldest_is_refused(version, ok):
 
 def test_system_torch_is_checked_against_the_driver():
     """Without a driver API version (no libcuda answered, as on a login node), nvidia-smi's driver decides."""
-    plan = node.choose([(8, 0)], "550.127.05", "2.9.0", torch_cuda="13.0")
+    plan = planner.choose([(8, 0)], "550.127.05", "2.9.0", torch_cuda="13.0")
     assert "built for CUDA 13.0, which needs driver r580" in plan.error
-    fine = node.choose([(8, 0)], "550.127.05", "2.4.0", torch_cuda="12.4")
+    fine = planner.choose([(8, 0)], "550.127.05", "2.4.0", torch_cuda="12.4")
     assert fine.error == "" and fine.dali == "120"
 
 
@@ -139,48 +140,48 @@ def test_system_torch_under_forward_compatibility_is_decided_by_the_driver_api()
     """gpu-path-3 #4: a CUDA 13 torch on an r550 data-centre driver runs through cuda-compat's libcuda, which
     reports CUDA 13.0 (cuDriverGetVersion 13000): accepted with a warning, as the trainer's check accepts it; the
     same node whose libcuda reports 12.4 is refused with the trainer's driver line."""
-    plan = node.choose([(9, 0)], "550.54", "2.11.0+cu130", torch_cuda="13.0", driver_api=13000)
+    plan = planner.choose([(9, 0)], "550.54", "2.11.0+cu130", torch_cuda="13.0", driver_api=13000)
     assert plan.error == "" and (plan.cuda, plan.dali, plan.gpu_operations) == ("13.0", "130", "NCCL")
     warning = [line for line in plan.lines if line.startswith("warning:")]
     assert len(warning) == 1 and "kernel driver 550.54 is older than r580" in warning[0], plan.lines
     assert "forward compatibility" in warning[0] and "supports CUDA 13.0" in warning[0]
 
-    refused = node.choose([(9, 0)], "550.54", "2.11.0+cu130", torch_cuda="13.0", driver_api=12040)
-    assert refused.error.startswith("HYBRIDTRAIN_TORCH=system: " + node.driver_shortfall(12040, "13.0"))
+    refused = planner.choose([(9, 0)], "550.54", "2.11.0+cu130", torch_cuda="13.0", driver_api=12040)
+    assert refused.error.startswith("HYBRIDTRAIN_TORCH=system: " + gpus.driver_shortfall(12040, "13.0"))
     assert "the NVIDIA driver supports CUDA 12.4 and this torch is built for CUDA 13.0" in refused.error
     assert "upgrade the driver to r580" in refused.error and "\n" not in refused.error
 
-    assert node.system_driver_check("2.11.0+cu130", "13.0", "550.54", 13000) == ("", warning[0])
-    assert node.system_driver_check("2.11.0+cu130", "13.0", "580.95.05", 13000) == ("", "")  # nothing to warn
+    assert planner.system_driver_check("2.11.0+cu130", "13.0", "550.54", 13000) == ("", warning[0])
+    assert planner.system_driver_check("2.11.0+cu130", "13.0", "580.95.05", 13000) == ("", "")  # nothing to warn
     # cuInit refuses cuda-compat on this GPU (a consumer GPU, or a compat package for another kernel driver)
-    error, _ = node.system_driver_check("2.11.0+cu130", "13.0", "550.54", 13000, cuda_init=804)
+    error, _ = planner.system_driver_check("2.11.0+cu130", "13.0", "550.54", 13000, cuda_init=804)
     assert "CUDA_ERROR_COMPAT_NOT_SUPPORTED_ON_DEVICE" in error and "upgrade the driver" in error
     # the driver API decides below r525 too (a CUDA 12 image on r470 + cuda-compat), and for DALI's cuda130
-    assert node.choose([(8, 0)], "470.256.02", "2.4.0", torch_cuda="12.4", driver_api=12040).error == ""
-    assert node.choose([(8, 0)], "470.256.02", "2.4.0", torch_cuda="12.4").error.startswith("the NVIDIA driver 470")
+    assert planner.choose([(8, 0)], "470.256.02", "2.4.0", torch_cuda="12.4", driver_api=12040).error == ""
+    assert planner.choose([(8, 0)], "470.256.02", "2.4.0", torch_cuda="12.4").error.startswith("the NVIDIA driver 470")
 
 
-def plan_module(smi: str, **environ) -> tuple[int, dict, str]:
-    """``python -m hybridtrain.distributed.node plan`` as install.sh runs it: its PLAN_* assignments, parsed."""
+def install_plan(smi: str, **environ) -> tuple[int, dict, str]:
+    """``python -m hybridtrain.hardware.install_plan plan`` as install.sh runs it: its PLAN_* assignments, parsed."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HOROVOD_", "HYBRIDTRAIN_", "DALI_", "PLAN_"))}
     env.update(PYTHONPATH=str(REPO), **environ)
-    out = subprocess.run([sys.executable, "-m", "hybridtrain.distributed.node", "plan"], input=smi, env=env,
+    out = subprocess.run([sys.executable, "-m", "hybridtrain.hardware.install_plan", "plan"], input=smi, env=env,
                          capture_output=True, text=True, timeout=60)
     return out.returncode, dict(word.split("=", 1) for word in shlex.split(out.stdout)), out.stderr
 
 
 def test_plan_module_for_a_forward_compatible_image():
     """The same two nodes through the plan install.sh evaluates (PLAN_SYSTEM_TORCH: what probe-torch prints)."""
-    rc, plan, err = plan_module("9.0, 550.54\n", HYBRIDTRAIN_TORCH="system",
+    rc, plan, err = install_plan("9.0, 550.54\n", HYBRIDTRAIN_TORCH="system",
                                 PLAN_SYSTEM_TORCH="2.11.0+cu130 13.0 13000 0 present")
     assert rc == 0 and plan["PLAN_ERROR"] == "", err
     assert (plan["PLAN_TORCH"], plan["PLAN_TORCHVISION"], plan["PLAN_CUDA"], plan["PLAN_DALI"]) == ("", "", "13.0", "130")
     assert "warning: nvidia-smi's kernel driver 550.54 is older than r580" in plan["PLAN_LINES"]
-    rc, plan, err = plan_module("9.0, 550.54\n", HYBRIDTRAIN_TORCH="system",
+    rc, plan, err = install_plan("9.0, 550.54\n", HYBRIDTRAIN_TORCH="system",
                                 PLAN_SYSTEM_TORCH="2.11.0+cu130 13.0 12040 0 present")
     assert rc == 0 and "the NVIDIA driver supports CUDA 12.4 and this torch is built for CUDA 13.0" in plan["PLAN_ERROR"]
     # what install.sh printed before the driver API was asked ('version cuda'): nvidia-smi decides, as before
-    rc, plan, err = plan_module("9.0, 550.54\n", HYBRIDTRAIN_TORCH="system", PLAN_SYSTEM_TORCH="2.11.0+cu130 13.0")
+    rc, plan, err = install_plan("9.0, 550.54\n", HYBRIDTRAIN_TORCH="system", PLAN_SYSTEM_TORCH="2.11.0+cu130 13.0")
     assert "built for CUDA 13.0, which needs driver r580" in plan["PLAN_ERROR"]
 
 
@@ -220,7 +221,7 @@ def test_install_plan_with_a_system_torch_asks_the_driver_library_it_loads(tmp_p
 def test_the_plan_names_the_index_host_and_what_to_do_without_it(tmp_path):
     """gpu-path-3 #6: on an H100 with r550 the pinned torch comes from PyTorch's own index, not the registry:
     the plan names that host and the two ways round it; the registry's build gets no such line."""
-    host = urlsplit(node.PYTORCH_INDEX).netloc
+    host = urlsplit(planner.PYTORCH_INDEX).netloc
     result = plan_of(tmp_path, "9.0, 550.127.05\n" * 8)
     assert result.returncode == 0, result.stderr
     line = next(line for line in result.stdout.splitlines() if line.startswith("plan: download: "))
@@ -231,30 +232,30 @@ def test_the_plan_names_the_index_host_and_what_to_do_without_it(tmp_path):
     assert "plan: download: " not in own.stdout and f"your HYBRIDTRAIN_TORCH_INDEX {tmp_path}" in own.stdout
     offline = plan_of(tmp_path, "9.0, 550.127.05\n", HYBRIDTRAIN_WHEELHOUSE=str(tmp_path))
     assert f"plan: download: none: torch and torchvision come from HYBRIDTRAIN_WHEELHOUSE={tmp_path}, which must " \
-           f"hold the cu126 wheels of torch {node.PINNED_TORCH}" in offline.stdout
+           f"hold the cu126 wheels of torch {planner.PINNED_TORCH}" in offline.stdout
     assert not [line for line in offline.stdout.splitlines() if line.startswith("plan: download: ") and host in line]
 
 
 @pytest.mark.parametrize("torch_version, torchvision", [
     ("2.3.1", "0.18.1"), ("2.4.1+cu121", "0.19.1"), ("2.5.1", "0.20.1"), ("2.6.0+cu126", "0.21.0"),
     ("2.7.1", "0.22.1"), ("2.8.0", "0.23.0"), ("2.9.1+cu128", "0.24.1"), ("2.10.0", "0.25.0"),
-    ("2.11.0+cu130", "0.26.0"), (node.PINNED_TORCH, node.PINNED_TORCHVISION),
+    ("2.11.0+cu130", "0.26.0"), (planner.PINNED_TORCH, planner.PINNED_TORCHVISION),
     ("2.3.0a0+6ddf5cf85e.nv24.04", "0.18.0"),  # an NGC pre-release: the release it precedes
     ("2.2.2", ""), ("2.16.0", ""),
 ])
 def test_the_torchvision_paired_with_a_torch(torch_version, torchvision):
     """torchvision's compatibility table (its README: torch 2.x.p with torchvision 0.(x+15).p)."""
-    assert node.torchvision_pairing(torch_version) == torchvision
+    assert planner.torchvision_pairing(torch_version) == torchvision
 
 
 def test_a_system_torch_without_torchvision_gets_the_paired_one_in_the_plan():
-    rc, plan, err = plan_module("9.0, 580.65.06\n", HYBRIDTRAIN_TORCH="system", PYTHON="/opt/py/bin/python3",
+    rc, plan, err = install_plan("9.0, 580.65.06\n", HYBRIDTRAIN_TORCH="system", PYTHON="/opt/py/bin/python3",
                                 PLAN_SYSTEM_TORCH="2.11.0+cu130 13.0 13000 0 none")
     assert rc == 0 and plan["PLAN_ERROR"] == "" and plan["PLAN_TORCHVISION"] == "0.26.0", err
     lines = plan["PLAN_LINES"].splitlines()
     assert lines[1].startswith("torch: the installed torch 2.11.0+cu130") and lines[2].startswith(
         "torchvision: /opt/py/bin/python3 has none: torchvision 0.26.0, the release paired with torch 2.11.0+cu130")
-    rc, plan, err = plan_module("", HYBRIDTRAIN_TORCH="system", PLAN_SYSTEM_TORCH="2.16.0 13.0 0 0 none")
+    rc, plan, err = install_plan("", HYBRIDTRAIN_TORCH="system", PLAN_SYSTEM_TORCH="2.16.0 13.0 0 0 none")
     assert "knows no torchvision release for that torch" in plan["PLAN_ERROR"]
 
 
@@ -288,11 +289,11 @@ def test_a_dali_build_the_node_cannot_run_is_refused(tmp_path):
 
 def test_the_pins_agree_with_install_sh():
     text = INSTALL.read_text()
-    assert f'TORCH_VERSION="{node.PINNED_TORCH}"' in text
-    assert f'TORCHVISION_VERSION="{node.PINNED_TORCHVISION}"' in text
-    assert f'OLDEST_TORCH="{node.OLDEST_TORCH[0]}.{node.OLDEST_TORCH[1]}"' in text
+    assert f'TORCH_VERSION="{planner.PINNED_TORCH}"' in text
+    assert f'TORCHVISION_VERSION="{planner.PINNED_TORCHVISION}"' in text
+    assert f'OLDEST_TORCH="{planner.OLDEST_TORCH[0]}.{planner.OLDEST_TORCH[1]}"' in text
     setup = (REPO / "setup.py").read_text()
-    assert re.search(rf'TORCH = "torch=={re.escape(node.PINNED_TORCH.rsplit(".", 1)[0])}\.\*"', setup)
+    assert re.search(rf'TORCH = "torch=={re.escape(planner.PINNED_TORCH.rsplit(".", 1)[0])}\.\*"', setup)
 
 
 # ----------------------------------------------------------------------------- the trainer's checks
@@ -310,10 +311,10 @@ def test_the_pins_agree_with_install_sh():
     ((13, 0), CU130, False),
 ])
 def test_kernel_refusal_on_real_arch_lists(cap, archs, ok):
-    line = node.kernel_refusal(cap, "GPU", archs, "2.13.0+cu130", "13.0")
+    line = checks.kernel_refusal(cap, "GPU", archs, "2.13.0+cu130", "13.0")
     assert (line == "") == ok, line
     if not ok:
-        assert node.sm(cap) in line and "./install.sh" in line and "docs/hardware.md" in line
+        assert gpus.sm(cap) in line and "./install.sh" in line and "docs/hardware.md" in line
 
 
 @pytest.mark.parametrize("driver_api, torch_cuda, ok", [
@@ -326,39 +327,39 @@ def test_kernel_refusal_on_real_arch_lists(cap, archs, ok):
     (0, "13.0", True),          # torch could not tell: nothing to say
 ])
 def test_driver_refusal_on_real_driver_versions(driver_api, torch_cuda, ok):
-    line = node.driver_refusal(driver_api, torch_cuda)
+    line = checks.driver_refusal(driver_api, torch_cuda)
     assert (line == "") == ok, line
     if not ok:
         assert f"built for CUDA {torch_cuda}" in line and "upgrade the driver" in line
 
 
 def test_bf16_and_fp16_rate():
-    assert "compute capability 8.0" in node.bf16_refusal((7, 0), "Tesla V100", {"bf16"})
-    assert node.bf16_refusal((8, 0), "A100", {"bf16"}) == ""
-    assert node.bf16_refusal((6, 1), "Tesla P40", {"fp16"}) == ""
-    warning = node.fp16_rate_warning((6, 1), "Tesla P40", {"fp16"})
-    assert warning.startswith("warning:") and node.P40_RECIPE in warning and "1/64" in warning
-    assert node.fp16_rate_warning((6, 0), "Tesla P100", {"fp16"}) == ""
-    assert node.fp16_rate_warning((6, 1), "Tesla P40", set()) == ""
+    assert "compute capability 8.0" in checks.bf16_refusal((7, 0), "Tesla V100", {"bf16"})
+    assert checks.bf16_refusal((8, 0), "A100", {"bf16"}) == ""
+    assert checks.bf16_refusal((6, 1), "Tesla P40", {"fp16"}) == ""
+    warning = checks.fp16_rate_warning((6, 1), "Tesla P40", {"fp16"})
+    assert warning.startswith("warning:") and checks.P40_RECIPE in warning and "1/64" in warning
+    assert checks.fp16_rate_warning((6, 0), "Tesla P100", {"fp16"}) == ""
+    assert checks.fp16_rate_warning((6, 1), "Tesla P40", set()) == ""
 
 
 def test_compute_dtypes_of_precision_settings():
     from hybridtrain.config import PrecisionConfig
-    assert node.compute_dtypes("mixed-bf16") == {"bf16"}
-    assert node.compute_dtypes("mixed") == {"fp16"} and node.compute_dtypes("fp32") == set()
-    assert node.compute_dtypes(PrecisionConfig()) == set()
+    assert checks.compute_dtypes("mixed-bf16") == {"bf16"}
+    assert checks.compute_dtypes("mixed") == {"fp16"} and checks.compute_dtypes("fp32") == set()
+    assert checks.compute_dtypes(PrecisionConfig()) == set()
     layered = PrecisionConfig(mode="layered")
-    assert node.compute_dtypes(layered) == {"fp16"}
+    assert checks.compute_dtypes(layered) == {"fp16"}
 
 
 def test_check_node_on_this_machine():
     """The real torch: the CPU device passes (a warning only when a GPU driver is there but too old)."""
     import torch
-    assert isinstance(node.check_node(torch.device("cpu"), "mixed-fp16"), list)
-    assert node.driver_api_version() >= 0  # 0 here without a driver; 12020-style on a GPU node
+    assert isinstance(checks.check_node(torch.device("cpu"), "mixed-fp16"), list)
+    assert gpus.driver_api_version() >= 0  # 0 here without a driver; 12020-style on a GPU node
     if torch.cuda.is_available():
         with pytest.raises(UserError) if not torch.cuda.is_bf16_supported() else _nothing():
-            node.check_node(torch.device("cuda", 0), "mixed-bf16")
+            checks.check_node(torch.device("cuda", 0), "mixed-bf16")
 
 
 class _nothing:
@@ -370,7 +371,7 @@ class _nothing:
 
 
 def test_node_module_imports_no_torch():
-    code = ("import sys; import hybridtrain.distributed.node; "
+    code = ("import sys; import hybridtrain.hardware.install_plan, hybridtrain.hardware.checks; "
             "print([m for m in sys.modules if m == 'torch' or m.startswith('torch.')][:3])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          env=dict(os.environ, PYTHONPATH=str(REPO)))

@@ -10,10 +10,10 @@ import torch
 from hybridtrain.config import Config, gradient_compression
 from hybridtrain.data.loaders import create_loaders
 from hybridtrain.distributed import collectives as distributed
-from hybridtrain.distributed.node import check_node
 from hybridtrain.engine.step import Precision, build_step, check_speedups
 from hybridtrain.engine.telemetry import log
 from hybridtrain.errors import UserError
+from hybridtrain.hardware.checks import check_node
 from hybridtrain.models import model_from_config
 from hybridtrain.models.batchnorm import configure_batch_norm
 from hybridtrain.optim import create_optimizer

@@ -3,7 +3,7 @@
     python -m hybridtrain.gpucheck.probe
 
 {"gpus", "name", "torch", "cuda", "dali", "checks": {precision: [refusal or "", [warnings]]}, "reason"}: the node
-checks (hybridtrain.distributed.node.check_node) per precision the rows train in; ``reason`` says why torch cannot
+checks (hybridtrain.hardware.checks.check_node) per precision the rows train in; ``reason`` says why torch cannot
 use a GPU when it has none (a driver too old for torch's CUDA first: review 3 #5).
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from hybridtrain.gpucheck.rows import PRECISIONS
 
 def no_gpu_reason(torch_cuda: str, driver_api: int, unusable: str) -> str:
     """Why a torch sees no GPU: its CUDA build against the driver's (cuDriverGetVersion), else torch's own words."""
-    from hybridtrain.distributed.node import driver_refusal
+    from hybridtrain.hardware.checks import driver_refusal
     return driver_refusal(driver_api, torch_cuda) or unusable
 
 
@@ -30,9 +30,10 @@ def dali_installed() -> bool:
 def probe() -> dict:
     import torch
 
-    from hybridtrain.distributed.node import check_node, driver_api_version
     from hybridtrain.distributed.topology import cuda_unusable_reason
     from hybridtrain.errors import UserError
+    from hybridtrain.hardware.checks import check_node
+    from hybridtrain.hardware.gpus import driver_api_version
     found = {"gpus": 0, "name": "", "torch": torch.__version__, "cuda": torch.version.cuda or "",
              "dali": dali_installed(), "checks": {}, "reason": ""}
     if not torch.cuda.is_available():

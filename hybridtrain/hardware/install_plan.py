@@ -1,15 +1,11 @@
-"""What this node's GPUs and driver can run: the torch build ``install.sh`` installs, and the checks a rank makes
-before it trains (``check_node``). docs/hardware.md is the table this module encodes, with its sources.
+"""The torch build ``install.sh`` installs on this node: :func:`choose` (compute capabilities, driver version, torch
+version or torch's CUDA) -> :class:`Plan`. docs/hardware.md is the table it encodes, with its sources.
 
-Two halves, both pure where they decide:
-- the install's choice, :func:`choose` (compute capabilities, driver version, torch version or torch's CUDA) ->
-  :class:`Plan`; ``install.sh`` runs ``python -m hybridtrain.distributed.node plan`` with the system Python
-  (no venv and no torch yet), so this module imports the standard library only;
-- the trainer's checks: :func:`kernel_refusal`, :func:`driver_refusal`, :func:`bf16_refusal`,
-  :func:`fp16_rate_warning`, and :func:`check_node`, which asks torch (imported inside the function) and raises
-  :class:`~hybridtrain.errors.UserError` with the first refusal.
+``install.sh`` runs ``python -m hybridtrain.hardware.install_plan plan`` (and ``probe-torch``, ``check-torch``) with
+the system Python (no venv and no torch yet), so this module imports the standard library only; the GPU and driver
+facts it shares with the rank's checks (hybridtrain.hardware.checks) are in hybridtrain.hardware.gpus.
 
-May import: errors.
+May import: hardware.gpus.
 """
 from __future__ import annotations
 
@@ -20,7 +16,18 @@ import sys
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from hybridtrain.errors import UserError
+from hybridtrain.hardware.gpus import (
+    MIN_DRIVER,
+    driver_api_version,
+    driver_init_result,
+    driver_name,
+    driver_shortfall,
+    generation,
+    kernels_for,
+    parse_capability,
+    sm,
+    version_tuple,
+)
 
 PINNED_TORCH = "2.13.0"         # install.sh's TORCH_VERSION (tests check they agree)
 PINNED_TORCHVISION = "0.28.0"
@@ -30,23 +37,10 @@ OLDEST_TORCH = (2, 3)           # the oldest torch the code supports (docs/hardw
 TORCHVISION_MINOR = {(2, m): m + 15 for m in range(3, 16)}
 PYTORCH_INDEX = "https://download.pytorch.org/whl"   # PyTorch's own wheel index: <index>/<variant>
 
-# The driver each CUDA major needs (CUDA's release notes, "minimum required driver for minor version
-# compatibility", Linux x86_64): CUDA 12.x >= 525.60.13, CUDA 13.x >= 580.65.06.
-MIN_DRIVER = {12: (525, 60, 13), 13: (580, 65, 6)}
 # cuInit's answers when a forward-compatibility libcuda (cuda-compat) cannot run on this GPU or kernel driver
 CUINIT_COMPAT_ERRORS = {803: "CUDA_ERROR_SYSTEM_DRIVER_MISMATCH", 804: "CUDA_ERROR_COMPAT_NOT_SUPPORTED_ON_DEVICE"}
 SM_50_TO_90 = ("sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90")
 SM_75_TO_120 = ("sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120")
-
-# Names for messages: (first capability of the generation, its name, the data-centre GPUs people have).
-GENERATIONS = (((3, 0), "Kepler", "K80"), ((5, 0), "Maxwell", "M40"), ((6, 0), "Pascal", "P100/P40"),
-               ((7, 0), "Volta", "V100"), ((7, 5), "Turing", "T4"), ((8, 0), "Ampere", "A100"),
-               ((8, 9), "Ada", "L40/L4"), ((9, 0), "Hopper", "H100/H200"), ((10, 0), "Blackwell", "B200"),
-               ((12, 0), "Blackwell", "RTX PRO 6000"))
-# GPUs whose FP16 arithmetic runs at a small fraction of FP32 (GP102/GP104: 1/64), so FP16 compute is slower
-# than FP32; the P40 recipe trains in FP32 with the FP16 wire.
-SLOW_FP16 = {(6, 1): "1/64"}
-P40_RECIPE = "configs/resnet50_cluster2_p40.yaml"
 
 
 @dataclass(frozen=True)
@@ -85,35 +79,6 @@ def builds_for(torch_version: str) -> list[Build]:
 
 
 # ----------------------------------------------------------------------------- small parsers
-
-def version_tuple(text: str) -> tuple:
-    """'2.13.0+cu130' -> (2, 13, 0); '535.104.05' -> (535, 104, 5)."""
-    parts = []
-    for piece in text.split("+")[0].split("."):
-        digits = re.match(r"\d*", piece).group()
-        if not digits:
-            break
-        parts.append(int(digits))
-    return tuple(parts)
-
-
-def parse_capability(text: str) -> tuple:
-    """'8.0' or '80' or 'sm_80' -> (8, 0)."""
-    text = text.strip().lower().replace("sm_", "").replace("compute_", "")
-    if "." in text:
-        major, minor = text.split(".", 1)
-        return int(major), int(minor)
-    return int(text[:-1]), int(text[-1])
-
-
-def sm(cap: tuple) -> str:
-    return f"sm_{cap[0]}{cap[1]}"
-
-
-def generation(cap: tuple) -> str:
-    """'sm_70 (Volta, V100)'."""
-    name = [g for g in GENERATIONS if g[0] <= cap]
-    return f"{sm(cap)} ({name[-1][1]}, e.g. {name[-1][2]})" if name else sm(cap)
 
 
 def parse_smi(text: str) -> tuple[list, str]:
@@ -201,31 +166,8 @@ def broken_gpus(text: str, gpus: str = "") -> list[tuple[str, str]]:
     return bad
 
 
-# ----------------------------------------------------------------------------- kernels and drivers
-
-def kernels_for(cap: tuple, archs) -> str:
-    """The entry of ``archs`` (torch.cuda.get_arch_list()) that runs on a GPU of capability ``cap``, or ''.
-    A cubin for sm_XY runs on the same major X with minor >= Y; PTX (compute_XY) is compiled by the driver for
-    any capability >= XY (CUDA's binary and PTX compatibility rules)."""
-    best = ""
-    for arch in archs:
-        kind, _, number = arch.partition("_")
-        if not number.isdigit():
-            continue
-        a = parse_capability(number)
-        if kind == "sm" and a[0] == cap[0] and a[1] <= cap[1]:
-            return arch
-        if kind == "compute" and a <= cap and not best:
-            best = f"{arch} (PTX, compiled by the driver at first use)"
-    return best
-
-
 def driver_ok(driver: str, cuda: str) -> bool:
     return version_tuple(driver) >= MIN_DRIVER.get(version_tuple(cuda)[0], (0,))
-
-
-def driver_name(version: tuple) -> str:
-    return ".".join(str(v) if i == 0 else f"{v:02d}" for i, v in enumerate(version))
 
 
 # ----------------------------------------------------------------------------- the install's choice
@@ -498,117 +440,6 @@ def shell_assignments(plan: Plan) -> str:
     return "".join(f"{key}={shlex.quote(value)}\n" for key, value in values.items())
 
 
-# ----------------------------------------------------------------------------- the trainer's checks
-
-def kernel_refusal(cap: tuple, name: str, archs, torch_version: str, torch_cuda: str) -> str:
-    """'' when torch has kernels for this GPU (``archs``: torch.cuda.get_arch_list()), else the one line."""
-    if kernels_for(cap, archs):
-        return ""
-    fix = ("reinstall with ./install.sh, which picks the CUDA 12.6 build for it" if (5, 0) <= cap < (7, 5) else
-           "reinstall with ./install.sh, which picks the build for it")
-    return (f"{name} is {generation(cap)}, and this torch {torch_version} (CUDA {torch_cuda}) has kernels only for "
-            f"{', '.join(archs) or 'no GPU'}: {fix} (docs/hardware.md)")
-
-
-def driver_shortfall(driver_api: int, torch_cuda: str) -> str:
-    """'' when the driver runs torch's CUDA, else why not (no fix). ``driver_api``: the CUDA version the driver
-    supports (cuDriverGetVersion: 12020 = 12.2). CUDA 12.x runs on any 12.x driver (r525+) through minor
-    version compatibility; CUDA 13.x needs a 13.x driver (r580+, or forward compatibility's cuda-compat)."""
-    if not torch_cuda or torch_cuda == "none" or driver_api <= 0:
-        return ""
-    need = version_tuple(torch_cuda)[0]
-    have = (driver_api // 1000, driver_api % 1000 // 10)
-    if have[0] >= need:
-        return ""
-    minimum = MIN_DRIVER.get(need, (0,))
-    return (f"the NVIDIA driver supports CUDA {have[0]}.{have[1]} and this torch is built for CUDA {torch_cuda}, "
-            f"which needs driver r{minimum[0]} ({driver_name(minimum)}) or newer")
-
-
-def driver_refusal(driver_api: int, torch_cuda: str) -> str:
-    """'' when the driver runs torch's CUDA, else the one line (:func:`driver_shortfall` and the fix)."""
-    short = driver_shortfall(driver_api, torch_cuda)
-    if not short:
-        return ""
-    return (f"{short}: upgrade the driver, or reinstall with ./install.sh, which picks torch's CUDA "
-            f"{driver_api // 1000} build for this driver (docs/hardware.md)")
-
-
-def bf16_refusal(cap: tuple, name: str, dtypes) -> str:
-    if "bf16" not in dtypes or cap >= (8, 0):
-        return ""
-    return (f"precision bf16 needs a GPU with native BF16 (compute capability 8.0 or newer) and {name} is "
-            f"{generation(cap)}: use precision.compute_dtype=fp16")
-
-
-def fp16_rate_warning(cap: tuple, name: str, dtypes) -> str:
-    rate = SLOW_FP16.get(cap)
-    if "fp16" not in dtypes or rate is None:
-        return ""
-    return (f"warning: {name} ({sm(cap)}) computes FP16 at {rate} of its FP32 rate, so FP16 compute is slower "
-            f"than FP32 here: train in FP32 with the FP16 wire, as {P40_RECIPE} does (precision.mode=fp32, "
-            f"horovod.compression=fp16)")
-
-
-def compute_dtypes(precision) -> set:
-    """The reduced dtypes ('fp16', 'bf16') a precision setting computes in: a ``precision`` config section, or a
-    string such as 'fp32', 'mixed' (fp16), 'mixed-bf16', 'fp16_pure'."""
-    if isinstance(precision, str):
-        mode, _, dtype = precision.partition("-")
-        return {dtype or "fp16"} if mode == "mixed" else ({"fp16"} if mode == "fp16_pure" else set())
-    if precision.mode == "mixed":
-        return {precision.compute_dtype}
-    if precision.mode == "layered":
-        return {d for d in precision.layers.values() if d in ("fp16", "bf16")}
-    return {"fp16"} if precision.mode == "fp16_pure" else set()
-
-
-def check_node(device, precision) -> list[str]:
-    """The checks before a rank trains on ``device`` (a torch.device) in ``precision`` (see compute_dtypes):
-    raises UserError with the first refusal (no kernels for this GPU, a driver too old for torch's CUDA, bf16
-    below sm_80); returns the warnings (FP16 compute on a P40)."""
-    import torch
-    dtypes = compute_dtypes(precision)
-    torch_cuda = torch.version.cuda or ""
-    driver_api = driver_api_version() if torch_cuda else 0
-    if getattr(device, "type", str(device)) != "cuda":
-        line = driver_refusal(driver_api, torch_cuda)
-        return [f"warning: the GPUs are not used: {line}"] if line and driver_api > 0 else []
-    cap = tuple(torch.cuda.get_device_capability(device))
-    name = torch.cuda.get_device_name(device)
-    for line in (driver_refusal(driver_api, torch_cuda),
-                 kernel_refusal(cap, name, torch.cuda.get_arch_list(), torch.__version__, torch_cuda),
-                 bf16_refusal(cap, name, dtypes)):
-        if line:
-            raise UserError(line)
-    warning = fp16_rate_warning(cap, name, dtypes)
-    return [warning] if warning else []
-
-
-def driver_api_version() -> int:
-    """The CUDA version the installed driver supports (cuDriverGetVersion: 12020 = 12.2), read from libcuda
-    without creating a context; 0 when there is no driver. torch has no public getter for it."""
-    import ctypes
-    try:
-        libcuda = ctypes.CDLL("libcuda.so.1")
-        version = ctypes.c_int(0)
-        if libcuda.cuDriverGetVersion(ctypes.byref(version)) != 0:
-            return 0
-        return version.value
-    except (OSError, AttributeError):
-        return 0
-
-
-def driver_init_result() -> int:
-    """cuInit(0)'s result (CUresult) from libcuda in this process: 0 when the driver initialises (or there is no
-    libcuda to ask); 803/804 when the forward-compatibility libcuda cannot run on this GPU or kernel driver."""
-    import ctypes
-    try:
-        return int(ctypes.CDLL("libcuda.so.1").cuInit(0))
-    except (OSError, AttributeError):
-        return 0
-
-
 def probe_torch() -> str:
     """What install.sh's plan needs from the torch of this Python (HYBRIDTRAIN_TORCH=system), as
     'version cuda driver_api cuinit torchvision': torch.__version__, torch.version.cuda ('none' for a CPU build),
@@ -649,8 +480,8 @@ def main(argv: list[str]) -> int:
         print(probe_torch())
         return 0
     if argv[:1] != ["plan"]:
-        print("usage: python -m hybridtrain.distributed.node plan < nvidia-smi.csv | probe-torch | check-torch VERSION",
-              file=sys.stderr)
+        print("usage: python -m hybridtrain.hardware.install_plan plan < nvidia-smi.csv | probe-torch | "
+              "check-torch VERSION", file=sys.stderr)
         return 2
     smi = sys.stdin.read()
     gpus = os.environ.get("HYBRIDTRAIN_GPUS", "")
