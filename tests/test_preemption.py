@@ -193,8 +193,9 @@ CHECK_SCRIPT = """
 import os, signal
 from hybridtrain.distributed import collectives as distributed
 from hybridtrain.engine.preemption import PreemptionWatch
-distributed.init(device="cpu", engine="horovod")
+topo = distributed.init(device="cpu", engine="horovod")
 watch = PreemptionWatch()
+watch.topo = topo  # the job has formed (a SIGTERM before that ends the rank at once)
 watch.every = 8
 for step in range(1, 40):
     if step == 11:
