@@ -8,6 +8,6 @@ of a few minutes.
 - ``rehearsal``: every step a call takes before its first GPU step, on a CPU (``--rehearse``);
 - ``resume_check``: the resume row's driver (a run stopped and resumed equals one run, bitwise).
 
-May import: engine and everything below it (its rows start the benchmarks as processes, by name). Nothing imports
-it except cli.
+May import: perf (a row's precision overrides are bench's, ``perf.bench_sets``), engine and everything below it.
+Nothing imports it except cli.
 """

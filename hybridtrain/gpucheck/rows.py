@@ -20,6 +20,8 @@ import os
 import sys
 from dataclasses import dataclass, field
 
+from hybridtrain.perf.bench_sets import precision_sets
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RECIPE = os.path.join("configs", "resnet50_h100.yaml")
 
@@ -90,12 +92,6 @@ class Pythons:
 
     def hvd(self, tool: str) -> str:
         return os.path.join(self.horovod_bin, tool)
-
-
-def precision_sets(spec: str) -> list[str]:
-    """``mixed-bf16`` -> the config overrides it stands for."""
-    mode, _, dtype = spec.partition("-")
-    return [f"precision.mode={mode}"] + ([f"precision.compute_dtype={dtype}"] if dtype else [])
 
 
 def train_sets(run_dir: str, precision: str, mode: str, ranks: int) -> list[str]:
