@@ -23,7 +23,7 @@ import numpy as np
 
 from hybridtrain.distributed.launcher import launch_command
 from hybridtrain.errors import UserError
-from hybridtrain.outputs import markdown_table
+from hybridtrain.outputs import markdown_table, write_json_atomically
 
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 
@@ -80,8 +80,7 @@ def worker(config: str, overrides: list[str], compression: str, steps: int, warm
                   "channels_last": cfg.data.channels_last, "precision": cfg.precision.mode,
                   "fusion_threshold_mb": cfg.horovod.fusion_threshold_mb, "cycle_time_ms": cfg.horovod.cycle_time_ms,
                   "autotune": cfg.horovod.autotune, "device": str(topo.device)}
-        with open(out, "w") as fh:
-            json.dump(record, fh)
+        write_json_atomically(out, record)
     distributed.shutdown()
 
 
@@ -213,8 +212,7 @@ def run_scale(config: str, overrides: list[str], counts: list[int], compressions
             record["efficiency"] = record["images_per_sec"] / (n * single)  # actual / (N * S1)
             record["oversubscribed"] = n > slots
             rows.append(record)
-    with open(os.path.join(out, "scale.json"), "w") as fh:
-        json.dump({"config": config, "overrides": overrides, "rows": rows}, fh, indent=1)
+    write_json_atomically(os.path.join(out, "scale.json"), {"config": config, "overrides": overrides, "rows": rows})
     plot_scale(rows, os.path.join(out, "scale.png"))
     return rows
 
