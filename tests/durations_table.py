@@ -3,6 +3,13 @@
     python -m pytest tests -q -n 2 --dist loadfile --durations=0 ... > suite.log
     python tests/durations_table.py suite.log
 
+or from a log of ``make test`` (or ``.ci/run``) itself, each line stamped with the time it was printed:
+
+    PYTHONUNBUFFERED=1 PYTEST_ADDOPTS="-v -v" make test 2>&1 | while IFS= read -r l; do
+        printf '%s %s\n' "$(date +%H:%M:%S)" "$l"; done > suite.log
+
+where a test's seconds are the gap since the previous result of its xdist worker (setup included; to the second).
+
 Per test file: its tests, the seconds its tests took (setup + call + teardown, summed: worker time, not wall
 time), the share of the suite's worker time, its real-process launches counted in its source (horovodrun,
 torchrun, mpirun, and one-process ``hybridtrain`` commands), and its slowest test.
@@ -16,6 +23,8 @@ from collections import defaultdict
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 LINE = re.compile(r"^\s*([\d.]+)s (setup|call|teardown)\s+(tests/[^:]+\.py)::(\S+)")
+STAMPED = re.compile(r"^(\d\d):(\d\d):(\d\d) (?:\[(gw\d+)\] \[\s*\d+%\] (?:PASSED|FAILED|SKIPPED|ERROR) "
+                     r"(tests/[^:]+\.py)::(\S.*?)\s*$|(?:.* )?\d+ workers \[)")
 LAUNCH = {"multi-rank": re.compile(r"horovodrun\(|torchrun\(|launch_train\(|HOROVODRUN|TORCHRUN|\"mpirun\""),
           "one-process": re.compile(r"\[HYBRIDTRAIN,|run\(\[sys\.executable|run\(\[python")}
 
@@ -23,18 +32,32 @@ LAUNCH = {"multi-rank": re.compile(r"horovodrun\(|torchrun\(|launch_train\(|HORO
 def read(log: str) -> dict:
     files = defaultdict(lambda: {"seconds": 0.0, "tests": set(), "slowest": ("", 0.0)})
     per_test = defaultdict(float)
-    with open(log, errors="replace") as fh:
-        for line in fh:
-            m = LINE.match(line)
-            if m:
-                seconds, _, path, test = float(m[1]), m[2], m[3], m[4]
-                files[path]["seconds"] += seconds
-                files[path]["tests"].add(test)
-                per_test[(path, test)] += seconds
+    for seconds, path, test in durations(log):
+        files[path]["seconds"] += seconds
+        files[path]["tests"].add(test)
+        per_test[(path, test)] += seconds
     for (path, test), seconds in per_test.items():
         if seconds > files[path]["slowest"][1]:
             files[path]["slowest"] = (test, seconds)
     return files
+
+
+def durations(log: str):
+    """(seconds, file, test) per line of ``--durations=0``, else per result of a time-stamped ``-v`` log."""
+    with open(log, errors="replace") as fh:
+        lines = fh.read().splitlines()
+    found = [(float(m[1]), m[3], m[4]) for m in map(LINE.match, lines) if m]
+    if found:
+        return found
+    last, start = {}, None
+    for m in filter(None, map(STAMPED.match, lines)):
+        now = int(m[1]) * 3600 + int(m[2]) * 60 + int(m[3])
+        if m[4] is None:  # "created: N workers [K items]": the workers start
+            start = now if start is None else start
+            continue
+        found.append((float(now - last.get(m[4], start if start is not None else now)), m[5], m[6]))
+        last[m[4]] = now
+    return found
 
 
 def launches(path: str) -> dict:
