@@ -19,11 +19,15 @@ import traceback
 RANK_ENV_VARS = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
 
 
+TORCHRUN_MARK = "TORCHELASTIC_RUN_ID"  # torchrun sets it for its workers; nothing else does
+SRUN_MARK = "SLURM_STEP_ID"  # srun sets it for its tasks; the batch script's shell has no step
+
+
 def launcher_rank() -> int:
     """The rank the launcher assigned, readable before hvd.init() (0 when run alone)."""
     env = os.environ
-    trusted = (("RANK",) if "TORCHELASTIC_RUN_ID" in env else ()) + RANK_ENV_VARS + \
-        (("SLURM_PROCID",) if "SLURM_STEP_ID" in env else ())
+    trusted = (("RANK",) if TORCHRUN_MARK in env else ()) + RANK_ENV_VARS + \
+        (("SLURM_PROCID",) if SRUN_MARK in env else ())
     for var in trusted:
         if env.get(var, "").isdigit():
             return int(env[var])

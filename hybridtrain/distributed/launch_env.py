@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import os
 
-from hybridtrain.errors import UserError
+from hybridtrain.errors import SRUN_MARK, TORCHRUN_MARK, UserError
 
-TORCHRUN_MARK = "TORCHELASTIC_RUN_ID"  # torchrun sets it for its workers; nothing else does
-SRUN_MARK = "SLURM_STEP_ID"  # srun sets it for its tasks; the batch script's shell has no step
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 STALE_FIX = "unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT"
 SRUN_HINT = ("export MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1) MASTER_PORT=29500 "
