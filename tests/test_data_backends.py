@@ -178,6 +178,42 @@ def test_the_worker_wrapper_replaces_a_planted_file_and_is_never_group_writable(
     assert not os.path.exists(tmp_path / "planted-code-ran")
 
 
+SIGNALS_AFTER_A_LOADER = """
+import multiprocessing, os, signal, sys
+from hybridtrain.data.workers import spawn_context
+
+def ignores_sigterm(_=None):
+    mask = open(f"/proc/{os.getpid()}/status").read().split("SigIgn:")[1].split()[0]
+    return bool(int(mask, 16) & 1 << (signal.SIGTERM - 1))
+
+def report(queue):
+    queue.put(ignores_sigterm())
+
+if __name__ == "__main__":
+    queue = spawn_context().SimpleQueue()
+    worker = spawn_context().Process(target=report, args=(queue,))
+    worker.start()
+    print("loader worker ignores SIGTERM:", queue.get())
+    worker.join()
+    with multiprocessing.get_context("forkserver").Pool(2) as pool:   # its with-exit terminates the children
+        print("pool child ignores SIGTERM:", any(pool.map(ignores_sigterm, range(4))))
+    print("pool ended")
+"""
+
+
+def test_a_loader_worker_ignores_sigterm_but_a_later_process_pool_still_ends(tmp_path):
+    """The wrapper that keeps a starting loader worker alive through a SIGTERM must not outlive that start:
+    multiprocessing keeps one executable per process, and a forkserver pool started after a loader (check-data,
+    prepare-data in the same process) would have children that ignore SIGTERM, so the pool's exit, which
+    terminates them, would wait forever (the CI hang of test_check_data_finds_a_planted_corrupt_jpeg...)."""
+    script = tmp_path / "signals.py"
+    script.write_text(SIGNALS_AFTER_A_LOADER)
+    proc = run([sys.executable, str(script)], timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "loader worker ignores SIGTERM: True" in proc.stdout
+    assert "pool child ignores SIGTERM: False" in proc.stdout and "pool ended" in proc.stdout
+
+
 def plant_truncated_jpeg(data: str) -> str:
     victim_dir = os.path.join(data, "train", "4")
     victim = os.path.join(victim_dir, sorted(os.listdir(victim_dir))[0])

@@ -59,7 +59,7 @@ def kill_workers_at_exit_once() -> None:
     atexit.register(kill_workers_at_exit)
 
 
-def spawn_context():
+def spawn_context() -> "SignalProofSpawn":
     """The spawn context, with each child started by a tiny /bin/sh wrapper that ignores SIGTERM and SIGINT and
     then execs this Python: an ignored signal stays ignored across exec.
 
@@ -67,9 +67,28 @@ def spawn_context():
     process group in that window would kill it and fail the rank. (A blocked signal mask would not do: Python
     clears it in the child.) The rank's only spawned children are its loader workers."""
     kill_workers_at_exit_once()
-    context = multiprocessing.get_context("spawn")
-    context.set_executable(signal_proof_python())
-    return context
+    return SignalProofSpawn()
+
+
+class SignalProofProcess(multiprocessing.context.SpawnProcess):
+    """A spawned process started through the wrapper. multiprocessing keeps one executable for the whole process
+    (``set_executable``), and a forkserver or spawn pool started later with the wrapper would have children
+    that ignore SIGTERM, so ``Pool.terminate`` (its ``with`` exit) would wait on them forever: the wrapper is
+    swapped in only while one of these processes starts."""
+
+    @staticmethod
+    def _Popen(process_obj):
+        from multiprocessing import spawn
+        plain = spawn.get_executable()
+        spawn.set_executable(signal_proof_python())
+        try:
+            return multiprocessing.context.SpawnProcess._Popen(process_obj)
+        finally:
+            spawn.set_executable(plain)
+
+
+class SignalProofSpawn(multiprocessing.context.SpawnContext):
+    Process = SignalProofProcess
 
 
 def signal_proof_python() -> str:
