@@ -11,6 +11,7 @@
 #   hosts_csv                   the parsed hosts as "h1:2,h2:2" (what horovodrun -H and mpirun -H take)
 #   check_np NP / check_config FILE / check_posint NAME VALUE / check_port PORT
 #   slurm_hostfile SLOTS        stdin: one host per line (scontrol show hostnames); stdout: "host slots=SLOTS"
+#   local_rank_count OPTION     LOCAL_RANKS = the GPUs nvidia-smi lists, else the CPUs (OPTION: the script's rank flag)
 #   print_cmd ARGS...           "+ cmd arg ..." on stdout, quoted so it can be pasted into a shell
 #   run_cmd ARGS...             print_cmd, then exec unless DRY_RUN=1 (after the function named by BEFORE_EXEC)
 
@@ -168,6 +169,22 @@ slurm_hostfile() {
 
 # missing_command_fix CMD: where CMD comes from. horovodrun and hybridtrain live in install.sh's virtual environment;
 # mpirun is the system's MPI (install.sh builds Horovod against it), srun is Slurm's.
+# nvidia-smi gets HYBRIDTRAIN_SMI_TIMEOUT seconds (install.sh's limit, default 20): on a node whose driver hangs it
+# never answers, and the launcher would wait forever before starting anything.
+local_rank_count() {
+  local limit="${HYBRIDTRAIN_SMI_TIMEOUT:-20}" listing="" status=0
+  is_posint "$limit" || die "HYBRIDTRAIN_SMI_TIMEOUT=$limit: use whole seconds, e.g. 20"
+  LOCAL_RANKS=0
+  if command -v nvidia-smi >/dev/null; then
+    listing="$(timeout "$limit" nvidia-smi -L 2>/dev/null)" || status=$?
+    [ "$status" -ne 124 ] || die "nvidia-smi -L did not answer within $limit s: the NVIDIA driver on this node hangs" \
+      "(dmesg shows its Xid): have the node drained or rebooted; $1 N skips the GPU count; where nvidia-smi is" \
+      "only slow, raise HYBRIDTRAIN_SMI_TIMEOUT (now $limit)"
+    LOCAL_RANKS="$(grep -c '^GPU ' <<<"$listing" || true)"
+  fi
+  [ "$LOCAL_RANKS" -gt 0 ] || LOCAL_RANKS="$(nproc)"
+}
+
 missing_command_fix() {
   local venv="${HYBRIDTRAIN_VENV:-$LAUNCH_REPO/.venv}"
   case "$1" in

@@ -20,12 +20,6 @@ Runs: horovodrun -np N -H localhost:N --start-timeout SEC hybridtrain train --co
 USAGE
 }
 
-default_np() {
-  local gpus=0
-  if command -v nvidia-smi >/dev/null; then gpus="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)"; fi
-  if [ "$gpus" -gt 0 ]; then echo "$gpus"; else nproc; fi
-}
-
 np="" forward=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -37,7 +31,7 @@ while [ $# -gt 0 ]; do
     *) die "unknown argument '$1' (see --help)" ;;
   esac
 done
-[ -n "$np" ] || np="$(default_np)"
+if [ -z "$np" ]; then local_rank_count -np; np="$LOCAL_RANKS"; fi
 check_posint "-np" "$np"
 
 # localhost needs no ssh: drop a port a container may set for its multi-node role.

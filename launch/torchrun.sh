@@ -28,12 +28,6 @@ Runs: torchrun [--standalone | --nnodes N --rdzv-backend=c10d --rdzv-endpoint E 
 USAGE
 }
 
-default_nproc() {
-  local gpus=0
-  if command -v nvidia-smi >/dev/null; then gpus="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)"; fi
-  if [ "$gpus" -gt 0 ]; then echo "$gpus"; else nproc; fi
-}
-
 nproc_per_node="" nnodes="1" endpoint="" rdzv_id="${SLURM_JOB_ID:-hybridtrain}" restarts="0" config=""
 trainer_args=()
 while [ $# -gt 0 ]; do
@@ -52,7 +46,7 @@ while [ $# -gt 0 ]; do
 done
 [ -n "$config" ] || die "--config FILE is required (see --help)"
 check_config "$config"
-[ -n "$nproc_per_node" ] || nproc_per_node="$(default_nproc)"
+if [ -z "$nproc_per_node" ]; then local_rank_count --nproc-per-node; nproc_per_node="$LOCAL_RANKS"; fi
 check_posint "--nproc-per-node" "$nproc_per_node"
 [[ "$restarts" =~ ^[0-9]+$ ]] || die "--max-restarts must be a whole number, got '$restarts'"
 if [[ "$nnodes" == *:* ]]; then

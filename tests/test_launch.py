@@ -183,6 +183,26 @@ def test_local_default_np(config):
                             "hybridtrain", "train", "--config", config) + "\n"
 
 
+def stand_in_nvidia_smi(tmp_path: Path, listing: str, sleep: int = 0) -> dict:
+    """clean_env with a stand-in nvidia-smi first on PATH: it prints ``listing`` after ``sleep`` seconds (a node
+    whose driver hangs never answers)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "nvidia-smi").write_text(f"#!/bin/sh\nsleep {sleep}\nprintf '{listing}'\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    return clean_env(PATH=f"{bin_dir}:/usr/local/bin:/usr/bin:/bin", HYBRIDTRAIN_SMI_TIMEOUT="1")
+
+
+def test_the_default_rank_count_is_the_gpus_listed_and_a_hung_driver_is_one_line(config, tmp_path):
+    gpus = "GPU 0: NVIDIA H100 (UUID: GPU-a)\\nGPU 1: NVIDIA H100 (UUID: GPU-b)\\nGPU 2: NVIDIA H100 (UUID: GPU-c)\\n"
+    proc = run([*launcher("local.sh"), "--config", config, "--dry-run"], env=stand_in_nvidia_smi(tmp_path, gpus))
+    assert proc.returncode == 0 and "horovodrun -np 3 -H localhost:3 " in proc.stdout, proc.stderr
+    hung = stand_in_nvidia_smi(tmp_path, gpus, sleep=30)
+    for script, flag in (("local.sh", "-np N"), ("torchrun.sh", "--nproc-per-node N")):
+        proc = run([*launcher(script), "--config", config, "--dry-run"], env=hung, timeout=20)
+        assert_one_error(proc, "nvidia-smi -L did not answer within 1 s", "drained or rebooted", flag)
+
+
 def test_slurm_dry_run(config):
     proc = run([*launcher("slurm.sbatch"), "--config", config, "--dry-run", "--", "--resume"])
     assert proc.returncode == 0, proc.stderr
