@@ -211,3 +211,16 @@ def test_configs_stages_are_the_resnets():
     from hybridtrain.config import STAGES
     from hybridtrain.models.resnet import STAGES as RESNET_STAGES
     assert STAGES == RESNET_STAGES
+
+
+def test_importing_the_elastic_loop_and_checking_its_config_import_no_horovod():
+    """Horovod's elastic State is subclassed on first use (elastic.horovod_elastic_state), not at import."""
+    code = ("import sys; from hybridtrain.config import load_config; from hybridtrain.engine import elastic; "
+            "from hybridtrain.errors import UserError\n"
+            "try: elastic.check_elastic(load_config('configs/demo.yaml'))\n"
+            "except UserError as exc: print(str(exc)[:40])\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'horovod')[:3])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(PACKAGE), env={**os.environ, "HOROVOD_ELASTIC": "1"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout

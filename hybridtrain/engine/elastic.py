@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import os
 import time
 from dataclasses import dataclass, field
@@ -83,14 +84,22 @@ class Position:
     started: bool = False  # the run's start (fresh or resumed) is done
 
 
-def import_elastic_state():
+@functools.cache
+def horovod_elastic_state() -> type:
+    """:class:`ElasticState` on Horovod's elastic ``State`` (its commit, host updates and reset callbacks), built on
+    first use: importing this module imports no Horovod."""
     horovod.import_horovod()
     from horovod.common.elastic import State
-    return State
+    return type("HorovodElasticState", (ElasticState, State), {})
 
 
-class ElasticState(import_elastic_state()):
-    """Horovod's elastic state for one trainer: ``save`` (commit), ``restore`` (roll back), ``sync`` (rank 0's)."""
+def new_elastic_state(trainer: Trainer, position: Position) -> ElasticState:
+    return horovod_elastic_state()(trainer, position)
+
+
+class ElasticState:
+    """The elastic state of one trainer: ``save`` (commit), ``restore`` (roll back), ``sync`` (rank 0's). Usable only
+    with Horovod's ``State`` behind it (:func:`new_elastic_state`)."""
 
     def __init__(self, trainer: Trainer, position: Position):
         hvd = horovod.import_horovod()
@@ -258,6 +267,6 @@ def run_elastic(cfg: Config, resume: str | None = None) -> dict | None:
     t = build_trainer(cfg, distributed.init(cfg.train.threads, cfg.horovod, elastic=True,
                                           device=cfg.train.device, engine="horovod"))
     t.audit = SampleAudit(audit_path(cfg))
-    state = ElasticState(t, Position())
+    state = new_elastic_state(t, Position())
     state.register_reset_callbacks([lambda: on_reset(cfg, state)])
     return hvd.elastic.run(train_elastic)(state, cfg, resume)
