@@ -13,8 +13,9 @@ before minutes of benchmarking or data checking, never a traceback after them. T
   ``prepare-data --out``, ``reorganise-val --out``) is created with its missing parents, as ``mkdir -p`` would (the
   defaults ``runs/scale`` and ``runs/experiments`` need that). A path that is a file, lies under a file, or under a
   folder this user cannot write is refused.
-- A path that starts with ``~`` and does not exist was not expanded by a shell (quoted, or ``--out=~/x``): refused
-  with the path the shell would have meant, rather than creating a folder named ``~``.
+- A path that starts with ``~`` or holds a ``$VAR`` and does not exist was not expanded by a shell (quoted, or
+  ``--out=~/x``): refused with the path the shell would have meant, rather than creating a folder named ``~``. The
+  config's path keys follow the same rule (:func:`not_expanded`).
 - Tools delete only what they created: a half-written dataset lives in ``OUT.partial/``, marked by
   :data:`PARTIAL_MARKER` before anything else is written, and only a marked folder is ever removed.
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from contextlib import contextmanager
@@ -37,11 +39,32 @@ def _given(path: str | None, option: str, kind: str) -> str:
     return str(path)
 
 
+SHELL_VARIABLE = re.compile(r"\$(?:\{[A-Za-z_][A-Za-z0-9_]*[^}]*\}|[A-Za-z_][A-Za-z0-9_]*)")
+
+
 def not_expanded(path: str, option: str) -> None:
-    """A leading '~' that no shell expanded (quoted, or ``--out=~/x``): hybridtrain takes paths as written."""
-    if path.startswith("~") and not os.path.exists(path):
-        raise UserError(f"{option} {path} starts with '~', which only a shell expands: write {option} "
-                        f"{os.path.expanduser(path)} (or ~ unquoted, after a space)")
+    """A leading '~' or a $VAR or ${VAR} that no shell expanded (a quoted argument, ``--out=~/x``, a recipe's value):
+    hybridtrain takes paths as written, so '~/x' would be a folder named '~' and '${SCRATCH}/run' one named
+    '${SCRATCH}'. ``option``: a command-line option (``--out``) or a config key (``data.path``)."""
+    if os.path.exists(path):
+        return
+    key = not option.startswith("-")
+    given = f"{option}={path}" if key else f"{option} {path}"
+    if path.startswith("~"):
+        expanded = os.path.expanduser(path)
+        fix = (f"write the path without ~ (e.g. {expanded}) or use $HOME in a --set on the command line" if key else
+               f"write {option} {expanded} (or ~ unquoted, after a space)")
+        raise UserError(f"{given} starts with '~', which only a shell expands: {fix}")
+    variable = SHELL_VARIABLE.search(path)
+    if variable:
+        name = variable.group(0).strip("${}").split(":")[0].split("-")[0]
+        now = os.environ.get(name)
+        value = f"; ${name} is {now} here" if now is not None else f"; ${name} is not set here"
+        where, fix = (("a recipe and a quoted --set are", f"--set {option}=...") if key else
+                      ("a quoted argument is", f"{option} ..."))
+        raise UserError(f"{given} holds {variable.group(0)}, which only a shell expands ({where} read as written"
+                        f"{value}): write the path itself, or pass {fix} unquoted or in double quotes so that the "
+                        f"shell expands it")
 
 
 def nearest_existing(path: str) -> str:

@@ -91,7 +91,7 @@ def test_building_the_parser_imports_no_torch():
 FLOORS = (("hybridtrain", "hybridtrain.__main__", "hybridtrain.cli"), ("hybridtrain.gpucheck",), ("hybridtrain.perf",),
           ("hybridtrain.predict",), ("hybridtrain.reports", "hybridtrain.data.prepare"), ("hybridtrain.engine",),
           ("hybridtrain.data", "hybridtrain.models", "hybridtrain.optim", "hybridtrain.precision"),
-          ("hybridtrain.distributed", "hybridtrain.hardware"), ("hybridtrain.config", "hybridtrain.outputs"),
+          ("hybridtrain.distributed", "hybridtrain.hardware"), ("hybridtrain.config",), ("hybridtrain.outputs",),
           ("hybridtrain.errors",))
 
 
@@ -117,8 +117,9 @@ def wrong_way(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
 def test_imports_go_down_the_readme_chain_floor_by_floor():
     """cli -> gpucheck (the GPU acceptance check) -> perf (benchmarks) -> predict (the cluster model) -> reports,
     data.prepare -> engine -> data, models, optim, precision -> distributed, hardware (the install plan and the node
-    checks) -> config, outputs -> errors: the training code never imports a tool, a report or the command line,
-    and the folders of one floor stay apart."""
+    checks) -> config -> outputs (whose path rules the config's path keys share) -> errors: the training code never
+    imports a tool, a report or the command line, and the folders of one floor stay apart.
+    """
     graph = import_graph()
     assert {home(m)[1] for m in graph} == {p for floor in FLOORS for p in floor}  # every folder has its floor
     assert wrong_way(graph) == []
@@ -132,10 +133,11 @@ def test_the_chain_check_finds_an_upward_and_a_sideways_import():
                                 ("hybridtrain.optim.factory", "hybridtrain.precision.scaler")]
 
 
-def test_the_top_level_holds_six_modules():
-    """The command line, the config, the error policy and the output policy (paths, tables, figures)."""
+def test_the_top_level_holds_five_modules_and_the_config():
+    """The command line, the error policy and the output policy (paths, tables, figures); the config is a folder."""
     top = sorted(f for f in os.listdir(PACKAGE) if f.endswith(".py"))
-    assert top == ["__init__.py", "__main__.py", "cli.py", "config.py", "errors.py", "outputs.py"]
+    assert top == ["__init__.py", "__main__.py", "cli.py", "errors.py", "outputs.py"]
+    assert os.path.isfile(os.path.join(PACKAGE, "config", "__init__.py"))
 
 
 def test_no_module_calls_anything_at_import():
@@ -186,11 +188,21 @@ def test_each_engine_stays_behind_the_distributed_face():
 
 
 def test_the_readme_chain_holds_floor_by_floor():
-    """The README's chain, one rule per floor: config and errors import nothing of the package but errors; the
-    engine imports no data backend (data/loaders is the face); data imports no precision."""
+    """The README's chain, one rule per floor: config imports nothing of the package but itself, outputs and errors,
+    and its modules only those below them (sections <- coercion <- rules, paths <- loading <- the face); errors
+    imports nothing; the engine imports no data backend (data/loaders is the face); data imports no precision."""
     graph = import_graph()
     backends = {"hybridtrain.data.torchvision_loader", "hybridtrain.data.dali", "hybridtrain.data.synthetic"}
-    assert graph["hybridtrain.config"] <= {"hybridtrain.errors"}, graph["hybridtrain.config"]
+    order = ["sections", "coercion", "rules", "paths", "loading"]
+    for module, imports in graph.items():
+        if module == "hybridtrain.config" or module.startswith("hybridtrain.config."):
+            inside = {i.rpartition(".")[2] for i in imports if i.startswith("hybridtrain.config.")}
+            outside = imports - {f"hybridtrain.config.{m}" for m in inside}
+            assert outside <= {"hybridtrain.outputs", "hybridtrain.errors"}, (module, outside)
+            own = module.rpartition(".")[2]
+            below = order[:order.index(own)] if own in order else order
+            assert inside <= set(below) - ({"rules"} if own == "paths" else set()), (module, inside)
+    assert graph["hybridtrain.outputs"] <= {"hybridtrain.errors"}
     assert graph["hybridtrain.errors"] == set()
     assert [(m, i) for m, imports in graph.items() if m.startswith("hybridtrain.engine.")
             for i in imports if i in backends] == []

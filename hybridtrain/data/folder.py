@@ -7,6 +7,7 @@ import unicodedata
 from dataclasses import dataclass
 
 from hybridtrain.errors import UserError
+from hybridtrain.outputs import not_expanded
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", ".ppm")
 
@@ -73,9 +74,7 @@ def refuse_lookalike_names(names: list[str], where: str) -> list[str]:
 
 def scan_split(root: str, split: str) -> ImageList:
     split_dir = os.path.join(root, split)
-    if root.startswith("~") and not os.path.exists(root):
-        raise UserError(f"data.path={root} starts with '~', which only a shell expands: write the path without ~ "
-                        f"(e.g. {os.path.expanduser(root)})")
+    not_expanded(root, "data.path")
     if os.path.exists(root) and not os.path.isdir(root):
         raise UserError(f"data.path={root} is a file, not a folder: set data.path to the dataset folder holding "
                         f"train/<class>/*.jpg and val/<class>/*.jpg")

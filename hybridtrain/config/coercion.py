@@ -1,0 +1,226 @@
+"""Building the sections from a mapping: each value checked against its key's declared type, choices and range,
+an unknown key refused with the key it was meant to be, and values shown short in the error lines."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import reprlib
+from typing import Any
+
+from hybridtrain.config.sections import Config
+from hybridtrain.errors import UserError
+
+_REPR = reprlib.Repr()
+_REPR.maxstring, _REPR.maxother, _REPR.maxlong, _REPR.maxlevel = 80, 80, 40, 3
+_REPR.maxlist = _REPR.maxdict = _REPR.maxtuple = _REPR.maxset = 6
+
+
+def show(value) -> str:
+    """A value for an error line: one line, at most ~100 characters, and cheap even for a YAML alias bomb."""
+    return _REPR.repr(value)
+
+
+def printable(text: str) -> str:
+    """A path as written when it prints on one line, else its escaped repr (a newline in a name stays one line)."""
+    return text if text.isprintable() else show(text)
+
+
+def edit_distance(a: str, b: str) -> int:
+    """Optimal-string-alignment distance: insertions, deletions, substitutions and swaps of neighbours, each 1."""
+    rows = [list(range(len(b) + 1))]
+    for i, ca in enumerate(a, 1):
+        row = [i]
+        for j, cb in enumerate(b, 1):
+            row.append(min(rows[-1][j] + 1, row[j - 1] + 1, rows[-1][j - 1] + (ca != cb)))
+            if i > 1 and j > 1 and ca == b[j - 2] and a[i - 2] == cb:
+                row[j] = min(row[j], rows[-2][j - 2] + 1)
+        rows.append(row)
+    return rows[-1][-1]
+
+
+def typo_limit(key: str) -> int:
+    """The edit distance within which ``key`` is a typo of another key: 1 below 5 letters, 2 below 10, else 3."""
+    return 1 if len(key) < 5 else 2 if len(key) < 10 else 3
+
+
+def all_keys(cls=None, prefix: str = "") -> list[str]:
+    """Every dotted key of the config, sections included (``train``, ``train.epochs``, ...)."""
+    keys = []
+    for f in dataclasses.fields(cls or Config):
+        keys.append(prefix + f.name)
+        default = default_of(f)
+        if dataclasses.is_dataclass(default):
+            keys += all_keys(type(default), f"{prefix}{f.name}.")
+    return keys
+
+
+def _unique_nearest(key: str, names: list[str]) -> str | None:
+    """The one name within ``typo_limit`` of ``key`` and nearer than every other, else None."""
+    ranked = sorted((edit_distance(key, n), n) for n in names)
+    if not ranked or ranked[0][0] > typo_limit(key) or (len(ranked) > 1 and ranked[1][0] == ranked[0][0]):
+        return None
+    return ranked[0][1]
+
+
+def _shortened(key: str, names: list[str]) -> str | None:
+    """The one name whose words start with the words of ``key`` in order (``crop`` -> ``crop_size``, ``accum_steps``
+    -> ``accumulation_steps``, ``classes`` -> ``num_classes``), else None."""
+    def fits(name):
+        words = iter(name.split("_"))
+        return all(any(w.startswith(part) for w in words) for part in key.split("_"))
+    found = [n for n in names if n != key and fits(n)]
+    if len(found) > 1:  # crop: crop_size rather than min_crop_area
+        found = [n for n in found if n.startswith(key.split("_")[0])]
+    return found[0] if len(found) == 1 else None
+
+
+def suggest_key(dotted: str) -> str | None:
+    """The key that an unknown dotted key was meant to be: a near spelling in its section; else the same or a near
+    name in another section (``data.batch_size`` -> ``train.batch_size``, not ``data.val_batch_size``); else the one
+    key of its section that it shortens; else a name one letter off in another section. None when no key is clearly
+    meant: a wrong guess would set another key."""
+    section, _, key = dotted.rpartition(".")
+    keys = all_keys()
+    here = [k.rpartition(".")[2] for k in keys if k.rpartition(".")[0] == section]
+    near = _unique_nearest(key, here)
+    if near is not None:
+        return f"{section}.{near}" if section else near
+    sections = {k.rpartition(".")[0] for k in keys}
+    elsewhere = [k for k in keys if k.rpartition(".")[0] != section and k not in sections]  # keys, not sections
+    same = [k for k in elsewhere if k.rpartition(".")[2] == key]
+    if len(same) == 1:
+        return same[0]
+    short = _shortened(key, here)
+    if short is not None:
+        return f"{section}.{short}" if section else short
+    near = _unique_nearest(key, [k.rpartition(".")[2] for k in elsewhere]) if len(key) >= 5 else None
+    found = [k for k in elsewhere if k.rpartition(".")[2] == near]
+    return found[0] if not same and len(found) == 1 and edit_distance(key, near) == 1 else None
+
+
+def _suggest(dotted: str) -> str:
+    near = suggest_key(dotted)
+    return f" (did you mean '{near}'?)" if near else ""
+
+
+def default_of(f: dataclasses.Field):
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
+
+def _coerce(value: Any, f: dataclasses.Field, dotted: str):
+    """Check a value against a field's declared type and constraints; return it typed."""
+    default = default_of(f)
+    meta = f.metadata
+    expected = type(default)
+    if expected is bool:
+        if not isinstance(value, bool):
+            raise UserError(f"config error: {dotted} must be true or false, got {show(value)}")
+    elif expected is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise UserError(f"config error: {dotted} must be an integer, got {show(value)}")
+    elif expected is float:
+        value = _as_float(value, meta, dotted)
+    elif expected is str:
+        if not isinstance(value, str):
+            hint = (f" (YAML reads that unquoted value as a {type(value).__name__}: to mean the text, quote it, e.g. "
+                    f"{dotted.rpartition('.')[2]}: \"...\")" if value is None or isinstance(value, (bool, int, float))
+                    else "")
+            raise UserError(f"config error: {dotted} must be a string, got {show(value)}{hint}")
+        if "\0" in value:
+            raise UserError(f"config error: {dotted} holds a NUL character (\\0), which no path or name may hold: "
+                            f"remove it")
+    elif expected is list:
+        if not isinstance(value, list):
+            raise UserError(f"config error: {dotted} must be a list, got {show(value)}")
+        if "items" in meta:
+            value = _check_numbers(value, meta, dotted)
+    elif expected is dict:
+        if not isinstance(value, dict):
+            raise UserError(f"config error: {dotted} must be a mapping, got {show(value)}")
+        value = {**default, **value}  # a partial mapping overrides only the keys it names
+    if "choices" in meta and value not in meta["choices"]:
+        allowed = ", ".join(str(c) for c in meta["choices"])
+        raise UserError(f"config error: {dotted} must be one of: {allowed}; got {show(value)}")
+    _check_range(value, meta, dotted)
+    return value
+
+
+def _span(meta) -> str:
+    """The allowed range as the error line writes it, e.g. [1, 65536] or (0.0, inf)."""
+    lo, hi = meta.get("lo"), meta.get("hi")
+    left = "(" if meta.get("lo_open") or lo is None else "["
+    right = ")" if meta.get("hi_open") or hi is None else "]"
+    return f"{left}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}{right}"
+
+
+def _as_float(value, meta, dotted) -> float:
+    """A real, finite number as float: NaN and +-inf are refused for every key (none gives infinity a meaning)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        hint = ""
+        if isinstance(value, str):
+            try:
+                if math.isfinite(float(value)):
+                    hint = f" (quoted, {value} is text: write it without quotes)"
+            except ValueError:
+                pass
+        raise UserError(f"config error: {dotted} must be a number, got {show(value)}{hint}")
+    try:
+        number_ = float(value)
+    except OverflowError:  # an int beyond the float range, e.g. 10**400
+        number_ = math.inf if value > 0 else -math.inf
+    if not math.isfinite(number_):
+        raise UserError(f"config error: {dotted} must be a finite number in {_span(meta)}, got {show(value)} "
+                        f"(NaN and infinity are never allowed)")
+    return number_
+
+
+def _check_numbers(values: list, meta, dotted) -> list:
+    """A list of finite numbers, each in the declared range, of the declared length, increasing if declared."""
+    items = meta["items"]
+    length = meta.get("length")
+    increasing = "strictly increasing " if meta.get("increasing") else ""
+    what = (f"{'two' if length == 2 else length} {increasing}numbers" if length else
+            f"a {increasing}list of numbers") + f" in {_span(items)}"
+    wrong = f"config error: {dotted} must be {what}, got {show(values)}"
+    if length is not None and len(values) != length:
+        raise UserError(wrong)
+    out = []
+    for i, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise UserError(wrong)
+        out.append(_as_float(v, items, f"{dotted}[{i}]"))
+        _check_range(out[-1], items, f"{dotted}[{i}]")
+    if meta.get("increasing") and any(b <= a for a, b in zip(out, out[1:])):
+        raise UserError(wrong)
+    return out
+
+
+def _check_range(value, meta, dotted):
+    lo, hi = meta.get("lo"), meta.get("hi")
+    if lo is None and hi is None:
+        return
+    too_low = lo is not None and (value <= lo if meta.get("lo_open") else value < lo)
+    too_high = hi is not None and (value >= hi if meta.get("hi_open") else value > hi)
+    if too_low or too_high:
+        raise UserError(f"config error: {dotted} must be in {_span(meta)}, got {show(value)}")
+
+
+def build(cls, values: dict, prefix: str = ""):
+    if not isinstance(values, dict):
+        raise UserError(f"config error: section '{prefix.rstrip('.') or 'top level'}' must be a mapping, got "
+                        f"{show(values)}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in values.items():
+        dotted = f"{prefix}{key}"
+        if key not in fields:
+            allowed = ", ".join(fields)
+            raise UserError(f"config error: unknown key '{show(dotted)[1:-1]}'{_suggest(str(dotted))}; "
+                            f"allowed here: {allowed}")
+        f = fields[key]
+        default = default_of(f)
+        if dataclasses.is_dataclass(default):
+            kwargs[key] = build(type(default), {} if value is None else value, f"{dotted}.")
+        else:
+            kwargs[key] = _coerce(value, f, dotted)
+    return cls(**kwargs)

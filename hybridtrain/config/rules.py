@@ -1,0 +1,120 @@
+"""Cross-key rules: what a single key's bounds cannot express, and the values resolved from several keys
+(loss scaling, the gradient compression)."""
+from __future__ import annotations
+
+from hybridtrain.config.coercion import show
+from hybridtrain.config.sections import OPTIMIZER_FLAGS, STAGES, Config
+from hybridtrain.errors import UserError
+
+
+def validate(cfg: Config) -> Config:
+    """Cross-field checks that a single key cannot express."""
+    if cfg.optim.name == "hybrid" and cfg.optim.adabound_epochs >= cfg.train.epochs:
+        raise UserError(f"config error: optim.adabound_epochs (T={cfg.optim.adabound_epochs}) must be in "
+                        f"[1, train.epochs={cfg.train.epochs}): the SGD phase needs at least one epoch")
+    if cfg.optim.name == "goyal" and cfg.optim.warmup_epochs >= cfg.train.epochs:
+        raise UserError(f"config error: optim.warmup_epochs ({cfg.optim.warmup_epochs}) must be smaller "
+                        f"than train.epochs ({cfg.train.epochs})")
+    if cfg.optim.fused and "fusable" not in OPTIMIZER_FLAGS[cfg.optim.name]:
+        fusable = " and ".join(name for name, flags in OPTIMIZER_FLAGS.items() if "fusable" in flags)
+        raise UserError(f"config error: optim.fused applies to the {fusable} optimizers, and optim.name="
+                        f"{cfg.optim.name} runs torch.optim.SGD (already multi-tensor): drop optim.fused")
+    validate_precision(cfg)
+    validate_data(cfg)
+    validate_bn(cfg)
+    validate_compile(cfg)
+    validate_cuda_graphs(cfg)
+    h = cfg.horovod
+    if 0 < h.stall_shutdown_s < h.stall_warning_s:
+        raise UserError(f"config error: horovod.stall_shutdown_s ({h.stall_shutdown_s}) is shorter than "
+                        f"horovod.stall_warning_s ({h.stall_warning_s}), and Horovod would then never shut down: "
+                        f"raise it, or set 0")
+    if cfg.horovod.autotune_log and not cfg.horovod.autotune:
+        raise UserError("config error: horovod.autotune_log is set but horovod.autotune is false: set "
+                        "horovod.autotune: true, or unset autotune_log")
+    if cfg.data.backend == "synthetic" and cfg.data.file_lists:
+        raise UserError("config error: data.file_lists names real images but data.backend is synthetic: "
+                        "unset one of them")
+    return cfg
+
+
+def computes_fp16(p) -> bool:
+    """Whether a ``precision`` section computes anything in FP16 (mixed fp16, a layered fp16 stage, fp16_pure)."""
+    return (p.mode == "fp16_pure" or (p.mode == "mixed" and p.compute_dtype == "fp16")
+            or (p.mode == "layered" and "fp16" in p.layers.values()))
+
+
+def loss_scaling(p) -> str:
+    """precision.loss_scaling resolved: ``auto`` is dynamic whenever FP16 computes (seed 004), else none."""
+    return p.loss_scaling if p.loss_scaling != "auto" else ("dynamic" if computes_fp16(p) else "none")
+
+
+def gradient_compression(name: str, p) -> str:
+    """horovod.compression resolved for a ``precision`` section: ``auto`` is fp16 (the paper) when the loss is
+    scaled, so that small gradients stay above FP16's subnormals (6.1e-5), else none. fp16 is refused for
+    unscaled gradients (15% of ResNet's fall below 6.1e-5 at step 0) and for fp64 ones (they would silently
+    travel as fp16)."""
+    scaled = loss_scaling(p) != "none"
+    if name == "auto":
+        return "fp16" if scaled and p.mode != "fp64" else "none"
+    if name == "fp16" and p.mode == "fp64":
+        raise UserError("config error: horovod.compression=fp16 would send fp64 gradients as fp16: use auto or none")
+    if name == "fp16" and not scaled:
+        raise UserError(f"config error: horovod.compression=fp16 needs loss scaling, and precision.mode="
+                        f"{p.mode} has none here (unscaled gradients below 6.1e-5 lose bits in fp16, many "
+                        f"flush to 0): set precision.loss_scaling=dynamic, or horovod.compression=auto or none")
+    return name
+
+
+def validate_precision(cfg: Config) -> None:
+    p = cfg.precision
+    for stage, dtype in p.layers.items():
+        if stage not in STAGES:
+            raise UserError(f"config error: precision.layers names stage {show(stage)}, which a ResNet lacks: "
+                            f"use {', '.join(STAGES)}")
+        if dtype not in ("fp32", "fp16", "bf16"):
+            raise UserError(f"config error: precision.layers.{stage} must be fp32, fp16 or bf16; got {show(dtype)}")
+    if p.mode == "fp16_pure" and "needs_fp32_state" in OPTIMIZER_FLAGS[cfg.optim.name]:
+        raise UserError(f"config error: precision.mode=fp16_pure keeps optimizer state in FP16, but optim.name="
+                        f"{cfg.optim.name} needs FP32 state (AdaBound's squared gradients): use optim.name=goyal "
+                        f"or sgd, or precision.mode=mixed")
+    gradient_compression(cfg.horovod.compression, p)
+
+
+def validate_compile(cfg: Config) -> None:
+    if cfg.train.compile_scope != "blocks" and not cfg.train.compile:
+        raise UserError(f"config error: train.compile_scope={cfg.train.compile_scope} only applies with "
+                        f"train.compile=true: set train.compile=true or drop train.compile_scope")
+
+
+def validate_cuda_graphs(cfg: Config) -> None:
+    """A graph replays one batch shape with no collective inside the forward pass and one pass per step."""
+    if not cfg.train.cuda_graphs:
+        return
+    clash = ("train.accumulation_steps > 1" if cfg.train.accumulation_steps > 1 else
+             "bn.per_rank_batch=random" if cfg.bn.per_rank_batch == "random" else
+             "bn.sync=true" if cfg.bn.sync else None)
+    if clash:
+        raise UserError(f"config error: train.cuda_graphs cannot replay a step with {clash} (one static batch, no "
+                        f"all-reduce in the forward pass): switch one of them off")
+
+
+def validate_data(cfg: Config) -> None:
+    if cfg.data.in_process and cfg.data.backend != "torchvision":
+        raise UserError(f"config error: data.in_process applies to data.backend=torchvision (data.backend="
+                        f"{cfg.data.backend} has no worker processes to leave out): drop data.in_process")
+    if cfg.data.in_process and cfg.data.workers:
+        raise UserError(f"config error: data.in_process=true starts no loader workers, so data.workers="
+                        f"{cfg.data.workers} would be ignored: drop one of them")
+    if cfg.data.backend == "dali_gpu" and cfg.train.device == "cpu":  # gpu-path-2 #17: decode, then copy back
+        raise UserError("config error: data.backend=dali_gpu decodes on the GPU but train.device=cpu trains on the "
+                        "CPU: set train.device=cuda or auto, or use data.backend=dali_cpu")
+
+
+def validate_bn(cfg: Config) -> None:
+    if cfg.bn.sync and cfg.model.bn_swap:
+        raise UserError("config error: bn.sync cannot be combined with model.bn_swap (the swapped BN computes its "
+                        "statistics itself): switch one of them off")
+    if cfg.bn.per_rank_batch == "random" and cfg.data.backend != "torchvision":
+        raise UserError(f"config error: bn.per_rank_batch=random needs data.backend=torchvision (data.backend="
+                        f"{cfg.data.backend} delivers fixed batches): switch the backend or use per_rank_batch=fixed")
