@@ -49,11 +49,27 @@ def test_link_rates_are_read_as_tc_writes_them_and_a_bad_one_is_one_line():
             parse_links(bad)
 
 
+def test_the_slow_host_is_the_one_whose_fastest_transfer_is_slow():
+    """Hand-worked: h0-h1 100 Mbit/s, h0-h2 1 Gbit/s, h1-h2 95 Mbit/s. Each host's rate is its fastest transfer: h0
+    1000, h1 100, h2 1000; the others' median for h1 is 1000, 10.0x its own, so h1 is named; h0's others are
+    (100, 1000), median 550, 0.55x: not slow. Two hosts cannot name either end."""
+    from hybridtrain.reports.links import host_rates, links_lines, slow_hosts
+    pairs = [{"from": "h0", "to": "h1", "bits_per_s": 100e6}, {"from": "h0", "to": "h2", "bits_per_s": 1e9},
+             {"from": "h1", "to": "h2", "bits_per_s": 95e6}]
+    assert host_rates(pairs) == {"h0": 1e9, "h1": 100e6, "h2": 1e9}
+    assert slow_hosts(host_rates(pairs)) == [("h1", 100e6, 1e9)]
+    assert links_lines(host_rates(pairs)) == ["host h1's link: 10.0x slower than the others (100 Mbit/s vs 1000)"]
+    even = [{**p, "bits_per_s": 1e9 / (1 + i / 10)} for i, p in enumerate(pairs)]  # 1000, 909, 833 Mbit/s
+    assert links_lines(host_rates(even)) == ["no slow link: every host within 3x of the others' median (1000 Mbit/s)"]
+    assert "cannot be put on either end" in links_lines(host_rates(pairs[:1]))[0]
+
+
 @pytest.fixture(scope="module")
 def hosts():
-    proc = cli("up", "--hosts", "2", "--link", "none")
+    """Three hosts (a slow one is told apart only among three or more); the two-host tests use h0 and h1."""
+    proc = cli("up", "--hosts", "3", "--link", "none")
     assert proc.returncode == 0, proc.stderr
-    yield ["h0", "h1"]
+    yield ["h0", "h1", "h2"]
     cli("down")
 
 
@@ -72,13 +88,13 @@ def test_cluster_names_its_hosts_and_goes_down_cleanly_after_a_killed_run(hosts)
     left = on_host("h1", ["sleep", "600"])  # a run killed mid-way leaves its processes on the host
     os.kill(int(open(os.path.join(cluster.STATE_DIR, "h0.pid")).read()), 9)  # and a dead sshd
     first, second = cli("down"), cli("down")
-    assert first.returncode == 0 and "removed 3 namespaces" in first.stdout, first.stdout + first.stderr
+    assert first.returncode == 0 and "removed 4 namespaces" in first.stdout, first.stdout + first.stderr
     assert second.returncode == 0 and "no cluster" in second.stdout, second.stdout + second.stderr
     assert left.wait(timeout=10) != 0
     assert cluster.namespaces() == [] and not os.path.exists(cluster.STATE_DIR)
     assert not [n for n in os.listdir("/etc/netns") if n.startswith(cluster.PREFIX)] if os.path.isdir("/etc/netns") else True
-    again = cli("up", "--hosts", "2", "--link", "none")
-    assert again.returncode == 0 and again.stdout.count("sshd running") == 2, again.stdout + again.stderr
+    again = cli("up", "--hosts", "3", "--link", "none")
+    assert again.returncode == 0 and again.stdout.count("sshd running") == 3, again.stdout + again.stderr
 
 
 def job_processes(hosts: list[str]) -> list[str]:
@@ -104,7 +120,8 @@ def test_horovodrun_over_ssh_survives_a_cut_link_with_one_line_naming_the_lost_h
     run_dir = str(tmp_path / "run")
     stall_s = 30
     cfg = write_config(tiny_config(small_digits, run_dir, train={"epochs": 2}, optim={"warmup_epochs": 0.5},
-                                   horovod={"gloo_timeout_s": 6, "stall_warning_s": 20, "stall_shutdown_s": stall_s}))
+                                   distributed={"gloo_timeout_s": 6, "stall_warning_s": 20,
+                                                "stall_shutdown_s": stall_s}))
     command = [HOROVODRUN, "--gloo", "-np", "2", "-H", "h0:1,h1:1", "--network-interfaces", "eth0",
                "--start-timeout", "60", HYBRIDTRAIN, "train", "--config", cfg]
     proc = on_host("h0", command)
@@ -141,8 +158,45 @@ def test_one_torchrun_per_host_with_a_c10d_rendezvous_on_h0_ends_with_identical_
     procs = [on_host(host, [TORCHRUN, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
                             "--rdzv-endpoint", "h0:29400", "--rdzv-id", "multihost", "--rdzv-conf",
                             f"is_host={int(host == 'h0')}", "--no-python", HYBRIDTRAIN, "train", "--config", cfg])
-             for host in hosts]
+             for host in hosts[:2]]
     outs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outs)
     report = json.load(open(os.path.join(run_dir, "report.json")))
     assert report["world_size"] == 2 and len(set(report["rank_digests"])) == 1
+
+
+@needs_cluster
+def test_a_host_with_a_ten_times_slower_link_finishes_and_the_report_names_it(hosts, small_digits, tmp_path,
+                                                                               write_config):
+    """h1's link at 100 Mbit/s, h0's and h2's at 1 Gbit/s. The link probe, run from h0 into the run_dir, times a
+    transfer between each pair of hosts; the 3-rank run (horovodrun over ssh) finishes, and its report names h1 in one
+    line. The pairs through h1 go at h1's tbf rate, the pair h0-h2 at 1 Gbit/s; the line's ratio is h0-h2's rate over
+    the faster of h1's pairs (each host's rate is its fastest transfer, and h1's others are h0 and h2)."""
+    run_dir = str(tmp_path / "run")
+    try:
+        for host, rate in zip(hosts, ("1gbit", "100mbit", "1gbit")):
+            cluster.set_link(host, rate)
+        probe = on_host("h0", [os.path.join(os.path.dirname(HYBRIDTRAIN), "python"), "-m",
+                               "hybridtrain.perf.link_probe", "--hosts", ",".join(hosts), "--out", run_dir,
+                               "--megabytes", "4"])
+        out, _ = probe.communicate(timeout=120)
+        assert probe.returncode == 0, out
+        cfg = write_config(tiny_config(small_digits, run_dir, train={"epochs": 1, "batch_size": 80},
+                                       optim={"warmup_epochs": 0.5}))  # 240 images: one step of 3 x 80
+        run = on_host("h0", [HOROVODRUN, "--gloo", "-np", "3", "-H", "h0:1,h1:1,h2:1", "--network-interfaces",
+                             "eth0", "--start-timeout", "60", HYBRIDTRAIN, "train", "--config", cfg])
+        out, _ = run.communicate(timeout=600)
+        assert run.returncode == 0, "\n".join([x for x in out.splitlines() if "hybridtrain:" in x][-5:]) + out[-2000:]
+    finally:
+        for host in hosts:
+            cluster.set_link(host, "none")
+    report = json.load(open(os.path.join(run_dir, "report.json")))
+    rate = {(p["from"], p["to"]): p["bits_per_s"] for p in report["links"]["pairs"]}
+    assert 60e6 < rate["h0", "h1"] < 105e6 and 60e6 < rate["h1", "h2"] < 105e6, rate  # h1's tbf: 100 Mbit/s
+    assert rate["h0", "h2"] > 400e6, rate  # 1 Gbit/s, less when the machine is loaded
+    h1 = max(rate["h0", "h1"], rate["h1", "h2"])
+    line = (f"host h1's link: {rate['h0', 'h2'] / h1:.1f}x slower than the others ({h1 / 1e6:.0f} Mbit/s vs "
+            f"{rate['h0', 'h2'] / 1e6:.0f})")
+    assert report["links"]["lines"] == [line] and report["world_size"] == 3
+    assert f"- {line}" in open(os.path.join(run_dir, "report.md")).read()
+    assert line in out  # the summary at the end of training

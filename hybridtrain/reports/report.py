@@ -19,6 +19,7 @@ from hybridtrain.engine.metrics_file import RECORD_FIGURES, read_metrics
 from hybridtrain.errors import UserError
 from hybridtrain.outputs import atomic_path, figure, markdown_table, save_figure
 from hybridtrain.reports import paper_metrics as metrics
+from hybridtrain.reports.links import links_markdown, read_probe
 
 HEADLINE_KEYS = ("convergence_epoch", "actual_training_time_s", "actual_avg_single_gpu_time_s", "single_gpu_speed",
                  "scaling_efficiency", "final_top1", "final_top5", "images_per_sec", "world_size")
@@ -185,6 +186,10 @@ def report_run(run_dir: str, top1_target: float | None = None, top5_target: floa
     figures = run_figures(history, world_size, top1_target, top5_target, speed, source)
     report = {**figures, "config": config, **(extra or {})}
     markdown = report_markdown(os.path.basename(os.path.abspath(run_dir)), figures, history)
+    links = read_probe(run_dir)  # link_probe.json: which host's link is slow (python -m hybridtrain.perf.link_probe)
+    if links:
+        report["links"] = links
+        markdown += "\n" + links_markdown(links)
     try:  # each through a temp file renamed over it: never written through a link, never left half-written
         for name, text in (("report.json", json.dumps(report, indent=2)), ("report.md", markdown)):
             with atomic_path(os.path.join(run_dir, name)) as tmp, open(tmp, "w") as fh:
@@ -249,7 +254,8 @@ def summary_table(figures: dict) -> str:
     value_width = max(len(v) for _, v in rows)
     line = "+" + "-" * (width + 2) + "+" + "-" * (value_width + 2) + "+"
     body = [f"| {k:<{width}} | {v:>{value_width}} |" for k, v in rows]
-    return "\n".join([line, f"| {'summary':<{width}} | {'':>{value_width}} |", line, *body, line])
+    links = figures.get("links", {}).get("lines", [])  # a slow host's link, when the run_dir holds a link probe
+    return "\n".join([line, f"| {'summary':<{width}} | {'':>{value_width}} |", line, *body, line, *links])
 
 
 def comparison_markdown(names: list[str], reports: list[dict]) -> str:
