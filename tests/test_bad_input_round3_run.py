@@ -1,6 +1,6 @@
 """Issue 34, classes 4 and 5, on real runs.
 
-4. The stall watchdog never kills a healthy run: a validation pass longer than ``horovod.stall_shutdown_s`` is
+4. The stall watchdog never kills a healthy run: a validation pass longer than ``distributed.stall_shutdown_s`` is
    the rank's own work (``watchdog.local_work``), not a hang. A truly stuck rank is still named within the limit:
    tests/test_run_ownership.py::test_a_rank_frozen_mid_training_is_ended_by_the_stall_limits_with_a_warning_first
    (Horovod) and tests/test_torch_engine.py::test_a_frozen_torch_rank_is_ended_by_the_stall_limits_with_a_warning_first
@@ -107,7 +107,7 @@ def recipe(data: str, run_dir: str, batch_size: int) -> dict:
     return tiny_config(data, run_dir, train={"epochs": 1, "batch_size": batch_size, "threads": 1, "progress": False},
                        data={"val_batch_size": 1},
                        optim={"name": "goyal", "lr": 0.05, "warmup_epochs": 0}, elastic={"audit_samples": True},
-                       horovod={"stall_warning_s": 1, "stall_shutdown_s": STALL_SHUTDOWN_S})
+                       distributed={"stall_warning_s": 1, "stall_shutdown_s": STALL_SHUTDOWN_S})
 
 
 @pytest.fixture(scope="module")

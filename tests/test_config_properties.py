@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hybridtrain.cli import build_parser
-from hybridtrain.config import PATH_USES, Config, check_paths, load_config
+from hybridtrain.config import PATH_USES, Config, check_paths, config_from_dict, load_config
 from hybridtrain.errors import UserError
 
 SETTINGS = dict(deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
@@ -282,6 +282,62 @@ def test_path_checks_skip_data_for_the_synthetic_backend(tmp_path):
         check_paths(cfg, "bench")
 
 
+# ----------------------------------------------------------------------------- keys that moved (issue 35)
+
+MOVED_VALUES = {"stall_warning_s": 7, "stall_shutdown_s": 70, "gloo_timeout_s": 9}  # each unlike its default
+
+
+def moved_warnings(err: str) -> list[str]:
+    return [line for line in err.splitlines() if "moved to" in line]
+
+
+@pytest.mark.parametrize("key", sorted(MOVED_VALUES))
+def test_a_moved_key_under_its_old_name_gives_the_same_value_and_one_warning(tmp_path, capsys, monkeypatch, key):
+    """A recipe, a --set and a mapping that name horovod.<key> give distributed.<key> the same value as the new
+    name does, each with one warning line naming the new key; the horovod section no longer holds it."""
+    monkeypatch.delenv("HOROVOD_RANK", raising=False)
+    value = MOVED_VALUES[key]
+    old_recipe, new_recipe = tmp_path / "old.yaml", tmp_path / "new.yaml"
+    old_recipe.write_text(yaml.safe_dump({"horovod": {key: value, "cycle_time_ms": 2.0}}))
+    new_recipe.write_text(yaml.safe_dump({"distributed": {key: value}}))
+    expected = load_config(str(new_recipe)).distributed
+    assert getattr(expected, key) == value and capsys.readouterr().err == ""
+    for load in (lambda: load_config(str(old_recipe)), lambda: load_config(None, [f"horovod.{key}={value}"]),
+                 lambda: config_from_dict({"horovod": {key: value}})):
+        cfg = load()
+        assert cfg.distributed == expected and not hasattr(cfg.horovod, key)
+        assert moved_warnings(capsys.readouterr().err) == [
+            f"hybridtrain: warning: config: horovod.{key} moved to distributed.{key}; it still works, rename it"]
+    assert load_config(str(old_recipe)).horovod.cycle_time_ms == 2.0  # the section's other keys stay
+    capsys.readouterr()
+    monkeypatch.setenv("HOROVOD_RANK", "1")  # one line per job: rank 0's
+    assert getattr(load_config(str(old_recipe)).distributed, key) == value
+    assert moved_warnings(capsys.readouterr().err) == []
+
+
+def test_a_set_of_the_old_name_overrides_the_recipes_new_one(tmp_path, capsys):
+    recipe = tmp_path / "new.yaml"
+    recipe.write_text(yaml.safe_dump({"distributed": {"stall_shutdown_s": 300}}))
+    cfg = load_config(str(recipe), ["horovod.stall_shutdown_s=120"])
+    assert cfg.distributed.stall_shutdown_s == 120 and len(moved_warnings(capsys.readouterr().err)) == 1
+
+
+@pytest.mark.parametrize("how", ["recipe", "set", "set-new-first", "mapping"])
+def test_both_names_of_a_moved_key_are_refused_in_one_line(tmp_path, capsys, how):
+    both = {"horovod": {"gloo_timeout_s": 9}, "distributed": {"gloo_timeout_s": 9}}
+    recipe = tmp_path / "both.yaml"
+    recipe.write_text(yaml.safe_dump(both))
+    sets = ["horovod.gloo_timeout_s=9", "distributed.gloo_timeout_s=9"]
+    load = {"recipe": lambda: load_config(str(recipe)), "set": lambda: load_config(None, sets),
+            "set-new-first": lambda: load_config(None, sets[::-1]), "mapping": lambda: config_from_dict(both)}[how]
+    with pytest.raises(UserError) as refused:
+        load()
+    assert_one_line_user_error(refused.value)
+    assert "horovod.gloo_timeout_s (the old name) and distributed.gloo_timeout_s are both given" in str(refused.value)
+    assert "keep distributed.gloo_timeout_s only" in str(refused.value)
+    assert capsys.readouterr().err == ""  # the refusal is the one line: no warning before it
+
+
 # ----------------------------------------------------------------------------- the issue's examples, real processes
 
 @pytest.fixture(scope="module")
@@ -305,6 +361,8 @@ def examples(tmp_path_factory) -> dict:
         "data-path-file": [*train, str(recipe), "--set", f"data.path={root / 'a-file'}"],
         "data-path-tilde": [*train, str(recipe), "--set", "data.path=~/x"],
         "run-dir-file": [*train, str(recipe), "--set", f"run_dir={root / 'a-file'}"],
+        "moved-key-both": [*train, str(recipe), "--set", "horovod.stall_shutdown_s=100", "--set",
+                           "distributed.stall_shutdown_s=100"],
     }
     with ThreadPoolExecutor(max_workers=3) as pool:
         started = {name: pool.submit(run, argv, 120) for name, argv in argvs.items()}
@@ -329,6 +387,12 @@ def test_a_duplicated_train_section_is_one_line(examples):
 def test_an_empty_config_file_is_one_line(examples):
     assert examples["empty"].returncode == 2
     assert_one_error_line(examples["empty"], "is empty", "configs/demo.yaml")
+
+
+def test_both_names_of_a_moved_key_are_one_line_from_the_command(examples):
+    assert examples["moved-key-both"].returncode == 2
+    assert_one_error_line(examples["moved-key-both"], "horovod.stall_shutdown_s (the old name)",
+                          "keep distributed.stall_shutdown_s only")
 
 
 def test_bench_batch_size_zero_is_one_line(examples):

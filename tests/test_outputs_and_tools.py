@@ -195,8 +195,8 @@ def test_a_hung_rank_ends_the_job_with_a_line_that_says_hung_not_died():
     script = os.path.join(REPO, "tests", "scripts", "hung_rank.py")
     start = time.monotonic()
     proc = run([os.path.join(os.path.dirname(HYBRIDTRAIN), "horovodrun"), "--gloo", "-np", "2", "-H", "localhost:2",
-                os.path.join(os.path.dirname(HYBRIDTRAIN), "python"), script, "horovod.stall_warning_s=2",
-                "horovod.stall_shutdown_s=6", "horovod.gloo_timeout_s=10"], timeout=240)
+                os.path.join(os.path.dirname(HYBRIDTRAIN), "python"), script, "distributed.stall_warning_s=2",
+                "distributed.stall_shutdown_s=6", "distributed.gloo_timeout_s=10"], timeout=240)
     elapsed = time.monotonic() - start
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0

@@ -187,17 +187,18 @@ def test_report_on_an_older_versions_records_reports_what_they_have(tmp_path):
 @pytest.mark.slow
 def test_a_rank_frozen_mid_training_is_ended_by_the_stall_limits_with_a_warning_first(small_digits, tmp_path,
                                                                                        write_config):
-    """SIGSTOP rank 1 in epoch 2 of a 2-rank run: rank 0 warns after horovod.stall_warning_s and ends the job
+    """SIGSTOP rank 1 in epoch 2 of a 2-rank run: rank 0 warns after distributed.stall_warning_s and ends the job
     after stall_shutdown_s with one line (Gloo's own timeout is set far later, so the watchdog is what acts)."""
     import signal
 
     from test_horovod_training import signal_a_rank_after_epoch_one
     run_dir = str(tmp_path / "run")
     config = write_config(tiny_config(small_digits, run_dir, train={"epochs": 20, "batch_size": 8},
-                                      horovod={"stall_warning_s": 3, "stall_shutdown_s": 8, "gloo_timeout_s": 300}))
+                                      distributed={"stall_warning_s": 3, "stall_shutdown_s": 8,
+                                                   "gloo_timeout_s": 300}))
     proc, output, ended_after = signal_a_rank_after_epoch_one(config, run_dir, 2, 1, signal.SIGSTOP)
     assert proc.returncode != 0 and ended_after < 60, f"the job took {ended_after:.0f} s to end"
     assert "warning: rank 0: no training step finished" in output, output[-3000:]
     errors = [x for x in output.splitlines() if "hybridtrain: error:" in x]
-    assert len(errors) == 1 and "horovod.stall_shutdown_s=8" in errors[0] and "--resume auto" in errors[0], errors
+    assert len(errors) == 1 and "distributed.stall_shutdown_s=8" in errors[0] and "--resume auto" in errors[0], errors
     assert "Traceback" not in rank_output(output)

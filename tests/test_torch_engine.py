@@ -102,13 +102,14 @@ def test_the_collective_timeout_outlasts_the_stall_watchdog_of_every_rank(stall,
     from hybridtrain.config import load_config
     from hybridtrain.distributed.torch_distributed import collective_timeout_s
     from hybridtrain.engine.watchdog import exit_after_s
-    sets = ["horovod.stall_warning_s=1", f"horovod.stall_shutdown_s={stall}", f"horovod.gloo_timeout_s={gloo}"]
-    timeout = collective_timeout_s(load_config(None, sets).horovod)
+    sets = ["distributed.stall_warning_s=1", f"distributed.stall_shutdown_s={stall}",
+            f"distributed.gloo_timeout_s={gloo}"]
+    timeout = collective_timeout_s(load_config(None, sets).distributed)
     assert timeout == max(gloo, stall + 30 + 60)
     for rank in (0, 1, 7, 29, 30, 31, 511):
         assert exit_after_s(stall, rank) == stall + min(rank, 30)
         assert timeout - (stall + min(rank, 30) + 0.5) > 59  # a minute to print and exit, less one poll
-    off = load_config(None, ["horovod.stall_shutdown_s=0", f"horovod.gloo_timeout_s={gloo}"]).horovod
+    off = load_config(None, ["distributed.stall_shutdown_s=0", f"distributed.gloo_timeout_s={gloo}"]).distributed
     assert collective_timeout_s(off) == max(gloo, 1800) and exit_after_s(0, 3) == 0  # off: torch's 30 minutes
     assert collective_timeout_s(None) == 1800
 
@@ -258,13 +259,13 @@ def test_a_frozen_torch_rank_is_ended_by_the_stall_limits_with_a_warning_first(s
     stall_shutdown_s in one line; torchrun then takes down the frozen rank (no rank is left behind)."""
     run_dir = str(tmp_path / "run")
     cfg = write_config(tiny_config(small_digits, run_dir, train={"epochs": 20, "batch_size": 8},
-                                   distributed={"engine": "torch"},
-                                   horovod={"stall_warning_s": 3, "stall_shutdown_s": 8, "gloo_timeout_s": 300}))
+                                   distributed={"engine": "torch", "stall_warning_s": 3, "stall_shutdown_s": 8,
+                                                "gloo_timeout_s": 300}))
     proc, output, ended_after = signal_a_rank_after_epoch_one(cfg, run_dir, 2, 1, signal.SIGSTOP, 0.3, "torch")
     assert proc.returncode != 0 and ended_after < 60, f"the job took {ended_after:.0f} s to end"
     assert "warning: rank 0: no training step finished" in output, output[-3000:]
     errors = [x for x in output.splitlines() if "hybridtrain: error:" in x]
-    assert len(errors) == 1 and "horovod.stall_shutdown_s=8" in errors[0] and "--resume auto" in errors[0], errors
+    assert len(errors) == 1 and "distributed.stall_shutdown_s=8" in errors[0] and "--resume auto" in errors[0], errors
     assert not our_frames(output), output[-3000:]
     time.sleep(1)
     assert all(rank_pids(cfg, r, "torch") == [] for r in range(2)), "a rank was left behind"

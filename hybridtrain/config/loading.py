@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import sys
 from typing import Any
 
 import yaml
@@ -13,7 +14,7 @@ from hybridtrain.config.coercion import build, default_of, printable, show
 from hybridtrain.config.paths import check_paths, not_dangling
 from hybridtrain.config.rules import validate
 from hybridtrain.config.sections import Config
-from hybridtrain.errors import UserError
+from hybridtrain.errors import UserError, launcher_rank
 
 
 class DuplicateKey(yaml.YAMLError):
@@ -244,10 +245,15 @@ def read_yaml(path: str) -> dict:
 def load_config(path: str | None = None, overrides: list[str] | None = None, for_command: str | None = None) -> Config:
     """The validated config of a recipe file (None: the defaults) and ``--set`` overrides. ``for_command``: also
     check the path keys that command uses on this machine (:func:`check_paths`)."""
-    tree = read_yaml(path) if path else {}
+    moved: list[tuple[str, str]] = []
+    tree = move_renamed_keys(read_yaml(path), f"in {printable(path)}", moved) if path else {}
+    by_new_name: set[str] = set()
     for text in overrides or []:
         key_path, value = parse_override(text)
+        key_path = _current_name(key_path, moved, by_new_name)
         _apply_override(tree, key_path, _as_written(key_path, value, text))
+    tree = move_renamed_keys(tree, "by --set", moved)
+    warn_moved(moved)
     cfg = validate(build(Config, tree))
     if for_command:
         check_paths(cfg, for_command)
@@ -255,7 +261,62 @@ def load_config(path: str | None = None, overrides: list[str] | None = None, for
 
 
 def config_from_dict(tree: dict) -> Config:
+    moved: list[tuple[str, str]] = []
+    tree = move_renamed_keys(tree, "in the mapping", moved)
+    warn_moved(moved)
     return validate(build(Config, tree))
+
+
+# ----------------------------------------------------------------------------- keys that moved
+
+# old dotted key -> its new one. The old name still works, with one warning line (rank 0's) naming the new one;
+# giving both is refused. Issue 35: the limits both engines keep left horovod: for distributed:.
+MOVED_KEYS = {"horovod.stall_warning_s": "distributed.stall_warning_s",
+              "horovod.stall_shutdown_s": "distributed.stall_shutdown_s",
+              "horovod.gloo_timeout_s": "distributed.gloo_timeout_s"}
+
+
+def warn_moved(moved: list[tuple[str, str]]) -> None:
+    """One line per moved key given by its old name, once the config holds no key under both names."""
+    for old, new in moved if launcher_rank() == 0 else ():  # one line per job, not one per rank
+        print(f"hybridtrain: warning: config: {old} moved to {new}; it still works, rename it", file=sys.stderr,
+              flush=True)
+
+
+def both_names(old: str, new: str, where: str) -> UserError:
+    return UserError(f"config error: {old} (the old name) and {new} are both given {where}: keep {new} only")
+
+
+def move_renamed_keys(tree: dict, where: str, moved: list[tuple[str, str]]) -> dict:
+    """``tree`` with each old key of :data:`MOVED_KEYS` under its new name, added to ``moved`` (the caller's
+    mapping is not changed)."""
+    for old, new in MOVED_KEYS.items():
+        (old_section, old_key), (new_section, new_key) = old.split("."), new.split(".")
+        section, target = tree.get(old_section), tree.get(new_section)
+        if not isinstance(section, dict) or old_key not in section or not isinstance(target, (dict, type(None))):
+            continue  # nothing to move, or a section that is no mapping (build refuses it)
+        if target is not None and new_key in target:
+            raise both_names(old, new, where)
+        value = section[old_key]
+        tree = {**tree, old_section: {k: v for k, v in section.items() if k != old_key},
+                new_section: {**(target or {}), new_key: value}}
+        moved.append((old, new))
+    return tree
+
+
+def _current_name(key_path: list[str], moved: list[tuple[str, str]], by_new_name: set[str]) -> list[str]:
+    """A --set key under its current name (an old one added to ``moved``); one line when the old and the new
+    name of one key are both given."""
+    dotted = ".".join(key_path)
+    new = MOVED_KEYS.get(dotted)
+    if new:
+        moved.append((dotted, new))
+    else:
+        by_new_name.add(dotted)
+    for old, renamed in moved:
+        if renamed in by_new_name:
+            raise both_names(old, renamed, "by --set")
+    return new.split(".") if new else key_path
 
 
 def save_config(cfg: Config, path: str) -> None:

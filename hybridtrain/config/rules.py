@@ -24,11 +24,11 @@ def validate(cfg: Config) -> Config:
     validate_bn(cfg)
     validate_compile(cfg)
     validate_cuda_graphs(cfg)
-    h = cfg.horovod
-    if 0 < h.stall_shutdown_s < h.stall_warning_s:
-        raise UserError(f"config error: horovod.stall_shutdown_s ({h.stall_shutdown_s}) is shorter than "
-                        f"horovod.stall_warning_s ({h.stall_warning_s}), and Horovod would then never shut down: "
-                        f"raise it, or set 0")
+    d = cfg.distributed
+    if 0 < d.stall_shutdown_s < d.stall_warning_s:
+        raise UserError(f"config error: distributed.stall_shutdown_s ({d.stall_shutdown_s}) is shorter than "
+                        f"distributed.stall_warning_s ({d.stall_warning_s}), and Horovod would then never shut "
+                        f"down: raise it, or set 0")
     if cfg.horovod.autotune_log and not cfg.horovod.autotune:
         raise UserError("config error: horovod.autotune_log is set but horovod.autotune is false: set "
                         "horovod.autotune: true, or unset autotune_log")

@@ -31,12 +31,13 @@ def backend():
     return _active["engine"]
 
 
-def init(threads: int = 0, horovod_cfg=None, elastic: bool = False, device: str = "auto",
+def init(threads: int = 0, cfg=None, elastic: bool = False, device: str = "auto",
          engine: str = "auto") -> Topology:
-    """Form (or join) the job on ``engine`` (distributed.engine), pin the threads, bind the rank to its device."""
+    """Form (or join) the job on ``engine`` (distributed.engine), pin the threads, bind the rank to its device.
+    ``cfg``: the config, whose horovod.* and distributed.* limits the engine applies (None: the engine's own)."""
     module = engine_module(resolve_engine(engine))
     _active["engine"] = module
-    return module.init(threads, horovod_cfg, elastic=elastic, device=device)
+    return module.init(threads, cfg, elastic=elastic, device=device)
 
 
 def engine_name() -> str:

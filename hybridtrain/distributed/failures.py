@@ -52,8 +52,8 @@ def peer_failure(topo) -> PeerFailure:
     elif topo.peers and all(h == host for h, *_ in topo.peers):
         # every rank's process is still there: one of them stopped taking part (stopped, stuck in I/O, deadlocked)
         cause = ("a rank hung: every rank's process is alive, but one stopped taking part in the collectives (its "
-                 "error line, if any, says which); Horovod's stall limit (horovod.stall_shutdown_s) or Gloo's timeout "
-                 "(horovod.gloo_timeout_s) ended the wait")
+                 "error line, if any, says which); Horovod's stall limit (distributed.stall_shutdown_s) or Gloo's "
+                 "timeout (distributed.gloo_timeout_s) ended the wait")
     else:
         lost = unreachable_hosts(topo.peers, host)
         cause = (f"this rank lost host {', '.join(lost)}: it does not answer on the network (its link is down or it is "

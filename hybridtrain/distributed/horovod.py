@@ -60,16 +60,17 @@ def check_world_size(size: int) -> None:
                         f"with horovodrun --gloo")
 
 
-def horovod_environment(horovod_cfg) -> dict[str, str]:
+def horovod_environment(cfg) -> dict[str, str]:
     """The HOROVOD_* variables that set the config's tuning knobs; hvd.init() reads them."""
-    env = {"HOROVOD_FUSION_THRESHOLD": str(horovod_cfg.fusion_threshold_mb * 2 ** 20),
-           "HOROVOD_CYCLE_TIME": f"{horovod_cfg.cycle_time_ms:g}",
-           "HOROVOD_AUTOTUNE": "1" if horovod_cfg.autotune else "0",
-           "HOROVOD_STALL_CHECK_TIME_SECONDS": str(horovod_cfg.stall_warning_s),
-           "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": str(horovod_cfg.stall_shutdown_s),
-           "HOROVOD_GLOO_TIMEOUT_SECONDS": str(horovod_cfg.gloo_timeout_s)}
-    if horovod_cfg.autotune_log:
-        env["HOROVOD_AUTOTUNE_LOG"] = os.path.abspath(horovod_cfg.autotune_log)
+    knobs, limits = cfg.horovod, cfg.distributed
+    env = {"HOROVOD_FUSION_THRESHOLD": str(knobs.fusion_threshold_mb * 2 ** 20),
+           "HOROVOD_CYCLE_TIME": f"{knobs.cycle_time_ms:g}",
+           "HOROVOD_AUTOTUNE": "1" if knobs.autotune else "0",
+           "HOROVOD_STALL_CHECK_TIME_SECONDS": str(limits.stall_warning_s),
+           "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": str(limits.stall_shutdown_s),
+           "HOROVOD_GLOO_TIMEOUT_SECONDS": str(limits.gloo_timeout_s)}
+    if knobs.autotune_log:
+        env["HOROVOD_AUTOTUNE_LOG"] = os.path.abspath(knobs.autotune_log)
     return env
 
 
@@ -86,28 +87,28 @@ def same_setting(a: str, b: str) -> bool:
 HOROVOD_DEFAULTS = {"HOROVOD_FUSION_THRESHOLD": str(128 * 2 ** 20), "HOROVOD_CYCLE_TIME": "1"}
 
 
-def set_horovod_knobs(horovod_cfg, elastic: bool = False) -> None:
+def set_horovod_knobs(cfg, elastic: bool = False) -> None:
     """Export the config's knobs for hvd.init(). The config wins over a value the launcher set (e.g. horovodrun
     --fusion-threshold-mb); rank 0 says so in one warning line per replaced variable."""
-    for name, value in horovod_environment(horovod_cfg).items():
+    for name, value in horovod_environment(cfg).items():
         if elastic and HOROVOD_DEFAULTS.get(name) is not None and same_setting(HOROVOD_DEFAULTS[name], value):
             os.environ.pop(name, None)
             continue
         previous = os.environ.get(name)
         if previous is not None and not same_setting(previous, value) and launcher_rank() == 0:
             print(f"hybridtrain: warning: {name}={previous} from the launcher is replaced by the config's {value}; "
-                  f"set the horovod.* key instead", file=sys.stderr, flush=True)
+                  f"set the horovod.* or distributed.* key instead", file=sys.stderr, flush=True)
         os.environ[name] = value
 
 
-def init(threads: int = 0, horovod_cfg=None, elastic: bool = False, device: str = "auto") -> Topology:
-    """hvd.init() with the config's Horovod knobs (``horovod_cfg``; None leaves Horovod's own settings), pin
+def init(threads: int = 0, cfg=None, elastic: bool = False, device: str = "auto") -> Topology:
+    """hvd.init() with the config's Horovod knobs and limits (``cfg``; None leaves Horovod's own settings), pin
     torch threads (``threads``, or this rank's share of the cores) and bind the rank to its device
     (``device``: train.device). ``elastic``: no collective here (a worker joining a running elastic job must
     reach the state sync first), and the launcher's size is only the initial one."""
     hvd = import_horovod()
-    if horovod_cfg is not None:
-        set_horovod_knobs(horovod_cfg, elastic)
+    if cfg is not None:
+        set_horovod_knobs(cfg, elastic)
     check_controller(hvd)
     hvd.init()
     if elastic:

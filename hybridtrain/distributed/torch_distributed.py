@@ -53,18 +53,17 @@ WATCHDOG_STAGGER_MAX_S = 30
 WATCHDOG_MARGIN_S = 60
 
 
-def collective_timeout_s(horovod_cfg) -> int:
+def collective_timeout_s(limits) -> int:
     """How long one collective may wait for a peer before the group fails (Gloo raises; NCCL's watchdog aborts
     the process with C++ dumps). With the stall limit on, past the stall watchdog's latest exit
-    (``horovod.stall_shutdown_s`` + 30 s of rank stagger) by a minute, so a stuck rank ends with the watchdog's
+    (``distributed.stall_shutdown_s`` + 30 s of rank stagger) by a minute, so a stuck rank ends with the watchdog's
     one line and never by the group's timeout first (gpu-path-3 #11); at least the connect timeout
-    (``horovod.gloo_timeout_s``). 30 minutes (torch's default) when the stall limit is off (0)."""
-    if horovod_cfg is None:
+    (``distributed.gloo_timeout_s``). 30 minutes (torch's default) when the stall limit is off (0)."""
+    if limits is None:
         return 1800
-    if not horovod_cfg.stall_shutdown_s:
-        return max(horovod_cfg.gloo_timeout_s, 1800)
-    return max(horovod_cfg.gloo_timeout_s,
-               horovod_cfg.stall_shutdown_s + WATCHDOG_STAGGER_MAX_S + WATCHDOG_MARGIN_S)
+    if not limits.stall_shutdown_s:
+        return max(limits.gloo_timeout_s, 1800)
+    return max(limits.gloo_timeout_s, limits.stall_shutdown_s + WATCHDOG_STAGGER_MAX_S + WATCHDOG_MARGIN_S)
 
 
 def attempt_store(where: dict, timeout: timedelta):
@@ -79,7 +78,7 @@ def attempt_store(where: dict, timeout: timedelta):
                             store)
 
 
-def init(threads: int = 0, horovod_cfg=None, elastic: bool = False, device: str = "auto") -> Topology:
+def init(threads: int = 0, cfg=None, elastic: bool = False, device: str = "auto") -> Topology:
     """Join (or form) the process group, bind the rank to its device and share (host, pid, GPU) of every rank."""
     if elastic:
         raise UserError("--elastic is Horovod's elastic training and this job runs the torch engine: use horovodrun "
@@ -90,7 +89,7 @@ def init(threads: int = 0, horovod_cfg=None, elastic: bool = False, device: str 
     if chosen.type == "cuda":
         torch.cuda.set_device(chosen)
     if not dist.is_initialized():
-        timeout = timedelta(seconds=collective_timeout_s(horovod_cfg))
+        timeout = timedelta(seconds=collective_timeout_s(cfg.distributed if cfg is not None else None))
         if where["size"] == 1:  # alone: no port to open (a MASTER_PORT left in the shell may be another job's)
             dist.init_process_group(backend_for(chosen), store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         else:

@@ -60,7 +60,7 @@ def check_elastic(cfg: Config) -> None:
     if cfg.data.backend != "torchvision":
         raise UserError(f"--elastic re-shards the data when ranks change, which data.backend={cfg.data.backend} "
                         f"cannot do yet: use data.backend=torchvision, or drop --elastic")
-    knobs = horovod.horovod_environment(cfg.horovod)
+    knobs = horovod.horovod_environment(cfg)
     defaults = horovod.HOROVOD_DEFAULTS.items()
     if not any(horovod.same_setting(knobs[name], default) for name, default in defaults):
         raise UserError("--elastic with both horovod.fusion_threshold_mb and horovod.cycle_time_ms changed crashes "
@@ -264,7 +264,7 @@ def run_elastic(cfg: Config, resume: str | None = None) -> dict | None:
     """Train under Horovod elastic; ``resume`` as for ``run_training``."""
     check_elastic(cfg)
     hvd = horovod.import_horovod()
-    t = build_trainer(cfg, distributed.init(cfg.train.threads, cfg.horovod, elastic=True,
+    t = build_trainer(cfg, distributed.init(cfg.train.threads, cfg, elastic=True,
                                           device=cfg.train.device, engine="horovod"))
     t.audit = SampleAudit(audit_path(cfg))
     state = new_elastic_state(t, Position())

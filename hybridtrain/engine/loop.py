@@ -70,7 +70,7 @@ def run_training(cfg: Config, resume: str | None = None, move_aside: bool = Fals
     rank that failed alone does not wait for its peers. Not after a peer's failure: a peer may have died inside a
     collective, and the launcher ends this rank anyway."""
     watch = PreemptionWatch()  # first: a SIGTERM during the setup also ends the run cleanly
-    topo = distributed.init(cfg.train.threads, cfg.horovod, device=cfg.train.device, engine=cfg.distributed.engine)
+    topo = distributed.init(cfg.train.threads, cfg, device=cfg.train.device, engine=cfg.distributed.engine)
     watch.topo = topo
     owner, outcome = None, "failed"
     try:
@@ -150,7 +150,7 @@ def train_epochs(cfg: Config, t: Trainer, watch: PreemptionWatch, resume: str | 
     if state:
         complete_pending_record(cfg, t, state, history, board)
     t.audit = SampleAudit(audit_path(cfg))
-    watchdog = StallWatchdog(cfg.horovod.stall_warning_s, cfg.horovod.stall_shutdown_s, topo.rank)
+    watchdog = StallWatchdog(cfg.distributed.stall_warning_s, cfg.distributed.stall_shutdown_s, topo.rank)
     try:
         return train_epoch_range(cfg, t, watch, watchdog, start_epoch, resumed, run_start, history, board, owner)
     finally:

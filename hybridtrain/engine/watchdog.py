@@ -1,7 +1,7 @@
 """The stall watchdog: a rank whose training stops making progress ends itself with one line.
 
-Horovod's own stall check (``horovod.stall_warning_s``/``stall_shutdown_s``) did not fire under Gloo in our
-2-rank tests, and Gloo's timeout ends a stuck collective only after ``horovod.gloo_timeout_s``, with no word of
+Horovod's own stall check (``distributed.stall_warning_s``/``stall_shutdown_s``) did not fire under Gloo in our
+2-rank tests, and Gloo's timeout ends a stuck collective only after ``distributed.gloo_timeout_s``, with no word of
 why. So every rank also watches itself: the training loop beats after every step; with no beat for
 ``stall_warning_s`` the rank warns once, and for ``stall_shutdown_s`` it prints one line and exits (code 3), and
 the launcher then ends the job. The watch starts at the first beat, so start-up does not count. Ranks wait
@@ -101,11 +101,11 @@ class StallWatchdog:
             if not warned:
                 warned = True
                 print(f"hybridtrain: warning: rank {self.rank}: no training step finished for {idle:.0f} s "
-                      f"(horovod.stall_warning_s={self.warning_s:g}): a rank may have hung", file=sys.stderr,
+                      f"(distributed.stall_warning_s={self.warning_s:g}): a rank may have hung", file=sys.stderr,
                       flush=True)
             if self.shutdown_s and idle >= exit_after_s(self.shutdown_s, self.rank):
                 print(f"hybridtrain: error: rank {self.rank}: no training step finished for {idle:.0f} s "
-                      f"(horovod.stall_shutdown_s={self.shutdown_s:g}): a rank hung or a collective is stuck, so "
+                      f"(distributed.stall_shutdown_s={self.shutdown_s:g}): a rank hung or a collective is stuck, so "
                       f"this rank ends the job; checkpoints are intact: rerun the same command with --resume auto",
                       file=sys.stderr, flush=True)
                 os._exit(3)  # the main thread is blocked in the stuck collective; nothing else can end it

@@ -50,7 +50,7 @@ def worker(config: str, overrides: list[str], compression: str, steps: int, warm
     from hybridtrain.optim.schedules import hybrid_phase_start
 
     cfg = measured_config(config, overrides, compression)
-    topo = distributed.init(1, cfg.horovod, device=cfg.train.device, engine=cfg.distributed.engine)
+    topo = distributed.init(1, cfg, device=cfg.train.device, engine=cfg.distributed.engine)
     t = build_trainer(cfg, topo)
     distributed.broadcast_model(t.model)
     images, labels, _ = next(iter(t.data.train))

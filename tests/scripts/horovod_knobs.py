@@ -20,7 +20,7 @@ ROUNDS, TENSORS = 8, 6
 
 def main(out: str, sets: list[str]) -> None:
     cfg = load_config(None, sets)
-    topo = distributed.init(1, cfg.horovod)
+    topo = distributed.init(1, cfg)
     hvd = import_horovod()
     seconds = []
     for r in range(ROUNDS):

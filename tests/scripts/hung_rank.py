@@ -17,7 +17,7 @@ from hybridtrain.errors import is_peer_failure
 
 def work() -> int:
     cfg = load_config(None, sys.argv[1:])
-    topo = distributed.init(1, cfg.horovod, device="cpu")
+    topo = distributed.init(1, cfg, device="cpu")
     if topo.rank == 1:
         os.kill(os.getpid(), signal.SIGSTOP)  # hung for good; horovodrun kills it when the job ends
     try:

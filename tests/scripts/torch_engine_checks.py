@@ -135,7 +135,7 @@ def bucket_views_kept(cfg, rank: int) -> dict:
 
 def main() -> int:
     cfg = load_config(None, ["precision.mode=fp32", "distributed.engine=torch"])
-    topo = distributed.init(1, cfg.horovod, device="cpu", engine="torch")
+    topo = distributed.init(1, cfg, device="cpu", engine="torch")
     record = {"size": topo.size, "engine": distributed.engine_name()}
     for check in (fp16_wire, accumulation, channels_last, skipped_step, bucket_views_kept):
         record.update({f"rank{topo.rank}.{k}": v for k, v in check(cfg, topo.rank).items()})
