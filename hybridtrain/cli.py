@@ -451,7 +451,7 @@ def recipe_path(text: str) -> str:
     return text
 
 
-# Bounds of every numeric option; a reason for each bound that is not the config key's own (hybridtrain/config.py)
+# Bounds of every numeric option; a reason for each bound that is not the config key's own (config/sections.py)
 SEED = bounded_int(0, 2**32 - 1)          # numpy's legacy seed range; the generators here take any of them
 WORKERS = bounded_int(0, 256)             # processes; no host has more cores
 STEPS, WARMUP = bounded_int(1, 100_000), bounded_int(0, 100_000)  # a benchmark of 100k steps is hours already
