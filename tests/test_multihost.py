@@ -1,7 +1,9 @@
-"""Real runs across hosts on one machine: ``hybridtrain cluster`` (hybridtrain/perf/netns_cluster.py) makes two
+"""Real runs across hosts on one machine: ``hybridtrain cluster`` (hybridtrain/perf/netns_cluster.py) makes three
 network namespaces with an sshd each, joined by a bridge; ``horovodrun -H h0:1,h1:1`` launches over ssh, and the
 torch engine runs one ``torchrun`` per host with a c10d rendezvous on h0 (launch/README.md, "Try multi-node on one
-machine"). Needs root, iproute2 and openssh-server; the cluster comes up once for the module and goes down after.
+machine"); with h1's link ten times slower, the link probe names it in the run's report. Needs root, iproute2 and
+openssh-server; the cluster comes up once for the module and goes down after (``scale --cluster``, last, makes its
+own).
 """
 from __future__ import annotations
 
