@@ -66,6 +66,15 @@ def test_the_slow_host_is_the_one_whose_fastest_transfer_is_slow():
     assert "cannot be put on either end" in links_lines(host_rates(pairs[:1]))[0]
 
 
+def test_a_damaged_link_probe_file_is_one_line_naming_it(tmp_path):
+    from hybridtrain.errors import UserError
+    from hybridtrain.reports.links import read_probe
+    assert read_probe(str(tmp_path)) is None
+    (tmp_path / "link_probe.json").write_text('{"pairs": [{"from": "h0", "to": "h1", "bits_per_s": "fast"}]}')
+    with pytest.raises(UserError, match="link_probe.json is not a link probe .*move the file out of the run_dir"):
+        read_probe(str(tmp_path))
+
+
 @pytest.fixture(scope="module")
 def hosts():
     """Three hosts (a slow one is told apart only among three or more); the two-host tests use h0 and h1."""

@@ -55,8 +55,8 @@ conn.close()
 def on_host(host: str, code: str, *args: str) -> subprocess.Popen:
     """``python -c code args`` on ``host`` over ssh."""
     remote = shlex.join([sys.executable, "-c", code, *args])
-    return subprocess.Popen(["ssh", "-o", "BatchMode=yes", host, remote], stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", host, remote],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def failed(host: str, proc: subprocess.Popen, what: str) -> UserError:
@@ -74,14 +74,16 @@ def transfer(sender: str, receiver: str, megabytes: int) -> dict:
         raise failed(receiver, recv, "the receiver")
     send = on_host(sender, SENDER, receiver, port, str(megabytes), str(TIMEOUT_S))
     try:
-        _, send_err = send.communicate(timeout=TIMEOUT_S)
+        send.wait(timeout=TIMEOUT_S)
+        if send.returncode:  # no connection: the receiver would wait for one until its timeout
+            recv.kill()
+            raise failed(sender, send, f"the sender to {receiver}")
         out, _ = recv.communicate(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
         recv.kill()
         raise failed(sender, send, f"a transfer to {receiver} (over {TIMEOUT_S} s)") from None
-    if send.returncode or recv.returncode or len(out.split()) != 2:
-        raise failed(sender if send.returncode else receiver, send if send.returncode else recv,
-                     f"the transfer {sender} -> {receiver}")
+    if recv.returncode or len(out.split()) != 2:
+        raise failed(receiver, recv, f"the receiver of {sender}'s transfer")
     counted, seconds = int(out.split()[0]), float(out.split()[1])
     return {"from": sender, "to": receiver, "bytes": counted, "seconds": seconds,
             "bits_per_s": 8 * counted / max(seconds, 1e-9)}
