@@ -228,3 +228,51 @@ def test_resume_with_another_optimizer_is_one_error_line(trained_run, tmp_path):
     config, _ = copy_run(trained_run, tmp_path, epochs=3)
     proc = train(config, "--resume", "--set", "optim.name=hybrid", "--set", "optim.adabound_epochs=1")
     assert_one_error_line(proc, "optimizer state does not fit", "optim.name=goyal")
+
+
+def test_the_run_state_is_the_trainers_and_a_checkpoint_keeps_its_keys():
+    """Trainer.state_dict is what a checkpoint holds (its keys and order as before) and what a resume or an elastic
+    roll-back restores: after more steps and a new loss scale, loading a snapshot gives it back bit for bit."""
+    import copy
+    from types import SimpleNamespace
+
+    from hybridtrain.config import load_config
+    from hybridtrain.engine.resume import checkpoint_state
+    from hybridtrain.engine.trainer import Trainer
+    from hybridtrain.optim import create_optimizer
+    from hybridtrain.precision.policy import resolve_policy
+    from hybridtrain.precision.scaler import create_scaler
+
+    cfg = load_config(os.path.join(REPO, "configs", "demo.yaml"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.Flatten(),
+                                torch.nn.Linear(4 * 6 * 6, 3))
+    bundle = create_optimizer(model, cfg, 1, 4)
+    scaler = create_scaler(cfg.precision, resolve_policy(cfg.precision))
+    t = Trainer(None, None, model, SimpleNamespace(scaler=scaler), bundle, 4, 1, 2, None)
+
+    def steps(n):
+        for _ in range(n):
+            bundle.optimizer.zero_grad()
+            model(torch.randn(2, 3, 8, 8)).square().mean().backward()
+            bundle.optimizer.step()
+    steps(2)
+    saved = copy.deepcopy(t.state_dict())
+    steps(3)
+    scaler.set_scale(7.0)
+    moved = t.state_dict()
+    assert not all(torch.equal(moved["model"][key], tensor) for key, tensor in saved["model"].items())
+    t.load_state_dict({**copy.deepcopy(saved), "config": cfg.to_dict(), "epoch": 0})
+    again = t.state_dict()
+    assert list(saved) == ["model", "optimizer", "scaler"] and again["scaler"] == saved["scaler"]
+    for key, tensor in saved["model"].items():
+        assert torch.equal(again["model"][key], tensor), key
+    compared = 0
+    for param, buffers in saved["optimizer"]["state"].items():
+        for key, value in buffers.items():
+            assert torch.equal(torch.as_tensor(again["optimizer"]["state"][param][key]), torch.as_tensor(value))
+            compared += 1
+    assert compared and again["optimizer"]["param_groups"] == saved["optimizer"]["param_groups"]
+    state = checkpoint_state(cfg, t, 2, 5.0, {"epoch": 3})
+    assert list(state) == ["model", "optimizer", "scaler", "epoch", "config", "config_fingerprint", "elapsed_s",
+                           "pending_record"]

@@ -107,30 +107,27 @@ class ElasticState:
         self.trainer, self.position = trainer, position
         self.save()
 
-    def _tensors_and_position(self) -> dict:
-        t = self.trainer
-        return {"optimizer": t.bundle.optimizer.state_dict(), "scaler": t.precision.scaler.state_dict(),
-                "position": dataclasses.asdict(self.position)}
+    def run_state(self) -> dict:
+        """The trainer's run state (Trainer.state_dict, as a checkpoint holds it) with the position on top."""
+        return {**self.trainer.state_dict(), "position": dataclasses.asdict(self.position)}
 
     def _load(self, saved: dict) -> None:
-        t = self.trainer
-        t.bundle.optimizer.load_state_dict(saved["optimizer"])  # also drops Horovod's pending all-reduces
-        t.precision.scaler.load_state_dict(saved["scaler"])
+        self.trainer.load_state_dict(saved)
         self.position = Position(**saved["position"])
 
     def save(self) -> None:
-        self.saved = copy.deepcopy({"model": self.trainer.model.state_dict(), **self._tensors_and_position()})
+        self.saved = copy.deepcopy(self.run_state())
 
     def restore(self) -> None:
-        saved = copy.deepcopy(self.saved)
-        self.trainer.model.load_state_dict(saved["model"])
-        self._load(saved)
+        self._load(copy.deepcopy(self.saved))
 
     def sync(self) -> None:
         """Rank 0's model (any layout) and the rest of its state, through the CPU: each rank loads it onto its own
         device, never onto rank 0's GPU."""
         distributed.broadcast_model(self.trainer.model)
-        self._load(distributed.broadcast_object(self._tensors_and_position(), "elastic_state"))
+        rest = self.run_state()
+        model = rest.pop("model")  # rank 0's now: the broadcast above carried it
+        self._load({**distributed.broadcast_object(rest, "elastic_state"), "model": model})
         self.save()
 
 
@@ -179,8 +176,7 @@ def restore_position(cfg: Config, t: Trainer, loaded: dict, pos: Position) -> No
     """A checkpoint into the trainer and the position. A preempted static run's mid-epoch checkpoint resumes
     on any number of ranks and any batch: its samples consumed (resume.consumed_samples, with the layout it
     stopped on) are the position."""
-    checkpoint.restore(loaded, t.model, t.bundle.optimizer)
-    t.precision.scaler.load_state_dict(loaded["scaler"])
+    t.load_state_dict(loaded)
     pos.epoch, pos.elapsed_s = loaded["epoch"] + 1, loaded.get("elapsed_s", 0.0)
     partial = loaded.get("partial")
     if partial:

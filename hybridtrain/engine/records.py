@@ -5,14 +5,17 @@ import json
 import os
 import socket
 import time
+from typing import TYPE_CHECKING
 
 from hybridtrain.config import Config
 from hybridtrain.distributed import collectives as distributed
 from hybridtrain.engine.memory import memory_figures
 from hybridtrain.engine.metrics_file import append_metrics
 from hybridtrain.engine.telemetry import device_name, epoch_line, log, write_scalars
-from hybridtrain.engine.trainer import Trainer
 from hybridtrain.optim import optimizer_spec
+
+if TYPE_CHECKING:  # annotations only
+    from hybridtrain.engine.trainer import Trainer
 
 
 def record_epoch(cfg: Config, t: Trainer, record: dict, history: list, board) -> dict:

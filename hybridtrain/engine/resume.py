@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -10,10 +11,12 @@ from hybridtrain.distributed import collectives as distributed
 from hybridtrain.engine import checkpoint
 from hybridtrain.engine.epoch import EpochPosition, EpochProgress
 from hybridtrain.engine.telemetry import log
-from hybridtrain.engine.trainer import Trainer
 from hybridtrain.engine.watchdog import root_writes
 from hybridtrain.errors import UserError
 from hybridtrain.models.batchnorm import average_running_statistics, running_buffers
+
+if TYPE_CHECKING:  # annotations only
+    from hybridtrain.engine.trainer import Trainer
 
 
 def resume_state(cfg: Config, topo, required: bool = True) -> dict | None:
@@ -41,9 +44,7 @@ def restore(t: Trainer, state: dict, backend: str) -> EpochPosition | None:
     """Load a checkpoint into the trainer; a mid-epoch one also gives where its epoch continues. On the layout it
     stopped on (ranks, train.batch_size) every rank continues its own batches with its own BN buffers (bitwise);
     on another layout the epoch continues by samples, as an elastic resize does (``position_by_samples``)."""
-    checkpoint.restore(state, t.model, t.bundle.optimizer)
-    if "scaler" in state:
-        t.precision.scaler.load_state_dict(state["scaler"])
+    t.load_state_dict(state)
     partial = state.get("partial")
     if not partial:
         return None
@@ -116,9 +117,8 @@ def checkpoint_state(cfg: Config, t: Trainer, completed_epoch: int, elapsed_s: f
                      pending_record: dict | None = None) -> dict:
     """``pending_record``: the epoch's record before validation; a resume validates and records it if the run
     stopped before its metrics line was written."""
-    return {"model": t.model.state_dict(), "optimizer": t.bundle.optimizer.state_dict(),
-            "scaler": t.precision.scaler.state_dict(), "epoch": completed_epoch,
-            "config": cfg.to_dict(), "config_fingerprint": cfg.fingerprint(), "elapsed_s": elapsed_s,
+    return {**t.state_dict(), "epoch": completed_epoch, "config": cfg.to_dict(),
+            "config_fingerprint": cfg.fingerprint(), "elapsed_s": elapsed_s,
             **({"pending_record": pending_record} if pending_record else {})}
 
 

@@ -10,6 +10,7 @@ import torch
 from hybridtrain.config import Config, gradient_compression
 from hybridtrain.data.loaders import create_loaders
 from hybridtrain.distributed import collectives as distributed
+from hybridtrain.engine import checkpoint
 from hybridtrain.engine.step import Precision, build_step, check_speedups
 from hybridtrain.engine.telemetry import log
 from hybridtrain.errors import UserError
@@ -41,6 +42,21 @@ class Trainer:
     compression: str = "none"  # the gradient all-reduce's wire, resolved from horovod.compression
     fp32_math: str = "ieee"  # FP32 convolutions and matmuls: ieee or tf32
     audit: object = None  # records.SampleAudit: the trained samples' indices (elastic.audit_samples)
+
+    def state_dict(self) -> dict:
+        """The trainer's run state, written once: what a checkpoint holds (resume.checkpoint_state), what a resume
+        (resume.restore) and an elastic commit, roll-back or sync (elastic.ElasticState) restore, each with the
+        position in training on top: the model (with BN buffers), the optimizer (phase, moments, momentum) and the
+        loss scaler."""
+        return {"model": self.model.state_dict(), "optimizer": self.bundle.optimizer.state_dict(),
+                "scaler": self.precision.scaler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Load :meth:`state_dict`'s parts from ``state``; one line when it was made for another model or optimizer
+        (checkpoint.restore). Checkpoints of older versions hold no scaler: it keeps its initial state."""
+        checkpoint.restore(state, self.model, self.bundle.optimizer)  # the optimizer's also drops Horovod's pending
+        if "scaler" in state:                                          # all-reduces (an elastic roll-back)
+            self.precision.scaler.load_state_dict(state["scaler"])
 
 
 def build_trainer(cfg: Config, topo) -> Trainer:
