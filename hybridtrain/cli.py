@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 
+from hybridtrain.distributed.engines import ENGINES
 from hybridtrain.errors import UserError, run_guarded
 from hybridtrain.outputs import (
     atomic_path,
@@ -30,13 +31,11 @@ def cmd_train(args) -> int:
         raise UserError(f"--resume takes no value or 'auto', got '{args.resume}': e.g. --resume auto")
     cfg = load_config(args.config, with_engine(args), for_command="train")
     args.crash_log_dir = cfg.run_dir  # where run_guarded writes a rank's traceback if a bug stops it
+    from hybridtrain.distributed.engines import refuse_elastic
     from hybridtrain.distributed.launcher import check_launch  # the launcher's variables: one line, never a wait
     engine = check_launch(cfg.distributed.engine)
     if args.elastic:
-        if engine != "horovod":
-            raise UserError("--elastic is Horovod's elastic training and this job runs the torch engine: launch with "
-                            "horovodrun --min-np/--max-np and --engine horovod, or drop --elastic and let torchrun "
-                            "--max-restarts rerun the job with --resume auto (docs/elastic.md)")
+        refuse_elastic(engine)
         if args.move_aside:
             raise UserError("--move-aside is for static runs; with --elastic, give a new run_dir or --resume")
         from hybridtrain.engine.elastic import run_elastic  # torch and Horovod from here on
@@ -311,8 +310,8 @@ def cmd_scale(args) -> int:
 
 def parse_engines(text: str) -> tuple[str, ...]:
     names = tuple(x.strip() for x in text.split(",") if x.strip())
-    if not names or any(n not in ("horovod", "torch") for n in names) or len(set(names)) != len(names):
-        raise UserError(f"--engine must list horovod and/or torch, each once, got '{text}': e.g. --engine "
+    if not names or any(n not in ENGINES for n in names) or len(set(names)) != len(names):
+        raise UserError(f"--engine must list {' and/or '.join(ENGINES)}, each once, got '{text}': e.g. --engine "
                         f"horovod,torch")
     return names
 
@@ -485,7 +484,7 @@ def add_recipe_options(parser: argparse.ArgumentParser, config_help: str, set_he
 
 
 def add_engine_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--engine", choices=("auto", "horovod", "torch"),
+    parser.add_argument("--engine", choices=("auto", *ENGINES),
                         help="the data-parallel engine (distributed.engine): horovod under horovodrun/mpirun, torch "
                              "(DDP) under torchrun or srun; default the config's (auto: the launcher's)")
 
@@ -586,7 +585,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="also time the whole step as train runs it: one rank under horovodrun, with Horovod's "
                            "DistributedOptimizer, the all-reduce compression, the loss scaler and the schedule "
                            "(the same as --engine horovod)")
-    step.add_argument("--engine", action="append", choices=("horovod", "torch"),
+    step.add_argument("--engine", action="append", choices=tuple(ENGINES),
                       help="also time the whole step as train runs it on this engine: one rank under horovodrun "
                            "or torchrun (DDP); repeatable, e.g. --engine horovod --engine torch")
     step.add_argument("--phase", choices=["adabound", "sgd"], default="adabound",

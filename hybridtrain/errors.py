@@ -55,18 +55,17 @@ class PeerFailure(Exception):
         self.announce = announce
 
 
-# what torch.distributed's Gloo and NCCL say on a surviving rank when a peer died or its connection broke
-PEER_LOSS_WORDS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was "
-                   "aborted", "failed to recv", "Socket Timeout", "Timed out waiting")
+# The signs of a lost peer in the errors of the engine that formed this process's job: (class names, words), from
+# its entry in the registry of engines (distributed.engines), set by distributed.collectives.init (this module
+# imports nothing of the package). Empty before any init: no job, no peer to lose.
+PEER_FAILURE_SIGNS = {"types": (), "words": ()}
 
 
 def is_peer_failure(exc: BaseException) -> bool:
-    """True for the error an engine raises on the surviving ranks after another rank failed or exited: Horovod's
-    HorovodInternalError, or torch.distributed's backend error naming a lost connection."""
+    """True for the error the job's engine raises on the surviving ranks after another rank failed or exited (e.g.
+    Horovod's HorovodInternalError, torch.distributed's backend error naming a lost connection)."""
     text = str(exc)
-    if type(exc).__name__ == "HorovodInternalError" or "Horovod has been shut down" in text:
-        return True
-    return type(exc).__name__ in ("DistBackendError", "DistNetworkError") or any(w in text for w in PEER_LOSS_WORDS)
+    return type(exc).__name__ in PEER_FAILURE_SIGNS["types"] or any(w in text for w in PEER_FAILURE_SIGNS["words"])
 
 
 def write_crash_log(exc: BaseException, rank: int, folder: str | None) -> str:

@@ -201,6 +201,15 @@ def tiny_config(data_path: str, run_dir: str, **sections) -> dict:
     return cfg
 
 
+@pytest.fixture
+def job_of_one():
+    """This process alone as a job of the torch engine (no launcher, no port): what the trainer's step and the
+    collectives need in-process (a collective before init is an error)."""
+    from hybridtrain.perf.step_bench import job_of_one as alone
+    with alone():
+        yield
+
+
 WITH_WORKERS = {"workers": 1}  # tiny_config(..., data=WITH_WORKERS): one spawned loader worker per loader
 
 

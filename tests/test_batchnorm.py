@@ -86,10 +86,8 @@ def test_last_iteration_keeps_only_the_last_batch_statistics():
 
 # ----------------------------------------------------------------------------- cross-rank BN (bn.sync)
 
-def test_cpu_cross_rank_bn_on_one_rank_is_plain_batch_norm():
+def test_cpu_cross_rank_bn_on_one_rank_is_plain_batch_norm(job_of_one):
     """Its formula against PyTorch's BN; the 2-rank path runs in the experiment and the bn.sync training test."""
-    import horovod.torch as hvd
-    hvd.init()  # a one-process job
     plain = torch.nn.BatchNorm2d(4)
     ours = CrossRankBatchNorm(4)
     x = torch.randn(3, 4, 5, 5)

@@ -73,7 +73,7 @@ def test_layered_runs_each_stage_in_its_configured_dtype():
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
-def test_fp16_pure_has_no_fp32_parameter_or_optimizer_state_anywhere():
+def test_fp16_pure_has_no_fp32_parameter_or_optimizer_state_anywhere(job_of_one):
     policy = policy_for(mode="fp16_pure")
     model = prepare_model(create_model("resnet18", 10, seed=0, residual_bn_scale=0.25), policy)
     assert {p.dtype for p in model.parameters()} == {torch.float16}

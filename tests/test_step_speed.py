@@ -120,7 +120,7 @@ def test_the_guard_counts_host_reads():
     ["precision.mode=mixed", "precision.compute_dtype=bf16"],  # no loss scaling
     ["optim.name=goyal"],                                      # torch.optim.SGD
 ], ids=["adabound", "lars", "mixed-bf16", "goyal"])
-def test_the_step_reads_only_the_non_finite_flag(sets):
+def test_the_step_reads_only_the_non_finite_flag(sets, job_of_one):
     """One host read per step, the skip decision (a NaN/inf loss on any rank must skip the step on every rank);
     the optimizers, LARS's trust ratios and the schedule read nothing."""
     from hybridtrain.perf.host_syncs import count_host_syncs
@@ -129,7 +129,7 @@ def test_the_step_reads_only_the_non_finite_flag(sets):
     assert count_host_syncs(step, device()) == 1
 
 
-def test_loss_scaling_is_the_one_host_sync_in_the_step():
+def test_loss_scaling_is_the_one_host_sync_in_the_step(job_of_one):
     from hybridtrain.perf.host_syncs import count_host_syncs
     step, _ = built_step(["precision.mode=mixed", "precision.compute_dtype=fp16"])
     step()
@@ -139,7 +139,7 @@ def test_loss_scaling_is_the_one_host_sync_in_the_step():
 # ----------------------------------------------------------------------------- torch.compile
 
 @pytest.mark.parametrize("optimizer, scope", [("hybrid", "blocks"), ("goyal", "model")])
-def test_compiled_steps_give_the_eager_losses(optimizer, scope):
+def test_compiled_steps_give_the_eager_losses(optimizer, scope, job_of_one):
     import torch
     eager_step, eager_model = built_step([f"optim.name={optimizer}"])
     compiled_step, compiled_model = built_step([f"optim.name={optimizer}", "train.compile=true",
@@ -359,7 +359,7 @@ def test_cuda_graphs_without_a_gpu_is_one_line(command, tmp_path):
 @pytest.mark.skipif(not torch_cuda_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("precision", [["precision.mode=fp32"], ["precision.mode=mixed", "precision.compute_dtype=fp16"]],
                          ids=["fp32", "mixed-fp16"])
-def test_graphed_steps_give_the_eager_losses(precision):
+def test_graphed_steps_give_the_eager_losses(precision, job_of_one):
     import torch
     eager_step, eager_model = built_step(precision)
     graphed_step, graphed_model = built_step(precision + ["train.cuda_graphs=true"])

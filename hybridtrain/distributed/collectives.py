@@ -1,33 +1,32 @@
 """The one face of the engines: what ``engine/``, ``models/`` and ``perf/`` call, whichever engine formed the job.
 
-``init`` picks the engine (``distributed.engine``: horovod, torch, or auto from the launcher) and every call after
-it goes to that engine's module (``horovod.py``, ``torch_distributed.py``), which each provide the same functions:
-the collectives (broadcast from rank 0, FP32 all-reduces of statistics, gathers, a barrier) and the step contract
-(``wrap_model`` around the forward, ``wrap_optimizer`` around the update).
+``init`` picks the engine (``distributed.engine``, or auto from the launcher) and every call after it goes to that
+engine's module (``engines.ENGINES``), which provides ``engines.Engine``: the collectives (broadcast from rank 0,
+FP32 all-reduces of statistics, gathers, a barrier) and the step contract (``wrap_model`` around the forward,
+``wrap_optimizer`` around the update). A call before ``init`` is an error naming the call.
 """
 from __future__ import annotations
 
 import hashlib
-import importlib
 
 import torch
 
+from hybridtrain.distributed.engines import Engine, engine_module, peer_failure_signs
 from hybridtrain.distributed.launcher import resolve_engine
 from hybridtrain.distributed.layout import dense_view
 from hybridtrain.distributed.topology import Topology
+from hybridtrain.errors import PEER_FAILURE_SIGNS
 
-MODULES = {"horovod": "hybridtrain.distributed.horovod", "torch": "hybridtrain.distributed.torch_distributed"}
-_active = {"engine": None}
-
-
-def engine_module(name: str):
-    return importlib.import_module(MODULES[name])
+_active: dict[str, Engine | None] = {"engine": None}
 
 
-def backend():
-    """The engine module that formed this process's job (Horovod before any init: a 1-rank job of it)."""
+def backend(call: str) -> Engine:
+    """The engine module that formed this process's job; before any ``init``, an error naming ``call``: there is no
+    job to run it in, and no engine to guess."""
     if _active["engine"] is None:
-        _active["engine"] = engine_module("horovod")
+        raise RuntimeError(f"distributed.{call}() was called before distributed.init(): no engine has formed a job "
+                           f"yet; call init first (a tool or a test alone: init(device='cpu', engine='torch') forms "
+                           f"a job of one)")
     return _active["engine"]
 
 
@@ -35,17 +34,21 @@ def init(threads: int = 0, cfg=None, elastic: bool = False, device: str = "auto"
          engine: str = "auto") -> Topology:
     """Form (or join) the job on ``engine`` (distributed.engine), pin the threads, bind the rank to its device.
     ``cfg``: the config, whose horovod.* and distributed.* limits the engine applies (None: the engine's own)."""
-    module = engine_module(resolve_engine(engine))
+    name = resolve_engine(engine)
+    module = engine_module(name)
     _active["engine"] = module
-    return module.init(threads, cfg, elastic=elastic, device=device)
+    PEER_FAILURE_SIGNS["types"], PEER_FAILURE_SIGNS["words"] = peer_failure_signs(name)
+    topo = module.init(threads, cfg, elastic=elastic, device=device)
+    topo.engine = module.NAME
+    return topo
 
 
 def engine_name() -> str:
-    return backend().NAME
+    return backend("engine_name").NAME
 
 
 def size() -> int:
-    return backend().size()
+    return backend("size").size()
 
 
 # ----------------------------------------------------------------------------- broadcast from rank 0
@@ -54,7 +57,7 @@ def broadcast_model(model: torch.nn.Module) -> None:
     """Rank 0's parameters and buffers to every rank, in place, whatever their memory layout (channels_last
     included: each tensor goes through its dense view, so no copy is made)."""
     views = {name: (t, *dense_view(t)) for name, t in model.state_dict().items()}
-    backend().broadcast_tensors({name: view for name, (_, view, _) in views.items()})
+    backend("broadcast_model").broadcast_tensors({name: view for name, (_, view, _) in views.items()})
     with torch.no_grad():
         for t, view, order in views.values():
             if order == ():  # no dense view existed: the broadcast went to a copy
@@ -75,53 +78,53 @@ def on_cpu(obj):
 def broadcast_object(obj, name: str):
     """Rank 0's ``obj`` on every rank, its tensors on the CPU: a CUDA tensor would be unpickled onto rank 0's GPU
     on every rank."""
-    return backend().broadcast_object(on_cpu(obj), name)
+    return backend("broadcast_object").broadcast_object(on_cpu(obj), name)
 
 
 def allgather_object(obj, name: str) -> list:
     """Every rank's ``obj`` (picklable, on the CPU), in rank order."""
-    return backend().allgather_object(on_cpu(obj), name)
+    return backend("allgather_object").allgather_object(on_cpu(obj), name)
 
 
 # ----------------------------------------------------------------------------- reductions
 
 def allreduce_sum(tensor: torch.Tensor, name: str) -> torch.Tensor:
-    return backend().allreduce(tensor, name)
+    return backend("allreduce_sum").allreduce(tensor, name)
 
 
 def allreduce_mean_fp32(tensors: list[torch.Tensor], name: str) -> list[torch.Tensor]:
     """Average tensors over ranks in FP32 (one fused call), whatever their own dtype."""
     flat = torch.cat([t.detach().float().reshape(-1) for t in tensors])
-    flat = backend().allreduce(flat, name, average=True)
+    flat = backend("allreduce_mean_fp32").allreduce(flat, name, average=True)
     return list(torch.split(flat, [t.numel() for t in tensors]))
 
 
 def allreduce_differentiable(tensor: torch.Tensor) -> torch.Tensor:
     """The sum over ranks inside the autograd graph (cross-rank BatchNorm on CPUs)."""
-    return backend().allreduce_differentiable(tensor)
+    return backend("allreduce_differentiable").allreduce_differentiable(tensor)
 
 
 def allreduce_async(tensor: torch.Tensor, name: str):
     """Start a sum over ranks; ``wait(handle)`` gives it."""
-    return backend().allreduce_async(tensor, name)
+    return backend("allreduce_async").allreduce_async(tensor, name)
 
 
 def wait(handle) -> torch.Tensor:
-    return backend().wait(handle)
+    return backend("wait").wait(handle)
 
 
 def allgather_floats(values: list[float], name: str) -> list[float]:
     """Every rank's ``values`` (as many on every rank), concatenated in rank order."""
-    return backend().allgather(torch.tensor(values, dtype=torch.float64), name).tolist()
+    return backend("allgather_floats").allgather(torch.tensor(values, dtype=torch.float64), name).tolist()
 
 
 def barrier() -> None:
-    backend().barrier()
+    backend("barrier").barrier()
 
 
 def shutdown() -> None:
     """Leave the job after its last collective, on success only (a failed rank must not wait for its peers)."""
-    backend().shutdown()
+    backend("shutdown").shutdown()
 
 
 # ----------------------------------------------------------------------------- digests
@@ -153,23 +156,23 @@ def gather_digests(*states: dict) -> list[str]:
 
 def sync_batch_norm_class() -> type:
     """The engine's cross-rank BatchNorm for GPUs (bn.sync)."""
-    return backend().sync_batch_norm_class()
+    return backend("sync_batch_norm_class").sync_batch_norm_class()
 
 
 def wrap_model(model: torch.nn.Module, cfg, compression: str = "none") -> torch.nn.Module:
     """The module the training step's forward runs: ``model`` itself (Horovod), or DDP around it (torch)."""
-    return backend().wrap_model(model, cfg, compression)
+    return backend("wrap_model").wrap_model(model, cfg, compression)
 
 
 def zero_grad(optimizer) -> None:
     """Clear the gradients before a step as the engine's gradient memory needs: set to None under Horovod (its
     optimizer's zero_grad), zeroed in place under DDP, where each gradient is a view of its all-reduce bucket
     (gradient_as_bucket_view) that a None would make the next backward allocate and copy again (review 3 #12)."""
-    backend().zero_grad(optimizer)
+    backend("zero_grad").zero_grad(optimizer)
 
 
 def wrap_optimizer(optimizer, model: torch.nn.Module, cfg, backward_passes_per_step: int = 1,
                    compression: str = "none"):
     """The optimizer the step updates with: Horovod's DistributedOptimizer (all-reduce hooks, ``synchronize()``
     before the update), or the optimizer itself (DDP reduced in the backward)."""
-    return backend().wrap_optimizer(optimizer, model, cfg, backward_passes_per_step, compression)
+    return backend("wrap_optimizer").wrap_optimizer(optimizer, model, cfg, backward_passes_per_step, compression)

@@ -10,8 +10,9 @@ import sys
 
 import torch
 
+from hybridtrain.distributed.engines import launcher_size
 from hybridtrain.distributed.layout import dense_view, undo_dense_view
-from hybridtrain.distributed.topology import Topology, bind, check_gpu_binding, gpu_id, launcher_size, select_device
+from hybridtrain.distributed.topology import Topology, bind, check_gpu_binding, gpu_id, select_device
 from hybridtrain.errors import UserError, launcher_rank
 
 NAME = "horovod"

@@ -10,6 +10,8 @@ process), else none: a process alone. Torch-free.
 from __future__ import annotations
 
 import os
+import shutil
+import sys
 
 from hybridtrain.errors import SRUN_MARK, TORCHRUN_MARK, UserError
 
@@ -18,6 +20,7 @@ STALE_FIX = "unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR MASTE
 SRUN_HINT = ("export MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1) MASTER_PORT=29500 "
              "before srun (launch/slurm-torch.sbatch does)")
 ALONE = {"rank": 0, "size": 1, "local_rank": 0, "local_size": 1}
+PMI_RANK_VARS = ("PMI_RANK", "PMIX_RANK")  # MPICH's or Intel MPI's mpirun, Open MPI 5; and srun --mpi=pmi2/pmix
 
 
 def under_torchrun(env=None) -> bool:
@@ -27,6 +30,23 @@ def under_torchrun(env=None) -> bool:
 def under_srun(env=None) -> bool:
     env = os.environ if env is None else env
     return SRUN_MARK in env and "SLURM_PROCID" in env
+
+
+def srun_pmi(env) -> bool:
+    """PMI_RANK/PMIX_RANK set by srun itself (MpiDefault=pmix or pmi2, srun --mpi=...): the task's own rank, equal
+    to SLURM_PROCID. They say that srun wired up MPI, not that an MPI launcher started this process: srun can start
+    either engine."""
+    return under_srun(env) and all(env[var] == env["SLURM_PROCID"] for var in PMI_RANK_VARS if var in env)
+
+
+def venv_tool(name: str) -> str:
+    """The path of a console tool (horovodrun, torchrun, hybridtrain) of this Python's environment, else from
+    PATH."""
+    bin_dir = os.path.dirname(sys.executable)
+    found = shutil.which(name, path=bin_dir + os.pathsep + os.environ.get("PATH", ""))
+    if not found:
+        raise UserError(f"{name} is not on PATH: run ./install.sh and use .venv/bin")
+    return found
 
 
 def slurm_tasks_per_node(env) -> int:

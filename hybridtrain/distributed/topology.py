@@ -9,8 +9,6 @@ import torch
 
 from hybridtrain.errors import UserError
 
-SIZE_ENV_VARS = ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")  # horovodrun, Open MPI, MPICH/Intel MPI
-
 
 @dataclass
 class Topology:
@@ -20,7 +18,7 @@ class Topology:
     local_size: int
     peers: tuple = ()  # (host, pid, GPU id) of every rank, to name the one that died and find shared GPUs
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # this rank's (select_device)
-    engine: str = "horovod"  # the engine that formed the job (distributed.engine, resolved)
+    engine: str = ""  # the engine that formed the job (its NAME); "" for a topology made by hand (one process)
 
     @property
     def is_root(self) -> bool:
@@ -82,14 +80,6 @@ def check_gpu_binding(peers: tuple) -> None:
                         f"({torch.cuda.device_count()} visible to each): start at most one rank per GPU on each "
                         f"host, give each rank its own GPU (CUDA_VISIBLE_DEVICES or --gpus-per-task=1), or set "
                         f"train.device=cpu")
-
-
-def launcher_size() -> int:
-    """The number of processes the launcher started (0 when none says so)."""
-    for var in SIZE_ENV_VARS:
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
-    return 0
 
 
 def bind(topo: Topology, threads: int) -> Topology:

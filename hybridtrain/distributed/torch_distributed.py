@@ -16,6 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from hybridtrain.distributed.engines import refuse_elastic
 from hybridtrain.distributed.launch_env import process_env
 from hybridtrain.distributed.topology import Topology, bind, check_gpu_binding, gpu_id, select_device
 from hybridtrain.errors import UserError
@@ -81,9 +82,7 @@ def attempt_store(where: dict, timeout: timedelta):
 def init(threads: int = 0, cfg=None, elastic: bool = False, device: str = "auto") -> Topology:
     """Join (or form) the process group, bind the rank to its device and share (host, pid, GPU) of every rank."""
     if elastic:
-        raise UserError("--elastic is Horovod's elastic training and this job runs the torch engine: use horovodrun "
-                        "--min-np/--max-np with --engine horovod, or drop --elastic and let torchrun --max-restarts "
-                        "rerun the job with --resume auto (docs/elastic.md)")
+        refuse_elastic(NAME)
     where = process_env()
     chosen = select_device(device, where["local_rank"])
     if chosen.type == "cuda":

@@ -100,7 +100,9 @@ def find_max_batch(cfg_for, start: int, margin: float, granularity: int, steps: 
         trials[batch] = run_trial(cfg_for, batch, margin, steps, warmup)
         print(f"hybridtrain: batch {batch}: {'fits' if trials[batch].fits else trials[batch].reason}", flush=True)
         return trials[batch].fits
-    search_max_batch(fits, start, granularity)
+    from hybridtrain.perf.step_bench import job_of_one
+    with job_of_one():
+        search_max_batch(fits, start, granularity)
     return [trials[b] for b in sorted(trials)]
 
 

@@ -166,7 +166,7 @@ def launch(config: str | None, overrides: list[str], n: int, compression: str, s
             os.remove(stale)
     cmd = launch_command(engine, n, [sys.executable, "-m", "hybridtrain.perf.scaling", config or "", compression,
                                      str(steps), str(warmup), record_path, phase, *overrides],
-                         horovod_args=("--timeline-filename", timeline_path) if timeline else ())
+                         launcher_args=("--timeline-filename", timeline_path) if timeline else ())
     print("+ " + " ".join(cmd), flush=True)
     proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if proc.returncode != 0 or not os.path.isfile(record_path):

@@ -22,6 +22,7 @@ optimizer's second phase (SGD + LARS; the schedule starts at epoch T's first ste
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import statistics
@@ -33,6 +34,7 @@ from tqdm import tqdm
 
 from hybridtrain.config import load_config
 from hybridtrain.data.loaders import SYNTHETIC_CLASSES
+from hybridtrain.distributed import collectives as distributed
 from hybridtrain.distributed.topology import cores_per_rank
 from hybridtrain.engine.memory import memory_figures, reset_peak_memory
 from hybridtrain.engine.step import Precision, build_train_step, check_speedups
@@ -71,6 +73,17 @@ def phase_in_use(bundle) -> str | None:
 
 def bench_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+@contextlib.contextmanager
+def job_of_one():
+    """A job of this process alone on the torch engine (no launcher, no port), for the trainer's step: it zeroes the
+    gradients as its engine needs, and a collective needs an engine. The threads are left as they are."""
+    distributed.init(torch.get_num_threads(), device=bench_device().type, engine="torch")
+    try:
+        yield
+    finally:
+        distributed.shutdown()
 
 
 def synchronize(device: torch.device) -> None:
@@ -297,6 +310,13 @@ def bench(config: str | None, overrides: list[str], precisions: list[str], batch
     torch.set_num_threads(threads)
     if torch.cuda.is_available():
         torch.backends.cudnn.benchmark = True
+    with job_of_one():
+        return bench_rows(config, overrides, precisions, batch_sizes, steps, warmup, baseline, profile_dir, threads,
+                          engines, phase)
+
+
+def bench_rows(config, overrides, precisions, batch_sizes, steps, warmup, baseline, profile_dir, threads, engines,
+               phase) -> list[dict]:
     rows = []
     for batch in batch_sizes if batch_sizes else [None]:  # None: the recipe's train.batch_size
         for spec in precisions or [None]:

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from hybridtrain.config import load_config
+from hybridtrain.distributed import collectives as distributed
 from hybridtrain.distributed.collectives import state_digest
 from hybridtrain.models import create_model
 from hybridtrain.models.batchnorm import average_running_statistics, batch_norms, configure_batch_norm
@@ -79,8 +80,7 @@ def check_fp16_overflow() -> dict:
 
 
 def main() -> None:
-    hvd.init()
-    torch.set_num_threads(1)
+    distributed.init(1, device="cpu", engine="horovod")  # the job the collectives run in (one thread per rank)
     combine, out = sys.argv[1], sys.argv[2]
     result = check_fp16_overflow() if combine == "fp16" else check_statistics(combine)
     if hvd.rank() == 0:

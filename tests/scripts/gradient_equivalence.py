@@ -16,7 +16,7 @@ import torch
 
 from hybridtrain.config import load_config
 from hybridtrain.data.sharding import random_split_sizes
-from hybridtrain.distributed.collectives import wrap_optimizer
+from hybridtrain.distributed.collectives import init, wrap_optimizer
 from hybridtrain.engine.epoch import micro_batch_weight
 from hybridtrain.engine.step import Precision, backward_pass, classification_loss
 from hybridtrain.optim import create_optimizer
@@ -91,8 +91,7 @@ def accumulation_run(mode: str) -> dict:
 
 
 def main() -> None:
-    hvd.init()
-    torch.set_num_threads(1)
+    init(1, device="cpu", engine="horovod")  # the job the collectives run in (one thread per rank)
     result = random_split_run() if sys.argv[1] == "random" else accumulation_run(sys.argv[2])
     if hvd.rank() == 0:
         with open(sys.argv[-1], "w") as fh:
