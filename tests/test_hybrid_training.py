@@ -32,6 +32,15 @@ def test_phase_switches_exactly_at_T_times_iterations():
     assert last_warm["lower_bound"] == pytest.approx(0.4) and last_warm["upper_bound"] == pytest.approx(0.4)
 
 
+def test_the_schedule_returns_the_switch_for_the_loop_to_log():
+    # 2 AdaBound epochs of 5 steps: 0-based step 10 is the first SGD step, the one step whose settings come back
+    cfg = load_config(None, ["optim.name=hybrid", "optim.adabound_epochs=2", "train.epochs=3"])
+    bundle = create_optimizer(torch.nn.Linear(2, 2), cfg, 1, 5)
+    changes = {step: bundle.apply_schedule(step) for step in range(15)}
+    assert [step for step, change in changes.items() if change] == [10]
+    assert changes[10]["phase"] == "sgd" and bundle.optimizer.param_groups[0]["phase"] == "sgd"
+
+
 def test_bn_and_bias_excluded_from_lars_and_decay():
     cfg = load_config(None, ["optim.name=hybrid"])
     model = create_model("resnet18", 10)

@@ -80,7 +80,8 @@ def test_fp16_pure_has_no_fp32_parameter_or_optimizer_state_anywhere(job_of_one)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     scaler = LossScaler(policy.loss_scaling, 1024.0, 100, 5)
     precision = Precision(policy, scaler)
-    loss, logits = train_step(EagerStep(model), optimizer, precision, [(torch.randn(4, 3, 16, 16).half(), torch.arange(4), 1.0)])
+    result = train_step(EagerStep(model), optimizer, precision, [(torch.randn(4, 3, 16, 16).half(), torch.arange(4), 1.0)])
+    loss, logits = result.loss, result.logits
     assert logits.dtype == torch.float16 and loss.dtype == torch.float32 and torch.isfinite(loss)
     assert {s["momentum_buffer"].dtype for s in optimizer.state.values()} == {torch.float16}
     assert {b.dtype for b in model.buffers() if b.is_floating_point()} == {torch.float16}

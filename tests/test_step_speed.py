@@ -95,7 +95,7 @@ def built_step(sets: list[str], seed_step: int = 0):
     def step():
         bundle.apply_schedule(counter["step"])
         counter["step"] += 1
-        loss, _ = run_step(bundle.optimizer, precision, [(images, labels, 1.0)])
+        loss = run_step(bundle.optimizer, precision, [(images, labels, 1.0)]).loss
         return loss.detach().clone()
 
     torch.manual_seed(0)

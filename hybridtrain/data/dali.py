@@ -200,8 +200,9 @@ class InFlight:
     has passed its consumer's work keeps the memory out of the pool until then.
 
     Contract: the consumer enqueues its work on a batch before it asks for the batch after next (it reads at most
-    one batch ahead, as ``train_step``'s flag_last does). ``fence()``: an event recorded now on torch's stream,
-    with ``query()`` and ``synchronize()``.
+    one batch ahead), or holds the batch itself until its stream has read it: the training epoch draws a step's k
+    batches at once and drops them after ``train_step``, whose overflow check waits for the passes on the host.
+    ``fence()``: an event recorded now on torch's stream, with ``query()`` and ``synchronize()``.
     """
 
     def __init__(self, fence):

@@ -31,8 +31,8 @@ from hybridtrain.data.loaders import create_loaders
 from hybridtrain.distributed import collectives as distributed
 from hybridtrain.distributed import horovod
 from hybridtrain.engine import checkpoint
-from hybridtrain.engine.epoch import EpochPosition, EpochProgress
-from hybridtrain.engine.loop import end_epoch, finish, run_epoch
+from hybridtrain.engine.epoch import EpochPosition, EpochProgress, EpochResult
+from hybridtrain.engine.loop import end_epoch, epoch_steps, finish, note_step, stall_watchdog
 from hybridtrain.engine.metrics_file import truncate_metrics
 from hybridtrain.engine.records import SampleAudit, audit_path, log_setup
 from hybridtrain.engine.resume import (
@@ -189,17 +189,18 @@ def restore_position(cfg: Config, t: Trainer, loaded: dict, pos: Position) -> No
 
 
 class Committer:
-    """The after-step hook: every ``every`` steps, fold this rank's progress into the position and commit."""
+    """Counts the elastic loop's steps: every ``every`` steps, folds this rank's progress into the position and
+    commits."""
 
     def __init__(self, state: ElasticState, every: int, batch_size: int, run_start: float):
         self.state, self.every, self.batch_size, self.run_start = state, every, batch_size, run_start
         self.segment_start, self.steps = state.position.consumed, 0
 
-    def after_step(self, snapshot) -> bool:
+    def after_step(self, progress) -> None:
+        """``progress()``: this rank's EpochProgress (EpochSteps.progress, a host sync), read only to commit."""
         self.steps += 1
         if self.steps % self.every == 0:
-            self.commit(snapshot())
-        return False  # elastic training never stops an epoch early
+            self.commit(progress())
 
     def commit(self, done: EpochProgress) -> None:
         """Global totals (rank 0 carries the earlier segments' share), the data position, then Horovod's
@@ -221,8 +222,34 @@ def segment_base(pos: Position, topo) -> EpochProgress:
     return carried_progress(pos.totals, pos.train_time_s, pos.skipped_steps, topo.is_root)
 
 
+def train_segment(cfg: Config, t: Trainer, segment: EpochPosition, first_of_process: bool, watchdog,
+                  committer: Committer) -> EpochResult:
+    """An epoch, or its rest, in the elastic loop. After every step but the last, the stall watchdog's beat and
+    the committer's count (a commit every elastic.commit_steps); elastic training never stops an epoch early."""
+    steps, bar = epoch_steps(cfg, t, segment, first_of_process)
+    try:
+        for snap in steps:
+            note_step(t, bar, snap)
+            if not snap.last:
+                watchdog.beat()
+                committer.after_step(steps.progress)
+        return steps.result()
+    finally:
+        if bar:
+            bar.close()
+
+
 def train_elastic(state: ElasticState, cfg: Config, resume: str | None) -> dict | None:
-    """The body that Horovod's elastic loop runs (again after every reset) until training is done."""
+    """The body that Horovod's elastic loop runs (again after every reset) until training is done. Its stall
+    watchdog lives as long as one run of it: not through a reset, where the ranks re-form the job."""
+    watchdog = stall_watchdog(cfg, state.trainer.topo)
+    try:
+        return train_epochs_elastic(state, cfg, resume, watchdog)
+    finally:
+        watchdog.close()
+
+
+def train_epochs_elastic(state: ElasticState, cfg: Config, resume: str | None, watchdog) -> dict | None:
     t = state.trainer
     if not state.position.started:
         start_run(cfg, state, resume)
@@ -237,17 +264,20 @@ def train_elastic(state: ElasticState, cfg: Config, resume: str | None) -> dict 
         committer = Committer(state, cfg.elastic.commit_steps, b, run_start)
         segment = EpochPosition(pos.epoch, resume=segment_base(pos, t.topo), start=pos.consumed,
                                 first_step=step_in_epoch(pos.consumed, t.topo.size, b, t.k))
-        result = run_epoch(cfg, t, segment, first_epoch_of_process, committer.after_step)
+        result = train_segment(cfg, t, segment, first_epoch_of_process, watchdog, committer)
         first_epoch_of_process = False
+        watchdog.beat()
         def save(record, pos=pos):
             truncate_metrics(metrics_path, pos.epoch)  # a rolled-back epoch end may have written it already
             pos.elapsed_s = time.perf_counter() - run_start
             checkpoint.save_checkpoint(save_state(cfg, state, record), cfg.run_dir, pos.epoch + 1,
                                        cfg.train.keep_checkpoints)
         end_epoch(cfg, t, pos.epoch, result, epoch_start, run_start, [], board, save)
+        watchdog.beat()
         t.audit.write(pos.epoch, t.topo)
         state.position = Position(epoch=pos.epoch + 1, elapsed_s=time.perf_counter() - run_start, started=True)
         state.commit()
+    watchdog.pause()
     return finish(cfg, t, board)
 
 

@@ -5,13 +5,13 @@ import contextlib
 import itertools
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from hybridtrain.data.loaders import to_device
 from hybridtrain.distributed import collectives as distributed
-from hybridtrain.engine.step import classification_loss, train_step
+from hybridtrain.engine.step import StepResult, classification_loss, train_step
 from hybridtrain.engine.watchdog import local_work
 from hybridtrain.errors import UserError
 from hybridtrain.models.batchnorm import RunningStatsGuard
@@ -55,12 +55,17 @@ class EpochPosition:
 
 
 @dataclass
-class EpochHooks:
-    """What the loop around an epoch sees of it."""
-    progress: object = None  # .update(loss_sum, seen, passes) after every pass (telemetry.ProgressBar)
-    stop_after_step: Callable | None = None  # (snapshot) -> bool, asked after every step on every rank
-    warmup: int = 0  # the first steps timed apart (warmup_steps)
-    compile_steps: int = 0  # the first steps run as local work for the stall watchdog (compile, autotuning)
+class StepSnapshot:
+    """Where an epoch stands after one of its steps: what the loop shows and decides on. ``loss_sum`` and
+    ``seen`` are the epoch's running device sums: read them before the next step."""
+    index: int  # the step's index within the epoch
+    global_step: int  # the schedule's step (of the whole run)
+    passes: int  # this rank's forward/backward passes of the epoch so far
+    loss_sum: torch.Tensor
+    seen: torch.Tensor
+    last: bool  # the epoch's last step: the epoch-end path follows, nothing is asked after it
+    samples: list  # the sample indices of each of its batches (CPU tensors), for the loop's SampleAudit
+    phase_change: dict | None = None  # the schedule's settings when this step began a new phase (AdaBound -> SGD)
 
 
 @dataclass
@@ -114,67 +119,88 @@ def first_batch_as_local_work(batches):
         yield from batches
 
 
-def train_one_epoch(t: Trainer, position: EpochPosition, hooks: EpochHooks) -> EpochResult:
-    """``t.updates`` optimizer steps of ``t.k`` passes each, from ``position`` (EpochPosition says how a stopped
-    epoch or an elastic segment continues exactly); one all-reduce per step. Left-over batches that cannot fill a
-    step are not trained on. Each step is ``step.train_step`` run by ``t.step`` (eager, compiled or graphed).
-    ``hooks.stop_after_step(snapshot)``: ``snapshot()`` is this rank's EpochProgress (a host sync)."""
-    model, precision, k = t.model, t.precision, t.k
-    model.train()
-    t.data.train.batch_sampler.set_epoch(position.epoch, position.start)
-    device = next(model.parameters()).device
-    done = position.resume or EpochProgress()
-    loss_sum, correct, seen = (torch.tensor(v, dtype=torch.float64, device=device)
-                               for v in (done.loss_sum, done.correct, done.seen))
-    skipped_before = precision.scaler.skipped_steps - done.skipped_steps
-    steps = min(t.updates - position.first_step, len(t.data.train) // k)
-    bn_guard = RunningStatsGuard(model)
-    began = time.perf_counter() - done.train_time_s
-    warmup_end = done.passes // k + hooks.warmup if hooks.warmup else -1  # steps timed apart: compile, autotune
-    warmup_time, warmup_seen = 0.0, torch.zeros((), dtype=torch.float64, device=device)
-    batches = first_batch_as_local_work(itertools.islice(t.data.train, steps * k))  # none beyond the last pass
-    for _ in itertools.islice(batches, done.passes):  # drawn again and skipped: data and augmentation continue
-        pass
+class EpochSteps:
+    """One epoch's training as an iterator of steps: ``for snap in EpochSteps(t, position, warmup, compiling)``
+    runs ``t.updates`` optimizer steps of ``t.k`` passes each from ``position`` (EpochPosition says how a stopped
+    epoch or an elastic segment continues exactly), one all-reduce per step, and yields a StepSnapshot after each;
+    the loop around it shows the progress and decides whether to stop. Left-over batches that cannot fill a step
+    are not trained on. Each step is ``step.train_step`` run by ``t.step`` (eager, compiled or graphed), on the k
+    micro-batches this class draws and moves to the device; the sums (loss, top-1, samples) are kept here.
+    ``warmup``: the first steps timed apart (warmup_steps); ``compiling``: the first steps run as local work for
+    the stall watchdog (compile_steps). After the last step ``result()`` is the epoch's, over all ranks; after
+    a stop, ``stopped()``."""
 
-    def micro_batches():
-        for batch in itertools.islice(batches, k):
-            if t.audit is not None:
-                t.audit.record(batch)
-            images, labels = to_device(batch, device, precision.policy.input_dtype)
-            yield images, labels, micro_batch_weight(labels.numel(), t.batch_size, k)
+    def __init__(self, t: Trainer, position: EpochPosition, warmup: int = 0, compiling: int = 0):
+        self.t, self.position = t, position
+        t.model.train()
+        t.data.train.batch_sampler.set_epoch(position.epoch, position.start)
+        self.device = device = next(t.model.parameters()).device
+        self.done = done = position.resume or EpochProgress()
+        self.loss_sum, self.correct, self.seen = (torch.tensor(v, dtype=torch.float64, device=device)
+                                                  for v in (done.loss_sum, done.correct, done.seen))
+        self.passes, self.skipped = done.passes, done.skipped_steps
+        self.steps = min(t.updates - position.first_step, len(t.data.train) // t.k)
+        self.bn_guard = RunningStatsGuard(t.model)
+        self.began = time.perf_counter() - done.train_time_s
+        self.warmup_end = done.passes // t.k + warmup if warmup else -1  # steps timed apart: compile, autotune
+        self.compiling_end = done.passes // t.k + compiling
+        self.warmup_time, self.warmup_seen = 0.0, torch.zeros((), dtype=torch.float64, device=device)
 
-    def record(loss, logits, labels) -> None:
-        nonlocal loss_sum, correct, seen, passes_done
-        loss_sum += loss * labels.numel()
-        correct += topk_correct(logits, labels, ks=(1,))[0]
-        seen += labels.numel()
-        passes_done += 1
-        if hooks.progress is not None:
-            hooks.progress.update(loss_sum, seen, passes_done)
+    def __iter__(self):
+        t, k, position = self.t, self.t.k, self.position
+        batches = first_batch_as_local_work(itertools.islice(t.data.train, self.steps * k))  # none past the last
+        for _ in itertools.islice(batches, self.done.passes):  # drawn again and skipped: data, augmentation go on
+            pass
+        for i in range(self.done.passes // k, self.steps):
+            global_step = position.epoch * t.updates + position.first_step + i
+            phase_change = t.bundle.apply_schedule(global_step)
+            with local_work("a compiling step") if i < self.compiling_end else contextlib.nullcontext():
+                drawn = list(itertools.islice(batches, k))
+                result = train_step(t.step, t.bundle.optimizer, t.precision, self.on_device(drawn),
+                                    bn_guard=self.bn_guard)
+            self.count(result)
+            if i + 1 == self.warmup_end:
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                self.warmup_time = time.perf_counter() - self.began - self.done.train_time_s
+                self.warmup_seen = self.seen - self.done.seen
+            yield StepSnapshot(i, global_step, self.passes, self.loss_sum, self.seen, i + 1 == self.steps,
+                               [batch[2] for batch in drawn], phase_change)
 
-    passes_done = done.passes
-    compiling_end = done.passes // k + hooks.compile_steps
-    for i in range(done.passes // k, steps):
-        t.bundle.apply_schedule(position.epoch * t.updates + position.first_step + i)
-        with local_work("a compiling step") if i < compiling_end else contextlib.nullcontext():
-            train_step(t.step, t.bundle.optimizer, precision, micro_batches(), on_pass=record, bn_guard=bn_guard)
-        if i + 1 == warmup_end:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            warmup_time, warmup_seen = time.perf_counter() - began - done.train_time_s, seen - done.seen
+    def on_device(self, drawn: list) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
+        """A step's batches on the device, each with its loss weight (micro_batch_weight)."""
+        t, dtype, ready = self.t, self.t.precision.policy.input_dtype, []
+        for batch in drawn:
+            images, labels = to_device(batch, self.device, dtype)
+            ready.append((images, labels, micro_batch_weight(labels.numel(), t.batch_size, t.k)))
+        return ready
 
-        def snapshot(passes_at_step=passes_done):
-            return EpochProgress(passes_at_step, float(loss_sum), float(correct), float(seen),
-                                 time.perf_counter() - began, precision.scaler.skipped_steps - skipped_before)
-        if i + 1 < steps and hooks.stop_after_step is not None and hooks.stop_after_step(snapshot):
-            stopped = snapshot()
-            return EpochResult(float("nan"), float("nan"), 0, stopped.train_time_s, stopped.skipped_steps, stopped)
-    elapsed = time.perf_counter() - began
-    totals = distributed.allreduce_sum(torch.stack([loss_sum, correct, seen, warmup_seen]).cpu(),
-                                       f"train_totals.{position.epoch}")
-    return EpochResult(float(totals[0] / totals[2]), float(totals[1] / totals[2]), int(totals[2]), elapsed,
-                       precision.scaler.skipped_steps - skipped_before, warmup_time_s=warmup_time,
-                       warmup_samples=int(totals[3]))
+    def count(self, result: StepResult) -> None:
+        """A step's passes into the epoch's sums, pass by pass."""
+        for loss, logits, labels in result.passes:
+            self.loss_sum += loss * labels.numel()
+            self.correct += topk_correct(logits, labels, ks=(1,))[0]
+            self.seen += labels.numel()
+            self.passes += 1
+        self.skipped += not result.stepped
+
+    def progress(self) -> EpochProgress:
+        """This rank's progress after the latest step (reads the device): what a mid-epoch checkpoint keeps."""
+        return EpochProgress(self.passes, float(self.loss_sum), float(self.correct), float(self.seen),
+                             time.perf_counter() - self.began, self.skipped)
+
+    def stopped(self) -> EpochResult:
+        """The result of the epoch stopped after the latest step (a preemption)."""
+        done = self.progress()
+        return EpochResult(float("nan"), float("nan"), 0, done.train_time_s, done.skipped_steps, done)
+
+    def result(self) -> EpochResult:
+        """The trained epoch's figures over all ranks (one all-reduce of the sums)."""
+        elapsed = time.perf_counter() - self.began
+        totals = distributed.allreduce_sum(torch.stack([self.loss_sum, self.correct, self.seen, self.warmup_seen])
+                                           .cpu(), f"train_totals.{self.position.epoch}")
+        return EpochResult(float(totals[0] / totals[2]), float(totals[1] / totals[2]), int(totals[2]), elapsed,
+                           self.skipped, warmup_time_s=self.warmup_time, warmup_samples=int(totals[3]))
 
 
 @torch.no_grad()

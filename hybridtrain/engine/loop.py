@@ -14,12 +14,13 @@ from hybridtrain.distributed import collectives as distributed
 from hybridtrain.distributed import failures
 from hybridtrain.engine import checkpoint, rundir
 from hybridtrain.engine.epoch import (
-    EpochHooks,
     EpochPosition,
+    EpochResult,
+    EpochSteps,
+    StepSnapshot,
     compile_steps,
     compiles_in_epoch,
     evaluate,
-    train_one_epoch,
     warmup_steps,
 )
 from hybridtrain.engine.memory import reset_peak_memory
@@ -150,7 +151,7 @@ def train_epochs(cfg: Config, t: Trainer, watch: PreemptionWatch, resume: str | 
     if state:
         complete_pending_record(cfg, t, state, history, board)
     t.audit = SampleAudit(audit_path(cfg))
-    watchdog = StallWatchdog(cfg.distributed.stall_warning_s, cfg.distributed.stall_shutdown_s, topo.rank)
+    watchdog = stall_watchdog(cfg, topo)
     try:
         return train_epoch_range(cfg, t, watch, watchdog, start_epoch, resumed, run_start, history, board, owner)
     finally:
@@ -167,18 +168,51 @@ def resumed_at(position: EpochPosition | None, t: Trainer, start_epoch: int) -> 
             f"batches of {t.topo.size} x {t.batch_size})")
 
 
-def run_epoch(cfg: Config, t: Trainer, position: EpochPosition, first_of_process: bool, after_step):
-    """One epoch's training, as the static and the elastic loop both run it: the progress bar, the peak-memory
-    reset, the batches (``train_one_epoch``), with the compiling epoch's first steps timed apart as warmup."""
+def epoch_steps(cfg: Config, t: Trainer, position: EpochPosition, first_of_process: bool):
+    """One epoch's steps as the static and the elastic loop both run them (``EpochSteps``), after the peak-memory
+    reset, with the compiling epoch's first steps timed apart as warmup; and rank 0's progress bar, or None."""
     bar = ProgressBar(t.updates * t.k, position.epoch, cfg.train.epochs, t.topo.size) \
         if t.topo.is_root and cfg.train.progress else None
     reset_peak_memory(t.topo.device)
     compiles = compiles_in_epoch(position.epoch, first_of_process, cfg.optim)
     warmup = warmup_steps(compiles, t.updates)
-    result = train_one_epoch(t, position, EpochHooks(bar, after_step, warmup, compile_steps(compiles, warmup)))
+    return EpochSteps(t, position, warmup, compile_steps(compiles, warmup)), bar
+
+
+def note_step(t: Trainer, bar: ProgressBar | None, snap: StepSnapshot) -> None:
+    """What both loops do after every step: the samples into the audit (elastic.audit_samples), rank 0's
+    progress bar, and the line of a phase change (the switch to SGD)."""
+    if t.audit.path:
+        t.audit.record(snap.samples)
     if bar:
-        bar.close()
-    return result
+        bar.update(snap.loss_sum, snap.seen, snap.passes)
+    if snap.phase_change:
+        s, step = snap.phase_change, snap.global_step
+        log(t.topo, f"hybridtrain: switching to {s['phase']} at step {step} (epoch {step // t.updates + 1}), "
+                    f"lr {s['lr']:.4g}")
+
+
+def train_epoch(cfg: Config, t: Trainer, position: EpochPosition, first_of_process: bool,
+                watchdog: StallWatchdog, watch: PreemptionWatch) -> EpochResult:
+    """One epoch of the static loop. After every step but the last, the stall watchdog's beat and the preemption
+    check: every rank stops after the same step."""
+    steps, bar = epoch_steps(cfg, t, position, first_of_process)
+    try:
+        for snap in steps:
+            note_step(t, bar, snap)
+            if not snap.last:
+                watchdog.beat()
+                if watch.after_step():
+                    return steps.stopped()
+        return steps.result()
+    finally:
+        if bar:
+            bar.close()
+
+
+def stall_watchdog(cfg: Config, topo) -> StallWatchdog:
+    """This rank's stall watchdog (watchdog.py), for the static and the elastic loop."""
+    return StallWatchdog(cfg.distributed.stall_warning_s, cfg.distributed.stall_shutdown_s, topo.rank)
 
 
 def train_epoch_range(cfg: Config, t: Trainer, watch: PreemptionWatch, watchdog: StallWatchdog, start_epoch: int,
@@ -186,14 +220,10 @@ def train_epoch_range(cfg: Config, t: Trainer, watch: PreemptionWatch, watchdog:
                       owner: rundir.RunDir | None) -> dict | None:
     """Epochs ``start_epoch`` to the end, each followed by the end-of-epoch path; a SIGTERM stops after a step."""
     topo = t.topo
-
-    def after_step(snapshot):
-        watchdog.beat()
-        return watch.after_step(snapshot)
     for epoch in range(start_epoch, cfg.train.epochs):
         epoch_start = time.perf_counter()
         position = resumed if resumed and epoch == start_epoch else EpochPosition(epoch)
-        result = run_epoch(cfg, t, position, epoch == start_epoch, after_step)
+        result = train_epoch(cfg, t, position, epoch == start_epoch, watchdog, watch)
         if result.stopped:
             watch.close()
             t.audit.write(epoch, topo)

@@ -89,9 +89,8 @@ class PreemptionWatch:
                   "rerun the same command with --resume auto", file=sys.stderr, flush=True)
         os._exit(0)
 
-    def after_step(self, snapshot=None) -> bool:
-        """True on every rank at the same step once any rank got SIGTERM (no wait on the critical path).
-        ``snapshot``, the epoch's progress, is not needed here."""
+    def after_step(self) -> bool:
+        """True on every rank at the same step once any rank got SIGTERM (no wait on the critical path)."""
         stop = self._collect()
         self.steps += 1
         if self.steps % self.every == 0:

@@ -83,9 +83,11 @@ class SampleAudit:
     def __init__(self, path: str | None):
         self.path, self.pending = path, []
 
-    def record(self, batch) -> None:
-        if self.path and isinstance(batch, tuple):
-            self.pending.extend(batch[2].tolist())
+    def record(self, samples: list) -> None:
+        """A step's sample indices, one tensor per batch (StepSnapshot.samples)."""
+        if self.path:
+            for indices in samples:
+                self.pending.extend(indices.tolist())
 
     def write(self, epoch: int, topo) -> None:
         if not self.path:

@@ -29,6 +29,7 @@ import contextlib
 import copy
 import os
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -185,7 +186,7 @@ def build_step(model, cfg, precision, batch: tuple[torch.Tensor, torch.Tensor] |
 
 
 def build_train_step(model, cfg, precision, batch: tuple[torch.Tensor, torch.Tensor] | None = None):
-    """``step(optimizer, precision, micro_batches) -> (loss, logits)``: ``train_step`` as the config runs it."""
+    """``step(optimizer, precision, micro_batches) -> StepResult``: ``train_step`` as the config runs it."""
     return partial(train_step, build_step(model, cfg, precision, batch))
 
 
@@ -246,37 +247,42 @@ def backward_pass(model, precision: Precision, images, labels, weight: float = 1
     return loss.detach(), logits.detach()
 
 
-def train_step(step, optimizer, precision: Precision, micro_batches, on_pass=None,
-               bn_guard=None) -> tuple[torch.Tensor, torch.Tensor]:
+@dataclass
+class StepResult:
+    """What one optimizer step returns, for the epoch's bookkeeping: each pass's (loss, logits, labels), detached
+    (a GraphedStep's are its static tensors, valid until its next replay), and whether the update ran."""
+    passes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    stepped: bool  # False: a gradient was not finite; the update was skipped and the BN statistics put back
+
+    @property
+    def loss(self) -> torch.Tensor:
+        """The last pass's loss."""
+        return self.passes[-1][0]
+
+    @property
+    def logits(self) -> torch.Tensor:
+        """The last pass's logits."""
+        return self.passes[-1][1]
+
+
+def train_step(step, optimizer, precision: Precision, micro_batches: Sequence, bn_guard=None) -> StepResult:
     """One optimizer step however ``step`` runs forward and backward (EagerStep, compiled, or GraphedStep), as
     ``train``, ``bench``, ``scale`` and the tests run it: zero the gradients; a forward and scaled backward of each
-    ``(images, labels, weight)`` in ``micro_batches`` (the gradients accumulate; Horovod all-reduces once, as its
-    backward_passes_per_step says); unscale; the update unless the gradients overflowed, in which case
-    ``bn_guard`` (a RunningStatsGuard) puts back the BN running statistics the skipped passes changed.
-    ``on_pass(loss, logits, labels)`` after each pass. Returns the last pass's (loss, logits)."""
+    ``(images, labels, weight)`` in ``micro_batches``, already on the device (the gradients accumulate; Horovod
+    all-reduces once, as its backward_passes_per_step says); unscale; the update unless the gradients overflowed,
+    in which case ``bn_guard`` (a RunningStatsGuard) puts back the BN running statistics the skipped passes changed.
+    The update's overflow check reads the device, so the passes have read every batch when this returns."""
     distributed.zero_grad(optimizer)  # as the engine's gradient memory needs (DDP's bucket views: in place)
     if bn_guard is not None:
         bn_guard.save()
-    for (images, labels, weight), last in flag_last(micro_batches):
-        loss, logits = step.backward_pass(precision, images, labels, weight, sync=last)
-        if on_pass is not None:
-            on_pass(loss, logits, labels)
-    if not precision.scaler.step(optimizer) and bn_guard is not None:  # Horovod's synchronize, unscale, update
+    passes = []
+    for j, (images, labels, weight) in enumerate(micro_batches):
+        loss, logits = step.backward_pass(precision, images, labels, weight, sync=j == len(micro_batches) - 1)
+        passes.append((loss, logits, labels))
+    stepped = precision.scaler.step(optimizer)  # Horovod's synchronize, unscale, update
+    if not stepped and bn_guard is not None:
         bn_guard.restore()
-    return loss, logits
-
-
-def flag_last(items):
-    """(item, whether it is the last) for each item, reading one ahead."""
-    items = iter(items)
-    current = next(items, _END)
-    while current is not _END:
-        following = next(items, _END)
-        yield current, following is _END
-        current = following
-
-
-_END = object()
+    return StepResult(passes, stepped)
 
 
 class EagerStep:

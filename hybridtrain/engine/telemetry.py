@@ -28,10 +28,13 @@ class ProgressBar:
                             dynamic_ncols=True)
 
     def update(self, loss_sum, seen, steps: int) -> None:
+        """After a step: ``steps`` of the epoch's ``total`` passes are done; ``loss_sum`` and ``seen`` are its sums
+        so far (device tensors, read only for a line or the bar's loss every ``every`` passes)."""
         now = time.perf_counter()
         if self.bar is not None:
-            self.bar.update(1)
-            if steps % self.every == 0:
+            before = self.bar.n
+            self.bar.update(steps - before)
+            if steps // self.every != before // self.every:
                 self.bar.set_postfix(loss=f"{float(loss_sum / seen):.4f}", img_s=f"{self.rate(seen, now):.0f}")
         elif now - self.last_line >= self.interval_s and steps < self.total:
             self.last_line = now

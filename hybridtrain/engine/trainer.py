@@ -97,10 +97,8 @@ def build_trainer(cfg: Config, topo) -> Trainer:
         data.start()
     # Wrap first: Horovod rebuilds the optimizer from its param_groups, so state loaded before would be lost.
     bundle.optimizer = distributed.wrap_optimizer(bundle.optimizer, model, cfg, k, compression)
-    t = Trainer(topo, data, model, precision, bundle, updates, k, cfg.train.batch_size, step, compression, fp32_math)
-    bundle.on_phase_change = lambda step, s: log(t.topo, f"hybridtrain: switching to {s['phase']} at step {step} "
-                                                         f"(epoch {step // t.updates + 1}), lr {s['lr']:.4g}")
-    return t
+    return Trainer(topo, data, model, precision, bundle, updates, k, cfg.train.batch_size, step, compression,
+                   fp32_math)
 
 
 def use_deterministic_algorithms() -> None:

@@ -41,7 +41,7 @@ _ACTIVE: list = []  # the process's running StallWatchdog (at most one), for loc
 @contextlib.contextmanager
 def local_work(what: str):
     """Work of this rank's own that may outlast ``stall_shutdown_s``: not a stall (see the module's docstring).
-    Without a running watchdog (elastic training, tools) it does nothing."""
+    Without a running watchdog (tools, benchmarks) it does nothing."""
     if not _ACTIVE:
         yield
         return

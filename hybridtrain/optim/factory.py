@@ -89,19 +89,18 @@ def optimizer_spec(o) -> Spec:
 class OptimizerBundle:
     optimizer: torch.optim.Optimizer
     schedule: Callable[[int], dict]
-    on_phase_change: Callable[[int, dict], None] | None = None
 
-    def apply_schedule(self, step: int) -> dict:
+    def apply_schedule(self, step: int) -> dict | None:
         """Write the schedule's values of ``step`` into every param group, unchecked: `check_schedule` checked
-        the schedule once, so neither this nor the optimizer's ``step()`` checks them at every step."""
+        the schedule once, so neither this nor the optimizer's ``step()`` checks them at every step. Returns them
+        when ``step`` (past the first) begins a new phase, the hybrid optimizer's switch to SGD, for the caller to
+        say so; else None."""
         settings = self.schedule(step)
         groups = self.optimizer.param_groups
         previous = groups[0].get("phase")
         for group in groups:
             group.update(settings)
-        if self.on_phase_change and "phase" in settings and previous != settings["phase"] and step > 0:
-            self.on_phase_change(step, settings)
-        return settings
+        return settings if "phase" in settings and previous != settings["phase"] and step > 0 else None
 
     def check_schedule(self, steps) -> None:
         """The schedule's values at ``steps`` by the optimizer's rules (one ValueError line for a bad one). The

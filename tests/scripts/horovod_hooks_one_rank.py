@@ -50,7 +50,7 @@ def train(sets: list[str], device: torch.device, horovod: bool):
     losses, layouts_kept = [], True
     for i in range(3):
         bundle.apply_schedule(i)
-        loss, _ = step(bundle.optimizer, precision, [(images, labels, 1.0)])
+        loss = step(bundle.optimizer, precision, [(images, labels, 1.0)]).loss
         losses.append(float(loss))
         layouts_kept &= all(p.grad is None or p.grad.stride() == p.stride() for p in model.parameters())
     return losses, [p.detach().cpu().clone() for p in model.parameters()], layouts_kept

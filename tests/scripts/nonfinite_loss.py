@@ -46,7 +46,7 @@ def main(out: str) -> None:
         labels = torch.randint(10, (4,), generator=generator)
         before = precision.scaler.skipped_steps
         try:
-            loss, _ = train_step(EagerStep(model), optimizer, precision, [(images, labels, 1.0)])
+            loss = train_step(EagerStep(model), optimizer, precision, [(images, labels, 1.0)]).loss
         except UserError as exc:
             stopped = {"step": step, "error": str(exc)}
             break
