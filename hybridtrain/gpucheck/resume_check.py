@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 
+from hybridtrain.distributed.engines import ENGINES
 from hybridtrain.distributed.launcher import launch_command
 
 RESUME_AFTER = 1
@@ -62,7 +63,7 @@ def compare(straight: str, resumed: str) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="resume_check")
     parser.add_argument("--out", required=True)
-    parser.add_argument("--engine", choices=("horovod", "torch"), default="torch")
+    parser.add_argument("--engine", choices=tuple(ENGINES), default="torch")
     parser.add_argument("--config", required=True)
     parser.add_argument("--set", action="append", default=[])
     args = parser.parse_args(argv)
