@@ -315,10 +315,13 @@ def test_a_moved_key_under_its_old_name_gives_the_same_value_and_one_warning(tmp
     assert moved_warnings(capsys.readouterr().err) == []
 
 
-def test_a_set_of_the_old_name_overrides_the_recipes_new_one(tmp_path, capsys):
-    recipe = tmp_path / "new.yaml"
-    recipe.write_text(yaml.safe_dump({"distributed": {"stall_shutdown_s": 300}}))
-    cfg = load_config(str(recipe), ["horovod.stall_shutdown_s=120"])
+def test_a_set_of_either_name_overrides_the_recipes_other_name(tmp_path, capsys):
+    new_recipe, old_recipe = tmp_path / "new.yaml", tmp_path / "old.yaml"
+    new_recipe.write_text(yaml.safe_dump({"distributed": {"stall_shutdown_s": 300}}))
+    old_recipe.write_text(yaml.safe_dump({"horovod": {"stall_shutdown_s": 300}}))
+    cfg = load_config(str(new_recipe), ["horovod.stall_shutdown_s=120"])
+    assert cfg.distributed.stall_shutdown_s == 120 and len(moved_warnings(capsys.readouterr().err)) == 1
+    cfg = load_config(str(old_recipe), ["distributed.stall_shutdown_s=120"])
     assert cfg.distributed.stall_shutdown_s == 120 and len(moved_warnings(capsys.readouterr().err)) == 1
 
 

@@ -247,10 +247,10 @@ def load_config(path: str | None = None, overrides: list[str] | None = None, for
     check the path keys that command uses on this machine (:func:`check_paths`)."""
     moved: list[tuple[str, str]] = []
     tree = move_renamed_keys(read_yaml(path), f"in {printable(path)}", moved) if path else {}
-    by_new_name: set[str] = set()
+    by_name: dict[str, set[str]] = {"old": set(), "new": set()}  # --set keys of MOVED_KEYS, by the name given
     for text in overrides or []:
         key_path, value = parse_override(text)
-        key_path = _current_name(key_path, moved, by_new_name)
+        key_path = _current_name(key_path, moved, by_name)
         _apply_override(tree, key_path, _as_written(key_path, value, text))
     tree = move_renamed_keys(tree, "by --set", moved)
     warn_moved(moved)
@@ -304,18 +304,16 @@ def move_renamed_keys(tree: dict, where: str, moved: list[tuple[str, str]]) -> d
     return tree
 
 
-def _current_name(key_path: list[str], moved: list[tuple[str, str]], by_new_name: set[str]) -> list[str]:
+def _current_name(key_path: list[str], moved: list[tuple[str, str]], by_name: dict[str, set[str]]) -> list[str]:
     """A --set key under its current name (an old one added to ``moved``); one line when the old and the new
-    name of one key are both given."""
+    name of one key are both given by --set (a --set of either name overrides the recipe's)."""
     dotted = ".".join(key_path)
     new = MOVED_KEYS.get(dotted)
     if new:
         moved.append((dotted, new))
-    else:
-        by_new_name.add(dotted)
-    for old, renamed in moved:
-        if renamed in by_new_name:
-            raise both_names(old, renamed, "by --set")
+    by_name["old" if new else "new"].add(new or dotted)
+    for clash in by_name["old"] & by_name["new"]:
+        raise both_names(next(old for old, renamed in MOVED_KEYS.items() if renamed == clash), clash, "by --set")
     return new.split(".") if new else key_path
 
 
