@@ -59,9 +59,10 @@ def on_host(host: str, code: str, *args: str) -> subprocess.Popen:
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def failed(host: str, proc: subprocess.Popen, what: str) -> UserError:
+def failed(host: str, proc: subprocess.Popen, what: str, stderr: str | None = None) -> UserError:
+    """One line for a probe process that failed (killed first; ``stderr``: what communicate() read of it)."""
     proc.kill()
-    err = (proc.stderr.read() if proc.stderr else "").strip().splitlines()
+    err = (proc.stderr.read() if stderr is None else stderr).strip().splitlines()
     return UserError(f"link probe: {what} on {host} failed ({err[-1] if err else 'no output'}): check that "
                      f"'ssh {host}' works without a password and that {sys.executable} exists there")
 
@@ -78,12 +79,12 @@ def transfer(sender: str, receiver: str, megabytes: int) -> dict:
         if send.returncode:  # no connection: the receiver would wait for one until its timeout
             recv.kill()
             raise failed(sender, send, f"the sender to {receiver}")
-        out, _ = recv.communicate(timeout=TIMEOUT_S)
+        out, err = recv.communicate(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
         recv.kill()
         raise failed(sender, send, f"a transfer to {receiver} (over {TIMEOUT_S} s)") from None
     if recv.returncode or len(out.split()) != 2:
-        raise failed(receiver, recv, f"the receiver of {sender}'s transfer")
+        raise failed(receiver, recv, f"the receiver of {sender}'s transfer", err)
     counted, seconds = int(out.split()[0]), float(out.split()[1])
     return {"from": sender, "to": receiver, "bytes": counted, "seconds": seconds,
             "bits_per_s": 8 * counted / max(seconds, 1e-9)}
