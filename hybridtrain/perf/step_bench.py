@@ -78,8 +78,9 @@ def bench_device() -> torch.device:
 @contextlib.contextmanager
 def job_of_one():
     """A job of this process alone on the torch engine (no launcher, no port), for the trainer's step: it zeroes the
-    gradients as its engine needs, and a collective needs an engine. The threads are left as they are."""
-    distributed.init(torch.get_num_threads(), device=bench_device().type, engine="torch")
+    gradients as its engine needs, and a collective needs an engine. Its group is Gloo's on the CPU (the step calls
+    no collective, and a GPU keeps the memory an NCCL communicator would take); the threads are left as they are."""
+    distributed.init(torch.get_num_threads(), device="cpu", engine="torch")
     try:
         yield
     finally:
