@@ -8,8 +8,8 @@ say its launcher started this process, and the words its runtime uses when a pee
 
 A new engine is one module providing ``Engine`` plus one ``EngineSpec``: in ``ENGINES`` for an engine of the package,
 or, from outside it, in a module named by ``HYBRIDTRAIN_ENGINE_PLUGINS`` (comma-separated module names, each
-defining ``ENGINE_SPEC``). The config's ``distributed.engine`` choices list the package's engines (config.py imports
-no package module; tests/test_engines.py holds the two lists equal).
+defining ``ENGINE_SPEC``). The config's ``distributed.engine`` choices list the package's engines (config/ imports
+no engine module; tests/test_engines.py holds the two lists equal).
 
 Torch-free: the CLI and the launcher checks read it before torch is imported.
 """
