@@ -51,7 +51,8 @@ FILE_WEIGHTS = {
     "test_bad_input_round2.py": 120,  # ~25 one-rank processes, 2 trainings
     "test_launch.py": 100,  # 107 tests: launch scripts' dry runs (bash), 2 one-rank launches
     "test_prepare_imagenet.py": 95,  # 2 two-rank launches (shards: DALI, torchvision), ~6 prepare-data processes
-    "test_multihost.py": 90,  # a 2-host netns cluster: up/down, horovodrun over ssh with a cut link, torchrun per host
+    "test_multihost.py": 180,  # a 3-host netns cluster: up/down, horovodrun over ssh with a cut link, torchrun per
+    # host, a 3-rank run beside a 10x slower link and its probe, then scale --cluster 2 on a cluster of its own
     "test_bad_input_round3_launch.py": 60,  # ~6 torchrun launches (a restart, pmix sbatch, preemption), 9 refusals
     "test_bad_input_round3_run.py": 50,  # one 2-rank run stopped and resumed on 1 rank, the real watchdog
     "test_bad_input_round3_nodes.py": 45,  # install.sh --plan with stand-in nvidia-smi, train in a small /dev/shm
