@@ -17,7 +17,8 @@ import torch
 import yaml
 from conftest import HYBRIDTRAIN, REPO, assert_one_error_line, env_with_venv, read_metrics, tiny_config
 
-from hybridtrain.engine.checkpoint import checksum_path, file_sha256, load_checkpoint, save_checkpoint, verify_checksum
+from hybridtrain.engine.checkpoint import file_sha256, load_checkpoint, save_checkpoint, verify_checksum
+from hybridtrain.engine.rundir import checksum_path
 
 FILE_SIZE_LIMIT = 32 << 20  # below a resnet18 checkpoint (~90 MB), above what MPI's startup writes
 

@@ -3,14 +3,14 @@
 On disk, ``checkpoint-epochNNNN.pt`` is a plain ``torch.save`` file whose state holds the config fingerprint,
 and ``checkpoint-epochNNNN.pt.sha256`` holds its SHA-256 as a ``sha256sum`` line (``sha256sum -c`` checks it).
 A save hashes the bytes as they are written to a temp file and fsyncs it, then writes and fsyncs the sidecar.
-Only then is the temp file renamed into place. Older checkpoints are pruned after the new one is durable.
+Only then is the temp file renamed into place. Older checkpoints are pruned after the new one is durable;
+which names are checkpoints, and which of them the run wrote, is rundir.py's.
 Loading checks the SHA-256 before anything is unpickled, then uses ``torch.load(weights_only=True)``:
 tensors and plain data only, so a planted pickle cannot run code. A checkpoint that fails either check is
 named and skipped for the previous one.
 """
 from __future__ import annotations
 
-import glob
 import hashlib
 import os
 import pickle
@@ -20,65 +20,16 @@ import warnings
 
 import torch
 
+from hybridtrain.engine import rundir
 from hybridtrain.errors import UserError
 from hybridtrain.optim.optimizers import RUN_CHOICE_KEYS
 
-PATTERN = "checkpoint-epoch{epoch:04d}.pt"
-STOPPED_PATTERN = "checkpoint-epoch{epoch:04d}-step{step:06d}.pt"  # a preempted epoch, after ``step`` steps
-EPOCH_RE = re.compile(r"checkpoint-epoch(\d+)(?:-step(\d+))?\.pt$")
-NAME_RE = re.compile(r"checkpoint-epoch\d+(?:-step\d+)?\.pt")  # the whole name of a checkpoint this code writes
-TEMP_RE = re.compile(r"(?:checkpoint-epoch\d+(?:-step\d+)?\.pt(?:\.sha256)?|run\.json)\.tmp-\d+")  # a save's temp
-WHOLE_EPOCH = 1 << 30  # sorts a finished epoch after every stopped checkpoint of the same epoch
-CHECKSUM_SUFFIX = ".sha256"
-MARKER_NAME = "run.json"
 SHA256SUM_LINE = re.compile(r"^([0-9a-f]{64}) [ *](.+)$")
-
-
-def checksum_path(path: str) -> str:
-    return path + CHECKSUM_SUFFIX
-
-
-def is_own_name(name: str) -> bool:
-    """True for a bare checkpoint file name this code writes (never a path: run.json's names are data)."""
-    return isinstance(name, str) and NAME_RE.fullmatch(name) is not None
-
-
-def is_run_file_name(name: str) -> bool:
-    """A checkpoint's name, its sidecar's, or a save's temp file's: the checkpoint-epoch* files a run writes."""
-    base = name[:-len(CHECKSUM_SUFFIX)] if name.endswith(CHECKSUM_SUFFIX) else name
-    return is_own_name(base) or TEMP_RE.fullmatch(name) is not None
-
-
-def is_plain_file(path: str) -> bool:
-    """A regular file that is not a symbolic link: the only kind of file a run replaces or removes."""
-    return os.path.isfile(path) and not os.path.islink(path)
-
-
-def refuse_unless_plain(path: str) -> None:
-    """One line when ``path`` exists as a symbolic link, a folder or another non-file: a run never writes through
-    or removes what is not its own plain file."""
-    if os.path.lexists(path) and not is_plain_file(path):
-        kind = ("a symbolic link" + ("" if os.path.exists(path) else " that points nowhere")
-                if os.path.islink(path) else "a folder" if os.path.isdir(path) else "not a regular file")
-        raise UserError(f"{path} is {kind}, where the run keeps its own file: hybridtrain never writes through or "
-                        f"removes it: move it out of the run_dir, or choose another run_dir", same_on_all_ranks=False)
 
 
 def _create_new(path: str, mode: str):
     """A new file at ``path``: never follows a symbolic link, never opens an existing file."""
     return open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644), mode)
-
-
-def remove_stale_temp_files(directory: str) -> list[str]:
-    """Remove the temp files of saves that were killed mid-write (plain files named as a save names them); only
-    the holder of the run_dir's lock calls this, so no save of this run is under way. Returns their names."""
-    removed = []
-    for name in sorted(os.listdir(directory)):
-        path = os.path.join(directory, name)
-        if TEMP_RE.fullmatch(name) and is_plain_file(path):
-            os.remove(path)
-            removed.append(name)
-    return removed
 
 
 def _fsync_dir(path: str) -> None:
@@ -133,7 +84,7 @@ def _write_checksum(path: str, digest: str, tmp: str) -> None:
     with _create_new(tmp, "w") as fh:
         fh.write(f"{digest}  {os.path.basename(path)}\n")
         _fsync(fh)
-    os.replace(tmp, checksum_path(path))
+    os.replace(tmp, rundir.checksum_path(path))
 
 
 def atomic_save(obj, path: str) -> None:
@@ -142,9 +93,9 @@ def atomic_save(obj, path: str) -> None:
     A failed write (full disk, file-size limit) removes the temp files and leaves an older checkpoint intact.
     """
     directory = os.path.dirname(os.path.abspath(path))
-    tmp, tmp_sum = f"{path}.tmp-{os.getpid()}", f"{checksum_path(path)}.tmp-{os.getpid()}"
-    for own in (path, checksum_path(path), tmp, tmp_sum):
-        refuse_unless_plain(own)
+    tmp, tmp_sum = f"{path}.tmp-{os.getpid()}", f"{rundir.checksum_path(path)}.tmp-{os.getpid()}"
+    for own in (path, rundir.checksum_path(path), tmp, tmp_sum):
+        rundir.refuse_unless_plain(own)
     for leftover in (tmp, tmp_sum):  # a save of an earlier process with this pid, killed mid-write
         if os.path.lexists(leftover):
             os.remove(leftover)
@@ -156,71 +107,22 @@ def atomic_save(obj, path: str) -> None:
         _fsync_dir(directory)
     except OSError as exc:
         for leftover in (tmp, tmp_sum):
-            if is_plain_file(leftover):
+            if rundir.is_plain_file(leftover):
                 os.remove(leftover)
         raise UserError(f"could not write checkpoint {path} ({exc.strerror or exc}): free disk space or "
                         f"choose another run_dir; the previous checkpoint is intact", same_on_all_ranks=False) from None
 
 
-def list_checkpoints(directory: str) -> list[tuple[tuple[int, int], str]]:
-    """((epoch, step), path), oldest first; a finished epoch's step is WHOLE_EPOCH."""
-    found = []
-    for path in glob.glob(os.path.join(glob.escape(directory), "checkpoint-epoch*.pt")):
-        m = EPOCH_RE.search(path)
-        if m and is_own_name(os.path.basename(path)):
-            found.append(((int(m.group(1)), int(m.group(2)) if m.group(2) else WHOLE_EPOCH), path))
-    return sorted(found)
-
-
-def _prune(directory: str, keep: int) -> None:
-    """Remove all but the newest ``keep`` checkpoints, their sidecars, orphaned sidecars and the temp files
-    a killed save left behind."""
-    for _, old in list_checkpoints(directory)[:-keep]:
-        for path in (old, checksum_path(old)):
-            if is_plain_file(path):
-                os.remove(path)
-    remove_stale_temp_files(directory)
-    for sidecar in glob.glob(os.path.join(glob.escape(directory), f"checkpoint-epoch*.pt{CHECKSUM_SUFFIX}")):
-        if (is_own_name(os.path.basename(sidecar)[:-len(CHECKSUM_SUFFIX)]) and is_plain_file(sidecar)
-                and not os.path.lexists(sidecar[:-len(CHECKSUM_SUFFIX)])):
-            os.remove(sidecar)
-
-
-def _prune_owned(owner, keep: int) -> None:
-    """Remove all but the newest ``keep`` of the checkpoints this run wrote (``owner``: rundir.RunDir); files
-    of other runs or of the user are never considered. The names come from run.json, so they are data: only a bare
-    checkpoint name (no folder) is ever joined to run_dir, and only a plain file (no link, no folder) removed."""
-    ordered = sorted((n for n in owner.checkpoints() if is_own_name(n)), key=lambda n: _order(EPOCH_RE.search(n)))
-    for name in [n for n in owner.checkpoints() if not is_own_name(n)]:
-        print(f"hybridtrain: warning: {os.path.join(owner.path, MARKER_NAME)} lists {name!r}, which is not a "
-              f"checkpoint name of this run: ignored (nothing outside the run's own files is removed)",
-              file=sys.stderr)
-        owner.forget_checkpoint(name)
-    for name in ordered[:-keep]:
-        for path in (os.path.join(owner.path, name), checksum_path(os.path.join(owner.path, name))):
-            if is_plain_file(path):
-                os.remove(path)
-        owner.forget_checkpoint(name)
-
-
-def _order(match) -> tuple[int, int]:
-    return (int(match.group(1)), int(match.group(2)) if match.group(2) else WHOLE_EPOCH) if match else (0, 0)
-
-
 def save_checkpoint(state: dict, directory: str, epoch: int, keep: int, step: int | None = None,
-                    owner=None) -> str:
+                    owner: rundir.RunDir | None = None) -> str:
     """Write the epoch's checkpoint (a stopped one when ``step`` is given), then prune old ones (only after
     the new one is durable): those ``owner`` (the run's rundir.RunDir) wrote, or without one every checkpoint
-    in ``directory``."""
+    in ``directory`` (rundir.keep_newest)."""
     os.makedirs(directory, exist_ok=True)
-    name = PATTERN.format(epoch=epoch) if step is None else STOPPED_PATTERN.format(epoch=epoch, step=step)
+    name = rundir.checkpoint_name(epoch, step)
     path = os.path.join(directory, name)
     atomic_save(state, path)
-    if owner is None:
-        _prune(directory, keep)
-    else:
-        owner.add_checkpoint(name)
-        _prune_owned(owner, keep)
+    rundir.keep_newest(directory, name, keep, owner)
     return path
 
 
@@ -234,7 +136,7 @@ def file_sha256(path: str) -> str:
 
 def verify_checksum(path: str) -> bool:
     """True when ``path`` matches its sidecar, False when it has none; ValueError when it does not match."""
-    sidecar = checksum_path(path)
+    sidecar = rundir.checksum_path(path)
     if not os.path.exists(sidecar):
         return False
     with open(sidecar, "rb") as fh:
@@ -258,7 +160,7 @@ def _refusal(exc: pickle.UnpicklingError) -> str:
 def load_checkpoint(path: str) -> dict:
     """The verified, weights-only state of ``path``; ValueError saying why when it is unusable."""
     if not verify_checksum(path):
-        print(f"hybridtrain: warning: {path} has no {os.path.basename(checksum_path(path))}: its integrity "
+        print(f"hybridtrain: warning: {path} has no {os.path.basename(rundir.checksum_path(path))}: its integrity "
               f"cannot be verified (copy the .sha256 file along with a checkpoint)", file=sys.stderr)
     try:
         with warnings.catch_warnings():
@@ -277,7 +179,7 @@ def load_checkpoint(path: str) -> dict:
 
 def load_latest(directory: str) -> dict:
     """The newest checkpoint that verifies and loads; the others are named and skipped."""
-    candidates = list_checkpoints(directory)
+    candidates = rundir.list_checkpoints(directory)
     if not candidates:
         raise UserError(f"--resume: no checkpoint in {directory}: run without --resume to start fresh")
     reasons = []

@@ -1,5 +1,7 @@
-"""A run owns its ``run_dir``: an exclusive lock while it trains, a marker naming the run, and a refusal to start
-fresh over another run's files.
+"""What a run's folder holds, in one module: which names are the run's (``RUN_FILES``, the checkpoint names), which
+are checkpoints (``list_checkpoints``), which temp files are stale, and the run's hold on the folder. A run owns its
+``run_dir``: an exclusive lock while it trains, a marker naming the run, and a refusal to start fresh over another
+run's files. (checkpoint.py is what a checkpoint file holds: its bytes, checksum and loading.)
 
 - ``run.json`` names the run (``run_id``) and lists the checkpoints it wrote; pruning removes only those.
 - ``.lock`` is held with ``flock`` by rank 0 for the whole run. The kernel drops it when the process dies, so
@@ -14,22 +16,132 @@ import fcntl
 import glob
 import json
 import os
+import re
 import socket
+import sys
 import time
 import uuid
 
 from hybridtrain.config import check_run_dir
-from hybridtrain.engine.checkpoint import (
-    is_own_name,
-    is_run_file_name,
-    list_checkpoints,
-    refuse_unless_plain,
-    remove_stale_temp_files,
-)
 from hybridtrain.errors import UserError, environment_fault
+from hybridtrain.outputs import write_json_atomically
 
 MARKER = "run.json"
 LOCK = ".lock"
+PATTERN = "checkpoint-epoch{epoch:04d}.pt"
+STOPPED_PATTERN = "checkpoint-epoch{epoch:04d}-step{step:06d}.pt"  # a preempted epoch, after ``step`` steps
+EPOCH_RE = re.compile(r"checkpoint-epoch(\d+)(?:-step(\d+))?\.pt$")
+NAME_RE = re.compile(r"checkpoint-epoch\d+(?:-step\d+)?\.pt")  # the whole name of a checkpoint this code writes
+# a save's temp file: a checkpoint's or its sidecar's (atomic_save), run.json's (outputs.write_json_atomically;
+# older versions named it run.json.tmp-PID)
+TEMP_RE = re.compile(r"(?:checkpoint-epoch\d+(?:-step\d+)?\.pt(?:\.sha256)?|run\.json)\.tmp-\d+"
+                     r"|\.run\.json\.\w{8}\.json")
+WHOLE_EPOCH = 1 << 30  # sorts a finished epoch after every stopped checkpoint of the same epoch
+CHECKSUM_SUFFIX = ".sha256"
+
+
+def checksum_path(path: str) -> str:
+    return path + CHECKSUM_SUFFIX
+
+
+def checkpoint_name(epoch: int, step: int | None = None) -> str:
+    """The name of epoch ``epoch``'s checkpoint, or of a stopped one after ``step`` steps of it."""
+    return PATTERN.format(epoch=epoch) if step is None else STOPPED_PATTERN.format(epoch=epoch, step=step)
+
+
+def is_own_name(name: str) -> bool:
+    """True for a bare checkpoint file name this code writes (never a path: run.json's names are data)."""
+    return isinstance(name, str) and NAME_RE.fullmatch(name) is not None
+
+
+def is_run_file_name(name: str) -> bool:
+    """A checkpoint's name, its sidecar's, or a save's temp file's: the checkpoint-epoch* files a run writes."""
+    base = name[:-len(CHECKSUM_SUFFIX)] if name.endswith(CHECKSUM_SUFFIX) else name
+    return is_own_name(base) or TEMP_RE.fullmatch(name) is not None
+
+
+def is_plain_file(path: str) -> bool:
+    """A regular file that is not a symbolic link: the only kind of file a run replaces or removes."""
+    return os.path.isfile(path) and not os.path.islink(path)
+
+
+def refuse_unless_plain(path: str) -> None:
+    """One line when ``path`` exists as a symbolic link, a folder or another non-file: a run never writes through
+    or removes what is not its own plain file."""
+    if os.path.lexists(path) and not is_plain_file(path):
+        kind = ("a symbolic link" + ("" if os.path.exists(path) else " that points nowhere")
+                if os.path.islink(path) else "a folder" if os.path.isdir(path) else "not a regular file")
+        raise UserError(f"{path} is {kind}, where the run keeps its own file: hybridtrain never writes through or "
+                        f"removes it: move it out of the run_dir, or choose another run_dir", same_on_all_ranks=False)
+
+
+def list_checkpoints(directory: str) -> list[tuple[tuple[int, int], str]]:
+    """((epoch, step), path), oldest first; a finished epoch's step is WHOLE_EPOCH."""
+    found = []
+    for path in glob.glob(os.path.join(glob.escape(directory), "checkpoint-epoch*.pt")):
+        m = EPOCH_RE.search(path)
+        if m and is_own_name(os.path.basename(path)):
+            found.append(((int(m.group(1)), int(m.group(2)) if m.group(2) else WHOLE_EPOCH), path))
+    return sorted(found)
+
+
+def _prune(directory: str, keep: int) -> None:
+    """Remove all but the newest ``keep`` checkpoints, their sidecars, orphaned sidecars and the temp files
+    a killed save left behind."""
+    for _, old in list_checkpoints(directory)[:-keep]:
+        for path in (old, checksum_path(old)):
+            if is_plain_file(path):
+                os.remove(path)
+    remove_stale_temp_files(directory)
+    for sidecar in glob.glob(os.path.join(glob.escape(directory), f"checkpoint-epoch*.pt{CHECKSUM_SUFFIX}")):
+        if (is_own_name(os.path.basename(sidecar)[:-len(CHECKSUM_SUFFIX)]) and is_plain_file(sidecar)
+                and not os.path.lexists(sidecar[:-len(CHECKSUM_SUFFIX)])):
+            os.remove(sidecar)
+
+
+def _prune_owned(owner, keep: int) -> None:
+    """Remove all but the newest ``keep`` of the checkpoints this run wrote (``owner``: its RunDir); files
+    of other runs or of the user are never considered. The names come from run.json, so they are data: only a bare
+    checkpoint name (no folder) is ever joined to run_dir, and only a plain file (no link, no folder) removed."""
+    ordered = sorted((n for n in owner.checkpoints() if is_own_name(n)), key=lambda n: _order(EPOCH_RE.search(n)))
+    for name in [n for n in owner.checkpoints() if not is_own_name(n)]:
+        print(f"hybridtrain: warning: {os.path.join(owner.path, MARKER)} lists {name!r}, which is not a "
+              f"checkpoint name of this run: ignored (nothing outside the run's own files is removed)",
+              file=sys.stderr)
+        owner.forget_checkpoint(name)
+    for name in ordered[:-keep]:
+        for path in (os.path.join(owner.path, name), checksum_path(os.path.join(owner.path, name))):
+            if is_plain_file(path):
+                os.remove(path)
+        owner.forget_checkpoint(name)
+
+
+def _order(match) -> tuple[int, int]:
+    return (int(match.group(1)), int(match.group(2)) if match.group(2) else WHOLE_EPOCH) if match else (0, 0)
+
+
+def keep_newest(directory: str, saved: str, keep: int, owner: RunDir | None) -> None:
+    """After the checkpoint ``saved`` is durable: list it in run.json and remove all but the newest ``keep`` of those
+    the run wrote (``owner``), or, without one, of every checkpoint in ``directory``."""
+    if owner is None:
+        _prune(directory, keep)
+    else:
+        owner.add_checkpoint(saved)
+        _prune_owned(owner, keep)
+
+
+def remove_stale_temp_files(directory: str) -> list[str]:
+    """Remove the temp files of saves that were killed mid-write (plain files named as a save names them); only
+    the holder of the run_dir's lock calls this, so no save of this run is under way. Returns their names."""
+    removed = []
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        if TEMP_RE.fullmatch(name) and is_plain_file(path):
+            os.remove(path)
+            removed.append(name)
+    return removed
+
+
 RUN_FILES = ("run.json", "metrics.jsonl", "config.yaml", "final_model.pt", "report.json", "report.md",
              "checkpoint-epoch*", "tensorboard", "logs", "samples", "accuracy.png", "throughput.png", "lr.png")
 # What a run that trained something leaves; a run that stopped before its first checkpoint (bad data, a wrong
@@ -72,32 +184,14 @@ class RunDir:
         return list(self.marker["checkpoints"])
 
     def _write_marker(self) -> None:
-        write_json_atomically(os.path.join(self.path, MARKER), self.marker)
+        path = os.path.join(self.path, MARKER)
+        refuse_unless_plain(path)
+        write_json_atomically(path, self.marker)
 
     def release(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-
-
-def write_json_atomically(path: str, obj) -> None:
-    """``obj`` as JSON through a new temp file (never one that exists, never through a link) renamed over ``path``;
-    ``path`` itself must be absent or a plain file."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    refuse_unless_plain(path)
-    refuse_unless_plain(tmp)
-    if os.path.lexists(tmp):  # left by a killed write of an earlier process with this pid
-        os.remove(tmp)
-    try:
-        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644), "w") as fh:
-            json.dump(obj, fh, indent=1)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except OSError as exc:  # a full disk, a read-only folder: named by its path (errors.environment_fault)
-        if os.path.isfile(tmp) and not os.path.islink(tmp):
-            os.remove(tmp)
-        raise OSError(exc.errno, exc.strerror, path) from None
 
 
 def lock(run_dir: str) -> int:
