@@ -19,6 +19,7 @@ from hybridtrain.distributed.engines import (
     ENGINES,
     PLUGINS_VAR,
     Engine,
+    SteppingOptimizer,
     engine_module,
     launcher_size,
     registered,
@@ -48,6 +49,18 @@ def test_every_registered_engine_module_provides_the_contract(name):
         theirs = inspect.signature(getattr(module, function))
         assert [(p.name, p.default) for p in theirs.parameters.values()] == \
                [(p.name, p.default) for p in signature.parameters.values()], function
+
+
+def test_an_optimizer_of_an_engine_that_reduces_in_the_backward_keeps_the_step_contract():
+    """DDP's wrap_optimizer returns the optimizer itself with no-op synchronize() and skip_synchronize(), so the loss
+    scaler calls them on every engine without asking which."""
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+    assert not isinstance(optimizer, SteppingOptimizer)
+    wrapped = engine_module("torch").wrap_optimizer(optimizer, None, None)
+    assert wrapped is optimizer and isinstance(wrapped, SteppingOptimizer)
+    wrapped.synchronize()
+    with wrapped.skip_synchronize():
+        wrapped.step()
 
 
 def test_the_configs_engine_choices_are_the_registry_and_the_clis():

@@ -22,6 +22,7 @@ from conftest import (
 )
 
 from hybridtrain.config import config_from_dict
+from hybridtrain.distributed.engines import with_step_contract
 from hybridtrain.engine.step import EagerStep, Precision, classification_loss, train_step
 from hybridtrain.models import create_model
 from hybridtrain.precision.policy import forward_context, prepare_model, resolve_policy
@@ -77,7 +78,7 @@ def test_fp16_pure_has_no_fp32_parameter_or_optimizer_state_anywhere(job_of_one)
     policy = policy_for(mode="fp16_pure")
     model = prepare_model(create_model("resnet18", 10, seed=0, residual_bn_scale=0.25), policy)
     assert {p.dtype for p in model.parameters()} == {torch.float16}
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    optimizer = with_step_contract(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
     scaler = LossScaler(policy.loss_scaling, 1024.0, 100, 5)
     precision = Precision(policy, scaler)
     result = train_step(EagerStep(model), optimizer, precision, [(torch.randn(4, 3, 16, 16).half(), torch.arange(4), 1.0)])
@@ -113,7 +114,7 @@ def test_residual_bn_scale_and_bn_swap_follow_their_equations():
 
 def test_dynamic_scaler_against_hand_worked_numbers():
     w = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
-    optimizer = torch.optim.SGD([w], lr=0.5)
+    optimizer = with_step_contract(torch.optim.SGD([w], lr=0.5))
     scaler = LossScaler("dynamic", 8.0, 2, 3)
     history = []
     for g in ([0.5, 1.0], [float("inf"), 0.0], [0.25, 0.25], [1.0, 1.0], [0.0, 2.0]):

@@ -76,6 +76,7 @@ def built_step(sets: list[str], seed_step: int = 0):
     import torch
 
     from hybridtrain.config import load_config
+    from hybridtrain.distributed.engines import with_step_contract
     from hybridtrain.engine.step import Precision, build_train_step
     from hybridtrain.models import create_model
     from hybridtrain.optim import create_optimizer
@@ -87,6 +88,7 @@ def built_step(sets: list[str], seed_step: int = 0):
     policy = resolve_policy(cfg.precision)
     model = prepare_model(create_model("resnet18", 10, seed=0).to(device()), policy)
     bundle = create_optimizer(model, cfg, 1, 10)
+    bundle.optimizer = with_step_contract(bundle.optimizer)
     precision = Precision(policy, create_scaler(cfg.precision, policy))
     images, labels = synthetic_batch(cfg, device(), policy.input_dtype, 10)
     run_step = build_train_step(model, cfg, precision, (images, labels))

@@ -60,6 +60,15 @@ class SteppingOptimizer(Protocol):
     def skip_synchronize(self): ...
 
 
+def with_step_contract(optimizer):
+    """``optimizer`` given ``synchronize()`` and ``skip_synchronize()`` as no-ops: the step contract where nothing
+    is left to reduce at the update (DDP reduced in the backward; a process alone, as bench's trainer row)."""
+    import contextlib
+    optimizer.synchronize = lambda: None
+    optimizer.skip_synchronize = contextlib.nullcontext
+    return optimizer
+
+
 @runtime_checkable
 class Engine(Protocol):
     """An engine module: the job (``init``, ``size``, ``barrier``, ``shutdown``), its collectives (broadcast from rank

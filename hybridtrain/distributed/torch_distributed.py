@@ -16,7 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from hybridtrain.distributed.engines import refuse_elastic
+from hybridtrain.distributed.engines import refuse_elastic, with_step_contract
 from hybridtrain.distributed.launch_env import process_env
 from hybridtrain.distributed.topology import Topology, bind, check_gpu_binding, gpu_id, select_device
 from hybridtrain.errors import UserError
@@ -226,8 +226,8 @@ def no_buffer_sync(ddp_class) -> dict:
 
 def wrap_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module, cfg, backward_passes_per_step: int = 1,
                    compression: str = "none"):
-    """DDP reduces in the backward, so the optimizer stays as it is (no synchronize before the update)."""
-    return optimizer
+    """DDP reduces in the backward: the optimizer itself, its synchronize() and skip_synchronize() no-ops."""
+    return with_step_contract(optimizer)
 
 
 def zero_grad(optimizer: torch.optim.Optimizer) -> None:

@@ -184,6 +184,7 @@ def trainer_loop(cfg, phase: str = "adabound"):
     if cfg.data.channels_last:
         model = model.to(memory_format=torch.channels_last)
     bundle = create_optimizer(model, cfg, 1, STEPS_PER_EPOCH)
+    bundle.optimizer = distributed.wrap_optimizer(bundle.optimizer, model, cfg)  # the step contract (job_of_one's)
     precision = Precision(policy, create_scaler(cfg.precision, policy))
     images, labels = synthetic_batch(cfg, device, policy.input_dtype, classes)
     run_step = build_train_step(model, cfg, precision, (images, labels))

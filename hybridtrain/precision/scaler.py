@@ -1,8 +1,6 @@
-"""Loss scaling around Horovod's step (seeds 001 and 004): scale, all-reduce, unscale, skip a
+"""Loss scaling around the engine's step (seeds 001 and 004): scale, all-reduce, unscale, skip a
 non-finite step, grow or shrink S."""
 from __future__ import annotations
-
-import contextlib
 
 import torch
 
@@ -11,7 +9,7 @@ from hybridtrain.precision.policy import Policy
 
 
 class LossScaler:
-    """Static or dynamic loss scaling around a Horovod DistributedOptimizer (or a plain optimizer)."""
+    """Static or dynamic loss scaling around the optimizer an engine's wrap_optimizer returns."""
 
     def __init__(self, mode: str, scale: float, growth_interval: int, max_consecutive_overflows: int):
         self.mode, self.growth_interval, self.max_overflows = mode, growth_interval, max_consecutive_overflows
@@ -36,16 +34,15 @@ class LossScaler:
             self.device_scale.fill_(scale)
 
     def step(self, optimizer) -> bool:
-        """Synchronize (Horovod), unscale, step unless a gradient is not finite, update S; True if stepped.
+        """Synchronize, unscale, step unless a gradient is not finite, update S; True if stepped. ``optimizer``:
+        what the engine's wrap_optimizer returns (distributed.engines.SteppingOptimizer).
 
         The check runs in every mode: the gradients are averaged over the ranks, so a NaN or inf loss on any
         rank makes every rank skip the same step, and no rank goes on alone."""
-        synchronizing = hasattr(optimizer, "synchronize")
-        if synchronizing:
-            optimizer.synchronize()  # the all-reduce of the (scaled) gradients
+        optimizer.synchronize()  # the all-reduce of the (scaled) gradients, where the engine left it to the update
         finite = self.unscale(optimizer)
         if finite:
-            with optimizer.skip_synchronize() if synchronizing else contextlib.nullcontext():
+            with optimizer.skip_synchronize():
                 optimizer.step()
         self.update(finite)
         return finite

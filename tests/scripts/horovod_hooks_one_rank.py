@@ -16,6 +16,7 @@ import torch
 
 from hybridtrain.config import load_config
 from hybridtrain.distributed import collectives as distributed
+from hybridtrain.distributed.engines import with_step_contract
 from hybridtrain.engine.step import Precision, build_train_step
 from hybridtrain.models import create_model
 from hybridtrain.optim import create_optimizer
@@ -44,8 +45,9 @@ def train(sets: list[str], device: torch.device, horovod: bool):
     if horovod:
         bundle.optimizer = distributed.wrap_optimizer(bundle.optimizer, model, cfg, 1, wire)
         bundle.optimizer._register_hooks()  # what Horovod does on 2+ ranks or under --elastic
-    elif wire == "fp16":
-        for p in model.parameters():
+    else:  # the plain optimizer, with the step contract's no-op synchronize()
+        bundle.optimizer = with_step_contract(bundle.optimizer)
+        for p in model.parameters() if wire == "fp16" else ():
             p.register_hook(lambda g: g.half().to(g.dtype))
     losses, layouts_kept = [], True
     for i in range(3):
