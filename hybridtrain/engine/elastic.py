@@ -32,7 +32,7 @@ from hybridtrain.distributed import collectives as distributed
 from hybridtrain.distributed import horovod
 from hybridtrain.engine import checkpoint
 from hybridtrain.engine.epoch import EpochPosition, EpochProgress, EpochResult
-from hybridtrain.engine.loop import end_epoch, epoch_steps, finish, note_step, stall_watchdog
+from hybridtrain.engine.loop import end_epoch, epoch_steps, finish, stall_watchdog
 from hybridtrain.engine.metrics_file import truncate_metrics
 from hybridtrain.engine.records import SampleAudit, audit_path, log_setup
 from hybridtrain.engine.resume import (
@@ -226,17 +226,11 @@ def train_segment(cfg: Config, t: Trainer, segment: EpochPosition, first_of_proc
                   committer: Committer) -> EpochResult:
     """An epoch, or its rest, in the elastic loop. After every step but the last, the stall watchdog's beat and
     the committer's count (a commit every elastic.commit_steps); elastic training never stops an epoch early."""
-    steps, bar = epoch_steps(cfg, t, segment, first_of_process)
-    try:
-        for snap in steps:
-            note_step(t, bar, snap)
+    with epoch_steps(cfg, t, segment, first_of_process, watchdog) as (steps, walk):
+        for snap in walk:
             if not snap.last:
-                watchdog.beat()
                 committer.after_step(steps.progress)
         return steps.result()
-    finally:
-        if bar:
-            bar.close()
 
 
 def train_elastic(state: ElasticState, cfg: Config, resume: str | None) -> dict | None:

@@ -168,15 +168,30 @@ def resumed_at(position: EpochPosition | None, t: Trainer, start_epoch: int) -> 
             f"batches of {t.topo.size} x {t.batch_size})")
 
 
-def epoch_steps(cfg: Config, t: Trainer, position: EpochPosition, first_of_process: bool):
-    """One epoch's steps as the static and the elastic loop both run them (``EpochSteps``), after the peak-memory
-    reset, with the compiling epoch's first steps timed apart as warmup; and rank 0's progress bar, or None."""
+@contextlib.contextmanager
+def epoch_steps(cfg: Config, t: Trainer, position: EpochPosition, first_of_process: bool, watchdog: StallWatchdog):
+    """One epoch's steps as the static and the elastic loop both walk them: ``(steps, walk)``, the ``EpochSteps``
+    (after the peak-memory reset, the compiling epoch's first steps timed apart as warmup) and the walk through
+    them, which notes each step (note_step: audit, rank 0's progress bar, a phase change's line) and beats the
+    stall watchdog after every step but the last; the caller's loop body decides what else follows a step."""
     bar = ProgressBar(t.updates * t.k, position.epoch, cfg.train.epochs, t.topo.size) \
         if t.topo.is_root and cfg.train.progress else None
     reset_peak_memory(t.topo.device)
     compiles = compiles_in_epoch(position.epoch, first_of_process, cfg.optim)
     warmup = warmup_steps(compiles, t.updates)
-    return EpochSteps(t, position, warmup, compile_steps(compiles, warmup)), bar
+    steps = EpochSteps(t, position, warmup, compile_steps(compiles, warmup))
+
+    def walk():
+        for snap in steps:
+            note_step(t, bar, snap)
+            if not snap.last:
+                watchdog.beat()
+            yield snap
+    try:
+        yield steps, walk()
+    finally:
+        if bar:
+            bar.close()
 
 
 def note_step(t: Trainer, bar: ProgressBar | None, snap: StepSnapshot) -> None:
@@ -194,20 +209,13 @@ def note_step(t: Trainer, bar: ProgressBar | None, snap: StepSnapshot) -> None:
 
 def train_epoch(cfg: Config, t: Trainer, position: EpochPosition, first_of_process: bool,
                 watchdog: StallWatchdog, watch: PreemptionWatch) -> EpochResult:
-    """One epoch of the static loop. After every step but the last, the stall watchdog's beat and the preemption
-    check: every rank stops after the same step."""
-    steps, bar = epoch_steps(cfg, t, position, first_of_process)
-    try:
-        for snap in steps:
-            note_step(t, bar, snap)
-            if not snap.last:
-                watchdog.beat()
-                if watch.after_step():
-                    return steps.stopped()
+    """One epoch of the static loop. After every step but the last, the preemption check: every rank stops after
+    the same step."""
+    with epoch_steps(cfg, t, position, first_of_process, watchdog) as (steps, walk):
+        for snap in walk:
+            if not snap.last and watch.after_step():
+                return steps.stopped()
         return steps.result()
-    finally:
-        if bar:
-            bar.close()
 
 
 def stall_watchdog(cfg: Config, topo) -> StallWatchdog:
