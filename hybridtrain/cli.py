@@ -289,7 +289,7 @@ def cmd_scale(args) -> int:
     if args.cluster:
         if args.np is not None:
             raise UserError("--np counts ranks on this machine; --cluster N runs one rank on each of N hosts: drop one")
-        from hybridtrain.perf.scale_cluster import format_cluster_table, parse_links, run_cluster_scale
+        from hybridtrain.cluster.scale import format_cluster_table, parse_links, run_cluster_scale
         rows = run_cluster_scale(args.config, args.set, args.cluster, parse_links(args.link),
                                  parse_compressions(args.compression), parse_engines(args.engine), args.steps,
                                  args.warmup, args.out, args.oversubscribe)
@@ -317,7 +317,7 @@ def parse_engines(text: str) -> tuple[str, ...]:
 
 
 def cmd_cluster(args) -> int:
-    from hybridtrain.perf import netns_cluster as cluster
+    from hybridtrain.cluster import netns as cluster
     if args.action == "exec":
         if not args.command or args.command[0] not in cluster.hosts_now():
             raise UserError(f"cluster exec needs a host of the cluster and a command, e.g. hybridtrain cluster exec h1 "

@@ -90,8 +90,9 @@ def test_building_the_parser_imports_no_torch():
 
 # The README's chain, top floor first: a module imports its own folder and the floors below it, never a floor
 # above nor a sibling folder on its own floor.
-FLOORS = (("hybridtrain", "hybridtrain.__main__", "hybridtrain.cli"), ("hybridtrain.gpucheck",), ("hybridtrain.perf",),
-          ("hybridtrain.predict",), ("hybridtrain.reports", "hybridtrain.data.prepare"), ("hybridtrain.engine",),
+FLOORS = (("hybridtrain", "hybridtrain.__main__", "hybridtrain.cli"), ("hybridtrain.gpucheck", "hybridtrain.cluster"),
+          ("hybridtrain.perf",), ("hybridtrain.predict",), ("hybridtrain.reports", "hybridtrain.data.prepare"),
+          ("hybridtrain.engine",),
           ("hybridtrain.data", "hybridtrain.models", "hybridtrain.optim", "hybridtrain.precision"),
           ("hybridtrain.distributed", "hybridtrain.hardware"), ("hybridtrain.config",), ("hybridtrain.outputs",),
           ("hybridtrain.errors",))
@@ -117,10 +118,11 @@ def wrong_way(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
 
 
 def test_imports_go_down_the_readme_chain_floor_by_floor():
-    """cli -> gpucheck (the GPU acceptance check) -> perf (benchmarks) -> predict (the cluster model) -> reports,
-    data.prepare -> engine -> data, models, optim, precision -> distributed, hardware (the install plan and the node
-    checks) -> config -> outputs (whose path rules the config's path keys share) -> errors: the training code never
-    imports a tool, a report or the command line, and the folders of one floor stay apart.
+    """cli -> gpucheck (the GPU acceptance check), cluster (the emulated cluster on one machine) -> perf (benchmarks)
+    -> predict (the cluster model) -> reports, data.prepare -> engine -> data, models, optim, precision ->
+    distributed, hardware (the install plan and the node checks) -> config -> outputs (whose path rules the config's
+    path keys share) -> errors: the training code never imports a tool, a report or the command line, and the
+    folders of one floor stay apart.
     """
     graph = import_graph()
     assert {home(m)[1] for m in graph} == {p for floor in FLOORS for p in floor}  # every folder has its floor

@@ -5,6 +5,6 @@
 - ``time_to_target``: the time to a top-1 target on N GPUs, against published runs;
 - ``cluster_model_cli``: ``predict``'s options, and its tables and figures.
 
-May import: reports and everything below it. Nothing imports it except cli and perf (``scale --cluster`` sets its
+May import: reports and everything below it. Nothing imports it except cli and cluster (``scale --cluster`` sets its
 measured rows beside the model's).
 """

@@ -186,7 +186,7 @@ def report_run(run_dir: str, top1_target: float | None = None, top5_target: floa
     figures = run_figures(history, world_size, top1_target, top5_target, speed, source)
     report = {**figures, "config": config, **(extra or {})}
     markdown = report_markdown(os.path.basename(os.path.abspath(run_dir)), figures, history)
-    links = read_probe(run_dir)  # link_probe.json: which host's link is slow (python -m hybridtrain.perf.link_probe)
+    links = read_probe(run_dir)  # link_probe.json: which host's link is slow (python -m hybridtrain.cluster.link_probe)
     if links:
         report["links"] = links
         markdown += "\n" + links_markdown(links)

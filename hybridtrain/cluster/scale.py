@@ -1,5 +1,5 @@
 """``hybridtrain scale --cluster N --link RATE``: the ``scale`` rows across N hosts of a cluster in a box
-(hybridtrain/perf/netns_cluster.py), one rank per host, every host's link limited to RATE, next to what
+(hybridtrain/cluster/netns.py), one rank per host, every host's link limited to RATE, next to what
 ``predict``'s all-reduce model gives for them.
 
 Per engine: one rank alone (no cluster) gives the compute time per step t1 = step time of the 1-rank row and
@@ -8,7 +8,7 @@ S1 = its img/s. Then the cluster comes up and each (engine, compression) row run
 prediction is cluster_model.predict for a flat ring of N nodes of one GPU: compute t1, the gradients as 2 (fp16) or
 4 (none) bytes per parameter, the link rate as the bandwidth, latency 0 (netem is absent, so the links add none),
 no overlap; with ``--link none`` the links have no rate and the prediction is compute alone, N x S1. Each row also
-keeps the hosts' TCP retransmitted segments and dropped packets during the row (netns_cluster.link_counters).
+keeps the hosts' TCP retransmitted segments and dropped packets during the row (netns.link_counters).
 """
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ import shlex
 import subprocess
 import sys
 
+from hybridtrain.cluster import netns as cluster
 from hybridtrain.distributed.launcher import venv_tool
 from hybridtrain.errors import UserError
 from hybridtrain.outputs import markdown_table
-from hybridtrain.perf import netns_cluster as cluster
 from hybridtrain.perf.scaling import available_slots, launch, measured_config
 from hybridtrain.predict.cluster_model import ClusterSpec, predict
 

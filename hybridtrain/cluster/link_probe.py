@@ -1,6 +1,6 @@
 """Time a transfer between every pair of hosts over ssh and name a slow host's link (``link_probe.json``).
 
-    python -m hybridtrain.perf.link_probe --hosts h0,h1,h2 --out RUN_DIR [--megabytes 8]
+    python -m hybridtrain.cluster.link_probe --hosts h0,h1,h2 --out RUN_DIR [--megabytes 8]
 
 For each pair (a, b), one after the other: a receiver on b (``ssh b python -c ...``) listens on a free port and
 prints it, a sender on a connects and sends the bytes, and the receiver times them from its first byte to its last
@@ -107,7 +107,7 @@ def parse_hosts(text: str) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hybridtrain.perf.link_probe",
+    parser = argparse.ArgumentParser(prog="python -m hybridtrain.cluster.link_probe",
                                      description="time a transfer between every pair of hosts; name a slow link")
     parser.add_argument("--hosts", required=True, help="the hosts, e.g. h0,h1,h2 (three or more can name a slow one)")
     parser.add_argument("--out", required=True, help="the run_dir that gets link_probe.json (its report shows it)")
