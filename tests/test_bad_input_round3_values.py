@@ -288,7 +288,7 @@ def levenshtein(a: str, b: str) -> int:
 
 # typo -> the key meant (None: no key is clearly meant, so none may be offered)
 TYPOS = {"train.epoch": "train.epochs", "train.batchsize": "train.batch_size", "optim.momentm": "optim.momentum",
-         "optim.alpah": "optim.alpha", "horovod.compresion": "horovod.compression", "bn.snyc": "bn.sync",
+         "optim.alpah": "optim.alpha", "horovod.compresion": "distributed.compression", "bn.snyc": "bn.sync",
          "data.worker": "data.workers", "run_dri": "run_dir", "sed": "seed", "trian": "train",
          "optim.weightdecay": "optim.weight_decay", "precision.loss_scalling": "precision.loss_scaling",
          # the same name in another section, not a longer key of this one

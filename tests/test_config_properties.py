@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import hashlib
 import io
+import json
 import math
 import os
 import re
@@ -284,7 +286,8 @@ def test_path_checks_skip_data_for_the_synthetic_backend(tmp_path):
 
 # ----------------------------------------------------------------------------- keys that moved (issue 35)
 
-MOVED_VALUES = {"stall_warning_s": 7, "stall_shutdown_s": 70, "gloo_timeout_s": 9}  # each unlike its default
+# each unlike its default (and valid with the default precision)
+MOVED_VALUES = {"compression": "none", "stall_warning_s": 7, "stall_shutdown_s": 70, "gloo_timeout_s": 9}
 
 
 def moved_warnings(err: str) -> list[str]:
@@ -325,20 +328,63 @@ def test_a_set_of_either_name_overrides_the_recipes_other_name(tmp_path, capsys)
     assert cfg.distributed.stall_shutdown_s == 120 and len(moved_warnings(capsys.readouterr().err)) == 1
 
 
+@pytest.mark.parametrize("key", ["gloo_timeout_s", "compression"])
 @pytest.mark.parametrize("how", ["recipe", "set", "set-new-first", "mapping"])
-def test_both_names_of_a_moved_key_are_refused_in_one_line(tmp_path, capsys, how):
-    both = {"horovod": {"gloo_timeout_s": 9}, "distributed": {"gloo_timeout_s": 9}}
+def test_both_names_of_a_moved_key_are_refused_in_one_line(tmp_path, capsys, how, key):
+    value = MOVED_VALUES[key]
+    both = {"horovod": {key: value}, "distributed": {key: value}}
     recipe = tmp_path / "both.yaml"
     recipe.write_text(yaml.safe_dump(both))
-    sets = ["horovod.gloo_timeout_s=9", "distributed.gloo_timeout_s=9"]
+    sets = [f"horovod.{key}={value}", f"distributed.{key}={value}"]
     load = {"recipe": lambda: load_config(str(recipe)), "set": lambda: load_config(None, sets),
             "set-new-first": lambda: load_config(None, sets[::-1]), "mapping": lambda: config_from_dict(both)}[how]
     with pytest.raises(UserError) as refused:
         load()
     assert_one_line_user_error(refused.value)
-    assert "horovod.gloo_timeout_s (the old name) and distributed.gloo_timeout_s are both given" in str(refused.value)
-    assert "keep distributed.gloo_timeout_s only" in str(refused.value)
+    assert f"horovod.{key} (the old name) and distributed.{key} are both given" in str(refused.value)
+    assert f"keep distributed.{key} only" in str(refused.value)
     assert capsys.readouterr().err == ""  # the refusal is the one line: no warning before it
+
+
+def test_a_checkpoint_written_before_the_compression_moved_keeps_its_fingerprint(capsys):
+    """A resume compares the checkpoint's config fingerprint with the config's. One written with
+    horovod.compression (the layout until issue 35), its fingerprint as that code took it (the sha256 of every
+    section but distributed), still matches once the key has moved; the compression still counts (it changes the
+    math), the engine's limits still do not."""
+    old_layout = Config().to_dict()
+    del old_layout["distributed"]["compression"]
+    old_layout["horovod"]["compression"] = "none"
+    recipe = {section: keys for section, keys in old_layout.items() if section != "distributed"}
+    written = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
+    moved = config_from_dict(old_layout)
+    assert moved.distributed.compression == "none" and len(moved_warnings(capsys.readouterr().err)) == 1
+    assert moved.fingerprint() == written
+    assert load_config(None, ["distributed.compression=none"]).fingerprint() == written
+    assert load_config(None, ["distributed.compression=auto"]).fingerprint() != written
+    assert load_config(None, ["distributed.compression=none", "distributed.stall_warning_s=7",
+                              "distributed.engine=torch"]).fingerprint() == written
+
+
+def test_the_compression_under_its_old_name_reaches_the_trainer(tmp_path, capsys):
+    """horovod.compression=none where auto would send FP16 (the loss is scaled): the trainer that build_trainer
+    makes, in a job of this process alone on the torch engine, sends the gradients as they are."""
+    import torch
+
+    from hybridtrain.config import gradient_compression
+    from hybridtrain.distributed import collectives as distributed
+    from hybridtrain.engine.trainer import build_trainer
+    cfg = load_config(None, ["horovod.compression=none", "precision.loss_scaling=dynamic", "data.backend=synthetic",
+                             "data.crop_size=32", "data.synthetic_images=16", "model.arch=resnet18",
+                             "model.num_classes=4", "train.batch_size=8", "train.progress=false",
+                             f"run_dir={tmp_path / 'run'}"])
+    assert len(moved_warnings(capsys.readouterr().err)) == 1
+    assert gradient_compression("auto", cfg.precision) == "fp16"  # what the default would send
+    topo = distributed.init(torch.get_num_threads(), cfg, device="cpu", engine="torch")
+    try:
+        trainer = build_trainer(cfg, topo)
+    finally:
+        distributed.shutdown()
+    assert trainer.compression == "none"
 
 
 # ----------------------------------------------------------------------------- the issue's examples, real processes

@@ -82,21 +82,21 @@ def test_auto_compression_is_fp16_exactly_where_the_loss_is_scaled(mode, extra, 
 
 
 @pytest.mark.parametrize("sets,needle", [
-    (["precision.mode=fp32", "horovod.compression=fp16"], "needs loss scaling"),
-    (["precision.mode=mixed", "precision.compute_dtype=bf16", "horovod.compression=fp16"], "needs loss scaling"),
-    (["precision.mode=fp64", "precision.loss_scaling=dynamic", "horovod.compression=fp16"], "fp64 gradients"),
+    (["precision.mode=fp32", "distributed.compression=fp16"], "needs loss scaling"),
+    (["precision.mode=mixed", "precision.compute_dtype=bf16", "distributed.compression=fp16"], "needs loss scaling"),
+    (["precision.mode=fp64", "precision.loss_scaling=dynamic", "distributed.compression=fp16"], "fp64 gradients"),
 ])
 def test_fp16_compression_of_unscaled_or_fp64_gradients_is_refused_in_one_line(sets, needle):
     with pytest.raises(UserError, match=needle) as caught:
         load_config(None, sets)
-    assert "\n" not in str(caught.value) and "horovod.compression" in str(caught.value)
+    assert "\n" not in str(caught.value) and "distributed.compression" in str(caught.value)
 
 
 def test_every_recipe_sends_fp16_only_scaled_gradients():
     for name in sorted(os.listdir(os.path.join(REPO, "configs"))):
         cfg = load_config(os.path.join(REPO, "configs", name))
         policy = resolve_policy(cfg.precision)
-        if gradient_compression(cfg.horovod.compression, cfg.precision) == "fp16":
+        if gradient_compression(cfg.distributed.compression, cfg.precision) == "fp16":
             assert policy.loss_scaling != "none", name
 
 
@@ -220,13 +220,13 @@ def test_cuda_graphs_with_a_compressed_wire_on_several_horovod_ranks_is_one_line
     """gpu-path-2 #4: Horovod's hooks (registered at 2+ ranks) decompress FP16 gradients into new tensors set as
     p.grad, which a replayed graph never writes again; refused. One rank (no hooks) and no compression stay."""
     with pytest.raises(UserError, match=r"cuda_graphs with fp16 gradient compression on 2 Horovod ranks.*"
-                                        r"horovod.compression=none, or train.cuda_graphs=false"):
+                                        r"distributed.compression=none, or train.cuda_graphs=false"):
         horovod.check_graphs_and_compression(True, "fp16", 2)
     for graphs, compression, size in [(True, "fp16", 1), (True, "none", 8), (False, "fp16", 8)]:
         horovod.check_graphs_and_compression(graphs, compression, size)
     for recipe in sorted(os.listdir(os.path.join(REPO, "configs"))):  # no recipe asks for the refused pair
         cfg = load_config(os.path.join(REPO, "configs", recipe))
-        wire = gradient_compression(cfg.horovod.compression, cfg.precision)
+        wire = gradient_compression(cfg.distributed.compression, cfg.precision)
         assert not (cfg.train.cuda_graphs and wire != "none"), recipe
 
 

@@ -731,7 +731,7 @@ def test_every_config_validates(name):
         # FP16 on the wire where the loss is scaled (cluster 1: mixed-fp16; cluster 2: FP32 with loss scaling);
         # the bf16 H100 recipe leaves it to auto (unscaled bf16: no FP16 wire)
         expected = "auto" if name == "resnet50_h100.yaml" else "fp16"
-        assert cfg.horovod.compression == expected and cfg.train.epochs == 90
+        assert cfg.distributed.compression == expected and cfg.train.epochs == 90
 
 
 def test_paper_cluster_configs_follow_the_paper_precision():
@@ -739,4 +739,4 @@ def test_paper_cluster_configs_follow_the_paper_precision():
     cluster1 = load_config(str(ROOT / "configs" / "resnet50_cluster1_v100.yaml"))
     cluster2 = load_config(str(ROOT / "configs" / "resnet50_cluster2_p40.yaml"))
     assert (cluster1.precision.mode, cluster1.precision.compute_dtype) == ("mixed", "fp16")
-    assert cluster2.precision.mode == "fp32" and cluster2.horovod.compression == "fp16"
+    assert cluster2.precision.mode == "fp32" and cluster2.distributed.compression == "fp16"

@@ -243,7 +243,7 @@ def test_precision_and_layered_experiment_rows():
 def test_fp16_communication_with_a_predivide_factor_trains_on_two_ranks(tiny_digits, tmp_path, write_config):
     run_dir = str(tmp_path / "run")
     cfg = precision_config(tiny_digits, run_dir, "fp32", loss_scaling="static", loss_scale=128.0)  # the paper's
-    cfg["horovod"] = {"compression": "fp16", "gradient_predivide_factor": 2.0}  # P40 scheme: FP32, FP16 wire
+    cfg["horovod"], cfg["distributed"] = {"gradient_predivide_factor": 2.0}, {"compression": "fp16"}  # P40: FP32, FP16 wire
     proc = horovodrun(2, ["train", "--config", write_config(cfg)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (record,) = read_metrics(run_dir)

@@ -125,7 +125,7 @@ def test_channels_last_trains_on_two_ranks_and_its_model_loads_strictly_into_tor
         assert records[-1]["loss_scale"] == 1.0 and skipped == 0, records
 
 
-# horovod.compression auto: fp16 where the loss is scaled (FP16 computes), none elsewhere
+# distributed.compression auto: fp16 where the loss is scaled (FP16 computes), none elsewhere
 EXPECTED_COMPRESSION = {"fp32": "none", "fp64": "none", "mixed-fp16": "fp16", "mixed-bf16": "none", "layered": "fp16",
                         "fp16_pure": "fp16"}
 

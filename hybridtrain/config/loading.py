@@ -270,8 +270,10 @@ def config_from_dict(tree: dict) -> Config:
 # ----------------------------------------------------------------------------- keys that moved
 
 # old dotted key -> its new one. The old name still works, with one warning line (rank 0's) naming the new one;
-# giving both is refused. Issue 35: the limits both engines keep left horovod: for distributed:.
-MOVED_KEYS = {"horovod.stall_warning_s": "distributed.stall_warning_s",
+# giving both is refused. Issue 35: what both engines honour (the all-reduce's compression, the limits) left
+# horovod: for distributed:.
+MOVED_KEYS = {"horovod.compression": "distributed.compression",
+              "horovod.stall_warning_s": "distributed.stall_warning_s",
               "horovod.stall_shutdown_s": "distributed.stall_shutdown_s",
               "horovod.gloo_timeout_s": "distributed.gloo_timeout_s"}
 

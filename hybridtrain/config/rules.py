@@ -50,7 +50,7 @@ def loss_scaling(p) -> str:
 
 
 def gradient_compression(name: str, p) -> str:
-    """horovod.compression resolved for a ``precision`` section: ``auto`` is fp16 (the paper) when the loss is
+    """distributed.compression resolved for a ``precision`` section: ``auto`` is fp16 (the paper) when the loss is
     scaled, so that small gradients stay above FP16's subnormals (6.1e-5), else none. fp16 is refused for
     unscaled gradients (15% of ResNet's fall below 6.1e-5 at step 0) and for fp64 ones (they would silently
     travel as fp16)."""
@@ -58,11 +58,12 @@ def gradient_compression(name: str, p) -> str:
     if name == "auto":
         return "fp16" if scaled and p.mode != "fp64" else "none"
     if name == "fp16" and p.mode == "fp64":
-        raise UserError("config error: horovod.compression=fp16 would send fp64 gradients as fp16: use auto or none")
+        raise UserError("config error: distributed.compression=fp16 would send fp64 gradients as fp16: use auto "
+                        "or none")
     if name == "fp16" and not scaled:
-        raise UserError(f"config error: horovod.compression=fp16 needs loss scaling, and precision.mode="
+        raise UserError(f"config error: distributed.compression=fp16 needs loss scaling, and precision.mode="
                         f"{p.mode} has none here (unscaled gradients below 6.1e-5 lose bits in fp16, many "
-                        f"flush to 0): set precision.loss_scaling=dynamic, or horovod.compression=auto or none")
+                        f"flush to 0): set precision.loss_scaling=dynamic, or distributed.compression=auto or none")
     return name
 
 
@@ -78,7 +79,7 @@ def validate_precision(cfg: Config) -> None:
         raise UserError(f"config error: precision.mode=fp16_pure keeps optimizer state in FP16, but optim.name="
                         f"{cfg.optim.name} needs FP32 state (AdaBound's squared gradients): use optim.name=goyal "
                         f"or sgd, or precision.mode=mixed")
-    gradient_compression(cfg.horovod.compression, p)
+    gradient_compression(cfg.distributed.compression, p)
 
 
 def validate_compile(cfg: Config) -> None:

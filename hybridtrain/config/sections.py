@@ -194,9 +194,6 @@ class PrecisionConfig:
 
 @dataclass
 class HorovodConfig:
-    compression: str = choice("auto", ["auto", "fp16", "none"],
-                              "gradient all-reduce compression: fp16 (the paper; needs loss scaling), none, or auto "
-                              "= fp16 when the loss is scaled, else none")
     gradient_predivide_factor: float = number(1.0, lo=1.0, hi=1024.0,
                                               doc="divide gradients by f before the sum and by N/f after: keeps "
                                                   "FP16 sums over many ranks finite")
@@ -218,7 +215,11 @@ class DistributedConfig:
     engine: str = choice("auto", ["auto", "horovod", "torch"],
                          "the data-parallel engine: horovod (horovodrun, mpirun), torch (torch.distributed DDP under "
                          "torchrun or srun), or auto = the launcher's, else horovod where it is installed")
-    # The limits both engines keep (until issue 35 under horovod:, still read there: loading.MOVED_KEYS)
+    # What both engines honour: the all-reduce's wire and the limits (until issue 35 under horovod:, still read
+    # there: loading.MOVED_KEYS)
+    compression: str = choice("auto", ["auto", "fp16", "none"],
+                              "gradient all-reduce compression: fp16 (the paper; needs loss scaling), none, or auto "
+                              "= fp16 when the loss is scaled, else none")
     stall_warning_s: int = number(60, lo=1, hi=86400,
                                   doc="every rank's stall watchdog warns when no training step finished for this "
                                       "long (Horovod also gets it as HOROVOD_STALL_CHECK_TIME_SECONDS: it warns, "
@@ -285,6 +286,8 @@ class Config:
 
     def fingerprint(self) -> str:
         """The recipe's identity: the engine and its time limits are left out (a run resumes under either, with
-        other limits, with the same math)."""
+        other limits, with the same math). The all-reduce's compression changes the math, so it counts, hashed where
+        it stood until issue 35 (horovod.compression): a checkpoint written before the move keeps its fingerprint."""
         recipe = {key: value for key, value in self.to_dict().items() if key != "distributed"}
+        recipe["horovod"]["compression"] = self.distributed.compression
         return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]

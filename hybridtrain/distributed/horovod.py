@@ -236,7 +236,7 @@ def check_graphs_and_compression(cuda_graphs: bool, compression: str, size: int)
     if cuda_graphs and compression != "none" and size > 1:
         raise UserError(f"train.cuda_graphs with {compression} gradient compression on {size} Horovod ranks would "
                         f"train on stale gradients (Horovod replaces the gradient tensors the graph writes): set "
-                        f"horovod.compression=none, or train.cuda_graphs=false (train.compile works with both)")
+                        f"distributed.compression=none, or train.cuda_graphs=false (train.compile works with both)")
 
 
 def wrap_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module, cfg, backward_passes_per_step: int = 1,

@@ -39,7 +39,7 @@ class Trainer:
     k: int  # accumulation steps
     batch_size: int  # per rank and pass (train.batch_size)
     step: object  # forward and backward, eager, compiled or graphed (step.build_step)
-    compression: str = "none"  # the gradient all-reduce's wire, resolved from horovod.compression
+    compression: str = "none"  # the gradient all-reduce's wire, resolved from distributed.compression
     fp32_math: str = "ieee"  # FP32 convolutions and matmuls: ieee or tf32
     audit: object = None  # records.SampleAudit: the trained samples' indices (elastic.audit_samples)
 
@@ -70,7 +70,7 @@ def build_trainer(cfg: Config, topo) -> Trainer:
         log(topo, "hybridtrain: bn.per_rank_batch=random: cuDNN autotuning off (the batch size changes every step)")
     fp32_math = set_fp32_math(cfg.precision.tf32)
     policy = resolve_policy(cfg.precision)
-    compression = gradient_compression(cfg.horovod.compression, cfg.precision)
+    compression = gradient_compression(cfg.distributed.compression, cfg.precision)
     for warning in check_node(topo.device, cfg.precision):  # kernels, driver, bf16: one refusal line, or warnings
         log(topo, f"hybridtrain: {warning}")
     check_hardware(policy, topo.device)

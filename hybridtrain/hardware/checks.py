@@ -54,7 +54,7 @@ def fp16_rate_warning(cap: tuple, name: str, dtypes) -> str:
         return ""
     return (f"warning: {name} ({sm(cap)}) computes FP16 at {rate} of its FP32 rate, so FP16 compute is slower "
             f"than FP32 here: train in FP32 with the FP16 wire, as {P40_RECIPE} does (precision.mode=fp32, "
-            f"horovod.compression=fp16)")
+            f"distributed.compression=fp16)")
 
 
 def compute_dtypes(precision) -> set:

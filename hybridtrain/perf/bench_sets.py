@@ -7,7 +7,7 @@ def precision_sets(spec: str) -> list[str]:
     """``mixed-bf16`` -> the config overrides it stands for."""
     mode, _, dtype = spec.partition("-")
     # each mode with its own loss scaling and all-reduce compression (auto), whatever the recipe's mode had
-    sets = [f"precision.mode={mode}", "precision.loss_scaling=auto", "horovod.compression=auto"]
+    sets = [f"precision.mode={mode}", "precision.loss_scaling=auto", "distributed.compression=auto"]
     sets += [f"precision.compute_dtype={dtype}"] if dtype else []
     if mode == "fp16_pure":
         sets += ["optim.name=goyal", "model.residual_bn_scale=0.25"]  # FP16 state: no AdaBound (docs/precision.md)

@@ -249,7 +249,7 @@ def engine_row(config: str | None, sets: list[str], cfg, steps: int, warmup: int
 
     from hybridtrain.perf.scaling import launch
     with tempfile.TemporaryDirectory(prefix="hybridtrain-bench-") as out:
-        record = launch(config, [*sets, f"train.threads={threads}"], 1, cfg.horovod.compression, steps, warmup, out,
+        record = launch(config, [*sets, f"train.threads={threads}"], 1, cfg.distributed.compression, steps, warmup, out,
                         phase, timeline=False, engine=engine)  # Horovod's timeline would cost the step time
     row = summarise(f"train/{engine}", cfg, [record["step_time_s"]] * steps, torch.device(record["device"]),
                     phase=record.get("phase"))

@@ -61,7 +61,7 @@ def precision_rows(cfg) -> list[tuple[str, list[str]]]:
 
 
 # each precision row with its mode's own loss scaling and all-reduce compression, whatever the recipe set
-OWN_SCALING = ["precision.loss_scaling=auto", "horovod.compression=auto"]
+OWN_SCALING = ["precision.loss_scaling=auto", "distributed.compression=auto"]
 
 
 def layered_rows(cfg) -> list[tuple[str, list[str]]]:

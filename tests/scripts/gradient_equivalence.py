@@ -41,7 +41,7 @@ def flat(model) -> list[float]:
 
 
 def random_split_run() -> dict:
-    cfg = load_config(None, ["horovod.compression=none"])
+    cfg = load_config(None, ["distributed.compression=none"])
     b, n = 4, hvd.size()
     model, reference = linear(), linear()
     optimizer = wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9), model, cfg)
@@ -84,7 +84,7 @@ def accumulation_run(mode: str) -> dict:
     precision = {"fp32": ["precision.mode=fp32"], "mixed-bf16": ["precision.mode=mixed", "precision.compute_dtype=bf16"],
                  "mixed-fp16": ["precision.mode=mixed", "precision.compute_dtype=fp16"]}[mode]
     cfg = load_config(None, ["optim.name=hybrid", "train.epochs=2", "optim.adabound_epochs=1",
-                             "horovod.compression=none", *precision])
+                             "distributed.compression=none", *precision])
     phases = [s["phase"] for s in (create_optimizer(linear(), cfg, 4, 2).schedule(u) for u in range(4))]
     b = 4
     return {"phases": phases, "k2": hybrid_run(cfg, 2, b), "k1": hybrid_run(cfg, 1, b)}

@@ -41,7 +41,7 @@ def train(sets: list[str], device: torch.device, horovod: bool):
     precision = Precision(policy, create_scaler(cfg.precision, policy))
     images, labels = synthetic_batch(cfg, device, policy.input_dtype, 10)
     step = build_train_step(model, cfg, precision, (images, labels))
-    wire = cfg.horovod.compression
+    wire = cfg.distributed.compression
     if horovod:
         bundle.optimizer = distributed.wrap_optimizer(bundle.optimizer, model, cfg, 1, wire)
         bundle.optimizer._register_hooks()  # what Horovod does on 2+ ranks or under --elastic
@@ -64,7 +64,7 @@ def main() -> None:
     results = {}
     for wire in ("none", "fp16"):
         for channels_last in (False, True):
-            sets = [f"horovod.compression={wire}", f"data.channels_last={str(channels_last).lower()}"]
+            sets = [f"distributed.compression={wire}", f"data.channels_last={str(channels_last).lower()}"]
             plain_losses, plain_params, _ = train(sets, device, horovod=False)
             hvd_losses, hvd_params, layouts_kept = train(sets, device, horovod=True)
             results[f"{wire}/{'nhwc' if channels_last else 'nchw'}"] = {
