@@ -16,7 +16,7 @@ from conftest import HOROVODRUN, REPO, rank_output, run
 from hybridtrain.config import gradient_compression, load_config
 from hybridtrain.distributed import horovod, layout, topology
 from hybridtrain.engine import step
-from hybridtrain.engine.epoch import compiles_in_epoch, warmup_steps
+from hybridtrain.engine.step import compiles_in_epoch, warmup_steps
 from hybridtrain.errors import UserError
 from hybridtrain.perf.max_batch import is_out_of_memory, memory_budget_mb
 from hybridtrain.precision.policy import resolve_policy, set_fp32_math

@@ -23,10 +23,10 @@ from conftest import (
 
 from hybridtrain.config import config_from_dict
 from hybridtrain.distributed.engines import with_step_contract
-from hybridtrain.engine.step import EagerStep, Precision, classification_loss, train_step
+from hybridtrain.engine.step import EagerStep, classification_loss, train_step
 from hybridtrain.models import create_model
 from hybridtrain.precision.policy import forward_context, prepare_model, resolve_policy
-from hybridtrain.precision.scaler import LossScaler
+from hybridtrain.precision.scaler import LossScaler, Precision
 
 
 def policy_for(**precision):

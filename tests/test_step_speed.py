@@ -77,19 +77,19 @@ def built_step(sets: list[str], seed_step: int = 0):
 
     from hybridtrain.config import load_config
     from hybridtrain.distributed.engines import with_step_contract
-    from hybridtrain.engine.step import Precision, build_train_step
+    from hybridtrain.engine.step import build_train_step
     from hybridtrain.models import create_model
     from hybridtrain.optim import create_optimizer
     from hybridtrain.perf.step_bench import synthetic_batch
-    from hybridtrain.precision.policy import prepare_model, resolve_policy, set_fp32_math
-    from hybridtrain.precision.scaler import create_scaler
+    from hybridtrain.precision.policy import prepare_model, set_fp32_math
+    from hybridtrain.precision.scaler import create_precision
     cfg = load_config(None, SMALL + sets)
     set_fp32_math(cfg.precision.tf32)  # as the trainer: IEEE FP32, not TF32
-    policy = resolve_policy(cfg.precision)
+    precision = create_precision(cfg.precision)
+    policy = precision.policy
     model = prepare_model(create_model("resnet18", 10, seed=0).to(device()), policy)
     bundle = create_optimizer(model, cfg, 1, 10)
     bundle.optimizer = with_step_contract(bundle.optimizer)
-    precision = Precision(policy, create_scaler(cfg.precision, policy))
     images, labels = synthetic_batch(cfg, device(), policy.input_dtype, 10)
     run_step = build_train_step(model, cfg, precision, (images, labels))
     counter = {"step": seed_step}

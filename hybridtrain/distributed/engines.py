@@ -117,7 +117,7 @@ class EngineSpec:
     module: str  # the module that provides Engine
     library: str  # the import it needs: auto picks an engine whose library is installed
     launcher: str  # how a user starts N ranks under it, for messages
-    launch_command: Callable[[int, list, tuple], list]  # (ranks, program, launcher options) -> the command
+    launch_command: Callable[..., list]  # (ranks, program, launcher options, python=None) -> the command
     started_by: Callable[[Mapping], bool]  # its launcher started this process
     size_vars: tuple = ()  # where its launchers put the job's size, read before init
     check_env: Callable[[Mapping], object] | None = None  # the launcher variables checked before torch is imported
@@ -127,16 +127,18 @@ class EngineSpec:
     peer_failure_words: tuple = ()  # the words of such errors
 
 
-def horovodrun_command(ranks: int, program: list, options: tuple = ()) -> list:
-    """``program`` as ``ranks`` local ranks under horovodrun (Gloo); ``options``: horovodrun's own (a timeline)."""
-    return [venv_tool("horovodrun"), "--gloo", "-np", str(ranks), "-H", f"localhost:{ranks}", *options, *program]
+def horovodrun_command(ranks: int, program: list, options: tuple = (), python: str | None = None) -> list:
+    """``program`` as ``ranks`` local ranks under horovodrun (Gloo); ``options``: horovodrun's own (a timeline);
+    ``python``: the environment whose horovodrun starts them (default: this one's, else PATH's)."""
+    horovodrun = os.path.join(os.path.dirname(python), "horovodrun") if python else venv_tool("horovodrun")
+    return [horovodrun, "--gloo", "-np", str(ranks), "-H", f"localhost:{ranks}", *options, *program]
 
 
-def torchrun_command(ranks: int, program: list, options: tuple = ()) -> list:
-    """``program`` as ``ranks`` local ranks under torchrun, run as a module: a venv that sees an image's torch
-    through a .pth has no torchrun script."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", *options,
-            "--no-python", *program]
+def torchrun_command(ranks: int, program: list, options: tuple = (), python: str | None = None) -> list:
+    """``program`` as ``ranks`` local ranks under torchrun, run as a module of ``python`` (default: this one): a
+    venv that sees an image's torch through a .pth has no torchrun script."""
+    return [python or sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+            *options, "--no-python", *program]
 
 
 def started_by_mpi(env: Mapping) -> bool:

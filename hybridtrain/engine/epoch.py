@@ -15,7 +15,6 @@ from hybridtrain.engine.step import StepResult, classification_loss, train_step
 from hybridtrain.engine.watchdog import local_work
 from hybridtrain.errors import UserError
 from hybridtrain.models.batchnorm import RunningStatsGuard
-from hybridtrain.optim import optimizer_spec
 from hybridtrain.precision.policy import Policy, forward_context
 
 if TYPE_CHECKING:
@@ -88,24 +87,6 @@ def micro_batch_weight(samples: int, batch_size: int, accumulation_steps: int) -
     of the global batch, (1/N) sum_r sum_j w_rj L_rj = (1/(k N b)) sum_{r,j} n_rj L_rj. It is 1 for fixed
     batches without accumulation, 1/k with accumulation, and n_r/b for random per-rank batches."""
     return samples / (batch_size * accumulation_steps)
-
-
-def compiles_in_epoch(epoch: int, first_epoch_of_process: bool, optim_cfg) -> bool:
-    """Whether the epoch's first steps compile or capture: a process's first epoch (torch.compile, CUDA graphs,
-    cuDNN autotuning), and the optimizer's `Spec.fused_switch_epoch` (optim.fused compiles the next phase)."""
-    return first_epoch_of_process or epoch == optimizer_spec(optim_cfg).fused_switch_epoch(optim_cfg)
-
-
-def warmup_steps(compiles: bool, updates_per_epoch: int, steps: int = 3) -> int:
-    """The steps of an epoch timed apart as warmup: its first ``steps`` when it compiles (`compiles_in_epoch`)
-    and has at least twice as many; else none."""
-    return steps if compiles and updates_per_epoch >= 2 * steps else 0
-
-
-def compile_steps(compiles: bool, warmup: int) -> int:
-    """The first steps of an epoch that may compile, capture or autotune for longer than the stall limit: the
-    warmup steps, at least the first, when the epoch compiles (`compiles_in_epoch`); else none."""
-    return max(warmup, 1) if compiles else 0
 
 
 def first_batch_as_local_work(batches):

@@ -18,10 +18,7 @@ from hybridtrain.engine.epoch import (
     EpochResult,
     EpochSteps,
     StepSnapshot,
-    compile_steps,
-    compiles_in_epoch,
     evaluate,
-    warmup_steps,
 )
 from hybridtrain.engine.memory import reset_peak_memory
 from hybridtrain.engine.metrics_file import truncate_metrics
@@ -35,6 +32,7 @@ from hybridtrain.engine.records import (
     with_validation,
 )
 from hybridtrain.engine.resume import checkpoint_state, restore, resume_state, save_stopped_epoch
+from hybridtrain.engine.step import compile_steps, compiles_in_epoch, warmup_steps
 from hybridtrain.engine.telemetry import ProgressBar, log, tensorboard_writer
 from hybridtrain.engine.trainer import Trainer, build_trainer
 from hybridtrain.engine.watchdog import StallWatchdog, root_writes

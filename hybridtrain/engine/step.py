@@ -40,8 +40,9 @@ from hybridtrain.distributed import collectives as distributed
 from hybridtrain.errors import UserError
 from hybridtrain.models.batchnorm import RunningStatsGuard
 from hybridtrain.models.resnet import ResidualBlock
-from hybridtrain.precision.policy import Policy, forward_context
-from hybridtrain.precision.scaler import LossScaler
+from hybridtrain.optim import optimizer_spec
+from hybridtrain.precision.policy import forward_context
+from hybridtrain.precision.scaler import Precision
 
 
 def missing_compiler(device: torch.device) -> str | None:
@@ -92,6 +93,24 @@ def check_triton_gpu(key: str, capability: tuple[int, int]) -> None:
 # capture; torch's default "global" also fails it on another thread's, such as the DataLoader's pin-memory thread
 # pinning a batch (cuMemHostAlloc, cudaEventQuery) while the graph is captured (review 3 #9).
 CAPTURE_OPTIONS = {"capture_error_mode": "thread_local"}
+
+
+def compiles_in_epoch(epoch: int, first_epoch_of_process: bool, optim_cfg) -> bool:
+    """Whether the epoch's first steps compile or capture: a process's first epoch (torch.compile, CUDA graphs,
+    cuDNN autotuning), and the optimizer's `Spec.fused_switch_epoch` (optim.fused compiles the next phase)."""
+    return first_epoch_of_process or epoch == optimizer_spec(optim_cfg).fused_switch_epoch(optim_cfg)
+
+
+def warmup_steps(compiles: bool, updates_per_epoch: int, steps: int = 3) -> int:
+    """The steps of an epoch timed apart as warmup: its first ``steps`` when it compiles (`compiles_in_epoch`)
+    and has at least twice as many; else none."""
+    return steps if compiles and updates_per_epoch >= 2 * steps else 0
+
+
+def compile_steps(compiles: bool, warmup: int) -> int:
+    """The first steps of an epoch that may compile, capture or autotune for longer than the stall limit: the
+    warmup steps, at least the first, when the epoch compiles (`compiles_in_epoch`); else none."""
+    return max(warmup, 1) if compiles else 0
 
 
 class GraphedStep:
@@ -219,13 +238,6 @@ def _compile_each_block(module: torch.nn.Module, backend: str) -> torch.nn.Modul
     container = copy.copy(module)
     container._modules = {name: _compile_each_block(child, backend) for name, child in module._modules.items()}
     return container
-
-
-@dataclass
-class Precision:
-    """The resolved precision policy and the loss scaler, as the step needs them."""
-    policy: Policy
-    scaler: LossScaler
 
 
 def classification_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:

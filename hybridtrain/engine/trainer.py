@@ -11,20 +11,15 @@ from hybridtrain.config import Config, gradient_compression
 from hybridtrain.data.loaders import create_loaders
 from hybridtrain.distributed import collectives as distributed
 from hybridtrain.engine import checkpoint
-from hybridtrain.engine.step import Precision, build_step, check_speedups
+from hybridtrain.engine.step import build_step, check_speedups
 from hybridtrain.engine.telemetry import log
 from hybridtrain.errors import UserError
 from hybridtrain.hardware.checks import check_node
 from hybridtrain.models import model_from_config
 from hybridtrain.models.batchnorm import configure_batch_norm
 from hybridtrain.optim import create_optimizer
-from hybridtrain.precision.policy import (
-    check_hardware,
-    prepare_model,
-    resolve_policy,
-    set_fp32_math,
-)
-from hybridtrain.precision.scaler import create_scaler
+from hybridtrain.precision.policy import check_hardware, prepare_model, set_fp32_math
+from hybridtrain.precision.scaler import Precision, create_precision
 
 
 @dataclass
@@ -69,7 +64,8 @@ def build_trainer(cfg: Config, topo) -> Trainer:
         torch.backends.cudnn.benchmark = False
         log(topo, "hybridtrain: bn.per_rank_batch=random: cuDNN autotuning off (the batch size changes every step)")
     fp32_math = set_fp32_math(cfg.precision.tf32)
-    policy = resolve_policy(cfg.precision)
+    precision = create_precision(cfg.precision)
+    policy = precision.policy
     compression = gradient_compression(cfg.distributed.compression, cfg.precision)
     for warning in check_node(topo.device, cfg.precision):  # kernels, driver, bf16: one refusal line, or warnings
         log(topo, f"hybridtrain: {warning}")
@@ -89,7 +85,6 @@ def build_trainer(cfg: Config, topo) -> Trainer:
                         f"lower it, or train.batch_size")
     # N of lr*N and of the bounds counts per-rank batches per update: ranks x accumulation steps (global batch / b)
     bundle = create_optimizer(model, cfg, topo.size * k, updates)
-    precision = Precision(policy, create_scaler(cfg.precision, policy))
     # the engine's step contract: the forward through its wrapper (DDP), the update through its optimizer
     # (Horovod's); a CUDA graph is captured before Horovod's hooks exist
     step = build_step(model, cfg, precision, wrap=lambda m: distributed.wrap_model(m, cfg, compression))

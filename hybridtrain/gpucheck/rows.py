@@ -20,6 +20,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 
+from hybridtrain.distributed.launcher import launch_command
 from hybridtrain.perf.bench_sets import precision_sets
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -107,16 +108,6 @@ def as_sets(sets: list[str]) -> list[str]:
     return [a for s in sets for a in ("--set", s)]
 
 
-def torch_launch(python: str, ranks: int) -> list[str]:
-    """torchrun as a module of this Python: a venv that sees an image's torch through a .pth has no torchrun."""
-    return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "-m", "hybridtrain"]
-
-
-def horovod_launch(py: Pythons, ranks: int) -> list[str]:
-    return [py.hvd("horovodrun"), "--gloo", "-np", str(ranks), "-H", f"localhost:{ranks}", py.hvd("python"), "-m",
-            "hybridtrain"]
-
-
 def train_row(py: Pythons, out: str, precision: str, mode: str, ranks: int, engine: str = "horovod",
               estimate_s: float = 45, label: str = "", env: dict | None = None, extra_sets: tuple = ()) -> Row:
     """A short training run of the H100 recipe under horovodrun or (``engine`` torch) torchrun; ``label`` names a
@@ -124,8 +115,9 @@ def train_row(py: Pythons, out: str, precision: str, mode: str, ranks: int, engi
     name = f"train-{ranks}rank{'s' if ranks > 1 else ''}-{precision}-{label or mode}" + (
         "-torch" if engine == "torch" else "")
     run_dir = os.path.join(out, "runs", name)
-    launcher = torch_launch(py.image, ranks) if engine == "torch" else horovod_launch(py, ranks)
-    argv = [*launcher, "train", "--config", os.path.join(REPO, RECIPE), "--engine", engine,
+    python = py.image if engine == "torch" else py.hvd("python")  # Horovod: the build venv's
+    argv = [*launch_command(engine, ranks, [python, "-m", "hybridtrain"], python=python), "train",
+            "--config", os.path.join(REPO, RECIPE), "--engine", engine,
             *as_sets([*train_sets(run_dir, precision, mode, ranks), *extra_sets])]
     timeout = TIMEOUT_S["2ranks"] if ranks > 1 else TIMEOUT_S[mode]
     return Row(name, "train", argv, timeout, precision, mode, ranks, output=run_dir, horovod=engine == "horovod",

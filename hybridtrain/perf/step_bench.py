@@ -37,7 +37,7 @@ from hybridtrain.data.loaders import SYNTHETIC_CLASSES
 from hybridtrain.distributed import collectives as distributed
 from hybridtrain.distributed.topology import cores_per_rank
 from hybridtrain.engine.memory import memory_figures, reset_peak_memory
-from hybridtrain.engine.step import Precision, build_train_step, check_speedups
+from hybridtrain.engine.step import build_train_step, check_speedups
 from hybridtrain.errors import UserError
 from hybridtrain.models import model_from_config
 from hybridtrain.optim import create_optimizer, optimizer_spec
@@ -46,7 +46,7 @@ from hybridtrain.outputs import markdown_table
 from hybridtrain.perf.bench_sets import row_sets
 from hybridtrain.perf.host_syncs import count_host_syncs
 from hybridtrain.precision.policy import check_hardware, prepare_model, resolve_policy, set_fp32_math
-from hybridtrain.precision.scaler import create_scaler
+from hybridtrain.precision.scaler import create_precision
 
 STEPS_PER_EPOCH = 100  # what the optimizer's schedule assumes; the bench runs inside the first epoch(s)
 
@@ -175,7 +175,8 @@ def trainer_loop(cfg, phase: str = "adabound"):
     """The trainer's step on one synthetic batch, the schedule applied each step from ``phase``'s first one:
     (step, device, precision, the optimizer bundle)."""
     device = bench_device()
-    policy = resolve_policy(cfg.precision)
+    precision = create_precision(cfg.precision)
+    policy = precision.policy
     check_hardware(policy, device)
     check_speedups(cfg, device)
     classes = synthetic_classes(cfg)
@@ -185,7 +186,6 @@ def trainer_loop(cfg, phase: str = "adabound"):
         model = model.to(memory_format=torch.channels_last)
     bundle = create_optimizer(model, cfg, 1, STEPS_PER_EPOCH)
     bundle.optimizer = distributed.wrap_optimizer(bundle.optimizer, model, cfg)  # the step contract (job_of_one's)
-    precision = Precision(policy, create_scaler(cfg.precision, policy))
     images, labels = synthetic_batch(cfg, device, policy.input_dtype, classes)
     run_step = build_train_step(model, cfg, precision, (images, labels))
     counter = {"step": hybrid_phase_start(phase, cfg.optim.adabound_epochs, STEPS_PER_EPOCH)}

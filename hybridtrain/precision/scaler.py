@@ -2,10 +2,12 @@
 non-finite step, grow or shrink S."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from hybridtrain.errors import UserError
-from hybridtrain.precision.policy import Policy
+from hybridtrain.precision.policy import Policy, resolve_policy
 
 
 class LossScaler:
@@ -95,3 +97,16 @@ class LossScaler:
 
 def create_scaler(p, policy: Policy) -> LossScaler:
     return LossScaler(policy.loss_scaling, p.loss_scale, p.growth_interval, p.max_consecutive_overflows)
+
+
+@dataclass
+class Precision:
+    """The resolved precision policy and the loss scaler, as the training step needs them."""
+    policy: Policy
+    scaler: LossScaler
+
+
+def create_precision(p) -> Precision:
+    """A ``precision`` config section's policy and a fresh loss scaler for it."""
+    policy = resolve_policy(p)
+    return Precision(policy, create_scaler(p, policy))

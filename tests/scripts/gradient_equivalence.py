@@ -18,10 +18,9 @@ from hybridtrain.config import load_config
 from hybridtrain.data.sharding import random_split_sizes
 from hybridtrain.distributed.collectives import init, wrap_optimizer
 from hybridtrain.engine.epoch import micro_batch_weight
-from hybridtrain.engine.step import Precision, backward_pass, classification_loss
+from hybridtrain.engine.step import backward_pass, classification_loss
 from hybridtrain.optim import create_optimizer
-from hybridtrain.precision.policy import resolve_policy
-from hybridtrain.precision.scaler import create_scaler
+from hybridtrain.precision.scaler import create_precision
 
 FEATURES, CLASSES = 6, 4
 
@@ -46,7 +45,7 @@ def random_split_run() -> dict:
     model, reference = linear(), linear()
     optimizer = wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9), model, cfg)
     plain = torch.optim.SGD(reference.parameters(), lr=0.5, momentum=0.9)
-    precision = Precision(resolve_policy(cfg.precision), create_scaler(cfg.precision, resolve_policy(cfg.precision)))
+    precision = create_precision(cfg.precision)
     splits = []
     for step in range(3):
         x, y = data(b * n, step)
@@ -67,8 +66,7 @@ def hybrid_run(cfg, k: int, b: int) -> list[float]:
     model = linear()
     bundle = create_optimizer(model, cfg, 4, 2)  # the same lr*N and bounds for both runs
     optimizer = wrap_optimizer(bundle.optimizer, model, cfg, k)
-    policy = resolve_policy(cfg.precision)
-    precision = Precision(policy, create_scaler(cfg.precision, policy))
+    precision = create_precision(cfg.precision)
     for update in range(4):  # epochs 0 (AdaBound) and 1 (LARS-SGD), 2 updates each
         x, y = data(2 * b, 1000 * update + hvd.rank())  # this rank's 2b samples of the update, in k passes
         bundle.apply_schedule(update)

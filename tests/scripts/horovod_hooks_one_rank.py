@@ -17,12 +17,12 @@ import torch
 from hybridtrain.config import load_config
 from hybridtrain.distributed import collectives as distributed
 from hybridtrain.distributed.engines import with_step_contract
-from hybridtrain.engine.step import Precision, build_train_step
+from hybridtrain.engine.step import build_train_step
 from hybridtrain.models import create_model
 from hybridtrain.optim import create_optimizer
 from hybridtrain.perf.step_bench import synthetic_batch
-from hybridtrain.precision.policy import prepare_model, resolve_policy, set_fp32_math
-from hybridtrain.precision.scaler import create_scaler
+from hybridtrain.precision.policy import prepare_model, set_fp32_math
+from hybridtrain.precision.scaler import create_precision
 
 # FP32 compute with the demo's loss scaling (what the FP16 wire needs): the hooks, the wire and the scaler are
 # what is checked, and the CPU's FP16 convolutions would only make it slow
@@ -33,12 +33,12 @@ SMALL = ["model.arch=resnet18", "model.num_classes=10", "train.batch_size=4", "d
 def train(sets: list[str], device: torch.device, horovod: bool):
     cfg = load_config(None, SMALL + sets)
     set_fp32_math(cfg.precision.tf32)
-    policy = resolve_policy(cfg.precision)
+    precision = create_precision(cfg.precision)
+    policy = precision.policy
     model = prepare_model(create_model("resnet18", 10, seed=0).to(device), policy)
     if cfg.data.channels_last:
         model = model.to(memory_format=torch.channels_last)
     bundle = create_optimizer(model, cfg, 1, 10)
-    precision = Precision(policy, create_scaler(cfg.precision, policy))
     images, labels = synthetic_batch(cfg, device, policy.input_dtype, 10)
     step = build_train_step(model, cfg, precision, (images, labels))
     wire = cfg.distributed.compression

@@ -13,11 +13,10 @@ import torch
 
 from hybridtrain.config import config_from_dict
 from hybridtrain.distributed import collectives as distributed
-from hybridtrain.engine.step import EagerStep, Precision, train_step
+from hybridtrain.engine.step import EagerStep, train_step
 from hybridtrain.errors import UserError
 from hybridtrain.models import create_model
-from hybridtrain.precision.policy import resolve_policy
-from hybridtrain.precision.scaler import create_scaler
+from hybridtrain.precision.scaler import create_precision
 
 NAN_STEPS, STEPS = {2, 5, 6, 7}, 10
 
@@ -32,11 +31,10 @@ def digest(model) -> str:
 def main(out: str) -> None:
     topo = distributed.init(1)
     cfg = config_from_dict({"precision": {"mode": "fp32", "max_consecutive_overflows": 3}})
-    policy = resolve_policy(cfg.precision)
     model = create_model("resnet18", 10, seed=0, small_input_stem=True)
     distributed.broadcast_model(model)
     optimizer = distributed.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model, cfg)
-    precision = Precision(policy, create_scaler(cfg.precision, policy))
+    precision = create_precision(cfg.precision)
     generator = torch.Generator().manual_seed(100 + topo.rank)
     records, stopped = [], None
     for step in range(STEPS):

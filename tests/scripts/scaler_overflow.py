@@ -14,10 +14,10 @@ import torch
 
 from hybridtrain.config import config_from_dict
 from hybridtrain.distributed import collectives as distributed
-from hybridtrain.engine.step import EagerStep, Precision, train_step
+from hybridtrain.engine.step import EagerStep, train_step
 from hybridtrain.models import create_model
 from hybridtrain.precision.policy import resolve_policy
-from hybridtrain.precision.scaler import LossScaler
+from hybridtrain.precision.scaler import LossScaler, Precision
 
 INF_STEP, STEPS, GROWTH = 2, 7, 3
 

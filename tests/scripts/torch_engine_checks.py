@@ -23,9 +23,9 @@ from torch import nn
 
 from hybridtrain.config import load_config
 from hybridtrain.distributed import collectives as distributed
-from hybridtrain.engine.step import EagerStep, Precision, train_step
+from hybridtrain.engine.step import EagerStep, train_step
 from hybridtrain.precision.policy import resolve_policy
-from hybridtrain.precision.scaler import LossScaler
+from hybridtrain.precision.scaler import LossScaler, Precision
 
 CLASSES = 4
 
