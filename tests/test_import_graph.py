@@ -3,6 +3,7 @@ and building the command-line parser imports no torch (so `hybridtrain report --
 from __future__ import annotations
 
 import ast
+import functools
 import os
 import subprocess
 import sys
@@ -36,10 +37,16 @@ def imported_modules(path: str, modules: set[str]) -> set[str]:
     return {m for m in found if m in modules and m != name}
 
 
-def import_graph() -> dict[str, set[str]]:
+@functools.lru_cache(maxsize=None)
+def _graph() -> dict[str, frozenset[str]]:
     paths = [os.path.join(root, f) for root, _, files in os.walk(PACKAGE) for f in files if f.endswith(".py")]
     modules = {module_name(p) for p in paths}
-    return {module_name(p): imported_modules(p, modules) for p in paths}
+    return {module_name(p): frozenset(imported_modules(p, modules)) for p in paths}
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the package modules it imports; the package is read once per test session (review 3 #19)."""
+    return {module: set(imports) for module, imports in _graph().items()}
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -176,19 +183,19 @@ def library_imports(path: str) -> set[str]:
 def test_each_engine_stays_behind_the_distributed_face():
     """engine/, models/, precision/, data/, perf/ and reports/ call distributed.collectives (and topology, launcher,
     layout); only distributed/ imports an engine module, horovod or torch.distributed (and Horovod's elastic loop)."""
-    leaks = []
+    leaks, graph = [], import_graph()
     for root, _, files in os.walk(PACKAGE):
         for f in (f for f in files if f.endswith(".py")):
             path = os.path.join(root, f)
             name = module_name(path)
             if name.startswith("hybridtrain.distributed") or name in NAMES_HOROVOD:
                 continue
-            modules = imported_modules(path, set(import_graph())) | library_imports(path)
+            modules = graph[name] | library_imports(path)
             leaks += [f"{name} imports {m}" for m in modules
                       if m in ENGINE_MODULES or m.split(".")[0] == "horovod" or m.startswith("torch.distributed")]
             leaks += [f"{name} calls import_horovod"] if "import_horovod" in open(path).read() else []
     assert leaks == []
-    assert "hybridtrain.distributed.collectives" in import_graph()["hybridtrain.engine.trainer"]
+    assert "hybridtrain.distributed.collectives" in graph["hybridtrain.engine.trainer"]
 
 
 def test_the_readme_chain_holds_floor_by_floor():
