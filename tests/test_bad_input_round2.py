@@ -108,7 +108,8 @@ def test_names_in_run_json_are_data_never_paths_outside_the_run_dir(small_digits
 def test_the_temp_files_of_a_killed_save_are_removed_at_the_next_start(small_digits, tmp_path, write_config):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    leftovers = ["checkpoint-epoch0003.pt.tmp-4242", "checkpoint-epoch0003.pt.sha256.tmp-4242", "run.json.tmp-77"]
+    leftovers = ["checkpoint-epoch0003.pt.tmp-4242", "checkpoint-epoch0003.pt.sha256.tmp-4242", "run.json.tmp-77",
+                 ".run.json.k3j_x9ab.json", "metrics.jsonl.tmp-77", ".metrics.jsonl.ab12cd34.jsonl"]
     for name in leftovers:
         (run_dir / name).write_bytes(b"half a save")
     (run_dir / "checkpoint-epoch0003.pt.tmp-notes").write_text("the user's")  # not a name a save writes

@@ -7,6 +7,7 @@ import os
 import sys
 
 from hybridtrain.errors import UserError
+from hybridtrain.outputs import write_text_atomically
 
 
 def append_metrics(path: str, record: dict) -> None:
@@ -16,14 +17,12 @@ def append_metrics(path: str, record: dict) -> None:
 
 def truncate_metrics(path: str, completed_epochs: int) -> list[dict]:
     """Keep the records of the first ``completed_epochs`` epochs (a resumed run rewrites what came after);
-    written to a temp file and renamed, so a kill leaves the old file or the new one."""
+    written to a temp file and renamed (outputs.write_text_atomically), so a kill leaves the old file or the new
+    one, and a temp file that the next start removes (rundir.TEMP_RE)."""
     if not os.path.exists(path):
         return []
     kept = [r for r in read_metrics(path) if r["epoch"] <= completed_epochs]
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as fh:
-        fh.writelines(json.dumps(r) + "\n" for r in kept)
-    os.replace(tmp, path)
+    write_text_atomically(path, "".join(json.dumps(r) + "\n" for r in kept))
     return kept
 
 

@@ -32,10 +32,10 @@ PATTERN = "checkpoint-epoch{epoch:04d}.pt"
 STOPPED_PATTERN = "checkpoint-epoch{epoch:04d}-step{step:06d}.pt"  # a preempted epoch, after ``step`` steps
 EPOCH_RE = re.compile(r"checkpoint-epoch(\d+)(?:-step(\d+))?\.pt$")
 NAME_RE = re.compile(r"checkpoint-epoch\d+(?:-step\d+)?\.pt")  # the whole name of a checkpoint this code writes
-# a save's temp file: a checkpoint's or its sidecar's (atomic_save), run.json's (outputs.write_json_atomically;
-# older versions named it run.json.tmp-PID)
-TEMP_RE = re.compile(r"(?:checkpoint-epoch\d+(?:-step\d+)?\.pt(?:\.sha256)?|run\.json)\.tmp-\d+"
-                     r"|\.run\.json\.\w{8}\.json")
+# a save's temp file: a checkpoint's or its sidecar's (atomic_save), run.json's and metrics.jsonl's
+# (outputs.atomic_path; older versions named them run.json.tmp-PID and metrics.jsonl.tmp-PID)
+TEMP_RE = re.compile(r"(?:checkpoint-epoch\d+(?:-step\d+)?\.pt(?:\.sha256)?|run\.json|metrics\.jsonl)\.tmp-\d+"
+                     r"|\.run\.json\.\w{8}\.json|\.metrics\.jsonl\.\w{8}\.jsonl")
 WHOLE_EPOCH = 1 << 30  # sorts a finished epoch after every stopped checkpoint of the same epoch
 CHECKSUM_SUFFIX = ".sha256"
 
