@@ -280,6 +280,7 @@ def test_a_killed_pack_keeps_its_finished_shards_and_resumes_to_the_same_shards(
     again = run(cmd, timeout=300)
     assert again.returncode == 0, again.stdout + again.stderr
     assert "4 train / 4 val tar files" in again.stdout
+    assert "continuing a stopped pack: 2 of 8 shards were finished and are kept" in again.stdout
     assert all(os.path.samefile(tmp_path / name, out / "shards" / "train" / name) for name in kept)
     assert not (out / "shards.partial").exists()
     assert tree_bytes(out / "shards") == tree_bytes(os.path.join(prepared, "shards"))

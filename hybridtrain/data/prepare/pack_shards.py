@@ -141,6 +141,9 @@ def pack_shards(tree: str, shards: int, workers: int = 0) -> dict:
     tmp, kept = resume_partial(out, plan_digest(tree, jobs), sum(size_of.values()))
     jobs = [(os.path.join(tmp, rel), samples, width) for rel, samples, width in jobs]
     todo = [job for job in jobs if not (kept and shard_is_whole(job, size_of))]
+    if kept:
+        print(f"continuing a stopped pack: {len(jobs) - len(todo)} of {len(jobs)} shards were finished and are kept",
+              flush=True)
     todo.sort(key=lambda job: -len(job[1]))
     run_packing(todo, workers or os.cpu_count() or 1)
     shutil.copyfile(os.path.join(tree, "classes.txt"), os.path.join(tmp, "classes.txt"))
