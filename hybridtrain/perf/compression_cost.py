@@ -11,6 +11,8 @@ import time
 
 import torch
 
+from hybridtrain.outputs import markdown_table
+
 
 def best_ms(fn, repeats: int) -> float:
     times = []
@@ -61,9 +63,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="best of this many (default 5)")
     args = parser.parse_args()
     torch.set_num_threads(max(1, args.threads))
-    print(f"| ResNet-50 gradients, {args.threads} thread(s), best of {args.repeats} | ms per step |\n| --- | --- |")
-    for name, ms in measure(max(1, args.repeats)):
-        print(f"| {name} | {ms:.2f} |")
+    rows = [[name, f"{ms:.2f}"] for name, ms in measure(max(1, args.repeats))]
+    print(markdown_table([f"ResNet-50 gradients, {args.threads} thread(s), best of {args.repeats}", "ms per step"],
+                         rows))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Compute precision: what a ``precision.mode`` means for parameters, inputs, autocast and the gradient compression
 (``policy``), and loss scaling around the engine's step with the ``Precision`` the step takes (``scaler``).
 
-May import: models, distributed, config, errors.
+May import: config, errors.
 """

@@ -4,7 +4,7 @@ Modes:
 - ``fp32``: the baseline. ``fp64``: everything in double (seed 003's scheme 1).
 - ``mixed`` (the paper's FP-mix, seeds 001/004): FP32 master weights and FP32 update; forward and backward
   under autocast in ``compute_dtype`` (fp16, or bf16 on modern GPUs). Autocast keeps exp/log/softmax and the
-  reductions in FP32, and the loss is always taken in FP32 (``training.classification_loss``).
+  reductions in FP32, and the loss is always taken in FP32 (``engine.step.classification_loss``).
 - ``layered`` (seed 000): each named stage (stem, layer1..layer4, fc) runs in its own dtype: its input is
   cast to that dtype; a reduced stage runs under autocast, an FP32 stage with autocast off.
 - ``fp16_pure`` (seed 002): weights, activations, gradients and optimizer state all FP16, no master copy,
@@ -131,11 +131,3 @@ def forward_context(policy: Policy, device: torch.device):
     if policy.autocast_dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=policy.autocast_dtype)
-
-
-# ----------------------------------------------------------------------------- loss scaling
-
-
-# ----------------------------------------------------------------------------- memory
-
-
