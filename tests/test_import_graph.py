@@ -144,11 +144,17 @@ def test_the_chain_check_finds_an_upward_and_a_sideways_import():
                                 ("hybridtrain.optim.factory", "hybridtrain.precision.scaler")]
 
 
-def test_the_top_level_holds_five_modules_and_the_config():
-    """The command line, the error policy and the output policy (paths, tables, figures); the config is a folder."""
+def test_the_top_level_holds_four_modules_the_command_line_and_the_config():
+    """The package's face and ``python -m hybridtrain``, the error policy and the output policy (paths, tables,
+    figures) are modules; the command line (cli/: one module per family of commands, on the top floor) and the
+    config are folders."""
     top = sorted(f for f in os.listdir(PACKAGE) if f.endswith(".py"))
-    assert top == ["__init__.py", "__main__.py", "cli.py", "errors.py", "outputs.py"]
-    assert os.path.isfile(os.path.join(PACKAGE, "config", "__init__.py"))
+    assert top == ["__init__.py", "__main__.py", "errors.py", "outputs.py"]
+    for folder in ("cli", "config"):
+        assert os.path.isfile(os.path.join(PACKAGE, folder, "__init__.py")), folder
+    assert {m for m in import_graph() if home(m)[0] == 0} - {"hybridtrain", "hybridtrain.__main__"} == \
+        {module_name(os.path.join(PACKAGE, "cli", f)) for f in os.listdir(os.path.join(PACKAGE, "cli"))
+         if f.endswith(".py")}
 
 
 def test_no_module_calls_anything_at_import():

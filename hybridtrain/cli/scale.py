@@ -1,0 +1,166 @@
+"""Many ranks and clusters: `scale` (img/s at several rank counts, or across a --cluster), `cluster` (hosts as
+network namespaces on this machine), `predict` (the model of large clusters)."""
+from __future__ import annotations
+
+import argparse
+import subprocess
+
+from hybridtrain.cli.options import (
+    BATCH,
+    GBPS,
+    MICROSECONDS,
+    STEPS,
+    WARMUP,
+    add_recipe_options,
+    bounded_float,
+    bounded_int,
+    count_list,
+)
+from hybridtrain.distributed.engines import ENGINES
+from hybridtrain.errors import UserError
+from hybridtrain.outputs import check_output_dir, check_output_file, write_json_atomically
+
+
+def cmd_scale(args) -> int:
+    from hybridtrain.perf.scaling import format_table, parse_compressions, run_scale
+    check_output_dir(args.out, "--out")
+    if args.json:
+        check_output_file(args.json, "--json")
+    if args.cluster:
+        if args.np is not None:
+            raise UserError("--np counts ranks on this machine; --cluster N runs one rank on each of N hosts: drop one")
+        from hybridtrain.cluster.scale import format_cluster_table, parse_links, run_cluster_scale
+        rows = run_cluster_scale(args.config, args.set, args.cluster, parse_links(args.link),
+                                 parse_compressions(args.compression), parse_engines(args.engine), args.steps,
+                                 args.warmup, args.out, args.oversubscribe)
+        print(format_cluster_table(rows))
+        print(f"scale_cluster.json and scale_cluster.png written to {args.out}")
+    else:
+        if args.link != "none":  # the default
+            raise UserError(f"--link {args.link} limits the links of a --cluster: add --cluster N, or drop --link")
+        rows = run_scale(args.config, args.set, args.np or [1, 2], parse_compressions(args.compression), args.steps,
+                         args.warmup, args.out, args.oversubscribe, parse_engines(args.engine))
+        print(format_table(rows))
+        print(f"scale.json and scale.png written to {args.out}")
+    if args.json:
+        write_json_atomically(args.json, {"config": args.config, "overrides": args.set, "rows": rows})
+        print(f"rows written to {args.json}")
+    return 0
+
+
+def parse_engines(text: str) -> tuple[str, ...]:
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    if not names or any(n not in ENGINES for n in names) or len(set(names)) != len(names):
+        raise UserError(f"--engine must list {' and/or '.join(ENGINES)}, each once, got '{text}': e.g. --engine "
+                        f"horovod,torch")
+    return names
+
+
+def cmd_cluster(args) -> int:
+    from hybridtrain.cluster import netns as cluster
+    if args.action == "exec":
+        if not args.command or args.command[0] not in cluster.hosts_now():
+            raise UserError(f"cluster exec needs a host of the cluster and a command, e.g. hybridtrain cluster exec h1 "
+                            f"-- hostname (hosts now: {', '.join(cluster.hosts_now()) or 'none'})")
+        cluster.require_root()
+        return subprocess.run(cluster.host_command(args.command[0], args.command[1:])).returncode
+    if args.command:
+        raise UserError(f"cluster {args.action} takes no command, got '{' '.join(args.command)}'")
+    if args.action == "up":
+        cluster.up(args.hosts, args.link)
+    elif args.action == "down":
+        removed = cluster.down()
+        print(f"removed {len(removed)} namespaces" if removed else "no cluster to remove")
+        return 0
+    cluster.require_root()
+    print(cluster.format_status(cluster.status()))
+    return 0
+
+
+def cmd_predict(args) -> int:
+    from hybridtrain.predict.cluster_model_cli import run_predict
+    run_predict(args)
+    return 0
+
+
+def add_predict_options(p: argparse.ArgumentParser) -> None:
+    """predict's options, each with its bounds (its defaults and the run: predict.cluster_model_cli)."""
+    from hybridtrain.predict import cluster_model, time_to_target
+    from hybridtrain.predict.cluster_model_cli import TABLE_DEFAULTS as d
+    from hybridtrain.predict.cluster_model_cli import gpu_counts, top1_fraction
+    p.add_argument("--single-gpu-speed", type=bounded_float(0, 1e6, lo_open=True),  # an H100: ~3000 img/s
+                   help=f"S1, img/s of one GPU (default {d['single_gpu_speed']:g}, the paper's V100 mixed precision)")
+    p.add_argument("--batch-per-gpu", type=BATCH, help=f"per-GPU batch (default {d['batch_per_gpu']}; with --gpus: "
+                                                        "fixed at this instead of chosen per size)")
+    p.add_argument("--params", type=bounded_int(1, 10**12), default=cluster_model.RESNET50_PARAMETERS,
+                   help="parameters (default ResNet-50)")
+    p.add_argument("--bytes", type=int, choices=[2, 4], help="gradient bytes per element: 2 FP16 (default), 4 FP32")
+    p.add_argument("--gpus-per-node", type=bounded_int(1, 64), help="GPUs per node (default 8)")
+    p.add_argument("--nodes", type=count_list(1, 100_000),
+                   help="node counts to predict (comma-separated; default 1,2,3,4,8,16,32,64,128)")
+    p.add_argument("--intra-bandwidth", type=GBPS,
+                   help="GB/s inside a node (default 100, V100 NVLink; with --gpus 450, H100 NVLink 4)")
+    p.add_argument("--intra-latency", type=MICROSECONDS, help="microseconds per message inside a node (default 5)")
+    p.add_argument("--inter-bandwidth", type=GBPS, help="GB/s between nodes, per node (default 5 = 40 GbE; with "
+                                                        "--gpus 400 = 8 x 400 Gb/s)")
+    p.add_argument("--inter-latency", type=MICROSECONDS, help="microseconds per message between nodes (default 10)")
+    p.add_argument("--algorithm", choices=list(cluster_model.ALGORITHMS),
+                   help="flat ring (default), hierarchical, or hierarchical-tree (a tree between nodes; the "
+                        "default with --gpus)")
+    p.add_argument("--overlap", type=bounded_float(0, 1),
+                   help="fraction of the all-reduce hidden by backward (default: the one fitted to the paper's "
+                        "clusters; with --gpus 0, as MLPerf runs)")
+    p.add_argument("--convergence-epoch", type=bounded_int(1, 10_000), help="for the single-GPU time (default 32)")
+    p.add_argument("--images-per-epoch", type=bounded_int(1, 10**10), default=cluster_model.IMAGENET_TRAIN_IMAGES,
+                   help="default ImageNet")
+    p.add_argument("--calibrate", metavar="SCALE_JSON", help="fit the ring model to a hybridtrain scale result")
+    p.add_argument("--gpus", type=gpu_counts, metavar="N,N,...",
+                   help="time to --target-top1 at these GPU counts (docs/predict.md): the per-GPU batch, img/s, "
+                        "efficiency, epochs, minutes and actual average single-GPU time of each")
+    p.add_argument("--target-top1", type=top1_fraction,
+                   help="with --gpus: the top-1 to reach (default 0.759, MLPerf's)")
+    p.add_argument("--optimizer", choices=list(time_to_target.OPTIMIZERS),
+                   help="with --gpus: whose published epochs-to-target to use (default lars)")
+    p.add_argument("--throughput", metavar="BENCH_JSON",
+                   help="with --gpus: per-GPU img/s against batch from 'hybridtrain bench --batch-size B "
+                        "--batch-size B2 ... --json FILE' on your GPU (default: the H100 curve of docs/predict.md)")
+    p.add_argument("--json", metavar="FILE", help="with --gpus: also write the rows and the checks to this JSON file")
+    p.add_argument("--out", default="predict.png",
+                   help="efficiency against GPU count (PNG); with --gpus, minutes to target against GPUs")
+
+
+def add_commands(sub) -> None:
+    """scale, cluster and predict's parsers."""
+    scale = sub.add_parser("scale", help="synthetic-data benchmark at several rank counts: img/s, efficiency, "
+                                         "all-reduce bytes and time")
+    add_recipe_options(scale, "model, per-rank batch, crop and precision", default="configs/demo.yaml")
+    scale.add_argument("--np", type=count_list(1, 4096), help="rank counts, e.g. 1,2 (default 1,2)")
+    scale.add_argument("--compression", default="fp16,none", help="fp16 and/or none (default fp16,none)")
+    scale.add_argument("--steps", type=STEPS, default=20, help="timed steps (default 20)")
+    scale.add_argument("--warmup", type=WARMUP, default=5, help="untimed steps first (default 5)")
+    scale.add_argument("--out", default="runs/scale", help="where scale.json, scale.png and timelines go")
+    scale.add_argument("--engine", default="horovod",
+                       help="the engines to measure, e.g. horovod,torch: rows under horovodrun and under torchrun "
+                            "(default horovod)")
+    scale.add_argument("--oversubscribe", action="store_true",
+                       help="allow more ranks than cores (for calibrating predict on a small machine)")
+    scale.add_argument("--cluster", type=bounded_int(2, 200), metavar="N",
+                       help="run the rows across N hosts of a cluster in a box, one rank each (root; hybridtrain "
+                            "cluster; docs/cluster.md), next to predict's all-reduce model")
+    scale.add_argument("--link", default="none", help="with --cluster: each host's link rate as tc writes it (100mbit, "
+                                                      "1gbit, 10gbit) or none, or several: 100mbit,1gbit,none "
+                                                      "(default none)")
+    scale.add_argument("--json", help="also write the rows to this JSON file")
+    scale.set_defaults(func=cmd_scale)
+
+    clu = sub.add_parser("cluster", help="N hosts on this machine (network namespaces with an sshd each, joined by "
+                                         "a bridge, links limited with tc tbf): up, down, status, exec HOST -- CMD")
+    clu.add_argument("action", choices=("up", "down", "status", "exec"))
+    clu.add_argument("command", nargs="*", help="exec: the host and its command, e.g. h1 -- hostname")
+    clu.add_argument("--hosts", type=bounded_int(2, 200), default=2, help="up: the number of hosts (default 2)")
+    clu.add_argument("--link", default="none", help="up: each host's link rate as tc writes it (100mbit, 1gbit, "
+                                                    "10gbit) or none (default none)")
+    clu.set_defaults(func=cmd_cluster)
+
+    add_predict_options(sub.add_parser("predict", help="model step time, img/s and efficiency of large clusters"))
+    sub.choices["predict"].set_defaults(func=cmd_predict)
