@@ -1,15 +1,7 @@
 """The benchmarks of one machine: `bench` (the training step; --find-max-batch), `bench-optim`, `bench-data`."""
 from __future__ import annotations
 
-from hybridtrain.cli.options import (
-    BATCH,
-    CROP,
-    STEPS,
-    WARMUP,
-    add_recipe_options,
-    bounded_float,
-    bounded_int,
-)
+from hybridtrain.cli.options import BATCH, CROP, add_recipe_options, add_timing_options, bounded_float, bounded_int
 from hybridtrain.distributed.engines import ENGINES
 from hybridtrain.errors import UserError
 from hybridtrain.outputs import check_output_dir, check_output_file, write_json_atomically
@@ -107,8 +99,7 @@ def add_commands(sub) -> None:
     step.add_argument("--batch-size", type=BATCH, action="append", help="per-device batch (repeatable)")
     step.add_argument("--image-size", type=CROP, help="data.crop_size, the square input")
     step.add_argument("--channels-last", action="store_true", help="NHWC memory layout for model and input")
-    step.add_argument("--steps", type=STEPS, default=20, help="timed steps (default 20)")
-    step.add_argument("--warmup", type=WARMUP, default=5, help="untimed steps first (default 5)")
+    add_timing_options(step, 20, 5)
     step.add_argument("--baseline", action="store_true", help="also time a plain torchvision + SGD + AMP loop")
     step.add_argument("--horovod", action="store_true",
                       help="also time the whole step as train runs it: one rank under horovodrun, with Horovod's "
@@ -136,8 +127,7 @@ def add_commands(sub) -> None:
     optim = sub.add_parser("bench-optim", help="the optimizer step alone in both phases of the hybrid optimizer "
                                                "(AdaBound, SGD+LARS) against torch.optim.SGD(foreach=True)")
     add_recipe_options(optim, "recipe (default: the built-in defaults, ResNet-50's parameters)")
-    optim.add_argument("--steps", type=STEPS, default=20, help="timed steps per row (default 20)")
-    optim.add_argument("--warmup", type=WARMUP, default=3, help="untimed steps first (default 3)")
+    add_timing_options(optim, 20, 3, per=" per row")
     optim.add_argument("--threads", type=bounded_int(0, 1024), default=0,
                        help="CPU threads (default 0 = torch's default)")
     optim.add_argument("--fused", action="store_true",
@@ -153,6 +143,5 @@ def add_commands(sub) -> None:
                        help="threads/workers to try (repeatable; default 1 and all cores)")
     bench.add_argument("--batch-size", type=BATCH, default=64, help="batch size (default 64)")
     bench.add_argument("--crop", type=CROP, default=224, help="training crop in px (default 224)")
-    bench.add_argument("--steps", type=STEPS, default=50, help="timed batches (default 50)")
-    bench.add_argument("--warmup", type=WARMUP, default=5, help="untimed batches first (default 5)")
+    add_timing_options(bench, 50, 5, unit="batches")
     bench.set_defaults(func=cmd_bench_data)

@@ -70,7 +70,8 @@ def recipe_path(text: str) -> str:
     return text
 
 
-# Bounds of every numeric option; a reason for each bound that is not the config key's own (config/sections.py)
+# Bounds of the numeric options (predict's link rate and latency sit beside its options, in cli/predict.py); a
+# reason for each bound that is not the config key's own (config/sections.py)
 SEED = bounded_int(0, 2**32 - 1)          # numpy's legacy seed range; the generators here take any of them
 WORKERS = bounded_int(0, 256)             # processes; no host has more cores
 STEPS, WARMUP = bounded_int(1, 100_000), bounded_int(0, 100_000)  # a benchmark of 100k steps is hours already
@@ -78,8 +79,6 @@ BATCH = bounded_int(1, 65536)             # train.batch_size's bound
 CROP = bounded_int(8, 1024)               # data.crop_size's bound
 RANKS = bounded_int(1, 4096)              # more ranks than any job of the paper (24 GPUs) by far
 FRACTION_TARGET = bounded_float(0, 1, lo_open=True)
-GBPS = bounded_float(0, 10_000, lo_open=True)   # GB/s of a link; NVLink 5 is 1800
-MICROSECONDS = bounded_float(0, 1e6)           # a link's latency; a second is no network
 
 
 def add_recipe_options(parser: argparse.ArgumentParser, config_help: str, set_help: str = "config override",
@@ -88,6 +87,13 @@ def add_recipe_options(parser: argparse.ArgumentParser, config_help: str, set_he
     reads a recipe takes them."""
     parser.add_argument("--config", type=recipe_path, help=config_help, **config)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help=set_help)
+
+
+def add_timing_options(parser: argparse.ArgumentParser, steps: int, warmup: int, unit: str = "steps",
+                       per: str = "") -> None:
+    """A benchmark's --steps (timed, ``per`` row or so) and --warmup (untimed, first), in ``unit``s."""
+    parser.add_argument("--steps", type=STEPS, default=steps, help=f"timed {unit}{per} (default {steps})")
+    parser.add_argument("--warmup", type=WARMUP, default=warmup, help=f"untimed {unit} first (default {warmup})")
 
 
 def add_engine_option(parser: argparse.ArgumentParser) -> None:
