@@ -154,7 +154,7 @@ def run_predict(args) -> None:
     check = predict.paper_cluster_check()
     overlap = check.overlap if args.overlap is None else args.overlap
     spec = spec_from(args, overlap)
-    nodes = args.nodes  # sorted, distinct counts (cli.count_list)
+    nodes = args.nodes  # sorted, distinct counts (cli.options.count_list)
     if args.convergence_epoch < 1 or args.images_per_epoch < 1:
         raise UserError("--convergence-epoch and --images-per-epoch must be >= 1")
     table, curve = prediction_table(spec, nodes, args.convergence_epoch, args.images_per_epoch)
