@@ -50,12 +50,13 @@ def bounded_float(lo: float, hi: float, lo_open=False, hi_open=False, name="", r
     return number
 
 
-def count_list(lo: int, hi: int):
-    """argparse ``type=``: comma-separated counts such as 1,2,4, each in [lo, hi]; returns them sorted, distinct."""
+def count_list(lo: int, hi: int, example: str = "1,2"):
+    """argparse ``type=``: comma-separated counts such as ``example``, each in [lo, hi]; returns them sorted,
+    distinct."""
     def counts(text: str) -> list[int]:
         parts = [x.strip() for x in text.split(",") if x.strip()]
         if not parts or not all(x.isdigit() and len(x) < 10 and lo <= int(x) <= hi for x in parts):
-            raise argparse.ArgumentTypeError(f"must be comma-separated counts in {_span(lo, hi)} such as 1,2; "
+            raise argparse.ArgumentTypeError(f"must be comma-separated counts in {_span(lo, hi)} such as {example}; "
                                              f"got {text[:40]!r}")
         return sorted({int(x) for x in parts})
     counts.bounds = (lo, hi, False, False)

@@ -20,7 +20,6 @@ def add_predict_options(p: argparse.ArgumentParser) -> None:
     """predict's options, each with its bounds (its defaults and the run: predict.cluster_model_cli)."""
     from hybridtrain.predict import cluster_model, time_to_target
     from hybridtrain.predict.cluster_model_cli import TABLE_DEFAULTS as d
-    from hybridtrain.predict.cluster_model_cli import gpu_counts, top1_fraction
     p.add_argument("--single-gpu-speed", type=bounded_float(0, 1e6, lo_open=True),  # an H100: ~3000 img/s
                    help=f"S1, img/s of one GPU (default {d['single_gpu_speed']:g}, the paper's V100 mixed precision)")
     p.add_argument("--batch-per-gpu", type=BATCH, help=f"per-GPU batch (default {d['batch_per_gpu']}; with --gpus: "
@@ -47,10 +46,10 @@ def add_predict_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--images-per-epoch", type=bounded_int(1, 10**10), default=cluster_model.IMAGENET_TRAIN_IMAGES,
                    help="default ImageNet")
     p.add_argument("--calibrate", metavar="SCALE_JSON", help="fit the ring model to a hybridtrain scale result")
-    p.add_argument("--gpus", type=gpu_counts, metavar="N,N,...",
+    p.add_argument("--gpus", type=count_list(1, 10**7, example="8,64,512"), metavar="N,N,...",
                    help="time to --target-top1 at these GPU counts (docs/predict.md): the per-GPU batch, img/s, "
                         "efficiency, epochs, minutes and actual average single-GPU time of each")
-    p.add_argument("--target-top1", type=top1_fraction,
+    p.add_argument("--target-top1", type=bounded_float(0, 1, lo_open=True, hi_open=True),
                    help="with --gpus: the top-1 to reach (default 0.759, MLPerf's)")
     p.add_argument("--optimizer", choices=list(time_to_target.OPTIMIZERS),
                    help="with --gpus: whose published epochs-to-target to use (default lars)")

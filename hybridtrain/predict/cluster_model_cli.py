@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 from dataclasses import replace
 
@@ -43,33 +42,6 @@ TABLE_ONLY = {  # option: why it has no meaning with --gpus
 }
 GPUS_ONLY = {"target_top1": "--target-top1", "optimizer": "--optimizer", "throughput": "--throughput",
              "json": "--json"}
-
-
-def gpu_counts(text: str) -> list[int]:
-    """argparse ``type=`` of --gpus: comma-separated GPU counts in [1, 10^7], returned sorted and distinct."""
-    parts = [x.strip() for x in text.split(",") if x.strip()]
-    if not parts or not all(x.isdigit() and len(x) < 9 and 1 <= int(x) <= 10**7 for x in parts):
-        raise argparse.ArgumentTypeError(f"must be comma-separated GPU counts in [1, 10000000] such as 8,64,512; "
-                                         f"got {text[:40]!r}")
-    return sorted({int(x) for x in parts})
-
-
-gpu_counts.bounds = (1, 10**7, False, False)
-
-
-def top1_fraction(text: str) -> float:
-    """argparse ``type=`` of --target-top1: a top-1 accuracy as a fraction in (0, 1)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and 0 < value < 1):
-        raise argparse.ArgumentTypeError(f"must be a top-1 accuracy as a fraction in (0, 1) such as 0.759; "
-                                         f"got {text[:40]!r}")
-    return value
-
-
-top1_fraction.bounds = (0, 1, True, True)
 
 
 def table_value(args, name: str):
@@ -155,8 +127,6 @@ def run_predict(args) -> None:
     overlap = check.overlap if args.overlap is None else args.overlap
     spec = spec_from(args, overlap)
     nodes = args.nodes  # sorted, distinct counts (cli.options.count_list)
-    if args.convergence_epoch < 1 or args.images_per_epoch < 1:
-        raise UserError("--convergence-epoch and --images-per-epoch must be >= 1")
     table, curve = prediction_table(spec, nodes, args.convergence_epoch, args.images_per_epoch)
     print(f"{args.algorithm} all-reduce, {args.gpus_per_node} GPUs/node, S1 {args.single_gpu_speed:g} img/s, "
           f"batch {args.batch_per_gpu}, {args.bytes}-byte gradients, overlap {overlap:.2f}\n")
