@@ -44,7 +44,7 @@ def test_every_registered_engine_module_provides_the_contract(name):
     assert isinstance(module, Engine)
     assert module.NAME == name
     members = contract()
-    assert len(members) == 16  # init, size, 9 collectives, shutdown, SyncBatchNorm, the 3 step functions
+    assert len(members) == 15  # init, size, 9 collectives, shutdown, SyncBatchNorm, the 2 step functions
     for function, signature in members.items():
         theirs = inspect.signature(getattr(module, function))
         assert [(p.name, p.default) for p in theirs.parameters.values()] == \

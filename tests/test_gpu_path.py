@@ -14,7 +14,7 @@ import torch
 from conftest import HOROVODRUN, REPO, rank_output, run
 
 from hybridtrain.config import gradient_compression, load_config
-from hybridtrain.distributed import horovod, layout, topology
+from hybridtrain.distributed import horovod, topology
 from hybridtrain.engine import step
 from hybridtrain.engine.step import compiles_in_epoch, warmup_steps
 from hybridtrain.errors import UserError
@@ -33,9 +33,9 @@ def nhwc(*shape: int, dtype=torch.float32) -> torch.Tensor:
 @pytest.mark.parametrize("shape", [(64, 64, 3, 3), (64, 3, 7, 7), (256, 64, 1, 1), (8, 3, 5, 4)])
 def test_the_dense_view_of_an_nhwc_tensor_shares_its_memory_and_is_contiguous(shape):
     t = nhwc(*shape)
-    view, order = layout.dense_view(t)
+    view, order = horovod.dense_view(t)
     assert view.is_contiguous() and view.data_ptr() == t.data_ptr()
-    back = layout.undo_dense_view(view, order)
+    back = horovod.undo_dense_view(view, order)
     assert back.shape == t.shape and back.stride() == t.stride() and back.data_ptr() == t.data_ptr()
     # the view's element order is memory order: N, H, W, C for NHWC
     expected = t.numpy().transpose(0, 2, 3, 1) if order else t.numpy()

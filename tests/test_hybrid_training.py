@@ -13,7 +13,7 @@ from conftest import HYBRIDTRAIN, assert_one_error_line, horovodrun, read_metric
 from hybridtrain.config import load_config
 from hybridtrain.errors import UserError
 from hybridtrain.models import create_model
-from hybridtrain.optim import create_optimizer
+from hybridtrain.optim import apply_schedule, create_optimizer
 from hybridtrain.optim.schedules import hybrid_schedule
 
 HYBRID = {"name": "hybrid", "lr": 0.05, "adabound_epochs": 2, "kappa": 0.9}
@@ -36,7 +36,7 @@ def test_the_schedule_returns_the_switch_for_the_loop_to_log():
     # 2 AdaBound epochs of 5 steps: 0-based step 10 is the first SGD step, the one step whose settings come back
     cfg = load_config(None, ["optim.name=hybrid", "optim.adabound_epochs=2", "train.epochs=3"])
     bundle = create_optimizer(torch.nn.Linear(2, 2), cfg, 1, 5)
-    changes = {step: bundle.apply_schedule(step) for step in range(15)}
+    changes = {step: apply_schedule(bundle.optimizer, bundle.schedule, step) for step in range(15)}
     assert [step for step, change in changes.items() if change] == [10]
     assert changes[10]["phase"] == "sgd" and bundle.optimizer.param_groups[0]["phase"] == "sgd"
 

@@ -188,7 +188,7 @@ def library_imports(path: str) -> set[str]:
 
 def test_each_engine_stays_behind_the_distributed_face():
     """engine/, models/, precision/, data/, perf/ and reports/ call distributed.collectives (and topology, launcher,
-    layout); only distributed/ imports an engine module, horovod or torch.distributed (and Horovod's elastic loop)."""
+    engines); only distributed/ imports an engine module, horovod or torch.distributed (and Horovod's elastic loop)."""
     leaks, graph = [], import_graph()
     for root, _, files in os.walk(PACKAGE):
         for f in (f for f in files if f.endswith(".py")):

@@ -25,7 +25,7 @@ from hybridtrain.config import config_from_dict
 from hybridtrain.distributed.engines import with_step_contract
 from hybridtrain.engine.step import EagerStep, classification_loss, train_step
 from hybridtrain.models import create_model
-from hybridtrain.precision.policy import forward_context, prepare_model, resolve_policy
+from hybridtrain.precision.policy import prepare_model, resolve_policy
 from hybridtrain.precision.scaler import LossScaler, Precision
 
 
@@ -44,7 +44,7 @@ def output_dtypes(model, policy, names):
         return hook
 
     hooks = [dict(model.named_modules())[n].register_forward_hook(record(n)) for n in names]
-    with forward_context(policy, torch.device("cpu")):
+    with Precision(policy, LossScaler("none", 1.0, 1, 5)).forward_context(torch.device("cpu")):
         logits = model(torch.randn(2, 3, 16, 16, dtype=policy.input_dtype))
     for h in hooks:
         h.remove()

@@ -195,7 +195,7 @@ from hybridtrain.distributed import collectives as distributed
 from hybridtrain.engine.preemption import PreemptionWatch
 topo = distributed.init(device="cpu", engine="horovod")
 watch = PreemptionWatch()
-watch.topo = topo  # the job has formed (a SIGTERM before that ends the rank at once)
+watch.join(topo)  # the job has formed (a SIGTERM before that ends the rank at once)
 watch.every = 8
 for step in range(1, 40):
     if step == 11:

@@ -79,7 +79,7 @@ def built_step(sets: list[str], seed_step: int = 0):
     from hybridtrain.distributed.engines import with_step_contract
     from hybridtrain.engine.step import build_train_step
     from hybridtrain.models import create_model
-    from hybridtrain.optim import create_optimizer
+    from hybridtrain.optim import apply_schedule, create_optimizer
     from hybridtrain.perf.step_bench import synthetic_batch
     from hybridtrain.precision.policy import prepare_model, set_fp32_math
     from hybridtrain.precision.scaler import create_precision
@@ -95,7 +95,7 @@ def built_step(sets: list[str], seed_step: int = 0):
     counter = {"step": seed_step}
 
     def step():
-        bundle.apply_schedule(counter["step"])
+        apply_schedule(bundle.optimizer, bundle.schedule, counter["step"])
         counter["step"] += 1
         loss = run_step(bundle.optimizer, precision, [(images, labels, 1.0)]).loss
         return loss.detach().clone()

@@ -145,6 +145,7 @@ def test_the_ddp_step_matches_numpy_fp16_wire_accumulation_channels_last_and_a_s
         assert mine["no_sync_kept_local"]
         assert mine["accumulated_max_error"] < 1e-6
         assert mine["nhwc_grads_keep_strides"] and mine["nhwc_conv_grad_is_channels_last"]
+        assert mine["nhwc_broadcast_is_rank0s"] and mine["nhwc_broadcast_keeps_strides"]
         assert mine["nhwc_max_error"] < 1e-6
         # the inf was on rank 1 only: both ranks skipped, halved S, then stepped together
         assert mine["skipped_on_this_rank"] and mine["skipped_steps"] == 1 and mine["scale_after"] == 512.0

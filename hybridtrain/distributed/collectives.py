@@ -13,7 +13,6 @@ import torch
 
 from hybridtrain.distributed.engines import Engine, engine_module, peer_failure_signs
 from hybridtrain.distributed.launcher import resolve_engine
-from hybridtrain.distributed.layout import dense_view
 from hybridtrain.distributed.topology import Topology
 from hybridtrain.errors import PEER_FAILURE_SIGNS
 
@@ -47,6 +46,12 @@ def engine_name() -> str:
     return backend("engine_name").NAME
 
 
+def active_engine() -> Engine:
+    """The engine module that formed the job, for a caller that reduces at every few steps (the preemption check):
+    it calls the engine itself, without this face's lookup each time."""
+    return backend("active_engine")
+
+
 def size() -> int:
     return backend("size").size()
 
@@ -55,13 +60,8 @@ def size() -> int:
 
 def broadcast_model(model: torch.nn.Module) -> None:
     """Rank 0's parameters and buffers to every rank, in place, whatever their memory layout (channels_last
-    included: each tensor goes through its dense view, so no copy is made)."""
-    views = {name: (t, *dense_view(t)) for name, t in model.state_dict().items()}
-    backend("broadcast_model").broadcast_tensors({name: view for name, (_, view, _) in views.items()})
-    with torch.no_grad():
-        for t, view, order in views.values():
-            if order == ():  # no dense view existed: the broadcast went to a copy
-                t.copy_(view)
+    included: each engine sends it without a layout copy)."""
+    backend("broadcast_model").broadcast_tensors(model.state_dict())
 
 
 def on_cpu(obj):
@@ -162,13 +162,6 @@ def sync_batch_norm_class() -> type:
 def wrap_model(model: torch.nn.Module, cfg, compression: str = "none") -> torch.nn.Module:
     """The module the training step's forward runs: ``model`` itself (Horovod), or DDP around it (torch)."""
     return backend("wrap_model").wrap_model(model, cfg, compression)
-
-
-def zero_grad(optimizer) -> None:
-    """Clear the gradients before a step as the engine's gradient memory needs: set to None under Horovod (its
-    optimizer's zero_grad), zeroed in place under DDP, where each gradient is a view of its all-reduce bucket
-    (gradient_as_bucket_view) that a None would make the next backward allocate and copy again (review 3 #12)."""
-    backend("zero_grad").zero_grad(optimizer)
 
 
 def wrap_optimizer(optimizer, model: torch.nn.Module, cfg, backward_passes_per_step: int = 1,

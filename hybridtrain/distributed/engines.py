@@ -43,7 +43,8 @@ PLUGINS_VAR = "HYBRIDTRAIN_ENGINE_PLUGINS"
 class SteppingOptimizer(Protocol):
     """What ``wrap_optimizer`` returns, whatever the engine: the optimizer's own API plus ``synchronize()`` (finish
     the gradient all-reduce before the update) and ``skip_synchronize()`` (a context: the update does not reduce
-    again). An engine that reduces in the backward (DDP) makes both no-ops."""
+    again). An engine that reduces in the backward (DDP) makes both no-ops. ``zero_grad()`` clears the gradients as
+    the engine's gradient memory needs: set to None under Horovod, in place under DDP (review 3 #12)."""
 
     param_groups: list
 
@@ -73,7 +74,7 @@ def with_step_contract(optimizer):
 class Engine(Protocol):
     """An engine module: the job (``init``, ``size``, ``barrier``, ``shutdown``), its collectives (broadcast from rank
     0, all-reduces, gathers) and the data-parallel step (``wrap_model`` around the forward, ``wrap_optimizer`` around
-    the update, ``zero_grad`` as its gradient memory needs, its GPU ``SyncBatchNorm``)."""
+    the update, whose ``zero_grad()`` clears as its gradient memory needs, its GPU ``SyncBatchNorm``)."""
 
     NAME: str
 
@@ -104,8 +105,6 @@ class Engine(Protocol):
     def sync_batch_norm_class(self) -> type: ...
 
     def wrap_model(self, model: torch.nn.Module, cfg, compression: str = "none") -> torch.nn.Module: ...
-
-    def zero_grad(self, optimizer) -> None: ...
 
     def wrap_optimizer(self, optimizer, model: torch.nn.Module, cfg, backward_passes_per_step: int = 1,
                        compression: str = "none") -> SteppingOptimizer: ...

@@ -11,7 +11,6 @@ import sys
 import torch
 
 from hybridtrain.distributed.engines import launcher_size
-from hybridtrain.distributed.layout import dense_view, undo_dense_view
 from hybridtrain.distributed.topology import Topology, bind, check_gpu_binding, gpu_id, select_device
 from hybridtrain.errors import UserError, launcher_rank
 
@@ -135,9 +134,43 @@ def size() -> int:
     return import_horovod().size()
 
 
+# ----------------------------------------------------------------------------- tensors of any memory layout
+# Horovod's collectives take only tensors contiguous as NCHW; a channels_last (NHWC) tensor goes as its dense view,
+# without a copy: the broadcast of the model, and every gradient through the compressor.
+
+def dense_view(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...] | None]:
+    """(a view of ``t`` that is contiguous in the default sense, the permutation that made it), or (``t``,
+    None) when ``t`` is contiguous already. A channels_last (NHWC) tensor is dense in memory but not contiguous
+    as NCHW, which Horovod refuses; permuted to N,H,W,C it is contiguous and shares ``t``'s memory, and an
+    element-wise collective (all-reduce, broadcast) does not care about the order of the elements."""
+    if t.is_contiguous():
+        return t, None
+    order = tuple(sorted(range(t.dim()), key=lambda d: (-t.stride(d), -t.shape[d])))
+    view = t.permute(order)
+    if not view.is_contiguous():  # overlapping or gapped storage: no dense view exists
+        return t.contiguous(), ()
+    return view, order
+
+
+def undo_dense_view(t: torch.Tensor, order: tuple[int, ...] | None) -> torch.Tensor:
+    """The inverse of dense_view: the original shape with the original strides (``order`` () = a copy was made)."""
+    if not order:
+        return t
+    inverse = [0] * len(order)
+    for position, dim in enumerate(order):
+        inverse[dim] = position
+    return t.permute(inverse)
+
+
 def broadcast_tensors(tensors: dict[str, torch.Tensor]) -> None:
-    """Rank 0's tensors on every rank, in place (dense tensors: see layout.dense_view)."""
-    import_horovod().broadcast_parameters(tensors, root_rank=0)
+    """Rank 0's tensors on every rank, in place, whatever their memory layout: each goes as its dense view (no
+    copy), or as a dense copy written back where no view exists."""
+    views = {name: (t, *dense_view(t)) for name, t in tensors.items()}
+    import_horovod().broadcast_parameters({name: view for name, (_, view, _) in views.items()}, root_rank=0)
+    with torch.no_grad():
+        for t, view, order in views.values():
+            if order == ():  # no dense view existed: the broadcast went to a copy
+                t.copy_(view)
 
 
 def broadcast_object(obj, name: str):
@@ -224,12 +257,6 @@ def wrap_model(model: torch.nn.Module, cfg, compression: str = "none") -> torch.
     return model
 
 
-def zero_grad(optimizer: torch.optim.Optimizer) -> None:
-    """The gradients set to None (torch's default): DistributedOptimizer.zero_grad takes no arguments, and Horovod
-    all-reduces into tensors of its own, so there is no bucket memory to keep."""
-    optimizer.zero_grad()
-
-
 def check_graphs_and_compression(cuda_graphs: bool, compression: str, size: int) -> None:
     """gpu-path-2 #4: on 2+ ranks Horovod's hooks decompress each FP16 gradient into a new tensor and set it as
     p.grad, so a CUDA graph, which writes the gradients it captured, would train on stale ones from step 2 on."""
@@ -243,7 +270,9 @@ def wrap_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module, cfg
                    compression: str = "none"):
     """Horovod's averaging all-reduce with ``compression`` (resolved: precision.gradient_compression) and the
     configured pre-divide factor; gradients of ``backward_passes_per_step`` passes accumulate locally before one
-    all-reduce. The scaler calls its ``synchronize()`` before the unscale and steps under ``skip_synchronize()``."""
+    all-reduce. The scaler calls its ``synchronize()`` before the unscale and steps under ``skip_synchronize()``; its
+    ``zero_grad()`` sets the gradients to None (torch's default): Horovod all-reduces into tensors of its own, so
+    there is no bucket memory to keep."""
     hvd = import_horovod()
     check_graphs_and_compression(cfg.train.cuda_graphs, compression, hvd.size())
     return hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),

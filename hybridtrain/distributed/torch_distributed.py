@@ -8,6 +8,7 @@ the small CPU collectives of statistics, flags and objects over Gloo, as Horovod
 """
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import socket
@@ -108,10 +109,21 @@ def size() -> int:
     return dist.get_world_size()
 
 
+MEMORY_FORMATS = (torch.contiguous_format, torch.channels_last, torch.channels_last_3d)
+
+
 def broadcast_tensors(tensors: dict[str, torch.Tensor]) -> None:
-    """Rank 0's tensors on every rank, in place (dense tensors: see layout.dense_view)."""
+    """Rank 0's tensors on every rank, in place, whatever their memory layout: c10d takes a tensor contiguous in a
+    memory format (channels_last included: its check is ``is_contiguous(suggest_memory_format())``) as it is; any
+    other goes as a contiguous copy, written back."""
     for tensor in tensors.values():
-        dist.broadcast(tensor, src=0)
+        if any(tensor.is_contiguous(memory_format=f) for f in MEMORY_FORMATS):
+            dist.broadcast(tensor, src=0)
+        else:
+            dense = tensor.contiguous()
+            dist.broadcast(dense, src=0)
+            with torch.no_grad():
+                tensor.copy_(dense)
 
 
 def broadcast_object(obj, name: str):
@@ -226,12 +238,11 @@ def no_buffer_sync(ddp_class) -> dict:
 
 def wrap_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module, cfg, backward_passes_per_step: int = 1,
                    compression: str = "none"):
-    """DDP reduces in the backward: the optimizer itself, its synchronize() and skip_synchronize() no-ops."""
-    return with_step_contract(optimizer)
-
-
-def zero_grad(optimizer: torch.optim.Optimizer) -> None:
-    """The gradients zeroed in place: each stays the view of its DDP bucket (gradient_as_bucket_view), so the backward
-    accumulates into the bucket itself. Set to None (torch's default), every step would allocate fresh gradients and
-    the reducer copy them into the buckets (torch's DDP docstring on gradient_as_bucket_view; review 3 #12)."""
-    optimizer.zero_grad(set_to_none=False)
+    """DDP reduces in the backward: the optimizer itself, its synchronize() and skip_synchronize() no-ops, and its
+    zero_grad() zeroing in place: each gradient stays the view of its DDP bucket (gradient_as_bucket_view), so the
+    backward accumulates into the bucket itself. Set to None (torch's default), every step would allocate fresh
+    gradients and the reducer copy them into the buckets (torch's DDP docstring on gradient_as_bucket_view; review 3
+    #12)."""
+    optimizer = with_step_contract(optimizer)
+    optimizer.zero_grad = functools.partial(optimizer.zero_grad, set_to_none=False)
+    return optimizer

@@ -15,7 +15,8 @@ from hybridtrain.engine.step import StepResult, classification_loss, train_step
 from hybridtrain.engine.watchdog import local_work
 from hybridtrain.errors import UserError
 from hybridtrain.models.batchnorm import RunningStatsGuard
-from hybridtrain.precision.policy import Policy, forward_context
+from hybridtrain.optim import apply_schedule
+from hybridtrain.precision.scaler import Precision
 
 if TYPE_CHECKING:
     from hybridtrain.engine.trainer import Trainer
@@ -134,7 +135,7 @@ class EpochSteps:
             pass
         for i in range(self.done.passes // k, self.steps):
             global_step = position.epoch * t.updates + position.first_step + i
-            phase_change = t.bundle.apply_schedule(global_step)
+            phase_change = apply_schedule(t.bundle.optimizer, t.bundle.schedule, global_step)
             with local_work("a compiling step") if i < self.compiling_end else contextlib.nullcontext():
                 drawn = list(itertools.islice(batches, k))
                 result = train_step(t.step, t.bundle.optimizer, t.precision, self.on_device(drawn),
@@ -185,7 +186,7 @@ class EpochSteps:
 
 
 @torch.no_grad()
-def evaluate(model, loader, policy: Policy, tag: str) -> EvalResult:
+def evaluate(model, loader, precision: Precision, tag: str) -> EvalResult:
     """Loss, top-1, top-5 over the whole validation set: per-rank sums, then one all-reduce of the sums.
 
     A rank that cannot read a validation image stops reading but still joins the all-reduce, with a flag: every
@@ -194,7 +195,7 @@ def evaluate(model, loader, policy: Policy, tag: str) -> EvalResult:
     device = next(model.parameters()).device
     sums = torch.zeros(5, dtype=torch.float64, device=device)  # loss, top1, top5, count, failed
     with local_work("validation"):  # the pass may outlast the stall limit; the wait for the peers' sums may not
-        failure = evaluate_shard(model, loader, policy, sums)
+        failure = evaluate_shard(model, loader, precision, sums)
     sums = distributed.allreduce_sum(sums.cpu(), f"eval_totals.{tag}")
     if sums[4] > 0:
         raise UserError(first_failure(failure, tag))
@@ -204,7 +205,7 @@ def evaluate(model, loader, policy: Policy, tag: str) -> EvalResult:
     return EvalResult(float(sums[0] / count), float(sums[1] / count), float(sums[2] / count), count)
 
 
-def evaluate_shard(model, loader, policy: Policy, sums: torch.Tensor) -> str:
+def evaluate_shard(model, loader, precision: Precision, sums: torch.Tensor) -> str:
     """This rank's sums (loss, top1, top5, count, failed) into ``sums``; the unreadable file's line, or ""."""
     device = sums.device
     batches = iter(loader)
@@ -213,11 +214,11 @@ def evaluate_shard(model, loader, policy: Policy, sums: torch.Tensor) -> str:
             batch = next(batches, None)
             if batch is None:
                 return ""
-            images, labels = to_device(batch, device, policy.input_dtype)
+            images, labels = to_device(batch, device, precision.policy.input_dtype)
         except UserError as exc:
             sums[4] = 1
             return str(exc)
-        with forward_context(policy, device):
+        with precision.forward_context(device):
             logits = model(images)
         loss = classification_loss(logits, labels, reduction="sum")
         top1, top5 = topk_correct(logits, labels)

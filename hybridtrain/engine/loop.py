@@ -70,7 +70,7 @@ def run_training(cfg: Config, resume: str | None = None, move_aside: bool = Fals
     collective, and the launcher ends this rank anyway."""
     watch = PreemptionWatch()  # first: a SIGTERM during the setup also ends the run cleanly
     topo = distributed.init(cfg.train.threads, cfg, device=cfg.train.device, engine=cfg.distributed.engine)
-    watch.topo = topo
+    watch.join(topo)
     owner, outcome = None, "failed"
     try:
         owner = claim_run_dir(cfg, topo, resume, move_aside)  # before the set-up: a refusal costs nothing
@@ -107,7 +107,7 @@ def end_epoch(cfg: Config, t: Trainer, epoch: int, result, epoch_start: float, r
     record = training_record(t, epoch, result, epoch_start, run_start)
     root_writes(t.topo, lambda: save(record))
     try:
-        ev = evaluate(t.model, t.data.val, t.precision.policy, tag=str(epoch))
+        ev = evaluate(t.model, t.data.val, t.precision, tag=str(epoch))
     except UserError as exc:
         raise UserError(f"{exc} (epoch {epoch + 1}'s training is saved: fix the data, then rerun with --resume "
                         f"auto)") from None
@@ -121,7 +121,7 @@ def complete_pending_record(cfg: Config, t: Trainer, state: dict, history: list,
                                            "pending_record")
     if missing:
         now = time.perf_counter()
-        ev = evaluate(t.model, t.data.val, t.precision.policy, tag=f"pending{pending['epoch']}")
+        ev = evaluate(t.model, t.data.val, t.precision, tag=f"pending{pending['epoch']}")
         record_epoch(cfg, t, with_validation(pending, ev, now - pending["epoch_time_s"], now - pending["wall_time_s"]),
                      history, board)
 

@@ -42,7 +42,8 @@ class PreemptionWatch:
         self.handle = None
         self.every = 1  # steps between two checks: set from the epoch's length once the trainer is built
         self.steps = 0
-        self.topo = None  # the job's (set once it is formed): a SIGTERM first looks for a dead peer in it
+        self.topo = None  # the job's (join): a SIGTERM first looks for a dead peer in it
+        self.engine = None  # the engine that formed the job (join), whose all-reduces carry the flag
         self.previous = signal.signal(signal.SIGTERM, self._on_sigterm)
         self._wake_read, wake_write = os.pipe()
         for fd in (self._wake_read, wake_write):
@@ -50,6 +51,10 @@ class PreemptionWatch:
         self._wake_write = wake_write
         self._previous_fd = signal.set_wakeup_fd(wake_write, warn_on_full_buffer=False)
         threading.Thread(target=self._watch_signals, name="hybridtrain-sigterm", daemon=True).start()
+
+    def join(self, topo) -> None:
+        """The job has formed: its topology and its engine (distributed.active_engine)."""
+        self.topo, self.engine = topo, distributed.active_engine()
 
     def _on_sigterm(self, signum, frame) -> None:
         self.requested = True
@@ -96,18 +101,18 @@ class PreemptionWatch:
         if self.steps % self.every == 0:
             # one name for every check (the previous one has completed): Horovod's response cache then skips
             # the negotiation of this tensor after the first one
-            self.handle = distributed.allreduce_async(torch.tensor([int(self.requested)]), "preemption")
+            self.handle = self.engine.allreduce_async(torch.tensor([int(self.requested)]), "preemption")
         return stop
 
     def agreed_now(self) -> bool:
         """A blocking check: True on every rank when any rank has got SIGTERM by now."""
         earlier = self._collect()
-        return earlier or bool(distributed.allreduce_sum(torch.tensor([int(self.requested)]), "preemption.now").item())
+        return earlier or bool(self.engine.allreduce(torch.tensor([int(self.requested)]), "preemption.now").item())
 
     def _collect(self) -> bool:
         if self.handle is None:
             return False
-        total = distributed.wait(self.handle)
+        total = self.engine.wait(self.handle)
         self.handle = None
         return bool(total.item())
 

@@ -36,12 +36,10 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from hybridtrain.distributed import collectives as distributed
 from hybridtrain.errors import UserError
 from hybridtrain.models.batchnorm import RunningStatsGuard
 from hybridtrain.models.resnet import ResidualBlock
 from hybridtrain.optim import optimizer_spec
-from hybridtrain.precision.policy import forward_context
 from hybridtrain.precision.scaler import Precision
 
 
@@ -139,7 +137,7 @@ class GraphedStep:
         statistics.restore()  # a capture records the BN updates without running them: only the warm-up's go
 
     def _forward_backward(self, model, precision) -> tuple[torch.Tensor, torch.Tensor]:
-        with forward_context(precision.policy, self.static_images.device):
+        with precision.forward_context(self.static_images.device):
             logits = model(self.static_images)
         loss = classification_loss(logits, self.static_labels)
         precision.scaler.backward(loss)
@@ -252,7 +250,7 @@ def backward_pass(model, precision: Precision, images, labels, weight: float = 1
     (its ``no_sync``); Horovod counts the passes itself (backward_passes_per_step)."""
     no_sync = getattr(model, "no_sync", None)
     with contextlib.nullcontext() if sync or no_sync is None else no_sync(), \
-            forward_context(precision.policy, images.device):
+            precision.forward_context(images.device):
         logits = model(images)
     loss = classification_loss(logits, labels)
     precision.scaler.backward(loss * weight if weight != 1.0 else loss)
@@ -284,7 +282,7 @@ def train_step(step, optimizer, precision: Precision, micro_batches: Sequence, b
     all-reduces once, as its backward_passes_per_step says); unscale; the update unless the gradients overflowed,
     in which case ``bn_guard`` (a RunningStatsGuard) puts back the BN running statistics the skipped passes changed.
     The update's overflow check reads the device, so the passes have read every batch when this returns."""
-    distributed.zero_grad(optimizer)  # as the engine's gradient memory needs (DDP's bucket views: in place)
+    optimizer.zero_grad()  # as the engine's gradient memory needs (wrap_optimizer: DDP's bucket views in place)
     if bn_guard is not None:
         bn_guard.save()
     passes = []

@@ -11,7 +11,7 @@ from hybridtrain.optim.factory import (
     optimizer_spec,
     parameter_groups,
 )
-from hybridtrain.optim.optimizers import LARS, HybridOptimizer, LinearScalingAdaBound
+from hybridtrain.optim.optimizers import LARS, HybridOptimizer, LinearScalingAdaBound, apply_schedule
 from hybridtrain.optim.schedules import (
     adabound_bounds,
     bound_progress,
@@ -23,7 +23,7 @@ from hybridtrain.optim.schedules import (
     step_decay_factor,
 )
 
-__all__ = ["OPTIMIZERS", "OptimizerBundle", "Spec", "create_optimizer", "create_schedule", "optimizer_spec",
-           "parameter_groups", "goyal_lr", "linear_scaled_lr", "sgd_lr", "step_decay_factor", "adabound_bounds",
-           "bound_progress", "reference_adabound_bounds", "sgd_decay_lr", "LARS", "HybridOptimizer",
-           "LinearScalingAdaBound"]
+__all__ = ["OPTIMIZERS", "OptimizerBundle", "Spec", "apply_schedule", "create_optimizer", "create_schedule",
+           "optimizer_spec", "parameter_groups", "goyal_lr", "linear_scaled_lr", "sgd_lr", "step_decay_factor",
+           "adabound_bounds", "bound_progress", "reference_adabound_bounds", "sgd_decay_lr", "LARS",
+           "HybridOptimizer", "LinearScalingAdaBound"]

@@ -2,7 +2,8 @@
 optimizer and its per-step schedule from the config.
 
 The schedule is a pure function ``schedule(step) -> {param-group key: value}`` (`optim.schedules`) that the
-trainer applies before every optimizer step, so any recipe plugs in without touching the training loop. The
+epoch applies before every optimizer step (``optimizers.apply_schedule``), so any recipe plugs in without touching
+the training loop. The
 engine, config and the bench ask a name's `Spec` what they need to know of it, instead of comparing names.
 """
 from __future__ import annotations
@@ -89,18 +90,6 @@ def optimizer_spec(o) -> Spec:
 class OptimizerBundle:
     optimizer: torch.optim.Optimizer
     schedule: Callable[[int], dict]
-
-    def apply_schedule(self, step: int) -> dict | None:
-        """Write the schedule's values of ``step`` into every param group, unchecked: `check_schedule` checked
-        the schedule once, so neither this nor the optimizer's ``step()`` checks them at every step. Returns them
-        when ``step`` (past the first) begins a new phase, the hybrid optimizer's switch to SGD, for the caller to
-        say so; else None."""
-        settings = self.schedule(step)
-        groups = self.optimizer.param_groups
-        previous = groups[0].get("phase")
-        for group in groups:
-            group.update(settings)
-        return settings if "phase" in settings and previous != settings["phase"] and step > 0 else None
 
     def check_schedule(self, steps) -> None:
         """The schedule's values at ``steps`` by the optimizer's rules (one ValueError line for a bad one). The

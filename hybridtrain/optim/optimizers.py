@@ -5,7 +5,8 @@ every constructor argument besides ``params`` has a default and every hyperparam
 the param groups (which also makes ``state_dict()`` carry all of it). Group hyperparameters are
 plain Python values; the trainer may change them between steps (lr, bounds, phase). Each optimizer checks
 them when they are written (``add_param_group``, ``load_state_dict``, and ``validate``, which
-``OptimizerBundle.apply_schedule`` calls), so ``step()`` does not.
+``OptimizerBundle.check_schedule`` calls once for the whole schedule), so neither ``step()`` nor
+``apply_schedule``, which writes a schedule's values before every step, does.
 
 Per-group keys shared by LARS and HybridOptimizer: ``lars`` (bool, default True). Pass BN and
 bias parameters in a second group with ``lars=False`` (and ``weight_decay=0``): in the SGD/LARS
@@ -15,6 +16,7 @@ Note: string-valued group keys (``mode``, ``lars_mode``, ``phase``) cannot go th
 ``hvd.broadcast_optimizer_state`` (it wraps every group value in a tensor); broadcast with
 ``hvd.broadcast_object(optimizer.state_dict())`` + ``load_state_dict`` instead.
 """
+from __future__ import annotations
 
 import math
 
@@ -35,6 +37,19 @@ from hybridtrain.optim.schedules import HYBRID_PHASES as PHASES
 RUN_CHOICE_KEYS = ("fused",)  # group keys that say how this run updates, kept from the run, not the checkpoint
 _ADABOUND_STATE_KEYS = ("exp_avg", "exp_avg_sq", "adabound_step")
 _STALE_KEYS = {"adabound": ("momentum_buffer",), "sgd": _ADABOUND_STATE_KEYS}  # a phase -> the other one's buffers
+
+
+def apply_schedule(optimizer: Optimizer, schedule, step: int) -> dict | None:
+    """Write ``schedule(step)`` (a ``{param-group key: value}`` function of the step, `optim.schedules`) into every
+    param group of ``optimizer``, unchecked: ``OptimizerBundle.check_schedule`` checked the schedule once. Returns
+    the values when ``step`` (past the first) begins a new phase, the hybrid optimizer's switch to SGD, for the
+    caller to say so; else None."""
+    settings = schedule(step)
+    groups = optimizer.param_groups
+    previous = groups[0].get("phase")
+    for group in groups:
+        group.update(settings)
+    return settings if "phase" in settings and previous != settings["phase"] and step > 0 else None
 
 
 # ---------------------------------------------------------------- group validation: each check is (group, key, ...)
@@ -190,7 +205,7 @@ def _lars_update(opt_state, buffers, params, group, mode):
 
 class _GroupValidatingOptimizer(Optimizer):
     """Validates each param group (defaults merged in) when it is added or loaded, and the values that
-    ``OptimizerBundle.apply_schedule`` writes (``validate``); ``step()`` trusts them."""
+    ``apply_schedule`` writes (``validate``, through ``OptimizerBundle.check_schedule``); ``step()`` trusts them."""
 
     RULES: dict = {}  # group key -> (check, its arguments), in the order they are checked
 

@@ -17,7 +17,7 @@ import torch
 
 from hybridtrain.config import load_config
 from hybridtrain.models import model_from_config
-from hybridtrain.optim import create_optimizer, optimizer_spec
+from hybridtrain.optim import apply_schedule, create_optimizer, optimizer_spec
 from hybridtrain.optim.schedules import hybrid_phase_start
 from hybridtrain.outputs import markdown_table
 from hybridtrain.perf.step_bench import bench_device, optimizer_label, synthetic_classes, timed_steps
@@ -61,7 +61,7 @@ def bench_optimizer(config: str | None, overrides: list[str], steps: int, warmup
         scheduled = iter(range(start, start + warmup + steps))
 
         def step(bundle=bundle, scheduled=scheduled):
-            bundle.apply_schedule(next(scheduled))
+            apply_schedule(bundle.optimizer, bundle.schedule, next(scheduled))
             bundle.optimizer.step()
         rows.append(row(name, timed_steps(step, steps, warmup, device, name), parameters))
         assert bundle.optimizer.param_groups[0]["phase"] == phase  # the rows time the phase they name

@@ -47,6 +47,7 @@ def worker(config: str, overrides: list[str], compression: str, steps: int, warm
     from hybridtrain.distributed import collectives as distributed
     from hybridtrain.engine.step import train_step
     from hybridtrain.engine.trainer import build_trainer
+    from hybridtrain.optim import apply_schedule
     from hybridtrain.optim.schedules import hybrid_phase_start
 
     cfg = measured_config(config, overrides, compression)
@@ -59,7 +60,7 @@ def worker(config: str, overrides: list[str], compression: str, steps: int, warm
     start_step = hybrid_phase_start(phase, cfg.optim.adabound_epochs, t.updates)  # SGD + LARS: from epoch T
 
     def scheduled_step(step: int) -> None:
-        t.bundle.apply_schedule(start_step + step)
+        apply_schedule(t.bundle.optimizer, t.bundle.schedule, start_step + step)
         train_step(t.step, t.bundle.optimizer, t.precision, micro_batches)
     for step in range(warmup):
         scheduled_step(step)

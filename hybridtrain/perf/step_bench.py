@@ -40,7 +40,7 @@ from hybridtrain.engine.memory import memory_figures, reset_peak_memory
 from hybridtrain.engine.step import build_train_step, check_speedups
 from hybridtrain.errors import UserError
 from hybridtrain.models import model_from_config
-from hybridtrain.optim import create_optimizer, optimizer_spec
+from hybridtrain.optim import apply_schedule, create_optimizer, optimizer_spec
 from hybridtrain.optim.schedules import HYBRID_PHASES, hybrid_phase_start
 from hybridtrain.outputs import markdown_table
 from hybridtrain.perf.bench_sets import row_sets
@@ -191,7 +191,7 @@ def trainer_loop(cfg, phase: str = "adabound"):
     counter = {"step": hybrid_phase_start(phase, cfg.optim.adabound_epochs, STEPS_PER_EPOCH)}
 
     def step():
-        bundle.apply_schedule(counter["step"])
+        apply_schedule(bundle.optimizer, bundle.schedule, counter["step"])
         run_step(bundle.optimizer, precision, [(images, labels, 1.0)])
         counter["step"] += 1
     return step, device, precision, bundle

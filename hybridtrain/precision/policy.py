@@ -18,7 +18,6 @@ decision without another collective. Dynamic scaling halves S on overflow and do
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -125,9 +124,3 @@ def prepare_model(model: nn.Module, policy: Policy) -> nn.Module:
             run_stage_in(module, dtype)
     return model
 
-
-def forward_context(policy: Policy, device: torch.device):
-    """Autocast around the whole forward pass in mixed mode; nothing otherwise."""
-    if policy.autocast_dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=policy.autocast_dtype)

@@ -1,7 +1,9 @@
-"""Loss scaling around the engine's step (seeds 001 and 004): scale, all-reduce, unscale, skip a
-non-finite step, grow or shrink S."""
+"""Precision at step time: the forward's autocast context and loss scaling around the engine's step (seeds 001
+and 004): scale, all-reduce, unscale, skip a non-finite step, grow or shrink S. What the policy decides before the
+run (dtypes, the model's casts, per-stage precision) is ``policy``'s."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -104,6 +106,11 @@ class Precision:
     """The resolved precision policy and the loss scaler, as the training step needs them."""
     policy: Policy
     scaler: LossScaler
+
+    def forward_context(self, device: torch.device):
+        """Autocast around the whole forward pass in mixed mode; nothing otherwise."""
+        dtype = self.policy.autocast_dtype
+        return contextlib.nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
 
 
 def create_precision(p) -> Precision:

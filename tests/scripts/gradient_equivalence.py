@@ -19,7 +19,7 @@ from hybridtrain.data.sharding import random_split_sizes
 from hybridtrain.distributed.collectives import init, wrap_optimizer
 from hybridtrain.engine.epoch import micro_batch_weight
 from hybridtrain.engine.step import backward_pass, classification_loss
-from hybridtrain.optim import create_optimizer
+from hybridtrain.optim import apply_schedule, create_optimizer
 from hybridtrain.precision.scaler import create_precision
 
 FEATURES, CLASSES = 6, 4
@@ -69,7 +69,7 @@ def hybrid_run(cfg, k: int, b: int) -> list[float]:
     precision = create_precision(cfg.precision)
     for update in range(4):  # epochs 0 (AdaBound) and 1 (LARS-SGD), 2 updates each
         x, y = data(2 * b, 1000 * update + hvd.rank())  # this rank's 2b samples of the update, in k passes
-        bundle.apply_schedule(update)
+        apply_schedule(bundle.optimizer, bundle.schedule, update)
         optimizer.zero_grad()
         for j in range(k):
             part = slice(j * 2 * b // k, (j + 1) * 2 * b // k)

@@ -19,7 +19,7 @@ from hybridtrain.distributed import collectives as distributed
 from hybridtrain.distributed.engines import with_step_contract
 from hybridtrain.engine.step import build_train_step
 from hybridtrain.models import create_model
-from hybridtrain.optim import create_optimizer
+from hybridtrain.optim import apply_schedule, create_optimizer
 from hybridtrain.perf.step_bench import synthetic_batch
 from hybridtrain.precision.policy import prepare_model, set_fp32_math
 from hybridtrain.precision.scaler import create_precision
@@ -51,7 +51,7 @@ def train(sets: list[str], device: torch.device, horovod: bool):
             p.register_hook(lambda g: g.half().to(g.dtype))
     losses, layouts_kept = [], True
     for i in range(3):
-        bundle.apply_schedule(i)
+        apply_schedule(bundle.optimizer, bundle.schedule, i)
         loss = step(bundle.optimizer, precision, [(images, labels, 1.0)]).loss
         losses.append(float(loss))
         layouts_kept &= all(p.grad is None or p.grad.stride() == p.stride() for p in model.parameters())

@@ -6,11 +6,12 @@ usage: torch_engine_checks.py OUT.json
   computes from the ranks' own gradients cast to FP16: fp16(fp16(g0)/2 + fp16(g1)/2), exactly.
 - accumulation: with k = 2 passes the first pass (no_sync) leaves each rank's gradient its own; after the second
   the gradient is the mean over ranks of the local sums, in FP32.
-- channels_last: NHWC gradients come back NHWC (a bucket view, no layout copy) and equal the NCHW ones.
+- channels_last: NHWC gradients come back NHWC (a bucket view, no layout copy) and equal the NCHW ones; an NHWC
+  model's broadcast (c10d takes it as it is) gives rank 0's values with the NHWC strides kept.
 - loss scaling: a non-finite loss on rank 1 only makes both ranks skip the step and halve S; the next step runs on
   both and leaves bitwise-equal parameters.
 - bucket views: once DDP has rebuilt its buckets (at step 2), the backward accumulates into each gradient in place,
-  and that gradient is still the view of its DDP bucket the step before left (the engine's zero_grad zeroes it in place; set to None,
+  and that gradient is still the view of its DDP bucket the step before left (the wrapped optimizer's zero_grad zeroes it in place; set to None,
   every backward allocates new gradients that the reducer copies into the buckets).
 - shutdown: the engine destroys its process group, so no Gloo thread is left for the interpreter's teardown.
 """
@@ -87,7 +88,16 @@ def channels_last(cfg, rank: int) -> dict:
     ddp = distributed.wrap_model(small_net(torch.channels_last), cfg)
     nn.functional.cross_entropy(ddp(images.contiguous(memory_format=torch.channels_last)), labels).backward()
     params = list(ddp.module.parameters())
-    return {"nhwc_grads_keep_strides": all(p.grad.stride() == p.stride() for p in params),
+    broadcast = small_net(torch.channels_last)
+    with torch.no_grad():
+        for p in broadcast.parameters():
+            p.add_(rank)  # different on each rank until the broadcast
+    strides = [p.stride() for p in broadcast.parameters()]
+    distributed.broadcast_model(broadcast)
+    return {"nhwc_broadcast_is_rank0s": all(torch.equal(p, q) for p, q in zip(broadcast.parameters(),
+                                                                             small_net().parameters())),
+            "nhwc_broadcast_keeps_strides": [p.stride() for p in broadcast.parameters()] == strides,
+            "nhwc_grads_keep_strides": all(p.grad.stride() == p.stride() for p in params),
             "nhwc_conv_grad_is_channels_last": params[0].grad.is_contiguous(memory_format=torch.channels_last),
             "nhwc_max_error": max(float(np.abs(p.grad.double().numpy() - e).max()) for p, e in zip(params, nchw))}
 
