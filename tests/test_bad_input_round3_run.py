@@ -25,8 +25,8 @@ import yaml
 from conftest import HYBRIDTRAIN, REPO, read_metrics, run, tiny_config
 
 from hybridtrain.data import sharding
+from hybridtrain.engine.guards import exit_after_s
 from hybridtrain.engine.resume import consumed_samples, step_in_epoch
-from hybridtrain.engine.watchdog import exit_after_s
 
 STALL_SHUTDOWN_S = 2  # shorter than the validation pass below (~1,800 images), longer than any training step
 
@@ -164,7 +164,7 @@ def test_local_work_stops_the_clock_and_a_stall_after_it_is_still_named():
     """The mechanism on the real watchdog (stall_shutdown_s=1, rank 0): 3 s of local work, twice the limit, pass
     without a word; the clock starts again at its end, so the stall right after it ends the rank (3) with the
     'a rank hung' line about 1 s later, not sooner and not never."""
-    script = ("import sys, time\nfrom hybridtrain.engine.watchdog import StallWatchdog, local_work\n"
+    script = ("import sys, time\nfrom hybridtrain.engine.guards import StallWatchdog, local_work\n"
               "w = StallWatchdog(1, 1, rank=0, poll_s=0.05); w.beat()\n"
               "with local_work('validation'):\n    time.sleep(3)\n"
               "print(time.monotonic(), flush=True); sys.stderr.flush(); time.sleep(30)\n")

@@ -19,8 +19,9 @@ from conftest import HOROVODRUN, HYBRIDTRAIN, REPO, assert_one_error_line, horov
 from hybridtrain.config import load_config
 from hybridtrain.data.sharding import MIN_RANDOM_SHARE, random_split_sizes, train_batches
 from hybridtrain.engine.epoch import micro_batch_weight
+from hybridtrain.engine.step import RunningStatsGuard
 from hybridtrain.models import create_model
-from hybridtrain.models.batchnorm import CrossRankBatchNorm, RunningStatsGuard, batch_norms, configure_batch_norm
+from hybridtrain.models.batchnorm import CrossRankBatchNorm, batch_norms, configure_batch_norm
 
 
 def run_script(name: str, *args: str, ranks: int = 2) -> subprocess.CompletedProcess:

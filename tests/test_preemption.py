@@ -192,7 +192,7 @@ def test_a_bad_resume_value_is_one_line(tmp_path):
 CHECK_SCRIPT = """
 import os, signal
 from hybridtrain.distributed import collectives as distributed
-from hybridtrain.engine.preemption import PreemptionWatch
+from hybridtrain.engine.guards import PreemptionWatch
 topo = distributed.init(device="cpu", engine="horovod")
 watch = PreemptionWatch()
 watch.join(topo)  # the job has formed (a SIGTERM before that ends the rank at once)
@@ -214,7 +214,7 @@ def test_the_sigterm_flag_is_summed_every_few_steps_and_still_stops_within_them(
     a long epoch sums it every 8th step, not every step; a SIGTERM before step 11 is summed at step 16 and stops
     the run after step 17 (the check started at 16 is collected one step later). steps_between_checks: every 8th
     step, or 4 times an epoch, so the 5-step epochs above stop after every step."""
-    from hybridtrain.engine.preemption import steps_between_checks
+    from hybridtrain.engine.guards import steps_between_checks
     assert [steps_between_checks(n) for n in (1, 5, 8, 31, 32, 1000, 5004)] == [1, 1, 2, 7, 8, 8, 8]
     proc = subprocess.run([sys.executable, "-c", CHECK_SCRIPT], env=env_with_venv(), capture_output=True,
                           text=True, timeout=120)

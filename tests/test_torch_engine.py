@@ -101,7 +101,7 @@ def test_the_collective_timeout_outlasts_the_stall_watchdog_of_every_rank(stall,
     its last step (polling every 0.5 s); the group's timeout is a minute past the last rank's exit."""
     from hybridtrain.config import load_config
     from hybridtrain.distributed.torch_distributed import collective_timeout_s
-    from hybridtrain.engine.watchdog import exit_after_s
+    from hybridtrain.engine.guards import exit_after_s
     sets = ["distributed.stall_warning_s=1", f"distributed.stall_shutdown_s={stall}",
             f"distributed.gloo_timeout_s={gloo}"]
     timeout = collective_timeout_s(load_config(None, sets).distributed)
@@ -119,7 +119,7 @@ def test_the_stall_watchdog_ends_a_rank_when_exit_after_s_says():
     with its line 1 + 2 s after its last beat, not sooner. The clock starts at the beat as the script reports it
     (CLOCK_MONOTONIC: one clock for all processes), not at the process start, which a loaded machine stretches;
     the upper bound only says the watchdog, not the end of the 30 s sleep, ended it."""
-    script = ("import time; from hybridtrain.engine.watchdog import StallWatchdog\n"
+    script = ("import time; from hybridtrain.engine.guards import StallWatchdog\n"
               "w = StallWatchdog(1, 1, rank=2, poll_s=0.05); w.beat(); print(time.monotonic(), flush=True)\n"
               "time.sleep(30)\n")
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -49,7 +49,7 @@ def backend_for(device: torch.device, env=None) -> str:
     return "cpu:gloo,cuda:nccl"
 
 
-# engine/watchdog.py ends rank r min(r, 30) s after stall_shutdown_s (RANK_STAGGER_MAX_S there: distributed/ does
+# engine/guards.py ends rank r min(r, 30) s after stall_shutdown_s (RANK_STAGGER_MAX_S there: distributed/ does
 # not import engine/); the group's timeout leaves the last of them a minute more to print its line and exit
 WATCHDOG_STAGGER_MAX_S = 30
 WATCHDOG_MARGIN_S = 60

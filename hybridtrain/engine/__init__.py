@@ -3,9 +3,10 @@
 - ``trainer``: what a rank trains with (model, data, optimizer, precision, step), built once;
 - ``loop``: the epoch loop and the one end-of-epoch path (BN averaging, checkpoint, validation, record);
 - ``epoch``: the batch loop of one epoch, and validation;
-- ``step``: how one step's forward and backward run (eager, compiled, CUDA graph) and the whole step;
+- ``step``: the whole step (zero, passes, update or a skipped one undone) and how its passes run (eager, compiled,
+  CUDA graph);
 - ``resume``, ``checkpoint``, ``rundir``: what a run keeps on disk and how it continues;
-- ``elastic``, ``preemption``, ``watchdog``: ranks that come, go, are stopped or hang;
+- ``elastic``, ``guards``: ranks that come, go, are stopped (SIGTERM) or hang (the stall watchdog);
 - ``telemetry``, ``records``, ``memory``: what a run says and records.
 
 May import: data, models, optim, precision, distributed, config, errors. Never perf, reports or cli.

@@ -11,10 +11,9 @@ import torch
 
 from hybridtrain.data.loaders import to_device
 from hybridtrain.distributed import collectives as distributed
-from hybridtrain.engine.step import StepResult, classification_loss, train_step
-from hybridtrain.engine.watchdog import local_work
+from hybridtrain.engine.guards import local_work
+from hybridtrain.engine.step import RunningStatsGuard, StepResult, classification_loss, train_step
 from hybridtrain.errors import UserError
-from hybridtrain.models.batchnorm import RunningStatsGuard
 from hybridtrain.optim import apply_schedule
 from hybridtrain.precision.scaler import Precision
 

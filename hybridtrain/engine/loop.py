@@ -20,9 +20,9 @@ from hybridtrain.engine.epoch import (
     StepSnapshot,
     evaluate,
 )
+from hybridtrain.engine.guards import PreemptionWatch, StallWatchdog, root_writes, steps_between_checks
 from hybridtrain.engine.memory import reset_peak_memory
 from hybridtrain.engine.metrics_file import truncate_metrics
-from hybridtrain.engine.preemption import PreemptionWatch, steps_between_checks
 from hybridtrain.engine.records import (
     SampleAudit,
     audit_path,
@@ -35,7 +35,6 @@ from hybridtrain.engine.resume import checkpoint_state, restore, resume_state, s
 from hybridtrain.engine.step import compile_steps, compiles_in_epoch, warmup_steps
 from hybridtrain.engine.telemetry import ProgressBar, log, tensorboard_writer
 from hybridtrain.engine.trainer import Trainer, build_trainer
-from hybridtrain.engine.watchdog import StallWatchdog, root_writes
 from hybridtrain.errors import PeerFailure, UserError, is_peer_failure
 from hybridtrain.models.batchnorm import average_running_statistics
 
@@ -217,7 +216,7 @@ def train_epoch(cfg: Config, t: Trainer, position: EpochPosition, first_of_proce
 
 
 def stall_watchdog(cfg: Config, topo) -> StallWatchdog:
-    """This rank's stall watchdog (watchdog.py), for the static and the elastic loop."""
+    """This rank's stall watchdog (guards.py), for the static and the elastic loop."""
     return StallWatchdog(cfg.distributed.stall_warning_s, cfg.distributed.stall_shutdown_s, topo.rank)
 
 

@@ -10,8 +10,8 @@ from hybridtrain.config import Config
 from hybridtrain.distributed import collectives as distributed
 from hybridtrain.engine import checkpoint, rundir
 from hybridtrain.engine.epoch import EpochPosition, EpochProgress
+from hybridtrain.engine.guards import root_writes
 from hybridtrain.engine.telemetry import log
-from hybridtrain.engine.watchdog import root_writes
 from hybridtrain.errors import UserError
 from hybridtrain.models.batchnorm import average_running_statistics, running_buffers
 

@@ -1,4 +1,6 @@
-"""The opt-in speed-ups of the training step: ``train.compile`` and ``train.cuda_graphs``.
+"""The training step, ``train_step``: zero the gradients, forward and scaled backward of each micro-batch, the
+update, or on overflow no update and the BN running statistics put back (``RunningStatsGuard``, which also keeps a
+CUDA graph's warm-up passes out of them); and its opt-in speed-ups: ``train.compile`` and ``train.cuda_graphs``.
 
 ``train.compile``: ``torch.compile`` (inductor, default mode) of the model for the training step only; the
 checkpoints, the optimizer, Horovod and evaluation keep the plain module, which shares its parameters, so the
@@ -37,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridtrain.errors import UserError
-from hybridtrain.models.batchnorm import RunningStatsGuard
+from hybridtrain.models.batchnorm import batch_norms, running_buffers
 from hybridtrain.models.resnet import ResidualBlock
 from hybridtrain.optim import optimizer_spec
 from hybridtrain.precision.scaler import Precision
@@ -109,6 +111,26 @@ def compile_steps(compiles: bool, warmup: int) -> int:
     """The first steps of an epoch that may compile, capture or autotune for longer than the stall limit: the
     warmup steps, at least the first, when the epoch compiles (`compiles_in_epoch`); else none."""
     return max(warmup, 1) if compiles else 0
+
+
+class RunningStatsGuard:
+    """Every BN's running statistics as they were before a step, put back when the step is skipped: a batch with
+    a NaN must not poison them (with a moving average it would never wash out)."""
+
+    def __init__(self, model: torch.nn.Module):
+        counters = [bn.num_batches_tracked for bn in batch_norms(model) if bn.num_batches_tracked is not None]
+        # one list per dtype for the foreach copies: the statistics, and the int64 batch counters (a CUDA graph's
+        # warm-up passes must not leave them ahead of eager's, gpu-path-2 #16)
+        self.groups = [group for group in (running_buffers(model), counters) if group]
+        self.saved = [[buf.clone() for buf in group] for group in self.groups]
+
+    def save(self) -> None:
+        for saved, group in zip(self.saved, self.groups):
+            torch._foreach_copy_(saved, group)
+
+    def restore(self) -> None:
+        for saved, group in zip(self.saved, self.groups):
+            torch._foreach_copy_(group, saved)
 
 
 class GraphedStep:

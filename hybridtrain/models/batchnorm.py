@@ -61,26 +61,6 @@ def configure_batch_norm(model: nn.Module, bn_cfg, device: torch.device) -> nn.M
     return model
 
 
-class RunningStatsGuard:
-    """Every BN's running statistics as they were before a step, put back when the step is skipped: a batch with
-    a NaN must not poison them (with a moving average it would never wash out)."""
-
-    def __init__(self, model: nn.Module):
-        counters = [bn.num_batches_tracked for bn in batch_norms(model) if bn.num_batches_tracked is not None]
-        # one list per dtype for the foreach copies: the statistics, and the int64 batch counters (a CUDA graph's
-        # warm-up passes must not leave them ahead of eager's, gpu-path-2 #16)
-        self.groups = [group for group in (running_buffers(model), counters) if group]
-        self.saved = [[buf.clone() for buf in group] for group in self.groups]
-
-    def save(self) -> None:
-        for saved, group in zip(self.saved, self.groups):
-            torch._foreach_copy_(saved, group)
-
-    def restore(self) -> None:
-        for saved, group in zip(self.saved, self.groups):
-            torch._foreach_copy_(group, saved)
-
-
 # ----------------------------------------------------------------------------- averaging over ranks
 
 @torch.no_grad()
