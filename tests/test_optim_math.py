@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from hybridtrain.optim.kernels import adabound_step_, lars_sgd_step_
-from hybridtrain.optim.optimizers import LARS, HybridOptimizer, LinearScalingAdaBound
+from hybridtrain.optim.optimizers import LARS, HybridOptimizer, LinearScalingAdaBound, adabound_step_, lars_sgd_step_
 from hybridtrain.optim.schedules import (
     adabound_bounds,
     bound_progress,

@@ -1,6 +1,8 @@
-"""``torch.optim.Optimizer`` subclasses for the hybrid gradient descent, built on `kernels`.
+"""``torch.optim.Optimizer`` subclasses for the hybrid gradient descent and the multi-tensor kernels that run their
+updates, side by side as ``torch.optim``'s own modules hold each optimizer with its ``_foreach`` kernel. The checks
+of the values written into their param groups are ``optim.rules``.
 
-Horovod's ``DistributedOptimizer`` rebuilds an optimizer as ``cls(optimizer.param_groups)``, so
+**The optimizers.** Horovod's ``DistributedOptimizer`` rebuilds an optimizer as ``cls(optimizer.param_groups)``, so
 every constructor argument besides ``params`` has a default and every hyperparameter lives in
 the param groups (which also makes ``state_dict()`` carry all of it). Group hyperparameters are
 plain Python values; the trainer may change them between steps (lr, bounds, phase). Each optimizer checks
@@ -15,23 +17,24 @@ update those get plain momentum SGD with no weight decay.
 Note: string-valued group keys (``mode``, ``lars_mode``, ``phase``) cannot go through
 ``hvd.broadcast_optimizer_state`` (it wraps every group value in a tensor); broadcast with
 ``hvd.broadcast_object(optimizer.state_dict())`` + ``load_state_dict`` instead.
+
+**The kernels** (AdaBound, LARS-SGD, and their compiled variants). Every function updates LISTS of tensors in
+place; all tensors of one call live on one device, and nothing reads a value back to the host (no ``.item()``).
+``adabound_step_`` and ``lars_sgd_step_`` issue a fixed number of foreach ops per call, whatever the number of
+tensors, with the hyperparameters as Python floats. The ``*_tensor_step_`` variants take the values the schedule
+changes every step as 0-dim device tensors and are meant for ``compiled(...)`` (``optim.fused``): inductor fuses
+each tensor's update into one loop.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 from torch.optim import Optimizer
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from hybridtrain.optim.kernels import (
-    LARS_MODES,
-    adabound_step_,
-    adabound_step_size,
-    adabound_tensor_step_,
-    compiled,
-    lars_sgd_step_,
-    lars_tensor_step_,
-)
+from hybridtrain.optim.rules import LARS_MODES, adabound_rules, lars_rules, require_bool, require_choice
 from hybridtrain.optim.schedules import HYBRID_PHASES as PHASES
 
 RUN_CHOICE_KEYS = ("fused",)  # group keys that say how this run updates, kept from the run, not the checkpoint
@@ -52,65 +55,163 @@ def apply_schedule(optimizer: Optimizer, schedule, step: int) -> dict | None:
     return settings if "phase" in settings and previous != settings["phase"] and step > 0 else None
 
 
-# ---------------------------------------------------------------- group validation: each check is (group, key, ...)
+# ---------------------------------------------------------------- multi-tensor update kernels (torch._foreach_*)
 
-def _require_at_least(group, key, minimum):
-    value = group[key]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= minimum:
-        raise ValueError(f"{key} must be a number >= {minimum}, got {value!r}")
-
-
-def _require_in_unit_interval(group, key):
-    value = group[key]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
-        raise ValueError(f"{key} must be in [0, 1), got {value!r}")
+def _check_same_length(**lists):
+    lengths = {name: len(values) for name, values in lists.items()}
+    if len(set(lengths.values())) > 1:
+        raise ValueError(f"tensor lists must have equal lengths, got {lengths}")
 
 
-def _require_positive(group, key):
-    value = group[key]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{key} must be a number > 0, got {value!r}")
+def adabound_step_size(step, alpha, beta1, beta2):
+    """Bias-corrected scalar step alpha * sqrt(1 - beta2^k) / (1 - beta1^k) for 1-based step k."""
+    return alpha * math.sqrt(1.0 - beta2**step) / (1.0 - beta1**step)  # alpha*sqrt(1-b2^k)/(1-b1^k)
 
 
-def _require_choice(group, key, choices):
-    if group[key] not in choices:
-        raise ValueError(f"{key} must be one of {choices}, got {group[key]!r}")
+def adabound_step_(params, grads, exp_avgs, exp_avg_sqs, scratch, step, alpha, beta1, beta2, eps,
+                   weight_decay, lower, upper):
+    """One AdaBound update (Luo et al. 2019 reference algorithm) of every tensor in ``params``.
+
+    ``step`` is the 1-based step k after this update; ``lower``/``upper`` are the clip bounds
+    (floats, ``upper`` may be inf). ``grads`` are not modified. ``scratch`` holds one buffer shaped like each
+    param, overwritten here (first g + wd*p, then the denominator), so the update allocates nothing: on the CPU
+    a fresh model-sized result costs its page faults on every step.
+    """
+    _check_same_length(params=params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, scratch=scratch)
+    if not params:
+        return
+    if weight_decay != 0:
+        torch._foreach_copy_(scratch, grads)
+        torch._foreach_add_(scratch, params, alpha=weight_decay)  # g <- g + wd * p (coupled L2)
+        grads = scratch
+    torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)  # m = b1*m + (1-b1)*g, as m + (1-b1)*(g - m): one pass
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)  # v = b2*v + (1-b2)*g^2
+    size = adabound_step_size(step, alpha, beta1, beta2)
+    if size == 0:  # alpha = 0: eta = clip(0, lower, upper) = lower
+        torch._foreach_add_(params, exp_avgs, alpha=-lower)
+        return
+    denominators = scratch
+    torch._foreach_copy_(denominators, exp_avg_sqs)
+    torch._foreach_sqrt_(denominators)
+    torch._foreach_add_(denominators, eps)  # d = sqrt(v) + eps
+    # eta = clip(size / d, lower, upper) = size / clip(d, size/upper, size/lower): the bounds move onto d
+    if math.isfinite(upper):
+        torch._foreach_clamp_min_(denominators, size / upper if upper > 0 else math.inf)  # eta <= upper
+    if lower > 0:
+        torch._foreach_clamp_max_(denominators, size / lower)  # eta >= lower
+    torch._foreach_addcdiv_(params, exp_avgs, denominators, value=-size)  # p <- p - eta * m, in one pass
 
 
-def _require_bool(group, key):
-    if not isinstance(group[key], bool):
-        raise ValueError(f"{key} must be True or False, got {group[key]!r}")
+def lars_trust_factors(params, grads, lr, weight_decay, trust_coefficient, eps, mode):
+    """Per-tensor factor multiplying (g + wd*w), as a list of 0-dim device tensors.
+
+    local_lr = eta * ||w|| / (||g|| + wd * ||w|| + eps) (You et al. 2017).
+    mode "scale": factor = local_lr.
+    mode "clip" (LARC): factor = min(local_lr / lr, 1), so the effective lr is min(local_lr, lr).
+    In both modes the factor is 1 when ||w|| == 0 or ||g|| == 0 (no adaptation).
+    """
+    if mode not in LARS_MODES:
+        raise ValueError(f"mode must be one of {LARS_MODES}, got {mode!r}")
+    w_norms = torch.stack(torch._foreach_norm(params))
+    g_norms = torch.stack(torch._foreach_norm(grads))
+    local_lr = trust_coefficient * w_norms / (g_norms + weight_decay * w_norms + eps)  # eta*||w||/(||g||+wd*||w||+eps)
+    if mode == "clip":
+        local_lr = torch.clamp(local_lr / lr, max=1.0)  # LARC: min(local_lr / lr, 1)
+    adapt = (w_norms > 0) & (g_norms > 0)
+    factors = torch.where(adapt, local_lr, torch.ones_like(local_lr))  # factor = 1 if a norm is 0
+    return list(factors.unbind(0))
 
 
-def _require_betas(group, key):
-    betas = group[key]
-    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        raise ValueError(f"betas must be a pair (beta1, beta2) with each in [0, 1), got {betas!r}")
-    for name, beta in zip(("betas[0]", "betas[1]"), betas):
-        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta < 1.0:
-            raise ValueError(f"{name} must be in [0, 1), got {beta!r}")
+def _momentum_sgd_(params, directions, momentum_bufs, lr, momentum):
+    """buf = momentum * buf + d; p <- p - lr * buf (no dampening, no Nesterov)."""
+    torch._foreach_mul_(momentum_bufs, momentum)
+    torch._foreach_add_(momentum_bufs, directions)  # buf = mu*buf + d
+    torch._foreach_add_(params, momentum_bufs, alpha=-lr)  # p <- p - lr*buf
 
 
-def _require_upper_bound(group, key):
-    upper = group[key]
-    if isinstance(upper, bool) or not isinstance(upper, (int, float)) or math.isnan(upper):
-        raise ValueError(f"{key} must be a number (inf allowed), got {upper!r}")
-    if upper < group["lower_bound"]:
-        raise ValueError(f"{key} ({upper!r}) must be >= lower_bound ({group['lower_bound']!r})")
+def _split_by_flag(flags, *lists):
+    """Split each list into (flagged, unflagged) sublists by the boolean ``flags``."""
+    on = [i for i, flag in enumerate(flags) if flag]
+    off = [i for i, flag in enumerate(flags) if not flag]
+    return [([values[i] for i in on], [values[i] for i in off]) for values in lists]
 
 
-def _adabound_rules(alpha_key):
-    """The AdaBound update's keys -> (check, its arguments), in the order they are checked."""
-    return {alpha_key: (_require_at_least, 0.0), "betas": (_require_betas,), "eps": (_require_at_least, 0.0),
-            "weight_decay": (_require_at_least, 0.0), "lower_bound": (_require_at_least, 0.0),
-            "upper_bound": (_require_upper_bound,)}
+def lars_sgd_step_(params, grads, momentum_bufs, scratch, lr, momentum, weight_decay, trust_coefficient,
+                   eps, mode, apply_lars):
+    """One LARS-SGD update with momentum of every tensor in ``params``.
+
+    Tensors with ``apply_lars[i]`` True: d = (g + wd*w) * factor with factor from
+    `lars_trust_factors` ("scale": local_lr; "clip"/LARC: min(local_lr/lr, 1)).
+    Tensors with ``apply_lars[i]`` False (BN, biases): d = g, no weight decay.
+    ``apply_lars`` is a list of bools aligned with ``params``, or one bool for all.
+    Then for all: buf = momentum*buf + d; p <- p - lr*buf. Buffers must start at zero. ``grads`` are not
+    modified; ``scratch`` (one buffer like each param) is overwritten with the directions d.
+    """
+    if isinstance(apply_lars, bool):
+        apply_lars = [apply_lars] * len(params)
+    _check_same_length(params=params, grads=grads, momentum_bufs=momentum_bufs, scratch=scratch,
+                       apply_lars=apply_lars)
+    if mode not in LARS_MODES:
+        raise ValueError(f"mode must be one of {LARS_MODES}, got {mode!r}")
+    (lars_p, plain_p), (lars_g, plain_g), (lars_b, plain_b), (directions, _) = _split_by_flag(
+        apply_lars, params, grads, momentum_bufs, scratch)
+    if lars_p:
+        factors = lars_trust_factors(lars_p, lars_g, lr, weight_decay, trust_coefficient, eps, mode)
+        torch._foreach_copy_(directions, lars_g)
+        if weight_decay != 0:
+            torch._foreach_add_(directions, lars_p, alpha=weight_decay)  # g + wd*w
+        torch._foreach_mul_(directions, factors)  # d = (g + wd*w) * factor
+        _momentum_sgd_(lars_p, directions, lars_b, lr, momentum)
+    if plain_p:
+        _momentum_sgd_(plain_p, plain_g, plain_b, lr, momentum)  # excluded: d = g
 
 
-def _lars_rules(mode_key):
-    """The LARS-SGD update's keys -> (check, its arguments)."""
-    return {"lr": (_require_at_least, 0.0), "momentum": (_require_in_unit_interval,),
-            "weight_decay": (_require_at_least, 0.0), "trust_coefficient": (_require_positive,),
-            "eps": (_require_at_least, 0.0), mode_key: (_require_choice, LARS_MODES), "lars": (_require_bool,)}
+# ---------------------------------------------------------------- compiled (fused) updates
+
+def adabound_tensor_step_(params, grads, exp_avgs, exp_avg_sqs, step_size, lower, upper, beta1, beta2, eps,
+                          weight_decay):
+    """`adabound_step_` for ``torch.compile``: the values the schedule changes every step (the bias-corrected
+    step size, the bounds) are 0-dim tensors on the parameters' device, so a compiled update is built once
+    and fused into one loop per tensor, and never recompiles as they change."""
+    if weight_decay != 0:
+        grads = torch._foreach_add(grads, params, alpha=weight_decay)  # g <- g + wd * p
+    torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)  # m = b1*m + (1-b1)*g
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)  # v = b2*v + (1-b2)*g^2
+    denominators = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_add_(denominators, eps)  # sqrt(v) + eps
+    for p, m, denominator in zip(params, exp_avgs, denominators):
+        p.addcmul_(torch.clamp(step_size / denominator, lower, upper), m, value=-1.0)  # p -= clip(eta, B_l, B_u) m
+
+
+def lars_tensor_step_(params, grads, momentum_bufs, lr, momentum, weight_decay, trust_coefficient, eps, mode,
+                      apply_lars):
+    """`lars_sgd_step_` for ``torch.compile``, with ``lr`` a 0-dim tensor (see `adabound_tensor_step_`) and the
+    trust ratio of each tensor computed next to its update (no per-tensor scalars leave the fused loop)."""
+    for p, g, buf, lars in zip(params, grads, momentum_bufs, apply_lars):
+        direction = g
+        if lars:
+            w_norm, g_norm = torch.linalg.vector_norm(p), torch.linalg.vector_norm(g)
+            local_lr = trust_coefficient * w_norm / (g_norm + weight_decay * w_norm + eps)  # eta||w||/(||g||+wd||w||+e)
+            if mode == "clip":
+                local_lr = torch.clamp(local_lr / lr, max=1.0)  # LARC: min(local_lr / lr, 1)
+            factor = torch.where((w_norm > 0) & (g_norm > 0), local_lr, torch.ones_like(local_lr))
+            direction = (g + weight_decay * p if weight_decay != 0 else g) * factor  # d = (g + wd*w) * factor
+        buf.mul_(momentum).add_(direction)  # buf = mu*buf + d
+        p.sub_(lr * buf)  # p <- p - lr*buf
+
+
+@functools.lru_cache(maxsize=None)
+def compiled(kernel):
+    """``kernel`` compiled once per process (one graph per list structure; the values are inputs). Under a
+    Python dispatch mode (``perf.host_syncs`` counts with one) dynamo does not trace, so there it runs eagerly:
+    the same operations, one tensor at a time."""
+    fast = torch.compile(kernel, fullgraph=True)
+
+    def run(*args):
+        return kernel(*args) if _get_current_dispatch_mode() is not None else fast(*args)
+    return run
 
 
 # ---------------------------------------------------------------- shared step helpers
@@ -261,7 +362,7 @@ class LARS(_GroupValidatingOptimizer):
     buf = momentum*buf + d; p <- p - lr*buf. Groups with ``lars=False``: d = g, no weight decay.
     """
 
-    RULES = _lars_rules("mode")
+    RULES = lars_rules("mode")
 
     def __init__(self, params, lr=0.1, momentum=0.9, weight_decay=1e-4, trust_coefficient=0.02,
                  eps=1e-8, mode="scale"):
@@ -281,7 +382,7 @@ class LinearScalingAdaBound(_GroupValidatingOptimizer):
     `schedules.reference_adabound_bounds` (reference AdaBound baseline).
     """
 
-    RULES = {**_adabound_rules("lr"), "fused": (_require_bool,)}
+    RULES = {**adabound_rules("lr"), "fused": (require_bool,)}
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-4,
                  lower_bound=0.0, upper_bound=math.inf, fused=False):
@@ -299,7 +400,7 @@ class HybridOptimizer(_GroupValidatingOptimizer):
     ``group["phase"]`` selects the update: "adabound" uses ``alpha``, ``betas``, ``eps``,
     ``weight_decay`` and the bounds; "sgd" uses ``lr``, ``momentum``, ``weight_decay``,
     ``trust_coefficient``, ``eps``, ``lars_mode`` and ``lars``. ``fused``: both run as compiled kernels
-    (``kernels.compiled``) with the scheduled values in device tensors, so the phase switch and the schedule
+    (``compiled``) with the scheduled values in device tensors, so the phase switch and the schedule
     never recompile them.
 
     Switching phase: the first step of a phase starts that phase's buffers from zero and drops
@@ -307,8 +408,8 @@ class HybridOptimizer(_GroupValidatingOptimizer):
     bias-correction count ``adabound_step``). ``state["step"]`` counts all updates of a param.
     """
 
-    RULES = {"phase": (_require_choice, PHASES), "fused": (_require_bool,), **_adabound_rules("alpha"),
-             **_lars_rules("lars_mode")}
+    RULES = {"phase": (require_choice, PHASES), "fused": (require_bool,), **adabound_rules("alpha"),
+             **lars_rules("lars_mode")}
 
     def __init__(self, params, lr=0.1, alpha=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-4,
                  momentum=0.9, trust_coefficient=0.02, lars_mode="scale", lower_bound=0.0,
@@ -335,7 +436,7 @@ class HybridOptimizer(_GroupValidatingOptimizer):
     def _update(self, params: list, group: dict) -> None:
         stale = _STALE_KEYS.get(group["phase"])
         if stale is None:  # a phase written into the group past `validate`: the same one line
-            _require_choice(group, "phase", PHASES)
+            require_choice(group, "phase", PHASES)
         self._enter_phase(params, stale)
         if group["phase"] == "adabound":
             _adabound_update(self.state, self.scratch, params, group, group["alpha"], "adabound_step")
