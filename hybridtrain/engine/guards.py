@@ -50,6 +50,8 @@ from hybridtrain.distributed import collectives as distributed
 from hybridtrain.distributed import failures
 from hybridtrain.errors import launcher_rank
 
+# ----------------------------------------------------------------------------- SIGTERM and dead peers
+
 MAX_STEPS_BETWEEN_CHECKS = 8
 
 
