@@ -3,8 +3,8 @@ optimizer and its per-step schedule from the config.
 
 The schedule is a pure function ``schedule(step) -> {param-group key: value}`` (`optim.schedules`) that the
 epoch applies before every optimizer step (``optimizers.apply_schedule``), so any recipe plugs in without touching
-the training loop. The
-engine, config and the bench ask a name's `Spec` what they need to know of it, instead of comparing names.
+the training loop. The engine, config and the bench ask a name's `Spec` what they need to know of it, instead of
+comparing names.
 """
 from __future__ import annotations
 

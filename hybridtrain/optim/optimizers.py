@@ -109,10 +109,9 @@ def lars_trust_factors(params, grads, lr, weight_decay, trust_coefficient, eps, 
     local_lr = eta * ||w|| / (||g|| + wd * ||w|| + eps) (You et al. 2017).
     mode "scale": factor = local_lr.
     mode "clip" (LARC): factor = min(local_lr / lr, 1), so the effective lr is min(local_lr, lr).
-    In both modes the factor is 1 when ||w|| == 0 or ||g|| == 0 (no adaptation).
+    In both modes the factor is 1 when ||w|| == 0 or ||g|| == 0 (no adaptation). ``mode`` was checked by its one
+    caller, `lars_sgd_step_`.
     """
-    if mode not in LARS_MODES:
-        raise ValueError(f"mode must be one of {LARS_MODES}, got {mode!r}")
     w_norms = torch.stack(torch._foreach_norm(params))
     g_norms = torch.stack(torch._foreach_norm(grads))
     local_lr = trust_coefficient * w_norms / (g_norms + weight_decay * w_norms + eps)  # eta*||w||/(||g||+wd*||w||+eps)
