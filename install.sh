@@ -12,7 +12,8 @@
 #
 # Environment knobs:
 #   HYBRIDTRAIN_VENV (default .venv), HYBRIDTRAIN_CACHE (default ~/.cache/hybridtrain), PYTHON (default python3),
-#   HYBRIDTRAIN_SKIP_DALI=1, CXX (default g++), CUDA_HOME, HOROVOD_BUILD_CUDA_CC_LIST (e.g. 90 for H100/H200).
+#   HYBRIDTRAIN_SKIP_DALI=1, CXX (default g++), CUDA_HOME, HOROVOD_BUILD_CUDA_CC_LIST (e.g. 90 for H100/H200),
+#   HYBRIDTRAIN_BUILD_JOBS (Horovod's compile jobs, default nproc).
 #   HOROVOD_GPU_OPERATIONS=NCCL  Horovod's GPU collectives on NCCL. The CUDA toolkit is CUDA_HOME, else the nvcc
 #       on PATH, else /usr/local/cuda, else the nvidia-cuda-nvcc wheels matching torch's CUDA. NCCL is
 #       HOROVOD_NCCL_HOME/_INCLUDE/_LIB when set, else a system NCCL, else torch's own nvidia-nccl wheel.
@@ -189,6 +190,8 @@ check_settings() {
   fi
   [[ "${HOROVOD_BUILD_CUDA_CC_LIST:-70}" =~ ^[0-9]{2,3}(,[0-9]{2,3})*$ ]] \
     || fail "HOROVOD_BUILD_CUDA_CC_LIST=$HOROVOD_BUILD_CUDA_CC_LIST: use compute capabilities without dots, comma-separated, e.g. 70 or 80,90"
+  [[ "${HYBRIDTRAIN_BUILD_JOBS:-1}" =~ ^[1-9][0-9]{0,3}$ ]] \
+    || fail "HYBRIDTRAIN_BUILD_JOBS=$HYBRIDTRAIN_BUILD_JOBS: give a whole number of compile jobs from 1, e.g. 8, or unset it"
   [[ "${HYBRIDTRAIN_GPUS:-0}" =~ ^(none|[0-9]+(,[0-9]+)*)$ ]] \
     || fail "HYBRIDTRAIN_GPUS=$HYBRIDTRAIN_GPUS: use none (an install without GPUs) or GPU indices as 'nvidia-smi -L' lists them, comma-separated, e.g. 0,1"
   [[ "${HYBRIDTRAIN_SMI_TIMEOUT:-20}" =~ ^[1-9][0-9]{0,3}$ ]] \
@@ -608,7 +611,7 @@ build_horovod() {
   tar -xzf "$sdist" -C "$src_dir"
   patch_horovod_source "$src_dir/horovod-$HOROVOD_VERSION" | tee -a "$LOG"
   local -a flags=(HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1
-                  CXX="$HVD_CXX" MAKEFLAGS="-j$(nproc)")
+                  CXX="$HVD_CXX" MAKEFLAGS="-j${HYBRIDTRAIN_BUILD_JOBS:-$(nproc)}")
   if detect_mpi; then flags+=(HOROVOD_WITH_MPI=1); else flags+=(HOROVOD_WITHOUT_MPI=1); fi
   # Horovod's build runs the first nvcc on PATH, so the chosen toolkit's goes first.
   [ -z "$CUDA_DIR" ] || flags+=(CUDA_HOME="$CUDA_DIR" HOROVOD_CUDA_HOME="$CUDA_DIR" PATH="$CUDA_DIR/bin:$PATH")

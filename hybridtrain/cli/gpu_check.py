@@ -14,13 +14,14 @@ def cmd_gpu_check(args) -> int:
         from hybridtrain.gpucheck.rows import Pythons, build_rows, format_plan, plan_calls
         print(format_plan(plan_calls(build_rows(args.gpus or 1, args.out or "OUT", Pythons(horovod_bin="VENV/bin")))))
         return 0
-    if args.out is None:
-        raise UserError("gpu-check needs --out DIR (the folder for the table and each row's log), or --plan")
     if args.rehearse:
+        if args.archive is not None:
+            raise UserError("--archive brings a GPU call's results back; --rehearse writes its table to --out: "
+                            "drop --archive")
         from hybridtrain.gpucheck.rehearsal import rehearse
         return rehearse(args.out, args.bundle, args.venv)
     from hybridtrain.gpucheck.check import run_gpu_check
-    return run_gpu_check(args.out, args.bundle, args.venv, args.budget_s, args.resume, args.fresh)
+    return run_gpu_check(args.out, args.bundle, args.venv, args.budget_s, args.resume, args.fresh, args.archive)
 
 
 def add_commands(sub) -> None:
@@ -29,13 +30,17 @@ def add_commands(sub) -> None:
                                            "the step against a plain AMP loop on both engines, resume, graphs, "
                                            "compile, the largest batch; one table, written after every row")
     gpu.add_argument("--out", help="folder for gpu_check.md/.json and one <row>.log per row; a second call with "
-                                   "the same folder skips the rows that passed")
+                                   "the same folder skips the rows that passed (default .gpu-check/out of the "
+                                   "checkout, git-ignored; --rehearse: .gpu-check/rehearsal)")
+    gpu.add_argument("--archive", metavar="DIR", help="end the call by writing DIR/gpu-check.tgz: the table, each "
+                                                      "row's log and figures (under 16 MiB), a refusal's line too; "
+                                                      "give the device machine's $OUT")
     gpu.add_argument("--bundle", help="what the machine lacks for the Horovod build (make gpu-bundle; default "
                                       ".gpu-bundle/ of the checkout when it exists)")
     gpu.add_argument("--venv", help="venv for the Horovod build (default .gpu-check/venv of the checkout)")
-    gpu.add_argument("--budget-s", type=bounded_float(0, 86400, lo_open=True), default=540,  # a day
+    gpu.add_argument("--budget-s", type=bounded_float(0, 86400, lo_open=True), default=480,  # a day
                      help="time for this call, the node checks included; a row that would not fit is left for "
-                          "the next call (default 540)")
+                          "the next call (default 480)")
     gpu.add_argument("--resume", action="store_true",
                      help="insist on an earlier call's table in --out (a second call resumes without it too)")
     gpu.add_argument("--fresh", action="store_true", help="run every row again, ignoring an earlier call's table")

@@ -11,8 +11,9 @@ written again after every row, so a crash or a kill never loses what ran. A seco
 (hybridtrain.gpucheck.rows), without a GPU; ``--rehearse`` runs on a CPU machine every step a call takes before
 its first GPU step (hybridtrain.gpucheck.rehearsal).
 
-Exit status: 0 every row passed, 1 a row failed, 3 none failed but rows are left for the next call; 2 bad input
-or no usable GPU (one line). Only the standard library is imported here: torch is asked in a child process.
+Exit status: 0 every row that ran passed (rows left for the next call say so in the table), 1 a row failed; 2 bad
+input or no usable GPU (one line). ``--archive DIR`` ends every call, a refused one too, by writing DIR/gpu-check.tgz
+(the table, each row's log and figures; under 16 MiB): the one file a lent machine's ``$OUT`` brings back. Only the standard library is imported here: torch is asked in a child process.
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ from hybridtrain.gpucheck.rows import (
     RECIPE,
     REPO,
     TIMEOUT_S,
+    OWN_BASELINE,
     Pythons,
     Row,
     build_rows,
@@ -49,6 +51,9 @@ from hybridtrain.outputs import check_output_dir, markdown_table
 HOROVOD_SDIST = "horovod-0.28.1.tar.gz"
 BUNDLE = os.path.join(REPO, ".gpu-bundle")      # make gpu-bundle
 WORK = os.path.join(REPO, ".gpu-check")         # the build's venv and cache: kept between calls on a warm machine
+OUT = os.path.join(WORK, "out")                 # --out's default: git-ignored, so a warm machine keeps it too
+ARCHIVE = "gpu-check.tgz"                       # --archive DIR: DIR/gpu-check.tgz
+ARCHIVE_LIMIT = 16 * 2**20
 BUDGET_S = CALL_BUDGETS_S[0]                    # the whole call, the node checks included
 MIN_ROW_S = 20                                  # no row is started with less than this left
 PROGRESS_EVERY_S = 30
@@ -140,16 +145,26 @@ def nccl_ready(bin_dir: str, nccl: bool = True) -> bool:
         return False
 
 
+def build_jobs(cores: int | None = None) -> int:
+    """The build's compile jobs: all cores but 4, so that a timed row beside it keeps cores of its own."""
+    return max(1, (cores or os.cpu_count() or 1) - 4)
+
+
 def build_row(venv: str, bundle: str | None, python: str = sys.executable, nccl: bool = True,
-              cache: str = os.path.join(WORK, "cache")) -> Row:
-    """install.sh into ``venv`` with the image's torch (HYBRIDTRAIN_TORCH=system), from the bundle offline."""
+              cache: str = os.path.join(WORK, "cache"), cc_list: str = "", jobs: int | None = None) -> Row:
+    """install.sh into ``venv`` with the image's torch (HYBRIDTRAIN_TORCH=system), from the bundle offline, at
+    nice 10 on ``jobs`` cores (default build_jobs(): it runs beside timed rows); ``cc_list``: the GPUs' compute
+    capabilities."""
     env = {"HYBRIDTRAIN_TORCH": "system", "HYBRIDTRAIN_SKIP_DALI": "1", "HYBRIDTRAIN_VENV": venv, "PYTHON": python,
-           "HYBRIDTRAIN_CACHE": cache}
+           "HYBRIDTRAIN_CACHE": cache, "HYBRIDTRAIN_BUILD_JOBS": str(jobs or build_jobs())}
     if nccl:
         env["HOROVOD_GPU_OPERATIONS"] = "NCCL"
+    if cc_list:
+        env["HOROVOD_BUILD_CUDA_CC_LIST"] = cc_list
     if bundle:
         env["HYBRIDTRAIN_WHEELHOUSE"] = bundle
-    return Row("build", "build", [os.path.join(REPO, "install.sh")], TIMEOUT_S["build"], env=env)
+    return Row("build", "build", ["nice", "-n", "10", os.path.join(REPO, "install.sh")], TIMEOUT_S["build"],
+               env=env)
 
 
 class Background:
@@ -170,10 +185,10 @@ class Background:
             self.stop(f"timed out after {self.row.timeout_s:.0f} s")
         return self.row.status != "pending"
 
-    def stop(self, why: str) -> None:
+    def stop(self, why: str, status: str = FAIL) -> None:
         if self.proc is not None and self.row.status == "pending":
             stop_group(self.proc)
-            self.row.status, self.row.detail = FAIL, why
+            self.row.status, self.row.detail = status, why
             self.row.seconds = time.monotonic() - self.start
 
 
@@ -270,16 +285,24 @@ def run_row(row: Row, out: str, deadline: float, base_env: dict, say: Callable[[
                 now = time.monotonic()
                 if now - start > timeout:
                     stop_group(proc)
-                    row.detail = (f"timed out after {timeout:.0f} s" if timeout == row.timeout_s else
-                                  f"stopped at the end of the budget after {timeout:.0f} s")
+                    if timeout < row.timeout_s:  # the budget's end, not the row's fault
+                        return left_for_next_call(row, f"stopped at the end of the budget after {timeout:.0f} s",
+                                                  time.monotonic() - start)
+                    row.detail = f"timed out after {timeout:.0f} s"
                     break
                 if now >= next_note:
                     say(f"  {row.name}: {now - start:.0f} s: {last_line(os.path.join(out, f'{row.name}.log'))}")
                     next_note += PROGRESS_EVERY_S
     except BaseException:  # the check itself is stopped (SIGTERM): no rank outlives it
         stop_group(proc)
+        left_for_next_call(row, "stopped by SIGTERM", time.monotonic() - start)
         raise
     return finish_row(row, rc, out, time.monotonic() - start, say)
+
+
+def left_for_next_call(row: Row, why: str, seconds: float) -> Row:
+    row.status, row.detail, row.seconds = NOT_RUN, f"{NEXT_CALL} ({why})", seconds
+    return row
 
 
 def judge(row: Row, rc: int, log_path: str) -> str:
@@ -377,7 +400,7 @@ def read_bench(row: Row) -> str:
     whole = loops.get("train/horovod") or loops.get("train/torch")
     trainer, baseline = loops.get("trainer"), loops.get("baseline")
     main = whole if row.mode == "horovod" else trainer
-    if main is None or (row.mode != "horovod" and baseline is None):
+    if main is None or (row.mode in OWN_BASELINE and baseline is None):
         return "bench JSON lacks the trainer, the plain loop or the whole step's row"
     row.images_per_sec = main["images_per_sec"]
     for key, name in (("peak_allocated_mb", "peak_memory_mb"), ("peak_reserved_mb", "peak_memory_reserved_mb"),
@@ -440,14 +463,15 @@ def read_bench_optim(row: Row) -> str:
     return ""
 
 
-def fill_ratios(rows: list[Row]) -> list[Row]:
-    """Each training row's (and the Horovod bench row's) img/s per GPU ÷ the plain loop's img/s of the same
-    precision, from the torch engine's bench row."""
+def fill_ratios(rows: list[Row], gpus: int) -> list[Row]:
+    """Each training row's (and each bench row's without a plain loop of its own) img/s per GPU ÷ the plain loop's
+    img/s of the same precision, from the torch engine's bench row; none for a row with more ranks than GPUs (its
+    ranks share a GPU: a per-GPU figure would mean nothing)."""
     baselines = {r.precision: r.baseline_images_per_sec for r in rows
                  if r.kind == "bench" and r.mode == "eager" and r.baseline_images_per_sec}
     for r in rows:
-        measured = r.kind == "train" or (r.kind == "bench" and r.mode == "horovod")
-        if measured and r.images_per_sec and r.precision in baselines:
+        measured = r.kind == "train" or (r.kind == "bench" and r.mode not in OWN_BASELINE)
+        if measured and r.images_per_sec and r.precision in baselines and r.ranks <= gpus:
             r.ratio = r.images_per_sec / r.ranks / baselines[r.precision]
     return rows
 
@@ -469,10 +493,9 @@ def format_table(rows: list[Row]) -> str:
 
 def verdict(rows: list[Row]) -> str:
     failed = [r.name for r in rows if r.status == FAIL]
-    if failed:
-        return f"FAILED ({', '.join(failed)})"
     left = [r for r in rows if r.status == "pending" or r.detail.startswith(NEXT_CALL)]
-    return f"{len(left)} rows still to run (call again with the same --out)" if left else "passed"
+    more = f"; {len(left)} rows left for the next call (call again with the same --out)" if left else ""
+    return (f"FAILED ({', '.join(failed)})" if failed else "every row that ran passed") + more
 
 
 def write_results(rows: list[Row], out: str, meta: dict) -> str:
@@ -482,7 +505,7 @@ def write_results(rows: list[Row], out: str, meta: dict) -> str:
     tail = ["", "Not covered here:"] + [f"- {line}" for line in NOT_COVERED]
     text = "\n".join(head + ["", format_table(rows)] + tail + [""])
     failed = [r.name for r in rows if r.status == FAIL]
-    record = {**meta, "passed": verdict(rows) == "passed", "failed": failed,
+    record = {**meta, "passed": not failed, "failed": failed,
               "rows": [dataclasses.asdict(r) for r in rows]}
     for name, content in (("gpu_check.md", text), ("gpu_check.json", json.dumps(record, indent=1))):
         path = os.path.join(out, name)
@@ -564,24 +587,43 @@ def run_rows(rows: list[Row], out: str, deadline: float, base_env: dict, build: 
 
 
 def execute(rows: list[Row], out: str, deadline: float, base_env: dict, build: Background | None,
-            write: Callable[[], str], say: Callable[[str], None]) -> str:
+            write: Callable[[], str], say: Callable[[str], None], gpus: int = 1) -> str:
     """Run the rows (the table written after each), stop the build if it outlives them, write the last table."""
     with stopped_by_sigterm(say):
         write()
         run_rows(rows, out, deadline, base_env, build, write, say)
     if build is not None:
         build.poll()
-        build.stop("stopped at the end of the call: the next call builds again")
-    fill_ratios(rows)
+        build.stop(f"{NEXT_CALL} (stopped at the end of the call: the next call builds again)", NOT_RUN)
+    fill_ratios(rows, gpus)
     return write()
 
 
-def run_gpu_check(out: str, bundle: str | None = None, venv: str | None = None, budget_s: float = BUDGET_S,
-                  resume: bool = False, fresh: bool = False, say: Callable[[str], None] = print) -> int:
-    """0 when every row passed, 1 when one failed, 3 when rows are left for the next call; bad input or no GPU:
-    UserError before any work."""
+def run_gpu_check(out: str | None = None, bundle: str | None = None, venv: str | None = None,
+                  budget_s: float = BUDGET_S, resume: bool = False, fresh: bool = False, archive: str | None = None,
+                  say: Callable[[str], None] = print) -> int:
+    """The call; with ``archive``, DIR/gpu-check.tgz written at its end whatever the end (a refusal's line in it)."""
+    out = os.path.abspath(out or OUT)
+    if archive is not None:
+        archive = os.path.abspath(check_output_dir(archive, "--archive"))
+    try:
+        code = check_gpu(out, bundle, venv, budget_s, resume, fresh, say)
+    except (UserError, KeyboardInterrupt) as exc:
+        if archive is not None:
+            write_archive(out, archive, f"hybridtrain: error: {exc}\n" if isinstance(exc, UserError) else
+                          "gpu-check: interrupted\n")
+        raise
+    if archive is not None:
+        say(f"gpu-check: archive {write_archive(out, archive)}")
+    return code
+
+
+def check_gpu(out: str, bundle: str | None, venv: str | None, budget_s: float, resume: bool, fresh: bool,
+              say: Callable[[str], None]) -> int:
+    """0 when every row that ran passed (rows may be left for the next call), 1 when one failed; bad input or no
+    GPU: UserError before any work."""
     deadline = time.monotonic() + budget_s  # the node checks count
-    out = os.path.abspath(check_output_dir(out, "--out"))  # checked, not created
+    check_output_dir(out, "--out")  # checked, not created
     bundle = check_bundle(bundle)
     check_checkout()
     earlier = {} if fresh else earlier_rows(out)
@@ -611,14 +653,58 @@ def run_gpu_check(out: str, bundle: str | None = None, venv: str | None = None, 
         build_line = Row("build", "build", status=PASS, detail=f"reused: {hvd_bin} has horovod.torch with NCCL"
                          if needs_horovod else "not needed: every Horovod row passed before")
     else:
-        build = Background(build_row(venv, bundle), out, base_env, say)
+        build = Background(build_row(venv, bundle, cc_list=found.get("cc_list", "")), out, base_env, say)
         build_line = build.row
     table = [first, build_line, *rows]
     write = lambda: write_results(table, out, meta)
-    text = execute(rows, out, deadline, base_env, build, write, say)
+    text = execute(rows, out, deadline, base_env, build, write, say, found["gpus"])
     say(text)
     say(f"gpu-check: table in {os.path.join(out, 'gpu_check.md')} and gpu_check.json; each row's output in "
         f"{out}/<row>.log")
-    if any(r.status == FAIL for r in table):
-        return 1
-    return 3 if any(r.status in (NOT_RUN, "pending") and r.detail.startswith(NEXT_CALL) for r in table) else 0
+    return 1 if any(r.status == FAIL for r in table) else 0
+
+
+# ----------------------------------------------------------------------------- what comes back: one archive
+
+KEPT = (".md", ".json", ".jsonl", ".log", ".yaml", ".txt", ".csv", ".png")  # no weights, venvs or data
+LOG_TAIL = 256 * 1024  # a log cut to its last 256 KiB when the whole archive would pass the limit
+
+
+def archived_files(out: str) -> list[str]:
+    """The files of --out worth bringing back, relative to it: tables, logs, figures, run records."""
+    if not os.path.isdir(out):
+        return []
+    found = []
+    for root, dirs, files in os.walk(out):
+        dirs[:] = sorted(d for d in dirs if not d.endswith("venv") and d not in ("data", "cache"))
+        found += [os.path.relpath(os.path.join(root, f), out) for f in sorted(files) if f.endswith(KEPT)
+                  and not os.path.islink(os.path.join(root, f))]
+    return found
+
+
+def write_archive(out: str, folder: str, error: str = "") -> str:
+    """folder/gpu-check.tgz of archived_files(out) (and ``error``, the line that ended the call, as error.txt),
+    written atomically; logs are cut to their last LOG_TAIL bytes when the whole would pass ARCHIVE_LIMIT."""
+    import io
+    import tarfile
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, ARCHIVE)
+    for tail in (None, LOG_TAIL, LOG_TAIL // 16):
+        with open(path + ".tmp", "wb") as fh, tarfile.open(fileobj=fh, mode="w:gz") as tar:
+            members = [(name, read_tail(os.path.join(out, name), tail if name.endswith(".log") else None))
+                       for name in archived_files(out)] + ([("error.txt", error.encode())] if error else [])
+            for name, data in members:
+                info = tarfile.TarInfo(os.path.join("gpu-check", name))
+                info.size, info.mtime = len(data), int(time.time())
+                tar.addfile(info, io.BytesIO(data))
+        if os.path.getsize(path + ".tmp") <= ARCHIVE_LIMIT:
+            break
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def read_tail(path: str, limit: int | None) -> bytes:
+    with open(path, "rb") as fh:
+        if limit is not None and os.path.getsize(path) > limit:
+            fh.seek(-limit, os.SEEK_END)
+        return fh.read()

@@ -2,7 +2,8 @@
 
     python -m hybridtrain.gpucheck.probe
 
-{"gpus", "name", "torch", "cuda", "dali", "checks": {precision: [refusal or "", [warnings]]}, "reason"}: the node
+{"gpus", "name", "cc_list", "torch", "cuda", "dali", "checks": {precision: [refusal or "", [warnings]]}, "reason"}:
+the GPUs' compute capabilities as Horovod's build takes them ("90"); the node
 checks (hybridtrain.hardware.checks.check_node) per precision the rows train in; ``reason`` says why torch cannot
 use a GPU when it has none (a driver too old for torch's CUDA first: review 3 #5).
 """
@@ -34,13 +35,14 @@ def probe() -> dict:
     from hybridtrain.errors import UserError
     from hybridtrain.hardware.checks import check_node
     from hybridtrain.hardware.gpus import driver_api_version
-    found = {"gpus": 0, "name": "", "torch": torch.__version__, "cuda": torch.version.cuda or "",
+    found = {"gpus": 0, "name": "", "cc_list": "", "torch": torch.__version__, "cuda": torch.version.cuda or "",
              "dali": dali_installed(), "checks": {}, "reason": ""}
     if not torch.cuda.is_available():
         found["reason"] = no_gpu_reason(found["cuda"], driver_api_version() if found["cuda"] else 0,
                                         cuda_unusable_reason())
         return found
     found["gpus"], found["name"] = torch.cuda.device_count(), torch.cuda.get_device_name(0)
+    found["cc_list"] = ",".join(sorted({"%d%d" % torch.cuda.get_device_capability(i) for i in range(found["gpus"])}))
     for precision in PRECISIONS:
         try:
             found["checks"][precision] = ["", check_node(torch.device("cuda", 0), precision)]

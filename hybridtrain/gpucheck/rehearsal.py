@@ -4,13 +4,17 @@ step, so that the first call on a lent GPU machine does not fail on its install 
 1. ``image-python``: a venv made the way the lent machine's is: its site-packages links this Python's torch,
    torchvision and the rest, but no Horovod, cffi, pycparser, setuptools, wheel, DALI or hybridtrain, and its
    ``bin/`` has no ``torchrun``;
-2. ``build``: install.sh builds Horovod from the bundle, offline, into its own venv from that Python (CPU
-   operations here: the same steps as the GPU build but nvcc's);
-3. ``config``: every training row's overrides of the H100 recipe load (hybridtrain.config.load_config);
+2. ``build``: install.sh builds Horovod from the bundle, offline, into its own venv from that Python, as the call
+   does: with NCCL for sm_90 wherever nvcc and the NCCL wheel (nvidia-nccl-cu13, torch's) are present, as on the
+   lent machine, else with CPU operations;
+3. ``engine-checks``: every row's config (the H100 recipe and the row's overrides) loads and passes its engine's
+   own checks (the refusals a rank makes once the model is built: ``engine_refusals``);
 4. ``command-line``: every row's hybridtrain command parses;
 5. ``imports``: what every row imports, in the Python that runs it;
 6. ``launch``: each launcher of the rows (``python -m torch.distributed.run`` on 1 and 2 ranks, ``horovodrun``)
-   starting ``python -m hybridtrain --help`` on its ranks.
+   starting ``python -m hybridtrain --help`` on its ranks;
+7. ``row-starts``: every row's own command started as the call starts it; it passes when it is still running
+   after START_S, ends well, or ends on wanting the GPU this machine lacks (a line naming CUDA or a GPU).
 
 The table goes to OUT/rehearsal.md; exit 0 only when every step passed. Run it with the network cut
 (``unshare -n``, as root) to rehearse the offline machine.
@@ -20,7 +24,9 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
+import shutil
 import site
+import subprocess
 import sys
 import time
 import venv
@@ -31,6 +37,8 @@ from hybridtrain.gpucheck.check import (
     FAIL,
     PASS,
     WORK,
+    start_row,
+    stop_group,
     check_bundle,
     check_checkout,
     checkout_env,
@@ -51,6 +59,8 @@ IMPORTS = {"image": "import torch, torchvision, torch.distributed.run, hybridtra
            "horovod": "import horovod.torch, hybridtrain.engine.loop, hybridtrain.distributed.horovod, "
                       "hybridtrain.perf.step_bench, pytest"}
 STEP_TIMEOUT_S = 300
+START_S = 15        # row-starts: a row's command still running after this has started
+REHEARSAL_CC = "90"  # the lent machine's H100/H200
 
 
 def linked_venv(root: str, excluded: list[str]) -> str:
@@ -83,13 +93,79 @@ def step(name: str, argv: list[str], out: str, env: dict, timeout: float = STEP_
     return row
 
 
-def check_configs(rows: list[Row], python: str, out: str, env: dict) -> Row:
-    """Every training row's overrides load in that Python (a refusal there would end the row at once)."""
-    sets = {r.name: [r.argv[i + 1] for i, a in enumerate(r.argv) if a == "--set"] for r in rows
-            if r.kind in ("train", "resume")}
-    code = ("import json, sys\nfrom hybridtrain.config import load_config\nfor name, sets in json.loads(sys.argv[1])"
-            ".items():\n    load_config(sys.argv[2], sets)\nprint('ok', len(json.loads(sys.argv[1])))")
-    return step("config", [python, "-c", code, json.dumps(sets), os.path.join(REPO, RECIPE)], out, env)
+def row_engine(row: Row) -> str | None:
+    return row.argv[row.argv.index("--engine") + 1] if "--engine" in row.argv else None
+
+
+def engine_refusals(rows: list[Row]) -> dict[str, str]:
+    """{row: the line its engine refuses it with}: every row that runs on an engine (``--engine``) has its config,
+    the H100 recipe with the row's overrides, loaded and passed through that engine's own ``check_config``, as its
+    ranks do once the model is built. A config that does not load is a refusal too."""
+    from hybridtrain.config import load_config
+    from hybridtrain.distributed.engines import engine_module
+    refused = {}
+    for row in rows:
+        engine = row_engine(row)
+        if engine is None:
+            continue
+        try:
+            cfg = load_config(os.path.join(REPO, RECIPE), [row.argv[i + 1] for i, a in enumerate(row.argv)
+                                                           if a == "--set"])
+            getattr(engine_module(engine), "check_config", lambda cfg: None)(cfg)
+        except UserError as exc:
+            refused[row.name] = str(exc)
+    return refused
+
+
+CHECKS = ("import json, sys\nfrom hybridtrain.gpucheck.rehearsal import Row, engine_refusals\n"
+          "rows = [Row(name, kind, argv) for name, kind, argv in json.loads(sys.argv[1])]\n"
+          "refused = engine_refusals(rows)\nfor name, line in refused.items():\n    print(f'{name}: {line}')\n"
+          "print(f'{len(rows) - len(refused)} of {len(rows)} rows pass their engine checks')\n"
+          "sys.exit(1 if refused else 0)")
+
+
+def check_engines(rows: list[Row], python: str, out: str, env: dict) -> Row:
+    """engine_refusals in that Python (the image's: its torch, the engines' modules)."""
+    return step("engine-checks", [python, "-c", CHECKS, json.dumps([[r.name, r.kind, r.argv] for r in rows])], out,
+                env)
+
+
+def start_rows(rows: list[Row], out: str, env: dict) -> Row:
+    """Every row's command started as the call starts it (its ``before`` commands not run: they need the GPU's
+    data), stopped after START_S; see the module's step 7 for what passes."""
+    started, bad = 0, []
+    begin = time.monotonic()
+    for row in rows:
+        if row.kind == "note":
+            continue
+        trial = Row(f"start-{row.name}", row.kind, row.argv, START_S, env=row.env)
+        proc = start_row(trial, out, env, say=lambda line: None)
+        if proc is None:
+            bad.append(f"{row.name}: {trial.detail}")
+            continue
+        try:
+            rc = proc.wait(timeout=START_S)
+        except subprocess.TimeoutExpired:
+            stop_group(proc)
+            rc = None
+        line = last_line(os.path.join(out, f"{trial.name}.log"), width=300)
+        if rc not in (None, 0) and not any(w in line for w in ("CUDA", "GPU", "cuda")):
+            bad.append(f"{row.name}: exit {rc}: {line}")
+        started += 1
+    return Row("row-starts", "step", status=FAIL if bad else PASS, seconds=time.monotonic() - begin,
+               detail="; ".join(bad)[:1500] if bad else f"{started} rows started (logs start-<row>.log)")
+
+
+def nccl_build_possible(python: str) -> bool:
+    """nvcc on PATH (or /usr/local/cuda's) and the NCCL wheel beside that Python's torch: the lent machine's
+    combination, so the rehearsal builds what the call builds."""
+    nvcc = shutil.which("nvcc") or os.path.exists("/usr/local/cuda/bin/nvcc")
+    code = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('nvidia.nccl') else 1)"
+    try:
+        wheel = subprocess.run([python, "-c", code], capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        wheel = False
+    return bool(nvcc) and wheel
 
 
 PARSE = ("import json, sys\nfrom hybridtrain.cli import build_parser\nbad = []\n"
@@ -114,13 +190,14 @@ def launches(py: Pythons) -> dict:
                                      py.hvd("python"), "-m", "hybridtrain", "--help"]}
 
 
-def rehearse(out: str, bundle: str | None, venv_dir: str | None = None, say=print) -> int:
-    out = os.path.abspath(check_output_dir(out, "--out"))
+def rehearse(out: str | None, bundle: str | None, venv_dir: str | None = None, say=print) -> int:
+    out = os.path.abspath(check_output_dir(out or os.path.join(WORK, "rehearsal"), "--out"))
     bundle = check_bundle(bundle)
     if bundle is None:
         raise UserError("--rehearse needs the bundle: make gpu-bundle (or --bundle DIR)")
     check_checkout()
     os.makedirs(out, exist_ok=True)
+    begin = time.monotonic()
     env = checkout_env(dict(os.environ))
     image = linked_venv(os.path.join(out, "image-venv"), IMAGE_LACKS) if not os.path.exists(
         os.path.join(out, "image-venv")) else os.path.join(out, "image-venv", "bin", "python")
@@ -128,13 +205,16 @@ def rehearse(out: str, bundle: str | None, venv_dir: str | None = None, say=prin
     steps = [Row("image-python", "step", status=PASS if lacks_torchrun else FAIL,
                  detail=f"{image}: torch linked; no Horovod, cffi, setuptools, DALI, hybridtrain or torchrun")]
     cache = os.environ.get("HYBRIDTRAIN_CACHE") or os.path.join(WORK, "cache")
+    nccl = nccl_build_possible(image)
+    what = f"with NCCL for sm_{REHEARSAL_CC}" if nccl else "with CPU operations (no nvcc or no NCCL wheel here)"
     build = horovod_build_row(os.path.abspath(venv_dir or os.path.join(out, "horovod-venv")), bundle, image,
-                              nccl=False, cache=cache)
-    say(f"gpu-check --rehearse: building Horovod from {bundle} (log {out}/build.log)")
+                              nccl=nccl, cache=cache, cc_list=REHEARSAL_CC if nccl else "", jobs=os.cpu_count())
+    say(f"gpu-check --rehearse: building Horovod {what} from {bundle} (log {out}/build.log)")
     steps.append(run_row(build, out, time.monotonic() + build.timeout_s + 60, env, say=say))
+    steps[-1].detail = steps[-1].detail or what
     py = Pythons(image, os.path.join(build.env["HYBRIDTRAIN_VENV"], "bin"))
     rows = build_rows(1, out, py, dali=True) + build_rows(2, out, py)
-    steps += [check_configs(rows, image, out, env), check_command_lines(rows, image, out, env),
+    steps += [check_engines(rows, image, out, env), check_command_lines(rows, image, out, env),
               step("imports-image", [image, "-c", IMPORTS["image"]], out, env),
               step("imports-horovod", [py.hvd("python"), "-c", IMPORTS["horovod"]], out, env),
               step("imports-gpu-tests", [py.hvd("python"), "-m", "pytest", "--collect-only", "-q", "-p",
@@ -143,10 +223,15 @@ def rehearse(out: str, bundle: str | None, venv_dir: str | None = None, say=prin
     missing = sorted({r.argv[0] for r in rows if r.argv and not os.access(r.argv[0], os.X_OK)})
     steps.append(Row("row-programs", "step", status=FAIL if missing else PASS,
                      detail=f"missing: {', '.join(missing)}" if missing else "every row's program exists"))
+    run_env = {**env, "PATH": py.horovod_bin + os.pathsep + env.get("PATH", "")}
+    steps.append(start_rows(build_rows(1, out, py, dali=True), out, run_env))
     text = markdown_table(["step", "result", "time s", "note"],
                           [[r.name, r.status, f"{r.seconds:.0f}" if r.seconds is not None else "-",
                             r.detail.replace("|", "/")] for r in steps])
-    with open(os.path.join(out, "rehearsal.md"), "w") as fh:
-        fh.write(f"# gpu-check rehearsal on {sys.executable}\n\n{text}\n")
+    took = f"{len(steps)} steps in {time.monotonic() - begin:.0f} s"
+    with open(os.path.join(out, "rehearsal.md.tmp"), "w") as fh:
+        fh.write(f"# gpu-check rehearsal on {sys.executable}: {took}\n\n{text}\n")
+    os.replace(os.path.join(out, "rehearsal.md.tmp"), os.path.join(out, "rehearsal.md"))
     say(text)
+    say(f"gpu-check --rehearse: {took}")
     return 0 if all(r.status == PASS for r in steps) else 1
