@@ -13,7 +13,8 @@ its first GPU step (hybridtrain.gpucheck.rehearsal).
 
 Exit status: 0 every row that ran passed (rows left for the next call say so in the table), 1 a row failed; 2 bad
 input or no usable GPU (one line). ``--archive DIR`` ends every call, a refused one too, by writing DIR/gpu-check.tgz
-(the table, each row's log and figures; under 16 MiB): the one file a lent machine's ``$OUT`` brings back. Only the standard library is imported here: torch is asked in a child process.
+(the table, each row's log and figures; under 16 MiB): the one file a lent machine's ``$OUT`` brings back. Only
+the standard library is imported here: torch is asked in a child process.
 """
 from __future__ import annotations
 
@@ -36,10 +37,10 @@ from hybridtrain.gpucheck.rows import (
     CALL_BUDGETS_S,
     EPOCHS,
     NOT_COVERED,
+    OWN_BASELINE,
     RECIPE,
     REPO,
     TIMEOUT_S,
-    OWN_BASELINE,
     Pythons,
     Row,
     build_rows,

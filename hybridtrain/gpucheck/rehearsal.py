@@ -37,13 +37,13 @@ from hybridtrain.gpucheck.check import (
     FAIL,
     PASS,
     WORK,
-    start_row,
-    stop_group,
     check_bundle,
     check_checkout,
     checkout_env,
     last_line,
     run_row,
+    start_row,
+    stop_group,
 )
 from hybridtrain.gpucheck.check import build_row as horovod_build_row
 from hybridtrain.gpucheck.rows import GPU_TESTS, RECIPE, REPO, Pythons, Row, build_rows
