@@ -90,16 +90,30 @@ def scan_split(root: str, split: str) -> ImageList:
         hint = (f"; it holds {flat} images directly (a flat folder: sort them into class folders with 'hybridtrain "
                 f"reorganise-val {split_dir} --labels FILE --out NEW', which keeps these)" if flat else "")
         raise UserError(f"{split_dir} has no class folders: expected {split_dir}/<class>/*.jpg{hint}")
+    loose = sorted(images_in(split_dir))
+    if loose:
+        raise UserError(f"{len(loose)} image(s) lie directly in {split_dir}, beside its {len(classes)} class folders "
+                        f"(first: {loose[0]}; a sorting script stopped half-way?): only {split}/<class>/<image> is "
+                        f"read, so they would be left out: move each into its class folder (or all of them back "
+                        f"flat, mv {split_dir}/*/* {split_dir}/, and sort them with their label file: hybridtrain "
+                        f"reorganise-val, or prepare-data imagenet --val-labels), keeping every image")
     samples, skipped = [], []
     for label, name in enumerate(classes):
         class_dir = os.path.join(split_dir, name)
         files = sorted(os.listdir(class_dir))
         images = [f for f in files if is_image_file(f) and os.path.isfile(os.path.join(class_dir, f))]
         skipped += [os.path.join(class_dir, f) for f in files if f not in images]
-        if not images:
-            raise UserError(f"class folder {class_dir} has no images{what_is_there(root, split, name, files)}")
+        if not images or nested_images(class_dir, files):
+            raise UserError(f"class folder {class_dir} has {len(images) or 'no'} images"
+                            f"{what_is_there(root, split, name, files)}")
         samples += [(os.path.join(class_dir, f), label) for f in images]
     return require_two_classes(ImageList(split_dir, classes, samples, skipped))
+
+
+def nested_images(class_dir: str, files: list[str]) -> dict[str, int]:
+    """The subfolders of a class folder that hold images, with how many (the loaders read none of them)."""
+    nested = {f: len(images_in(os.path.join(class_dir, f))) for f in files if os.path.isdir(os.path.join(class_dir, f))}
+    return {f: n for f, n in nested.items() if n}
 
 
 def images_in(folder: str) -> list[str]:
@@ -110,15 +124,16 @@ def images_in(folder: str) -> list[str]:
 
 
 def what_is_there(root: str, split: str, name: str, files: list[str]) -> str:
-    """For a class folder without images directly in it: what it does hold and how to go on without losing any of it
-    (never 'remove the folder': it may hold the user's images one level down, or the class's images in the other
-    split)."""
+    """For a class folder without images directly in it, or with images in a subfolder: what it does hold and how
+    to go on without losing any of it (never 'remove the folder': it may hold the user's images one level down, or
+    the class's images in the other split)."""
     class_dir = os.path.join(root, split, name)
-    nested = {f: len(images_in(os.path.join(class_dir, f))) for f in files if os.path.isdir(os.path.join(class_dir, f))}
-    nested = {f: n for f, n in nested.items() if n}
+    nested = nested_images(class_dir, files)
     if nested:
         sub, count = next(iter(nested.items()))
-        return (f" directly in it, but {sum(nested.values())} in its subfolder(s) ({sub}/ holds {count}): the loader "
+        first = min(images_in(os.path.join(class_dir, sub)))
+        return (f" directly in it, but {sum(nested.values())} in its subfolder(s) ({sub}/ holds {count}), e.g. "
+                f"{sub}/{first}: the loader "
                 f"reads only {split}/<class>/<image>, so move them up (mv {os.path.join(class_dir, sub)}/* "
                 f"{class_dir}/), keeping every image")
     other = "val" if split == "train" else "train"

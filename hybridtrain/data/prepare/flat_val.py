@@ -11,14 +11,16 @@ import shutil
 import unicodedata
 
 from hybridtrain.data.folder import is_image_file, read_text_lines
+from hybridtrain.data.prepare.names import unsafe_name
 from hybridtrain.errors import UserError
 from hybridtrain.outputs import check_input_dir, check_input_file, finish_partial, start_partial
 
 CSV_HEADER = "ImageId,PredictionString"
 
 
-def read_val_labels(labels_file: str) -> dict[str, str]:
-    """Image name without extension -> class name, from either label format."""
+def read_val_labels(labels_file: str, trained: tuple[set[str], str] | None = None) -> dict[str, str]:
+    """Image name without extension -> class name, from either label format. ``trained``: (the classes with training
+    images, their folder): a label naming another class is refused at its line."""
     check_input_file(labels_file, "--labels", "give the label file ('IMAGE CLASS' lines, or LOC_val_solution.csv)")
     lines = [(n, line.strip()) for n, line in enumerate(read_text_lines(labels_file), 1) if line.strip()]
     is_csv = bool(lines) and lines[0][1].replace(" ", "") == CSV_HEADER
@@ -28,10 +30,14 @@ def read_val_labels(labels_file: str) -> dict[str, str]:
         if not name or not cls:
             expected = "ImageId,<class> ..." if is_csv else "<filename> <class>"
             raise UserError(f"{labels_file} line {n} is not '{expected}': {line[:80]!r}")
-        problem = unsafe_class_name(cls)
+        problem = unsafe_name(cls)
         if problem:
             raise UserError(f"{labels_file} line {n}: the class {cls[:80]!r} {problem}, so its folder would not be "
                             f"a class folder under --out: fix that line (a class is one folder name, e.g. n01440764)")
+        if trained is not None and cls not in trained[0]:
+            raise UserError(f"{labels_file} line {n}: the class {cls!r} has no training images (no folder {cls} with "
+                            f"images in {trained[1]}): is it the label file of this training set? Give the right "
+                            f"one, or add the class's training images")
         stem = os.path.splitext(name)[0]
         if stem in labels and labels[stem] != cls:
             raise UserError(f"{labels_file} gives the image {stem} two classes: {labels[stem]!r} at line "
@@ -45,19 +51,6 @@ def read_val_labels(labels_file: str) -> dict[str, str]:
     if not labels:
         raise UserError(f"{labels_file} holds no labels")
     return labels
-
-
-def unsafe_class_name(cls: str) -> str:
-    """Why ``cls`` cannot be the name of one folder directly under --out ('' when it can)."""
-    if os.path.isabs(cls) or cls.startswith(("/", "\\")):
-        return "is an absolute path"
-    if cls in (".", ".."):
-        return f"is '{cls}'"
-    if "/" in cls or "\\" in cls or (os.altsep and os.altsep in cls):
-        return "holds a path separator"
-    if "\0" in cls or any(ord(c) < 32 for c in cls):
-        return "holds a control character"
-    return ""
 
 
 def parse_label_line(line: str, is_csv: bool) -> tuple[str, str]:

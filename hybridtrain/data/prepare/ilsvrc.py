@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import io
 import os
+import posixpath
+import re
 import tarfile
 from dataclasses import dataclass, field
 
-from hybridtrain.data.folder import is_image_file
+from hybridtrain.data.folder import is_image_file, scan_split
 from hybridtrain.data.prepare.flat_val import match_images, read_val_labels
+from hybridtrain.data.prepare.names import refuse_member
 from hybridtrain.errors import UserError
 
 # the published md5 sums of the official archives (torchvision.datasets.imagenet.ARCHIVE_META)
@@ -26,6 +29,7 @@ ARCHIVE_MD5 = {TRAIN_TAR: "1d675b47d978889d74fa0da5fadfb00e", VAL_TAR: "29b22e29
 FULL_COUNTS = {"train": 1_281_167, "val": 50_000, "classes": 1_000}
 KAGGLE_ROOT = os.path.join("ILSVRC", "Data", "CLS-LOC")
 VAL_CHUNK = 500  # validation images per job
+WNID = re.compile(r"n\d{8}")  # a WordNet ID: the name of each class folder made from the official archives
 LAYOUT_HELP = (f"expected one of: the official archives ({TRAIN_TAR}, {VAL_TAR}, {DEVKIT}); the Kaggle tree "
                f"({KAGGLE_ROOT}/train, {KAGGLE_ROOT}/val, LOC_val_solution.csv); or an extracted tree train/<wnid>/ "
                f"with val/ flat (plus its label file, --val-labels) or in class folders")
@@ -53,7 +57,6 @@ class Source:
     root: str
     jobs: list[Job]
     archives: list[str] = field(default_factory=list)
-    wnids: list[str] = field(default_factory=list)  # every class the source knows of (meta / mapping), may be []
     nbytes: int = 0
 
 
@@ -62,6 +65,9 @@ class Source:
 def detect_source(root: str, val_labels: str | None = None) -> Source:
     """The source in ``root``, or one line naming what was found and what is expected."""
     if all(os.path.isfile(os.path.join(root, name)) for name in (TRAIN_TAR, VAL_TAR, DEVKIT)):
+        if val_labels:
+            raise UserError(f"--val-labels {val_labels} does not apply to the official archives in {root}: their "
+                            f"validation labels are the devkit's ({DEVKIT}): leave --val-labels out")
         return archive_source(root)
     present = [n for n in (TRAIN_TAR, VAL_TAR, DEVKIT) if os.path.isfile(os.path.join(root, n))]
     if present:
@@ -69,7 +75,7 @@ def detect_source(root: str, val_labels: str | None = None) -> Source:
         raise UserError(f"--source {root} holds {', '.join(present)} but not {', '.join(missing)}: put all three "
                         f"official archives in that folder (the devkit gives the validation labels)")
     if os.path.isdir(os.path.join(root, KAGGLE_ROOT, "train")):
-        return kaggle_source(root)
+        return kaggle_source(root, val_labels)
     if os.path.isdir(os.path.join(root, "train")) and os.path.isdir(os.path.join(root, "val")):
         return tree_source(root, val_labels)
     raise UserError(f"--source {root}: no ImageNet found there: {LAYOUT_HELP}")
@@ -81,8 +87,15 @@ def archive_source(root: str) -> Source:
     devkit = os.path.join(root, DEVKIT)
     id_to_wnid, gt_ids = read_devkit(devkit)
     train, val = os.path.join(root, TRAIN_TAR), os.path.join(root, VAL_TAR)
-    jobs = [Job(f"train-{m.name[:-4]}", "train", "class-tar", train, m.offset_data, m.size, m.name[:-4])
-            for m in tar_members(train) if m.name.endswith(".tar")]
+    classes = set(id_to_wnid.values())
+    jobs = []
+    for m in tar_members(train):
+        wnid = posixpath.basename(m.name).removesuffix(".tar")
+        if not m.name.endswith(".tar") or wnid not in classes:
+            raise UserError(f"{train}: its member {m.name[:120]!r} is not <wnid>.tar of one of the {len(classes)} "
+                            f"classes of the devkit's meta.mat: refused before anything was written (a damaged or "
+                            f"re-packed archive? download the original)")
+        jobs.append(Job(f"train-{wnid}", "train", "class-tar", train, m.offset_data, m.size, wnid))
     if not jobs:
         raise UserError(f"{train} holds no <wnid>.tar members: is it the ILSVRC2012 training archive? "
                         f"(re-download it, or check it with its md5)")
@@ -90,11 +103,17 @@ def archive_source(root: str) -> Source:
     if len(members) != len(gt_ids):
         raise UserError(f"{val} holds {len(members)} images but the devkit's ground truth lists {len(gt_ids)}: both "
                         f"must be the full ILSVRC2012 files (re-download the one that is short)")
-    items = [(m.offset_data, m.size, os.path.basename(m.name), label_of(id_to_wnid, i, devkit))
+    items = [(m.offset_data, m.size, posixpath.basename(m.name), label_of(id_to_wnid, i, devkit))
              for m, i in zip(members, gt_ids)]
+    trained = {job.wnid for job in jobs}
+    for line, (_, _, name, wnid) in enumerate(items, 1):
+        if wnid not in trained:
+            raise UserError(f"{devkit}: line {line} of its ILSVRC2012_validation_ground_truth.txt gives {name} the "
+                            f"class {wnid}, which has no {wnid}.tar in {train}: the archives are not one set (a "
+                            f"partial training archive? download it whole)")
     jobs += val_jobs(items, "members", val)
     sizes = sum(os.path.getsize(p) for p in (train, val))
-    return Source("official archives", root, jobs, [train, val, devkit], sorted(id_to_wnid.values()), sizes)
+    return Source("official archives", root, jobs, [train, val, devkit], sizes)
 
 
 def label_of(id_to_wnid: dict[int, str], ilsvrc_id: int, devkit: str) -> str:
@@ -110,12 +129,16 @@ def val_jobs(items: list, kind: str, archive: str = "") -> list[Job]:
 
 
 def tar_members(path: str) -> list[tarfile.TarInfo]:
-    """The members of an uncompressed tar, read header by header (the data is skipped with seeks)."""
+    """The file members of an uncompressed tar, read header by header (the data is skipped with seeks); one line
+    for a link member or a name that would leave --out (``names.refuse_member``)."""
     try:
         with tarfile.open(path, "r:") as tar:
-            return [m for m in tar if m.isfile()]
+            members = [m for m in tar if not m.isdir()]
     except (tarfile.TarError, OSError) as exc:
         raise UserError(f"cannot read {path} as a tar archive ({exc}): re-download it") from None
+    for m in members:
+        refuse_member(path, m)
+    return members
 
 
 def read_devkit(path: str) -> tuple[dict[int, str], list[int]]:
@@ -144,32 +167,27 @@ def leaf_synsets(meta_mat: bytes, where: str) -> dict[int, str]:
         raise UserError(f"{where}: its meta.mat has no readable synsets ({exc}): re-download the devkit") from None
     if not leaves:
         raise UserError(f"{where}: its meta.mat lists no leaf synsets: re-download the devkit")
+    for ilsvrc_id, wnid in leaves.items():
+        if not WNID.fullmatch(wnid):
+            raise UserError(f"{where}: its meta.mat names the class {wnid[:80]!r} (ILSVRC2012_ID {ilsvrc_id}), which "
+                            f"is not a WordNet ID (n and 8 digits, e.g. n01440764) and would name a folder under "
+                            f"--out: refused before anything was written (a damaged or crafted devkit: download the "
+                            f"original)")
     return leaves
 
 
 # ----------------------------------------------------------------------------- trees of files
 
-def class_file_jobs(train_dir: str) -> tuple[list[Job], int]:
-    """One job per training class folder, and the bytes of all their images."""
-    jobs, nbytes = [], 0
-    for wnid in sorted(d for d in os.listdir(train_dir) if os.path.isdir(os.path.join(train_dir, d))):
-        items, size = folder_images(os.path.join(train_dir, wnid), wnid)
-        if items:
-            jobs.append(Job(f"train-{wnid}", "train", "files", wnid=wnid, items=tuple(items)))
-            nbytes += size
-    if not jobs:
-        raise UserError(f"{train_dir} has no class folders with images: {LAYOUT_HELP}")
-    return jobs, nbytes
-
-
-def folder_images(folder: str, wnid: str) -> tuple[list[tuple], int]:
-    items, size = [], 0
-    with os.scandir(folder) as entries:
-        for entry in sorted(entries, key=lambda e: e.name):
-            if is_image_file(entry.name) and entry.is_file():
-                items.append((entry.path, entry.name, wnid))
-                size += entry.stat().st_size
-    return items, size
+def class_file_jobs(root: str, split: str) -> tuple[list[Job], int]:
+    """One job per class folder of ``root/split``, read by the trainer's own scan (``folder.scan_split``: a layout
+    it would not read whole is refused here too), and the bytes of all their images."""
+    images = scan_split(root, split)
+    by_class: dict[int, list[tuple]] = {}
+    for path, label in images.samples:
+        by_class.setdefault(label, []).append((path, os.path.basename(path), images.classes[label]))
+    jobs = [Job(f"{split}-{images.classes[label]}", split, "files", wnid=images.classes[label], items=tuple(items))
+            for label, items in sorted(by_class.items())]
+    return jobs, sum(os.path.getsize(path) for path, _ in images.samples)
 
 
 def flat_val_items(val_dir: str, labels: dict[str, str], labels_file: str) -> tuple[list[tuple], int]:
@@ -178,29 +196,44 @@ def flat_val_items(val_dir: str, labels: dict[str, str], labels_file: str) -> tu
     return items, sum(os.path.getsize(path) for path, _, _ in items)
 
 
-def kaggle_source(root: str) -> Source:
+def labelled_val(data: str, labels_file: str, jobs: list[Job]) -> tuple[list[Job], int]:
+    """The jobs of the flat ``data/val`` labelled by ``labels_file``; a label naming a class without training images
+    (``jobs``) is refused at its line, before any work."""
+    labels = read_val_labels(labels_file, ({job.wnid for job in jobs}, os.path.join(data, "train")))
+    items, val_bytes = flat_val_items(os.path.join(data, "val"), labels, labels_file)
+    return val_jobs(items, "files"), val_bytes
+
+
+def kaggle_source(root: str, val_labels: str | None) -> Source:
     data = os.path.join(root, KAGGLE_ROOT)
-    solution = os.path.join(root, "LOC_val_solution.csv")
+    solution = val_labels or os.path.join(root, "LOC_val_solution.csv")
     if not os.path.isfile(solution):
         raise UserError(f"--source {root} is a Kaggle tree without LOC_val_solution.csv next to ILSVRC/: put the "
-                        f"competition's LOC_val_solution.csv there (it holds the validation labels)")
-    jobs, nbytes = class_file_jobs(os.path.join(data, "train"))
-    items, val_bytes = flat_val_items(os.path.join(data, "val"), read_val_labels(solution), solution)
-    mapping = os.path.join(root, "LOC_synset_mapping.txt")
-    wnids = sorted(line.split()[0] for line in open(mapping) if line.strip()) if os.path.isfile(mapping) else []
-    return Source("Kaggle tree", root, jobs + val_jobs(items, "files"), [], wnids, nbytes + val_bytes)
+                        f"competition's LOC_val_solution.csv there (it holds the validation labels), or give it "
+                        f"with --val-labels")
+    jobs, nbytes = class_file_jobs(data, "train")
+    val, val_bytes = labelled_val(data, solution, jobs)
+    return Source("Kaggle tree", root, jobs + val, [], nbytes + val_bytes)
 
 
 def tree_source(root: str, val_labels: str | None) -> Source:
-    jobs, nbytes = class_file_jobs(os.path.join(root, "train"))
+    jobs, nbytes = class_file_jobs(root, "train")
     val_dir = os.path.join(root, "val")
     if any(os.path.isdir(os.path.join(val_dir, d)) for d in os.listdir(val_dir)):
-        val, val_bytes = class_file_jobs(val_dir)
-        val = [Job(j.name.replace("train-", "val-", 1), "val", "files", wnid=j.wnid, items=j.items) for j in val]
-        return Source("extracted tree, val in class folders", root, jobs + val, [], [], nbytes + val_bytes)
+        if val_labels:
+            raise UserError(f"--val-labels {val_labels} does not apply: {val_dir} is already in class folders, "
+                            f"which are its labels: leave --val-labels out (or, to relabel it, give val/ flat)")
+        val, val_bytes = class_file_jobs(root, "val")
+        extra = sorted({job.wnid for job in val} - {job.wnid for job in jobs})
+        if extra:
+            raise UserError(f"{len(extra)} class folder(s) of {val_dir} have no training images in "
+                            f"{os.path.join(root, 'train')} (first: {extra[0]}): is it the validation set of this "
+                            f"training set? Add the class's training images, or move {os.path.join(val_dir, extra[0])} "
+                            f"out of {val_dir}")
+        return Source("extracted tree, val in class folders", root, jobs + val, [], nbytes + val_bytes)
     labels_file = val_labels or find_label_file(root)
-    items, val_bytes = flat_val_items(val_dir, read_val_labels(labels_file), labels_file)
-    return Source("extracted tree, flat val", root, jobs + val_jobs(items, "files"), [], [], nbytes + val_bytes)
+    val, val_bytes = labelled_val(root, labels_file, jobs)
+    return Source("extracted tree, flat val", root, jobs + val, [], nbytes + val_bytes)
 
 
 def find_label_file(root: str) -> str:

@@ -16,6 +16,8 @@ from PIL import Image
 
 from hybridtrain.data.images import UnsupportedImage, to_rgb
 from hybridtrain.data.prepare.ilsvrc import Job
+from hybridtrain.data.prepare.names import makedirs_inside, refuse_member
+from hybridtrain.errors import UserError
 
 STATE = ".hybridtrain-prepare"
 REWRITE_QUALITY = 95  # a PNG or CMYK file rewritten at its own size
@@ -64,23 +66,39 @@ def shorter_side(img: Image.Image, short: int) -> Image.Image:
     return img.resize((max(1, round(w * scale)), max(1, round(h * scale))), Image.BICUBIC, reducing_gap=3.0)
 
 
+def partial_name(path: str) -> str:
+    return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.partial")
+
+
 def write_atomically(path: str, data: bytes) -> None:
-    """``data`` at ``path`` through a hidden temporary name in the same folder, then one rename."""
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.partial")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-    os.replace(tmp, path)
+    """``data`` at ``path`` through a hidden temporary name in the same folder, made new (never written through a
+    link), then one rename. A failed write (a full disk) removes the temporary file and names ``path``."""
+    tmp = partial_name(path)
+    try:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)  # a killed run's (or a link planted there: removed, never followed)
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as fh:
+            fh.write(data)
+        os.replace(tmp, path)
+    except OSError as exc:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        raise OSError(exc.errno, exc.strerror, exc.filename if exc.filename and exc.filename != tmp else path) \
+            from None
+
+
+def remove_partials(folder: str) -> None:
+    """The hidden temporary files of writes a stopped run left in the class folders under ``folder``."""
+    for parent, _, names in os.walk(folder):
+        for name in names:
+            if name.startswith(".") and name.endswith(".partial"):
+                os.unlink(os.path.join(parent, name))
 
 
 def job_images(job: Job):
     """(file name, wnid, bytes) of each image of ``job``, read in order."""
     if job.kind == "class-tar":
-        with open(job.archive, "rb") as fh:
-            fh.seek(job.offset)
-            with tarfile.open(fileobj=io.BufferedReader(Window(fh, job.size)), mode="r|") as inner:
-                for member in inner:
-                    if member.isfile():
-                        yield os.path.basename(member.name), job.wnid, inner.extractfile(member).read()
+        yield from class_tar_images(job)
     elif job.kind == "members":
         with open(job.archive, "rb") as fh:
             for offset, size, name, wnid in job.items:
@@ -92,18 +110,51 @@ def job_images(job: Job):
                 yield name, wnid, fh.read()
 
 
-class Window(io.RawIOBase):
-    """``size`` bytes of an open file from its current position, as a stream (an inner tar read in place)."""
+def class_tar_images(job: Job):
+    """The images of one inner ``<wnid>.tar``, read in place: its headers first (every member checked, before any
+    image is written), then the images. A damaged inner tar is one line naming it and the archive."""
+    where = f"{job.archive}: its member {job.wnid}.tar"
+    with open(job.archive, "rb") as fh:
+        try:
+            with tarfile.open(fileobj=io.BufferedReader(Window(fh, job.offset, job.size)), mode="r:") as inner:
+                members = [m for m in inner.getmembers() if not m.isdir()]
+                for member in members:
+                    refuse_member(where, member)
+                    if member.offset_data + member.size > job.size:
+                        raise tarfile.ReadError(f"{member.name} is cut short")
+                for member in members:
+                    yield os.path.basename(member.name), job.wnid, inner.extractfile(member).read()
+        except (tarfile.TarError, EOFError) as exc:
+            raise UserError(f"{where} is not a whole tar ({exc}): the archive is damaged (a cut-short download or "
+                            f"copy?): download it again and check it with its md5 (leave --no-md5 out)") from None
 
-    def __init__(self, fh, size: int):
-        self.fh, self.left = fh, size
+
+class Window(io.RawIOBase):
+    """``size`` bytes of an open file from ``offset``, as a seekable stream (an inner tar read in place)."""
+
+    def __init__(self, fh, offset: int, size: int):
+        self.fh, self.offset, self.size, self.pos = fh, offset, size, 0
 
     def readable(self) -> bool:
         return True
 
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        self.pos = max(0, min(self.size, pos + (0, self.pos, self.size)[whence]))
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
     def readinto(self, buffer) -> int:
-        n = self.fh.readinto(memoryview(buffer)[:min(len(buffer), self.left)]) if self.left else 0
-        self.left -= n
+        want = min(len(buffer), self.size - self.pos)
+        if want <= 0:
+            return 0
+        self.fh.seek(self.offset + self.pos)
+        n = self.fh.readinto(memoryview(buffer)[:want])
+        self.pos += n
         return n
 
 
@@ -114,7 +165,7 @@ def run_job(args: tuple) -> dict:
     classes, rewritten, unreadable, count = set(), [], [], 0
     for name, wnid, data in job_images(job):
         if wnid not in classes:
-            os.makedirs(os.path.join(out, job.split, wnid), exist_ok=True)
+            makedirs_inside(out, os.path.join(out, job.split, wnid))
             classes.add(wnid)
         rel = f"{job.split}/{wnid}/{output_name(name)}"
         try:

@@ -15,16 +15,28 @@ import multiprocessing
 import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 from tqdm import tqdm
 
 from hybridtrain.data.prepare.ilsvrc import ARCHIVE_MD5, FULL_COUNTS, Source, detect_source
-from hybridtrain.data.prepare.ilsvrc_jobs import STATE, done_path, read_done, run_job, write_atomically
+from hybridtrain.data.prepare.ilsvrc_jobs import (
+    STATE,
+    as_rgb_jpeg,
+    done_path,
+    job_images,
+    read_done,
+    remove_partials,
+    run_job,
+    write_atomically,
+)
+from hybridtrain.data.prepare.names import makedirs_inside
 from hybridtrain.errors import UserError
 from hybridtrain.outputs import check_input_dir, nearest_existing
 
 PARAMS, COMPLETE = "params.json", "complete.json"
-TYPICAL_SHORT_SIDE = 400  # ImageNet's images: about 400 px on their shorter side (500x375 typical)
+RESIZE_SAMPLE = 32  # validation images re-encoded to estimate the size of a --resize copy
+RESIZE_MARGIN = 1.15  # on top of the sample's ratio: the training images vary more than 32 images show
 MD5_CHUNK = 8 << 20
 
 
@@ -58,22 +70,35 @@ def check_out(out: str, params: dict) -> str:
 
 # ----------------------------------------------------------------------------- checks before the work
 
-def gigabytes(n: float) -> str:
-    return f"{n / 1e9:.1f} GB"
+def size_text(n: float) -> str:
+    """A size in the unit that shows its digits: GB from 1 GB, MB below, kB below 1 MB."""
+    unit, scale = next((u, s) for u, s in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3), ("bytes", 1)) if n >= s or s == 1)
+    return f"{n / scale:.1f} {unit}" if scale > 1 else f"{n:.0f} bytes"
 
 
 def output_bytes(source: Source, resize: int | None) -> float:
-    """The tree's estimated size: the source's images, scaled by the resized area."""
-    scale = 1.0 if resize is None else min(1.0, (resize / TYPICAL_SHORT_SIDE) ** 2)
-    return source.nbytes * scale
+    """The tree's estimated size: the source's bytes, or, for --resize, those times the ratio that re-encoding the
+    first validation images measures (a copy at quality 90 can be larger than its area suggests, and an image
+    already smaller than SHORT is re-encoded too), with a margin."""
+    if resize is None:
+        return source.nbytes
+    val = next(job for job in source.jobs if job.split == "val")
+    sizes = []
+    for _, _, data in job_images(replace(val, items=val.items[:RESIZE_SAMPLE])):
+        try:
+            sizes.append((len(data), len(as_rgb_jpeg(data, resize)[0])))
+        except Exception:  # an image the run itself will name as unreadable
+            continue
+    ratio = sum(b for _, b in sizes) / max(1, sum(a for a, _ in sizes)) if sizes else 1.0
+    return source.nbytes * ratio * RESIZE_MARGIN
 
 
 def check_free_space(out: str, needed: float, free: float | None = None) -> None:
     """One line when the disk of ``out`` has less than ``needed`` bytes free."""
     free = shutil.disk_usage(nearest_existing(out)).free if free is None else free
     if free < needed:
-        raise UserError(f"--out {out}: its disk has {gigabytes(free)} free and the output needs about "
-                        f"{gigabytes(needed)}: free space on that disk, give an --out on a larger one, or make a "
+        raise UserError(f"--out {out}: its disk has {size_text(free)} free and the output needs about "
+                        f"{size_text(needed)}: free space on that disk, give an --out on a larger one, or make a "
                         f"smaller copy with --resize 160")
 
 
@@ -114,9 +139,19 @@ def pool(workers: int):
 
 def run_jobs(source: Source, out: str, resize: int | None, workers: int) -> list[dict]:
     """Every job's record: those done by an earlier run are read, the others run now with a progress bar."""
-    os.makedirs(os.path.dirname(done_path(out, source.jobs[0])), exist_ok=True)
+    makedirs_inside(out, os.path.dirname(done_path(out, source.jobs[0])))
     records = {job.name: read_done(out, job) for job in source.jobs}
     pending = [job for job in source.jobs if records[job.name] is None]
+    try:
+        run_pending(pending, records, out, resize, workers)
+    except BaseException:  # a full disk, a damaged archive, Ctrl-C: no hidden half-written file is left
+        for folder in ("train", "val", STATE):
+            remove_partials(os.path.join(out, folder))
+        raise
+    return [records[job.name] for job in source.jobs]
+
+
+def run_pending(pending: list, records: dict, out: str, resize: int | None, workers: int) -> None:
     if pending:
         args = [(job, out, resize) for job in pending]
         bar = tqdm(total=len(pending), desc="imagenet", unit="job", disable=None)
@@ -131,7 +166,6 @@ def run_jobs(source: Source, out: str, resize: int | None, workers: int) -> list
                     records[record["job"]] = record
                     bar.update()
         bar.close()
-    return [records[job.name] for job in source.jobs]
 
 
 def count_tree(out: str, split: str) -> dict[str, int]:
@@ -156,11 +190,7 @@ def finish(source: Source, out: str, records: list[dict]) -> dict:
         if recorded != sum(tree[split].values()):
             raise UserError(f"{out}/{split} holds {sum(tree[split].values())} images but this run wrote {recorded}: "
                             f"something else writes there: give a new folder as --out")
-    classes = sorted(tree["train"])
-    extra = sorted(set(tree["val"]) - set(classes))
-    if extra:
-        raise UserError(f"the validation labels name {len(extra)} class(es) with no training images (first: "
-                        f"{extra[0]}): the label file does not belong to this training set")
+    classes = sorted(tree["train"])  # every validation class has training images: checked by ilsvrc at the start
     write_atomically(os.path.join(out, "classes.txt"), "".join(f"{c}\n" for c in classes).encode())
     rewritten = sorted(line for r in records for line in r["rewritten"])
     write_atomically(os.path.join(out, "rewritten.txt"), "".join(f"{line}\n" for line in rewritten).encode())
@@ -190,6 +220,7 @@ def prepare_imagenet(source_dir: str, out: str, md5: bool = True, resize: int | 
     start_state(out, params, source.archives if md5 else [], workers)
     summary = finish(source, out, run_jobs(source, out, resize, workers))
     summary["md5"] = "verified" if md5 and source.archives else "skipped (--no-md5)" if source.archives else "none"
+    summary["no_md5"] = not md5
     return summary | {"resumed": state == "resume", "done_before": done, "jobs": len(source.jobs)}
 
 
@@ -198,7 +229,7 @@ def start_state(out: str, params: dict, archives: list[str], workers: int) -> No
     stamps = [archive_stamp(p) for p in archives]
     if archives and (read_json(state_file(out, "md5.json")) or {}).get("stamps") != stamps:
         verify_md5(archives, workers)  # before anything is written: a refused archive leaves no --out
-    os.makedirs(os.path.join(out, STATE), exist_ok=True)
+    makedirs_inside(out, os.path.join(out, STATE))
     write_atomically(state_file(out, PARAMS), json.dumps(params).encode())
     if archives:
         write_atomically(state_file(out, "md5.json"), json.dumps({"stamps": stamps}).encode())
@@ -226,5 +257,7 @@ def summary_lines(summary: dict, out: str) -> list[str]:
         lines.append("md5 of the archives: the published sums")
     elif summary.get("md5", "").startswith("skipped"):
         lines.append("md5 of the archives: not checked (--no-md5)")
+    elif summary.get("no_md5"):
+        lines.append(f"md5: --no-md5 had nothing to skip (the {summary['layout']} has no archives)")
     lines.append(f"classes.txt: {summary['classes']} WNIDs in sorted order (line number = class index)")
     return lines

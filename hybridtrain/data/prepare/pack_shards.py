@@ -31,6 +31,7 @@ from tqdm import tqdm
 from hybridtrain.data.folder import scan_dataset
 from hybridtrain.data.prepare.ilsvrc_jobs import write_atomically
 from hybridtrain.data.prepare.imagenet import check_free_space, pool
+from hybridtrain.data.prepare.names import inside
 from hybridtrain.data.sharding import split_sizes
 from hybridtrain.data.shards import parse_index
 from hybridtrain.errors import UserError
@@ -166,7 +167,7 @@ def plan_digest(tree: str, jobs: list) -> str:
 def resume_partial(out: str, digest: str, images_bytes: int) -> tuple[str, bool]:
     """``OUT/shards.partial/`` and whether it is a stopped pack of this plan (its finished shards are kept);
     otherwise it starts empty (``start_partial``), after a free-space check."""
-    tmp = os.path.normpath(out) + ".partial"
+    tmp = inside(os.path.dirname(out), os.path.normpath(out) + ".partial")
     plan = os.path.join(tmp, PLAN)
     if os.path.isfile(os.path.join(tmp, PARTIAL_MARKER)) and os.path.isfile(plan):
         with open(plan) as fh:
