@@ -47,7 +47,13 @@ from hybridtrain.gpucheck.rows import (
     next_row,
     plan_calls,
 )
-from hybridtrain.outputs import check_output_dir, markdown_table
+from hybridtrain.outputs import (
+    atomic_path,
+    check_output_dir,
+    markdown_table,
+    write_json_atomically,
+    write_text_atomically,
+)
 
 HOROVOD_SDIST = "horovod-0.28.1.tar.gz"
 BUNDLE = os.path.join(REPO, ".gpu-bundle")      # make gpu-bundle
@@ -508,11 +514,8 @@ def write_results(rows: list[Row], out: str, meta: dict) -> str:
     failed = [r.name for r in rows if r.status == FAIL]
     record = {**meta, "passed": not failed, "failed": failed,
               "rows": [dataclasses.asdict(r) for r in rows]}
-    for name, content in (("gpu_check.md", text), ("gpu_check.json", json.dumps(record, indent=1))):
-        path = os.path.join(out, name)
-        with open(path + ".tmp", "w") as fh:
-            fh.write(content)
-        os.replace(path + ".tmp", path)
+    write_text_atomically(os.path.join(out, "gpu_check.md"), text)
+    write_json_atomically(os.path.join(out, "gpu_check.json"), record)
     return text
 
 
@@ -690,17 +693,17 @@ def write_archive(out: str, folder: str, error: str = "") -> str:
     import tarfile
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, ARCHIVE)
-    for tail in (None, LOG_TAIL, LOG_TAIL // 16):
-        with open(path + ".tmp", "wb") as fh, tarfile.open(fileobj=fh, mode="w:gz") as tar:
-            members = [(name, read_tail(os.path.join(out, name), tail if name.endswith(".log") else None))
-                       for name in archived_files(out)] + ([("error.txt", error.encode())] if error else [])
-            for name, data in members:
-                info = tarfile.TarInfo(os.path.join("gpu-check", name))
-                info.size, info.mtime = len(data), int(time.time())
-                tar.addfile(info, io.BytesIO(data))
-        if os.path.getsize(path + ".tmp") <= ARCHIVE_LIMIT:
-            break
-    os.replace(path + ".tmp", path)
+    with atomic_path(path) as tmp:
+        for tail in (None, LOG_TAIL, LOG_TAIL // 16):
+            with tarfile.open(tmp, mode="w:gz") as tar:
+                members = [(name, read_tail(os.path.join(out, name), tail if name.endswith(".log") else None))
+                           for name in archived_files(out)] + ([("error.txt", error.encode())] if error else [])
+                for name, data in members:
+                    info = tarfile.TarInfo(os.path.join("gpu-check", name))
+                    info.size, info.mtime = len(data), int(time.time())
+                    tar.addfile(info, io.BytesIO(data))
+            if os.path.getsize(tmp) <= ARCHIVE_LIMIT:
+                break
     return path
 
 

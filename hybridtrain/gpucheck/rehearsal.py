@@ -47,7 +47,7 @@ from hybridtrain.gpucheck.check import (
 )
 from hybridtrain.gpucheck.check import build_row as horovod_build_row
 from hybridtrain.gpucheck.rows import GPU_TESTS, RECIPE, REPO, Pythons, Row, build_rows
-from hybridtrain.outputs import check_output_dir, markdown_table
+from hybridtrain.outputs import check_output_dir, markdown_table, write_text_atomically
 
 # what the lent machine's Python lacks (KINDS.md): links of everything else
 IMAGE_LACKS = ["horovod", "horovod-*", "cffi", "cffi-*", "_cffi_backend*", "pycparser", "pycparser-*", "setuptools",
@@ -229,9 +229,8 @@ def rehearse(out: str | None, bundle: str | None, venv_dir: str | None = None, s
                           [[r.name, r.status, f"{r.seconds:.0f}" if r.seconds is not None else "-",
                             r.detail.replace("|", "/")] for r in steps])
     took = f"{len(steps)} steps in {time.monotonic() - begin:.0f} s"
-    with open(os.path.join(out, "rehearsal.md.tmp"), "w") as fh:
-        fh.write(f"# gpu-check rehearsal on {sys.executable}: {took}\n\n{text}\n")
-    os.replace(os.path.join(out, "rehearsal.md.tmp"), os.path.join(out, "rehearsal.md"))
+    write_text_atomically(os.path.join(out, "rehearsal.md"), f"# gpu-check rehearsal on {sys.executable}: {took}\n\n"
+                                                          f"{text}\n")
     say(text)
     say(f"gpu-check --rehearse: {took}")
     return 0 if all(r.status == PASS for r in steps) else 1

@@ -10,7 +10,6 @@ not, 2 for a run that failed.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -18,6 +17,7 @@ import sys
 
 from hybridtrain.distributed.engines import ENGINES
 from hybridtrain.distributed.launcher import launch_command
+from hybridtrain.outputs import write_json_atomically
 
 RESUME_AFTER = 1
 
@@ -78,8 +78,7 @@ def main(argv=None) -> int:
             shutil.copy(os.path.join(straight, name + suffix), os.path.join(resumed, name + suffix))
     train(args.engine, args.config, args.set, resumed, resume=True)
     result = compare(last_checkpoint(straight), last_checkpoint(resumed))
-    with open(os.path.join(args.out, "resume_check.json"), "w") as fh:
-        json.dump(result, fh, indent=1)
+    write_json_atomically(os.path.join(args.out, "resume_check.json"), result)
     print(f"resume_check: final checkpoints {'bitwise equal' if result['equal'] else 'differ'}"
           + ("" if result["equal"] else f": {', '.join(result['differences'])}"), flush=True)
     return 0 if result["equal"] else 1
