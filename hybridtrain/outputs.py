@@ -28,7 +28,7 @@ import shutil
 import tempfile
 from contextlib import contextmanager
 
-from hybridtrain.errors import UserError
+from hybridtrain.errors import UserError, dangling_link
 
 PARTIAL_MARKER = ".hybridtrain-partial"
 
@@ -88,6 +88,7 @@ def check_output_file(path: str | None, option: str, example: str = "out.json") 
     if os.path.isdir(path):
         raise UserError(f"{option} {path} is a folder, not a file: name a file in it, e.g. {option} "
                         f"{os.path.join(path, example)}")
+    refuse_dangling(path, option)
     folder = folder_of(path)
     if not os.path.exists(folder):
         ancestor = nearest_existing(folder)
@@ -98,9 +99,8 @@ def check_output_file(path: str | None, option: str, example: str = "out.json") 
                         f"choose another path")
     if not os.path.isdir(folder):
         raise UserError(f"{option} {path}: {folder} is a file, not a folder: choose another path")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise UserError(f"{option} {path}: the folder {folder} is not writable by this user: choose another path, "
-                        f"or fix its permissions")
+    if not_writable(folder):
+        raise UserError(f"{option} {path}: the folder {not_writable(folder)}")
     if os.path.lexists(path) and not os.path.isfile(path):
         raise UserError(f"{option} {path} exists and is not a regular file: choose another path")
     if os.path.isfile(path) and not os.access(path, os.W_OK):
@@ -114,17 +114,41 @@ def check_output_dir(path: str | None, option: str) -> str:
     exists or where it will be created (with its missing parents). Nothing is created here. Returns ``path``."""
     path = _given(path, option, "folder")
     not_expanded(path, option)
+    refuse_dangling(path, option)
     if os.path.lexists(path) and not os.path.isdir(path):
         raise UserError(f"{option} {path} is a file, not a folder: choose a folder (it is created when missing)")
     ancestor = nearest_existing(path)
     if not os.path.isdir(ancestor):
         raise UserError(f"{option} {path}: {ancestor} is a file, so the folder cannot be created under it: choose "
                         f"another path")
-    if not os.access(ancestor, os.W_OK | os.X_OK):
+    if not_writable(ancestor):
         where = "" if os.path.exists(path) else f" (the folder would be created in {ancestor})"
-        raise UserError(f"{option} {path} is not writable by this user{where}: choose another folder, or fix its "
-                        f"permissions")
+        raise UserError(f"{option} {path} cannot be written{where}: {not_writable(ancestor)}")
     return path
+
+
+def refuse_dangling(path: str, option: str) -> None:
+    """One line when ``path``, or a folder on its way, is a symbolic link to nothing (an unmounted disk, a moved
+    folder): the link is what to fix, not the path."""
+    link = dangling_link(path)
+    if link is not None:
+        raise UserError(f"{option} {path}: {link} is a symbolic link to {os.readlink(link)}, a folder that does not "
+                        f"exist (an unmounted disk or a moved folder?): fix or remove the link, or choose another path")
+
+
+def not_writable(folder: str) -> str:
+    """'' when this process may create files in ``folder``, else why not and the fix, starting with the folder: a
+    read-only file system (which refuses root too, so it is not a matter of permissions), or its permissions."""
+    if os.access(folder, os.W_OK | os.X_OK):
+        return ""
+    try:
+        read_only = bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only = False
+    if read_only:
+        return (f"{folder} is on a read-only file system: choose a folder on a writable one, or remount it "
+                f"read-write")
+    return f"{folder} is not writable by this user: choose another folder, or fix its permissions"
 
 
 def check_input_dir(path: str | None, option: str, fix: str = "") -> str:

@@ -11,30 +11,43 @@ from hybridtrain.outputs import check_output_dir, check_output_file, write_json_
 
 
 def cmd_scale(args) -> int:
-    from hybridtrain.perf.scaling import format_table, parse_compressions, run_scale
+    from hybridtrain.cluster import netns as cluster
     check_output_dir(args.out, "--out")
     if args.json:
         check_output_file(args.json, "--json")
+    if args.cluster and args.np is not None:
+        raise UserError("--np counts ranks on this machine; --cluster N runs one rank on each of N hosts: drop one")
+    if not args.cluster and args.link != "none":  # the default
+        raise UserError(f"--link {args.link} limits the links of a --cluster: add --cluster N, or drop --link")
     if args.cluster:
-        if args.np is not None:
-            raise UserError("--np counts ranks on this machine; --cluster N runs one rank on each of N hosts: drop one")
-        from hybridtrain.cluster.scale import format_cluster_table, parse_links, run_cluster_scale
-        rows = run_cluster_scale(args.config, args.set, args.cluster, parse_links(args.link),
-                                 parse_compressions(args.compression), parse_engines(args.engine), args.steps,
-                                 args.warmup, args.out, args.oversubscribe)
-        print(format_cluster_table(rows))
-        print(f"scale_cluster.json and scale_cluster.png written to {args.out}")
+        with cluster.stopped_cleanly("the rows' ranks ended and the cluster is removed (its namespaces, sshds and "
+                                     "ranks)", cluster.down):
+            rows, table, written = scale_across_hosts(args)
     else:
-        if args.link != "none":  # the default
-            raise UserError(f"--link {args.link} limits the links of a --cluster: add --cluster N, or drop --link")
-        rows = run_scale(args.config, args.set, args.np or [1, 2], parse_compressions(args.compression), args.steps,
-                         args.warmup, args.out, args.oversubscribe, parse_engines(args.engine))
-        print(format_table(rows))
-        print(f"scale.json and scale.png written to {args.out}")
+        with cluster.stopped_cleanly("its ranks ended"):
+            rows, table, written = scale_here(args)
+    print(table)
+    print(f"{written} written to {args.out}")
     if args.json:
         write_json_atomically(args.json, {"config": args.config, "overrides": args.set, "rows": rows})
         print(f"rows written to {args.json}")
     return 0
+
+
+def scale_across_hosts(args) -> tuple[list[dict], str, str]:
+    from hybridtrain.cluster.scale import format_cluster_table, parse_links, run_cluster_scale
+    from hybridtrain.perf.scaling import parse_compressions
+    rows = run_cluster_scale(args.config, args.set, args.cluster, parse_links(args.link),
+                             parse_compressions(args.compression), parse_engines(args.engine), args.steps,
+                             args.warmup, args.out, args.oversubscribe)
+    return rows, format_cluster_table(rows), "scale_cluster.json and scale_cluster.png"
+
+
+def scale_here(args) -> tuple[list[dict], str, str]:
+    from hybridtrain.perf.scaling import format_table, parse_compressions, run_scale
+    rows = run_scale(args.config, args.set, args.np or [1, 2], parse_compressions(args.compression), args.steps,
+                     args.warmup, args.out, args.oversubscribe, parse_engines(args.engine))
+    return rows, format_table(rows), "scale.json and scale.png"
 
 
 def parse_engines(text: str) -> tuple[str, ...]:
@@ -48,19 +61,28 @@ def parse_engines(text: str) -> tuple[str, ...]:
 def cmd_cluster(args) -> int:
     from hybridtrain.cluster import netns as cluster
     if args.action == "exec":
-        if not args.command or args.command[0] not in cluster.hosts_now():
-            raise UserError(f"cluster exec needs a host of the cluster and a command, e.g. hybridtrain cluster exec h1 "
-                            f"-- hostname (hosts now: {', '.join(cluster.hosts_now()) or 'none'})")
+        hosts = cluster.hosts_now()
+        if not args.command or args.command[0] not in hosts:
+            given = f"{args.command[0]} is not a host of the cluster" if args.command else "it was given no host"
+            raise UserError(f"cluster exec runs a command on a host of the cluster and {given} (hosts now: "
+                            f"{', '.join(hosts) or 'none'}): e.g. hybridtrain cluster exec h1 -- hostname")
+        host, command = args.command[0], args.command[1:]
+        if not command:
+            raise UserError(f"cluster exec {host} was given no command to run there: e.g. hybridtrain cluster exec "
+                            f"{host} -- hostname")
         cluster.require_root()
-        return subprocess.run(cluster.host_command(args.command[0], args.command[1:])).returncode
+        with cluster.stopped_cleanly(f"the command on {host} ended"):
+            return subprocess.run(cluster.host_command(host, command)).returncode
     if args.command:
         raise UserError(f"cluster {args.action} takes no command, got '{' '.join(args.command)}'")
-    if args.action == "up":
-        cluster.up(args.hosts, args.link)
-    elif args.action == "down":
-        removed = cluster.down()
-        print(f"removed {len(removed)} namespaces" if removed else "no cluster to remove")
-        return 0
+    if args.action in ("up", "down"):
+        with cluster.stopped_cleanly("the cluster is removed (its namespaces, sshds and ranks)", cluster.down):
+            if args.action == "up":
+                cluster.up(args.hosts, args.link)
+            else:
+                removed = cluster.down()
+                print(f"removed {len(removed)} namespaces" if removed else "no cluster to remove")
+                return 0
     cluster.require_root()
     print(cluster.format_status(cluster.status()))
     return 0

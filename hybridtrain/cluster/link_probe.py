@@ -22,7 +22,8 @@ import time
 
 from hybridtrain.errors import UserError, run_guarded
 from hybridtrain.outputs import check_output_dir, write_json_atomically
-from hybridtrain.reports.links import PROBE_FILE, host_rates, links_lines
+from hybridtrain.cluster.netns import stopped_cleanly
+from hybridtrain.reports.links import PROBE_FILE, host_rates, links_lines, probe_problem
 
 TIMEOUT_S = 60
 RECEIVER = """import socket, sys, time
@@ -93,6 +94,10 @@ def transfer(sender: str, receiver: str, megabytes: int) -> dict:
 def probe(hosts: list[str], megabytes: int) -> dict:
     """A transfer for every pair of ``hosts``, one at a time, each host's rate and the lines naming a slow one."""
     pairs = [transfer(a, b, megabytes) for a, b in itertools.combinations(hosts, 2)]
+    problem = probe_problem(pairs)
+    if problem:  # judged before anything is computed from it or written
+        raise UserError(f"link probe: {problem}: {megabytes} MiB per transfer is too little to time; give more with "
+                        f"--megabytes (up to {MEGABYTES[1]})")
     rates = host_rates(pairs)
     return {"hosts": hosts, "megabytes": megabytes, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S UTC",
                                                                                  time.gmtime()),
@@ -106,17 +111,27 @@ def parse_hosts(text: str) -> list[str]:
     return hosts
 
 
-def main(argv: list[str]) -> int:
+MEGABYTES = (1, 1024)
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m hybridtrain.cluster.link_probe",
                                      description="time a transfer between every pair of hosts; name a slow link")
     parser.add_argument("--hosts", required=True, help="the hosts, e.g. h0,h1,h2 (three or more can name a slow one)")
     parser.add_argument("--out", required=True, help="the run_dir that gets link_probe.json (its report shows it)")
-    parser.add_argument("--megabytes", type=int, default=8, choices=range(1, 1025), metavar="1..1024",
-                        help="MiB per transfer (default 8)")
-    args = parser.parse_args(argv)
+    parser.add_argument("--megabytes", type=int, default=8, metavar="1..1024", help="MiB per transfer (default 8)")
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    if not MEGABYTES[0] <= args.megabytes <= MEGABYTES[1]:
+        raise UserError(f"--megabytes must be in [{MEGABYTES[0]}, {MEGABYTES[1]}] (MiB per transfer), got "
+                        f"{args.megabytes}")
     hosts = parse_hosts(args.hosts)
     out = check_output_dir(args.out, "--out")
-    result = probe(hosts, args.megabytes)
+    with stopped_cleanly("its transfers ended"):
+        result = probe(hosts, args.megabytes)
     for pair in result["pairs"]:
         print(f"{pair['from']} -> {pair['to']}: {pair['bits_per_s'] / 1e6:.0f} Mbit/s ({pair['seconds']:.3f} s)")
     print("\n".join(result["lines"]))

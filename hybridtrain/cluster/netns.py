@@ -24,7 +24,9 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
+from contextlib import contextmanager
 
 from hybridtrain.errors import UserError
 
@@ -38,6 +40,10 @@ RATE = re.compile(r"^(\d+(?:\.\d+)?)(kbit|mbit|gbit)$")
 RATE_UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
 TBF_BURST_S = 0.002  # tokens for 2 ms at the link rate (never less than 64 KiB: one GSO segment)
 TBF_QUEUE_S = 0.02  # a packet waits at most 20 ms in the filter's queue, then is dropped
+# The rates tbf keeps as asked with that burst and queue: its burst time (at least 64 KiB at the rate) is a 32-bit
+# count of 1/64 us ticks (at most 274 s, so 1.91 kbit/s at least) and its queue (the burst and 20 ms of the rate) a
+# 32-bit count of bytes (1.56 Tbit/s at most); below 8 bit/s tc only prints its usage.
+RATE_RANGE = (2e3, 1e12)
 TOOLS = ("ip", "tc", "unshare", "ssh", "ssh-keygen")
 SSHD = "/usr/sbin/sshd"
 SSH_CONFIG = """# hybridtrain cluster: ssh between its hosts (the machine's own /etc/ssh is not used on them)
@@ -73,9 +79,13 @@ def link_bits_per_s(rate: str) -> float | None:
     if rate == "none":
         return None
     found = RATE.match(rate)
-    if not found or float(found.group(1)) <= 0:
+    if not found:
         raise UserError(f"--link must be a rate as tc writes it (100mbit, 1gbit, 10gbit) or none, got '{rate}'")
-    return float(found.group(1)) * RATE_UNITS[found.group(2)]
+    bits = float(found.group(1)) * RATE_UNITS[found.group(2)]
+    if not RATE_RANGE[0] <= bits <= RATE_RANGE[1]:
+        raise UserError(f"--link {rate}: tc's token-bucket filter keeps rates from 2kbit to 1000gbit (its burst time "
+                        f"and queue are 32-bit counts), so it cannot do {rate}: choose a rate in that range, or none")
+    return bits
 
 
 def tbf_args(rate: str) -> list[str]:
@@ -215,10 +225,13 @@ def down() -> list[str]:
     return found
 
 
-def end_processes(ns: str, grace_s: float = 3.0) -> None:
-    """SIGTERM, then SIGKILL after ``grace_s``, every process in namespace ``ns`` (sshds, training ranks)."""
-    def pids() -> list[int]:
-        return [int(p) for p in sh("ip", "netns", "pids", ns, check=False).stdout.split()]
+def end_processes(ns: str) -> None:
+    """Every process in namespace ``ns`` (sshds, training ranks) ended (:func:`end_all`)."""
+    end_all(lambda: [int(p) for p in sh("ip", "netns", "pids", ns, check=False).stdout.split()])
+
+
+def end_all(pids, grace_s: float = 3.0) -> None:
+    """SIGTERM, then SIGKILL after ``grace_s``, every process ``pids()`` lists (asked again as they go)."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in pids():
             try:
@@ -228,6 +241,60 @@ def end_processes(ns: str, grace_s: float = 3.0) -> None:
         deadline = time.monotonic() + grace_s
         while pids() and time.monotonic() < deadline:
             time.sleep(0.05)
+
+
+def descendants() -> list[int]:
+    """The live processes this one started, and theirs (a launcher's ranks), from /proc; zombies left out."""
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                state, ppid = fh.read().rsplit(")", 1)[1].split()[:2]
+        except (OSError, ValueError, IndexError):  # not a process, or one that just ended
+            continue
+        if state != "Z":
+            children.setdefault(int(ppid), []).append(int(entry))
+    found, todo = [], [os.getpid()]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class Stopped(BaseException):
+    """SIGTERM or SIGINT arrived: unwinds the command (its ``finally`` blocks run) to :func:`stopped_cleanly`."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextmanager
+def stopped_cleanly(what: str, cleanup=None):
+    """SIGTERM (a scheduler, ``timeout``) or SIGINT (Ctrl-C) in the block leaves nothing behind: every process the
+    command started ends at once (a launcher with its ranks), then ``cleanup()`` runs (the cluster's :func:`down`:
+    the namespaces with their sshds and ranks); one line says so, naming ``what`` was stopped, and the command exits
+    with 128 + the signal (143, 130), as a shell reports a process the signal ended."""
+    def stop(signum, frame):
+        for sig in STOP_SIGNALS:  # a second signal does not cut the cleanup short
+            signal.signal(sig, signal.SIG_IGN)
+        end_all(descendants)  # before the stack unwinds: a killed launcher would leave its ranks to init
+        raise Stopped(signum)
+    previous = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
+    try:
+        yield
+    except Stopped as exc:
+        if cleanup is not None:
+            cleanup()
+        print(f"hybridtrain: stopped by {signal.Signals(exc.signum).name}: {what}", file=sys.stderr, flush=True)
+        raise SystemExit(128 + exc.signum) from None
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def status() -> dict | None:

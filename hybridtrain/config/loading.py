@@ -185,6 +185,26 @@ def _as_written(path: list[str], value: Any, text: str) -> Any:
     return value
 
 
+def _is_section(path: list[str]) -> bool:
+    """True when a dotted key names a section of the config (``train``), not a key."""
+    cls = Config
+    for part in path:
+        found = {f.name: f for f in dataclasses.fields(cls)}.get(part)
+        if found is None or not dataclasses.is_dataclass(default_of(found)):
+            return False
+        cls = type(default_of(found))
+    return True
+
+
+def _leaves(path: list[str], value: Any) -> list[tuple[list[str], Any]]:
+    """A mapping given for a section as the keys it sets (``--set train={batch_size: 32}`` is ``--set
+    train.batch_size=32``), so that each is judged as a dotted key would be: a moved key's old name renamed and
+    overriding the recipe's value, an old and a new name given both by --set refused."""
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value) and _is_section(path):
+        return [leaf for key, item in value.items() for leaf in _leaves([*path, key], item)]
+    return [(path, value)]
+
+
 def _apply_override(tree: dict, path: list[str], value: Any) -> None:
     """Set the key; a mapping given for a section or a mapping key merges into what the recipe has there, as
     nested keys would (``--set train={batch_size: 32}`` changes train.batch_size alone)."""
@@ -250,8 +270,9 @@ def load_config(path: str | None = None, overrides: list[str] | None = None, for
     by_name: dict[str, set[str]] = {"old": set(), "new": set()}  # --set keys of MOVED_KEYS, by the name given
     for text in overrides or []:
         key_path, value = parse_override(text)
-        key_path = _current_name(key_path, moved, by_name)
-        _apply_override(tree, key_path, _as_written(key_path, value, text))
+        for leaf, item in _leaves(key_path, value):
+            leaf = _current_name(leaf, moved, by_name)
+            _apply_override(tree, leaf, _as_written(leaf, item, text) if item is value else item)
     tree = move_renamed_keys(tree, "by --set", moved)
     warn_moved(moved)
     cfg = validate(build(Config, tree))

@@ -7,7 +7,7 @@ import os
 from hybridtrain.config.coercion import show
 from hybridtrain.config.sections import Config
 from hybridtrain.errors import UserError, dangling_link
-from hybridtrain.outputs import not_expanded
+from hybridtrain.outputs import not_expanded, not_writable
 
 # Which path keys each command uses: "data" (data.path, data.file_lists: read), "run_dir" (written),
 # "horovod" (horovod.autotune_log: written by Horovod's rank 0).
@@ -81,9 +81,10 @@ def check_run_dir(run_dir: str) -> None:
     parent = os.path.abspath(run_dir)
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-        raise UserError(f"run_dir {run_dir} cannot be written ({parent} is not a writable folder): choose a run_dir "
-                        f"you can write, or fix its permissions")
+    if not os.path.isdir(parent):
+        raise UserError(f"run_dir {run_dir} cannot be written ({parent} is a file): choose another run_dir")
+    if not_writable(parent):
+        raise UserError(f"run_dir {run_dir} cannot be written: {not_writable(parent)}")
 
 
 def _check_autotune_log(log: str) -> None:

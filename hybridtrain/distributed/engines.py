@@ -19,6 +19,7 @@ import importlib
 import importlib.util
 import os
 import sys
+import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Mapping, Protocol, runtime_checkable
 
@@ -169,19 +170,42 @@ ENGINES = {
 
 
 def plugin_specs(env: Mapping | None = None) -> dict[str, EngineSpec]:
-    """The engines of the modules named in HYBRIDTRAIN_ENGINE_PLUGINS (each defines ENGINE_SPEC)."""
+    """The engines of the modules named in HYBRIDTRAIN_ENGINE_PLUGINS (each defines ENGINE_SPEC, an EngineSpec),
+    each judged before use: a module that is not found, fails on import or registers no engine is one line naming
+    it and what is wrong."""
     env = os.environ if env is None else env
     found = {}
     for name in (n.strip() for n in env.get(PLUGINS_VAR, "").split(",") if n.strip()):
-        try:
-            spec = importlib.import_module(name).ENGINE_SPEC
-        except (ImportError, AttributeError) as exc:
-            raise UserError(f"{PLUGINS_VAR} names {name}, which is not an engine module ({exc}): put it on "
-                            f"PYTHONPATH and define ENGINE_SPEC in it, or unset {PLUGINS_VAR}") from None
-        if spec.name in ENGINES or spec.name == "auto":
+        spec = getattr(plugin_module(name), "ENGINE_SPEC", None)
+        if not isinstance(spec, EngineSpec) or not isinstance(spec.name, str) or not spec.name.isidentifier():
+            what = ("it defines no ENGINE_SPEC" if spec is None else f"its ENGINE_SPEC is a {type(spec).__name__}, "
+                    f"not an EngineSpec" if not isinstance(spec, EngineSpec) else
+                    f"its ENGINE_SPEC names the engine {str(spec.name)[:40]!r}, not a word")
+            raise not_an_engine(name, what, f"define ENGINE_SPEC = EngineSpec(...) in it (docs/engines.md)")
+        if spec.name in ENGINES or spec.name in found or spec.name == "auto":
             raise UserError(f"{PLUGINS_VAR}: {name} registers engine '{spec.name}', a name already taken: rename it")
         found[spec.name] = spec
     return found
+
+
+def plugin_module(name: str):
+    """The module ``name`` of HYBRIDTRAIN_ENGINE_PLUGINS, or one line: not found, or what its import raised (a
+    plugin's own code runs at its import, so anything it raises is the plugin's fault, named with its line)."""
+    try:
+        return importlib.import_module(name)
+    except Exception as exc:  # noqa: BLE001
+        if isinstance(exc, ModuleNotFoundError) and exc.name and (name + ".").startswith(exc.name + "."):
+            raise not_an_engine(name, "it is not found on this python's path", "put its folder on PYTHONPATH")
+        frames = [] if isinstance(exc, SyntaxError) else traceback.extract_tb(exc.__traceback__)[-1:]
+        where = "".join(f" at {frame.filename}:{frame.lineno}" for frame in frames)
+        message = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise not_an_engine(name, f"its import raised {type(exc).__name__}{': ' + message if message else ''}{where}",
+                            "fix the module") from None
+
+
+def not_an_engine(name: str, what: str, fix: str) -> UserError:
+    return UserError(f"{PLUGINS_VAR} names {name}, which is not an engine module: {what}: {fix}, or unset "
+                     f"{PLUGINS_VAR}")
 
 
 def registered(env: Mapping | None = None) -> dict[str, EngineSpec]:

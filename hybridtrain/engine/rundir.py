@@ -17,6 +17,7 @@ import glob
 import json
 import os
 import re
+import shutil
 import socket
 import sys
 import time
@@ -162,10 +163,11 @@ def run_files(run_dir: str, patterns: tuple[str, ...] = RUN_FILES) -> list[str]:
 
 
 class RunDir:
-    """rank 0's hold on a run folder; ``release()`` (or the process's end) lets the next run in."""
+    """rank 0's hold on a run folder; ``release()`` (or the process's end) lets the next run in. ``created``: the
+    folders the claim made (run_dir and its missing parents, deepest first)."""
 
-    def __init__(self, path: str, fd: int, marker: dict):
-        self.path, self.fd, self.marker = path, fd, marker
+    def __init__(self, path: str, fd: int, marker: dict, created: list[str] | None = None):
+        self.path, self.fd, self.marker, self.created = path, fd, marker, created or []
 
     @property
     def run_id(self) -> str:
@@ -189,9 +191,28 @@ class RunDir:
         write_json_atomically(path, self.marker)
 
     def release(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        """Let the next run in. A run that never started (refused after the claim, before its first epoch ended: bad
+        data, a wrong flag) leaves no trace: when the claim made the folder and it holds only what the set-up wrote
+        (:data:`SETUP_NAMES`), the folder goes, with the parents the claim made."""
+        if self.fd < 0:
+            return
+        try:
+            never_started = bool(self.created) and set(os.listdir(self.path)) <= SETUP_NAMES
+            if never_started:
+                shutil.rmtree(self.path)
+        except OSError:  # the folder went away or changed meanwhile: left as it is
+            never_started = False
+        os.close(self.fd)
+        self.fd = -1
+        for folder in self.created[1:] if never_started else ():
+            try:
+                os.rmdir(folder)
+            except OSError:  # not empty: something else was put there meanwhile
+                break
+
+
+# What a run writes before its first epoch ends (the claim's lock and marker, the config, TensorBoard's empty log)
+SETUP_NAMES = {LOCK, MARKER, "config.yaml", "tensorboard"}
 
 
 def lock(run_dir: str) -> int:
@@ -272,6 +293,16 @@ def claim(run_dir: str, resume: str | None, move: bool = False) -> tuple[RunDir,
         raise UserError(line) from None
 
 
+def made_folders(path: str) -> list[str]:
+    """``os.makedirs(path)``; the folders it made, deepest first."""
+    missing, current = [], os.path.abspath(path)
+    while not os.path.lexists(current):
+        missing.append(current)
+        current = os.path.dirname(current)
+    os.makedirs(path, exist_ok=True)
+    return missing
+
+
 def claim_run_dir(run_dir: str, resume: str | None, move: bool = False) -> tuple[RunDir, str]:
     """Lock ``run_dir`` for this run and name the run; (the hold, a line for the log or '').
 
@@ -279,7 +310,7 @@ def claim_run_dir(run_dir: str, resume: str | None, move: bool = False) -> tuple
     ``move``. Resumed: the run of ``run.json`` goes on; a folder of an older version without one is adopted
     with the checkpoints it holds."""
     check_run_dir(run_dir)
-    os.makedirs(run_dir, exist_ok=True)
+    created = made_folders(run_dir)
     fd = lock(run_dir)
     try:
         check_own_files(run_dir)
@@ -298,9 +329,9 @@ def claim_run_dir(run_dir: str, resume: str | None, move: bool = False) -> tuple
         if marker is None or not resuming:
             adopted = sorted(os.path.basename(path) for _, path in list_checkpoints(run_dir))
             marker = {"run_id": uuid.uuid4().hex, "created": time.time(), "checkpoints": adopted if resuming else []}
-        held = RunDir(run_dir, fd, marker)
+        held = RunDir(run_dir, fd, marker, created)
         held._write_marker()
         return held, note
     except BaseException:
-        os.close(fd)
+        RunDir(run_dir, fd, {}, created).release()
         raise

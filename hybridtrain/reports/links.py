@@ -9,7 +9,6 @@ give one transfer and so cannot tell which end is slow: three or more are needed
 from __future__ import annotations
 
 import json
-import math
 import os
 import statistics
 
@@ -60,6 +59,30 @@ def links_lines(rates: dict[str, float]) -> list[str]:
             for host, rate, others in slow]
 
 
+# The rates a transfer can have been measured at: a modem's to past any network card's. Outside, the record's numbers
+# are not a measurement (a transfer of no bytes, a clock that did not move, a hand-edited file).
+RATE_RANGE = (1e3, 1e13)
+
+
+def probe_problem(pairs) -> str:
+    """'' when ``pairs`` are timed transfers between two or more hosts, each at a measurable rate, else what is
+    wrong with them (read before anything is computed from them: a rate of 0 or inf would show as 'inf x slower')."""
+    if not isinstance(pairs, list) or not pairs:
+        return "no transfer"
+    hosts = set()
+    for pair in pairs:
+        if not isinstance(pair, dict) or not all(isinstance(pair.get(k), str) and pair[k] for k in ("from", "to")):
+            return f"a transfer without its two hosts ({str(pair)[:60]})"
+        rate = pair.get("bits_per_s")
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not RATE_RANGE[0] <= rate <= RATE_RANGE[1]:
+            return (f"the transfer {pair['from']} -> {pair['to']} at {str(rate)[:40]} bit/s, which is no measured "
+                    f"rate (1 kbit/s to 10 Tbit/s)")
+        if pair["from"] == pair["to"]:
+            return f"a transfer from {pair['from']} to itself"
+        hosts |= {pair["from"], pair["to"]}
+    return "" if len(hosts) >= 2 else "one host"
+
+
 def read_probe(run_dir: str) -> dict | None:
     """The run_dir's link_probe.json, checked, with each host's rate and the lines; None when it has none."""
     path = os.path.join(run_dir, PROBE_FILE)
@@ -69,17 +92,12 @@ def read_probe(run_dir: str) -> dict | None:
     try:
         with open(path, encoding="utf-8") as fh:
             probe = json.load(fh)
-        pairs = probe["pairs"]
-        for pair in pairs:
-            rate = pair["bits_per_s"]
-            if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < math.inf \
-                    or not isinstance(pair["from"], str) or not isinstance(pair["to"], str):
-                raise ValueError(f"a transfer of {str(rate)[:40]} bit/s")
-        if not pairs:
-            raise ValueError("no transfer")
-    except (UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
-        raise UserError(f"{path} is not a link probe ({type(exc).__name__}: {str(exc)[:60]}): {fix}") from None
-    rates = host_rates(pairs)
+        problem = probe_problem(probe["pairs"]) if isinstance(probe, dict) else f"a {type(probe).__name__}"
+    except (UnicodeDecodeError, ValueError, KeyError) as exc:
+        problem = f"{type(exc).__name__}: {str(exc)[:60]}"
+    if problem:
+        raise UserError(f"{path} is not a link probe ({problem}): {fix}")
+    rates = host_rates(probe["pairs"])
     return {**probe, "host_bits_per_s": rates, "slow_hosts": [h for h, _, _ in slow_hosts(rates)],
             "lines": links_lines(rates)}
 
