@@ -15,7 +15,7 @@ import multiprocessing
 import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from itertools import islice
 
 from tqdm import tqdm
 
@@ -82,9 +82,9 @@ def output_bytes(source: Source, resize: int | None) -> float:
     already smaller than SHORT is re-encoded too), with a margin."""
     if resize is None:
         return source.nbytes
-    val = next(job for job in source.jobs if job.split == "val")
+    sample = next((job for job in source.jobs if job.split == "val"), source.jobs[0])
     sizes = []
-    for _, _, data in job_images(replace(val, items=val.items[:RESIZE_SAMPLE])):
+    for _, _, data in islice(job_images(sample), RESIZE_SAMPLE):
         try:
             sizes.append((len(data), len(as_rgb_jpeg(data, resize)[0])))
         except Exception:  # an image the run itself will name as unreadable
