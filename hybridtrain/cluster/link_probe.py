@@ -20,9 +20,9 @@ import subprocess
 import sys
 import time
 
+from hybridtrain.cluster.netns import stopped_cleanly
 from hybridtrain.errors import UserError, run_guarded
 from hybridtrain.outputs import check_output_dir, write_json_atomically
-from hybridtrain.cluster.netns import stopped_cleanly
 from hybridtrain.reports.links import PROBE_FILE, host_rates, links_lines, probe_problem
 
 TIMEOUT_S = 60

@@ -181,7 +181,7 @@ def plugin_specs(env: Mapping | None = None) -> dict[str, EngineSpec]:
             what = ("it defines no ENGINE_SPEC" if spec is None else f"its ENGINE_SPEC is a {type(spec).__name__}, "
                     f"not an EngineSpec" if not isinstance(spec, EngineSpec) else
                     f"its ENGINE_SPEC names the engine {str(spec.name)[:40]!r}, not a word")
-            raise not_an_engine(name, what, f"define ENGINE_SPEC = EngineSpec(...) in it (docs/engines.md)")
+            raise not_an_engine(name, what, "define ENGINE_SPEC = EngineSpec(...) in it (docs/engines.md)")
         if spec.name in ENGINES or spec.name in found or spec.name == "auto":
             raise UserError(f"{PLUGINS_VAR}: {name} registers engine '{spec.name}', a name already taken: rename it")
         found[spec.name] = spec
