@@ -264,3 +264,23 @@ def test_a_bounded_option_names_its_range_not_a_list_of_its_values():
                            "--megabytes", "0"], capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
     line = assert_one_error_line(proc, "--megabytes must be in [1, 1024]")
     assert len(proc.stderr) < 300 and len(error_lines(proc.stderr)) == 1, line
+
+
+def test_bench_and_experiment_stopped_end_the_ranks_they_launched(tmp_path, tiny_data):
+    """The other commands that start ranks: bench --engine (the whole step under torchrun) and experiment (each row
+    a launched run) end them on SIGTERM / Ctrl-C with one line and 128 + the signal."""
+    config = recipe(tmp_path, tiny_data, str(tmp_path / "run"))
+
+    def ranks() -> list[str]:  # this test's ranks only: the recipe's path is on their command line
+        found = subprocess.run(["pgrep", "-af", config], capture_output=True, text=True).stdout.splitlines()
+        return [line for line in found if "hybridtrain.perf.scaling" in line or " train " in line]
+
+    for args, sig in ((["bench", "--config", config, "--engine", "torch", "--steps", "50", "--warmup", "1"],
+                       signal.SIGTERM),
+                      (["experiment", "init", "--config", config, "--out", str(tmp_path / "exp"), "--ranks", "1",
+                        "--engine", "torch"], signal.SIGINT)):
+        proc, stderr = kill_when(args, lambda: bool(ranks()), sig)
+        lines = [line for line in stderr.splitlines() if line.startswith("hybridtrain:")]
+        assert proc.returncode == 128 + sig and "Traceback" not in stderr, stderr
+        assert lines and lines[-1].startswith(f"hybridtrain: stopped by {signal.Signals(sig).name}: its "), stderr
+        assert ranks() == [], ranks()

@@ -30,9 +30,11 @@ def cmd_bench(args) -> int:
     from hybridtrain.perf.bench_sets import row_sets
     # the first row's config, as bench loads it, before torch is imported: a typo is refused at once
     load_config(args.config, row_sets(sets, (args.precision or [None])[0], (args.batch_size or [None])[0]))
+    from hybridtrain.cluster.netns import stopped_cleanly
     from hybridtrain.perf.step_bench import bench, format_table
-    rows = bench(args.config, sets, args.precision or [], args.batch_size or [], args.steps, args.warmup,
-                 args.baseline, args.profile, args.threads, launched_engines(args), args.phase)
+    with stopped_cleanly("its ranks ended"):  # --engine launches the whole step's ranks
+        rows = bench(args.config, sets, args.precision or [], args.batch_size or [], args.steps, args.warmup,
+                     args.baseline, args.profile, args.threads, launched_engines(args), args.phase)
     print(format_table(rows))
     if args.json is not None:
         write_json_atomically(args.json, rows)

@@ -21,7 +21,9 @@ def cmd_experiment(args) -> int:
     check_output_dir(args.out, "--out")
     if args.ranks < 1:
         raise UserError(f"--ranks must be >= 1, got {args.ranks}")
-    run_experiment(args.name, args.config, with_engine(args), args.out, args.ranks, args.target)
+    from hybridtrain.cluster.netns import stopped_cleanly
+    with stopped_cleanly("its runs' ranks ended"):
+        run_experiment(args.name, args.config, with_engine(args), args.out, args.ranks, args.target)
     return 0
 
 
