@@ -132,8 +132,9 @@ def refuse_dangling(path: str, option: str) -> None:
     folder): the link is what to fix, not the path."""
     link = dangling_link(path)
     if link is not None:
-        raise UserError(f"{option} {path}: {link} is a symbolic link to {os.readlink(link)}, a folder that does not "
-                        f"exist (an unmounted disk or a moved folder?): fix or remove the link, or choose another path")
+        raise UserError(f"{option} {path}: {link} is a symbolic link to {os.readlink(link)}, which does not exist "
+                        f"(a link to a missing folder: an unmounted disk or a moved folder?): fix or remove the link, "
+                        f"or choose another path")
 
 
 def not_writable(folder: str) -> str:

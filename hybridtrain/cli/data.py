@@ -5,33 +5,13 @@ import os
 import sys
 
 from hybridtrain.cli.options import SEED, WORKERS, bounded_float, bounded_int
-from hybridtrain.errors import UserError, dangling_link
-from hybridtrain.outputs import check_output_dir, check_output_file, nearest_existing, write_json_atomically
-
-
-def no_dangling_link(path: str | None, option: str) -> None:
-    """One line when ``path`` or a folder above it is a symbolic link to nothing (not 'does not exist' or 'is a
-    file', which is what the checks after this one would see)."""
-    link = dangling_link(path) if path else None
-    if link:
-        where = "" if link == os.path.abspath(path) else f": {link}"
-        raise UserError(f"{option} {path}{where} is a symbolic link to {os.readlink(link)}, which does not exist (a "
-                        f"link to a missing folder): create that folder, fix or remove the link, or give another path")
-
-
-def check_data_out(path: str | None, option: str = "--out") -> str:
-    """A data tool's output folder: ``outputs.check_output_dir``, and before it what that would misname: a link to
-    a missing folder, and a read-only file system (which as root is no matter of permissions)."""
-    no_dangling_link(path, option)
-    if path and os.path.isdir(nearest_existing(path)) and os.statvfs(nearest_existing(path)).f_flag & os.ST_RDONLY:
-        raise UserError(f"{option} {path} is on a read-only file system: choose a folder on a writable file system, "
-                        f"or remount it read-write")
-    return check_output_dir(path, option)
+from hybridtrain.errors import UserError
+from hybridtrain.outputs import check_output_dir, check_output_file, refuse_dangling, write_json_atomically
 
 
 def cmd_prepare_digits(args) -> int:
     from hybridtrain.data.prepare.digits import prepare_digits
-    check_data_out(args.out)
+    check_output_dir(args.out, "--out")
     if not 0 < args.val_fraction < 1:
         raise UserError(f"--val-fraction must be between 0 and 1 (both splits need images), got {args.val_fraction:g}: "
                         f"e.g. --val-fraction 0.2")
@@ -42,7 +22,7 @@ def cmd_prepare_digits(args) -> int:
 
 def cmd_prepare_synthetic(args) -> int:
     from hybridtrain.data.prepare.synthetic_imagenet import prepare_synthetic_imagenet
-    check_data_out(args.out)
+    check_output_dir(args.out, "--out")
     if args.workers < 0:
         raise UserError(f"--workers must be >= 0 (0 = all cores), got {args.workers}")
     counts = prepare_synthetic_imagenet(args.out, args.classes, args.train_per_class, args.val_per_class, args.seed,
@@ -61,9 +41,11 @@ def parse_size(text: str) -> tuple[int, int]:
 
 def cmd_prepare_imagenet(args) -> int:
     from hybridtrain.data.prepare.imagenet import prepare_imagenet, summary_lines
-    no_dangling_link(args.source, "--source")
-    no_dangling_link(args.val_labels, "--val-labels")
-    check_data_out(args.out)
+    if args.source:
+        refuse_dangling(args.source, "--source")
+    if args.val_labels:
+        refuse_dangling(args.val_labels, "--val-labels")
+    check_output_dir(args.out, "--out")
     summary = prepare_imagenet(args.source, args.out, md5=not args.no_md5, resize=args.resize,
                                workers=args.workers, val_labels=args.val_labels)
     print("\n".join(summary_lines(summary, args.out)))
@@ -77,9 +59,11 @@ def cmd_prepare_imagenet(args) -> int:
 
 def cmd_reorganise_val(args) -> int:
     from hybridtrain.data.prepare.flat_val import reorganise_flat_val
-    no_dangling_link(args.flat_dir, "flat_dir")
-    no_dangling_link(args.labels, "--labels")
-    check_data_out(args.out)
+    if args.flat_dir:
+        refuse_dangling(args.flat_dir, "flat_dir")
+    if args.labels:
+        refuse_dangling(args.labels, "--labels")
+    check_output_dir(args.out, "--out")
     counts = reorganise_flat_val(args.flat_dir, args.labels, args.out, link=not args.copy)
     print(f"{counts['images']} validation images in {counts['classes']} class folders under {args.out}")
     return 0
@@ -95,7 +79,7 @@ def cmd_check_data(args) -> int:
     )
     check_output_file(args.report, "--report", "check-data.json")
     if args.write_filelist is not None:
-        check_data_out(args.write_filelist, "--write-filelist")
+        check_output_dir(args.write_filelist, "--write-filelist")
     if args.workers < 0:
         raise UserError(f"--workers must be >= 0 (0 = all cores), got {args.workers}")
     report = check_data(args.dir, workers=args.workers)
