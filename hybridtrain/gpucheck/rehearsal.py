@@ -61,6 +61,7 @@ IMPORTS = {"image": "import torch, torchvision, torch.distributed.run, hybridtra
 STEP_TIMEOUT_S = 300
 START_S = 15        # row-starts: a row's command still running after this has started
 REHEARSAL_CC = "90"  # the lent machine's H100/H200
+REHEARSAL_BUILD_S = 2400  # the NCCL build on a 2-core CPU machine: about 10 min alone, far more beside other work
 
 
 def linked_venv(root: str, excluded: list[str]) -> str:
@@ -209,6 +210,7 @@ def rehearse(out: str | None, bundle: str | None, venv_dir: str | None = None, s
     what = f"with NCCL for sm_{REHEARSAL_CC}" if nccl else "with CPU operations (no nvcc or no NCCL wheel here)"
     build = horovod_build_row(os.path.abspath(venv_dir or os.path.join(out, "horovod-venv")), bundle, image,
                               nccl=nccl, cache=cache, cc_list=REHEARSAL_CC if nccl else "", jobs=os.cpu_count())
+    build.timeout_s = REHEARSAL_BUILD_S
     say(f"gpu-check --rehearse: building Horovod {what} from {bundle} (log {out}/build.log)")
     steps.append(run_row(build, out, time.monotonic() + build.timeout_s + 60, env, say=say))
     steps[-1].detail = steps[-1].detail or what
