@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from hybridtrain.config.coercion import show
-from hybridtrain.config.sections import OPTIMIZER_FLAGS, STAGES, Config
+from hybridtrain.config.sections import OPTIMIZER_FLAGS, SCHEDULED, STAGES, Config
 from hybridtrain.errors import UserError
 
 
@@ -12,13 +12,14 @@ def validate(cfg: Config) -> Config:
     if cfg.optim.name == "hybrid" and cfg.optim.adabound_epochs >= cfg.train.epochs:
         raise UserError(f"config error: optim.adabound_epochs (T={cfg.optim.adabound_epochs}) must be in "
                         f"[1, train.epochs={cfg.train.epochs}): the SGD phase needs at least one epoch")
-    if cfg.optim.name == "goyal" and cfg.optim.warmup_epochs >= cfg.train.epochs:
+    if cfg.optim.name in ("goyal", "mlperf") and cfg.optim.warmup_epochs >= cfg.train.epochs:
         raise UserError(f"config error: optim.warmup_epochs ({cfg.optim.warmup_epochs}) must be smaller "
                         f"than train.epochs ({cfg.train.epochs})")
     if cfg.optim.fused and "fusable" not in OPTIMIZER_FLAGS[cfg.optim.name]:
         fusable = " and ".join(name for name, flags in OPTIMIZER_FLAGS.items() if "fusable" in flags)
         raise UserError(f"config error: optim.fused applies to the {fusable} optimizers, and optim.name="
                         f"{cfg.optim.name} runs torch.optim.SGD (already multi-tensor): drop optim.fused")
+    validate_recipe(cfg)
     validate_precision(cfg)
     validate_data(cfg)
     validate_bn(cfg)
@@ -119,3 +120,23 @@ def validate_bn(cfg: Config) -> None:
     if cfg.bn.per_rank_batch == "random" and cfg.data.backend != "torchvision":
         raise UserError(f"config error: bn.per_rank_batch=random needs data.backend=torchvision (data.backend="
                         f"{cfg.data.backend} delivers fixed batches): switch the backend or use per_rank_batch=fixed")
+
+
+DEFAULT_LABEL_SMOOTHING = {"mlperf": 0.1}  # optim.name -> train.label_smoothing's default (else 0): MLPerf's 0.1
+
+
+def validate_recipe(cfg: Config) -> None:
+    """Issue 45's options: train.label_smoothing's -1 resolved to the optimizer's default and written back (the
+    saved config.yaml and the report show the value used), EMA and schedule choices checked."""
+    t, o = cfg.train, cfg.optim
+    if t.label_smoothing == -1.0:
+        t.label_smoothing = DEFAULT_LABEL_SMOOTHING.get(o.name, 0.0)
+    elif t.label_smoothing < 0:
+        raise UserError(f"config error: train.label_smoothing must be in [0, 1), or -1 for the optimizer's default; "
+                        f"got {show(t.label_smoothing)}")
+    if t.final_weights == "ema" and t.ema_decay == 0:
+        raise UserError("config error: train.final_weights=ema needs an EMA of the weights: set train.ema_decay "
+                        "(e.g. 0.999), or train.final_weights=raw")
+    if o.schedule != "step" and o.name not in SCHEDULED:
+        raise UserError(f"config error: optim.schedule={o.schedule} applies to optim.name {' or '.join(SCHEDULED)}, "
+                        f"and optim.name={o.name} has its own schedule: drop optim.schedule")

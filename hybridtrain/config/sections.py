@@ -124,18 +124,32 @@ class TrainConfig:
     device: str = choice("auto", ["auto", "cuda", "cpu"],
                          "auto: each rank's own GPU when CUDA works, else the CPU; cuda: a GPU or one error line "
                          "saying why not; cpu: the CPU even on a GPU host")
+    # issue 45: the recipes' options (docs/experiments.md)
+    label_smoothing: float = number(-1.0, lo=-1.0, hi=1.0, hi_open=True,
+                                    doc="label smoothing e of the FP32 softmax cross-entropy (target (1-e) on the "
+                                        "label + e/classes on every class), in [0, 1); -1 = the optimizer's "
+                                        "default: 0.1 for optim.name=mlperf, else 0 (the resolved value is saved)")
+    ema_decay: float = number(0.0, lo=0.0, hi=1.0, hi_open=True,
+                              doc="exponential moving average of the weights and BN buffers after every applied "
+                                  "step, decay min(d, (1+n)/(10+n)) at its n-th update; validated beside the raw "
+                                  "weights (val_top1_ema) and checkpointed; 0 = off")
+    final_weights: str = choice("raw", ["raw", "ema"], "final_model.pt holds the raw weights or their EMA "
+                                                       "(needs train.ema_decay > 0)")
+    val_flip: bool = plain(False, "validation averages the logits of each image and of its horizontal mirror")
 
 
 # optim.name -> the flags config checks: the keys of optim.factory.OPTIMIZERS and their Spec flags, written here so
 # that config imports no torch (tests/test_optim_math.py checks that they agree)
 OPTIMIZER_FLAGS = {"hybrid": ("fusable", "needs_fp32_state"), "adabound": ("fusable", "needs_fp32_state"),
-                   "goyal": (), "sgd": ()}
+                   "goyal": (), "sgd": (), "mlperf": ()}
+SCHEDULED = ("goyal", "sgd")  # the SGD-family optimizers whose decay optim.schedule picks
 
 
 @dataclass
 class OptimConfig:
     name: str = choice("hybrid", list(OPTIMIZER_FLAGS),
-                       "hybrid (AdaBound warmup -> LARS-SGD, the paper), adabound, goyal or sgd (baselines)")
+                       "hybrid (AdaBound warmup -> LARS-SGD, the paper), adabound, goyal or sgd (baselines), "
+                       "mlperf (LARS, linear warmup, polynomial decay: MLPerf's ResNet-50 recipe)")
     # The step sizes are bounded far above any that trains (the paper's largest is lr x N = 0.1 x 24) and far below
     # the float range, which lr x ranks x warmup and the bounds' arithmetic would otherwise leave (inf, then NaN).
     lr: float = number(0.1, lo=0.0, hi=MAX_STEP_SIZE, lo_open=True,
@@ -162,10 +176,22 @@ class OptimConfig:
                                    doc="adabound: convergence speed gamma of the bounds")
     # goyal / sgd
     warmup_epochs: float = number(5.0, lo=0.0, hi=10_000.0,
-                                  doc="goyal: gradual warmup from lr to lr x N over this many epochs")
+                                  doc="goyal: gradual warmup from lr to lr x N over this many epochs; mlperf: "
+                                      "linear warmup from 0 to lr x N")
     milestones: list = numbers([1 / 3, 2 / 3, 8 / 9], lo=0.0, hi=1.0, lo_open=True, hi_open=True, increasing=True,
                                doc="goyal/sgd: step decay points as fractions of the run")
     decay_factor: float = number(0.1, lo=0.0, hi=1.0, lo_open=True, doc="goyal/sgd: step decay multiplier")
+    schedule: str = choice("step", ["step", "linear", "cosine"],
+                           "goyal/sgd: the decay after the warmup: step (milestones), linear (FFCV's budgeted "
+                           "schedule: to 0 at the end of the last epoch) or cosine (to 0 at the end)")
+    # mlperf (MLPerf's reference, image_classification/tensorflow2/lars_util.py and lars_optimizer.py)
+    end_lr: float = number(1e-4, lo=0.0, hi=MAX_STEP_SIZE,
+                           doc="mlperf: the polynomial decay's end learning rate (the reference's 0.0001)")
+    poly_power: float = number(2.0, lo=0.0, hi=16.0, lo_open=True, doc="mlperf: the polynomial decay's power")
+    mlperf_trust_coefficient: float = number(0.001, lo=0.0, hi=MAX_STEP_SIZE, lo_open=True,
+                                             doc="mlperf: LARS trust coefficient eta (the reference's eeta)")
+    mlperf_eps: float = number(1e-7, lo=0.0, hi=1.0,
+                               doc="mlperf: LARS epsilon (the reference's 0, which Keras replaces by 1e-7)")
 
 
 STAGES = ("stem", "layer1", "layer2", "layer3", "layer4", "fc")  # a ResNet's stages (models.resnet.STAGES; tested)
@@ -212,9 +238,10 @@ class HorovodConfig:
 
 @dataclass
 class DistributedConfig:
-    engine: str = choice("auto", ["auto", "horovod", "torch"],
-                         "the data-parallel engine: horovod (horovodrun, mpirun), torch (torch.distributed DDP under "
-                         "torchrun or srun), or auto = the launcher's, else horovod where it is installed")
+    engine: str = plain("auto", "the data-parallel engine, a name in the registry (distributed/engines.py, plugins "
+                                "included; checked when the job starts): horovod (horovodrun, mpirun), torch "
+                                "(torch.distributed DDP under torchrun or srun), or auto = the launcher's, else the "
+                                "first installed")
     # What both engines honour: the all-reduce's wire and the limits (until issue 35 under horovod:, still read
     # there: loading.MOVED_KEYS)
     compression: str = choice("auto", ["auto", "fp16", "none"],

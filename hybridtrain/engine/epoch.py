@@ -138,7 +138,7 @@ class EpochSteps:
             with local_work("a compiling step") if i < self.compiling_end else contextlib.nullcontext():
                 drawn = list(itertools.islice(batches, k))
                 result = train_step(t.step, t.bundle.optimizer, t.precision, self.on_device(drawn),
-                                    bn_guard=self.bn_guard)
+                                    bn_guard=self.bn_guard, ema=t.ema)
             self.count(result)
             if i + 1 == self.warmup_end:
                 if self.device.type == "cuda":
@@ -185,8 +185,9 @@ class EpochSteps:
 
 
 @torch.no_grad()
-def evaluate(model, loader, precision: Precision, tag: str) -> EvalResult:
+def evaluate(model, loader, precision: Precision, tag: str, flip: bool = False) -> EvalResult:
     """Loss, top-1, top-5 over the whole validation set: per-rank sums, then one all-reduce of the sums.
+    ``flip`` (train.val_flip): each image's logits are the mean of its own and its horizontal mirror's, in FP32.
 
     A rank that cannot read a validation image stops reading but still joins the all-reduce, with a flag: every
     rank then raises the same line naming that rank and the file (never a "dead peer" on the others)."""
@@ -194,7 +195,7 @@ def evaluate(model, loader, precision: Precision, tag: str) -> EvalResult:
     device = next(model.parameters()).device
     sums = torch.zeros(5, dtype=torch.float64, device=device)  # loss, top1, top5, count, failed
     with local_work("validation"):  # the pass may outlast the stall limit; the wait for the peers' sums may not
-        failure = evaluate_shard(model, loader, precision, sums)
+        failure = evaluate_shard(model, loader, precision, sums, flip)
     sums = distributed.allreduce_sum(sums.cpu(), f"eval_totals.{tag}")
     if sums[4] > 0:
         raise UserError(first_failure(failure, tag))
@@ -204,7 +205,7 @@ def evaluate(model, loader, precision: Precision, tag: str) -> EvalResult:
     return EvalResult(float(sums[0] / count), float(sums[1] / count), float(sums[2] / count), count)
 
 
-def evaluate_shard(model, loader, precision: Precision, sums: torch.Tensor) -> str:
+def evaluate_shard(model, loader, precision: Precision, sums: torch.Tensor, flip: bool = False) -> str:
     """This rank's sums (loss, top1, top5, count, failed) into ``sums``; the unreadable file's line, or ""."""
     device = sums.device
     batches = iter(loader)
@@ -219,6 +220,10 @@ def evaluate_shard(model, loader, precision: Precision, sums: torch.Tensor) -> s
             return str(exc)
         with precision.forward_context(device):
             logits = model(images)
+            mirrored = model(images.flip(-1)) if flip else None  # NCHW (or its channels_last view): W is last
+        if flip:
+            wide = torch.promote_types(logits.dtype, torch.float32)  # FP32, or FP64 in fp64 mode
+            logits = (logits.to(wide) + mirrored.to(wide)) / 2  # (z(x) + z(mirror x)) / 2
         loss = classification_loss(logits, labels, reduction="sum")
         top1, top5 = topk_correct(logits, labels)
         sums[:3] += torch.stack([loss.double(), top1.double(), top5.double()])

@@ -103,14 +103,27 @@ def end_epoch(cfg: Config, t: Trainer, epoch: int, result, epoch_start: float, r
     the checkpoint (rank 0, ``save(record)``; local work for the watchdog on every rank), so a failing validation
     loses no training -> validation -> the record in metrics.jsonl, TensorBoard and the log."""
     average_running_statistics(t.model, cfg.bn.combine)
+    if t.ema is not None:
+        t.ema.average_bn()
     record = training_record(t, epoch, result, epoch_start, run_start)
     root_writes(t.topo, lambda: save(record))
     try:
-        ev = evaluate(t.model, t.data.val, t.precision, tag=str(epoch))
+        ev, extra = validate(cfg, t, str(epoch))
     except UserError as exc:
         raise UserError(f"{exc} (epoch {epoch + 1}'s training is saved: fix the data, then rerun with --resume "
                         f"auto)") from None
-    return record_epoch(cfg, t, with_validation(record, ev, epoch_start, run_start), history, board)
+    return record_epoch(cfg, t, {**with_validation(record, ev, epoch_start, run_start), **extra}, history, board)
+
+
+def validate(cfg: Config, t: Trainer, tag: str) -> tuple:
+    """The raw weights' validation, and beside it the EMA's (train.ema_decay) as ``{"val_top1_ema": ...}``; both
+    with train.val_flip's mirrored logits when it is set."""
+    ev = evaluate(t.model, t.data.val, t.precision, tag=tag, flip=cfg.train.val_flip)
+    if t.ema is None:
+        return ev, {}
+    with t.ema.swapped_in():
+        averaged = evaluate(t.model, t.data.val, t.precision, tag=f"{tag}.ema", flip=cfg.train.val_flip)
+    return ev, {"val_loss_ema": averaged.loss, "val_top1_ema": averaged.top1, "val_top5_ema": averaged.top5}
 
 
 def complete_pending_record(cfg: Config, t: Trainer, state: dict, history: list, board) -> None:
@@ -120,9 +133,9 @@ def complete_pending_record(cfg: Config, t: Trainer, state: dict, history: list,
                                            "pending_record")
     if missing:
         now = time.perf_counter()
-        ev = evaluate(t.model, t.data.val, t.precision, tag=f"pending{pending['epoch']}")
-        record_epoch(cfg, t, with_validation(pending, ev, now - pending["epoch_time_s"], now - pending["wall_time_s"]),
-                     history, board)
+        ev, extra = validate(cfg, t, f"pending{pending['epoch']}")
+        record_epoch(cfg, t, {**with_validation(pending, ev, now - pending["epoch_time_s"],
+                                                now - pending["wall_time_s"]), **extra}, history, board)
 
 
 def train_epochs(cfg: Config, t: Trainer, watch: PreemptionWatch, resume: str | None,
@@ -138,6 +151,8 @@ def train_epochs(cfg: Config, t: Trainer, watch: PreemptionWatch, resume: str | 
     else:
         distributed.broadcast_model(t.model)
         t.bundle.optimizer.load_state_dict(distributed.broadcast_object(t.bundle.optimizer.state_dict(), "optim_init"))
+        if t.ema is not None:
+            t.ema.reset()  # from the broadcast weights
     if topo.is_root:
         os.makedirs(cfg.run_dir, exist_ok=True)
         save_config(cfg, os.path.join(cfg.run_dir, "config.yaml"))
@@ -260,8 +275,10 @@ def finish(cfg: Config, t: Trainer, board) -> dict | None:
     if len(set(digests)) != 1:
         print("hybridtrain: warning: ranks ended with different parameters or optimizer state (see report.json "
               "rank_digests)", file=sys.stderr)
-    # contiguous CPU tensors: loads anywhere without map_location, strictly into torchvision's ResNet
-    final = {name: tensor.detach().cpu().contiguous() for name, tensor in t.model.state_dict().items()}
+    # contiguous CPU tensors: loads anywhere without map_location, strictly into torchvision's ResNet; the raw
+    # weights or their EMA (train.final_weights)
+    weights = t.ema.weights() if cfg.train.final_weights == "ema" else t.model.state_dict()
+    final = {name: tensor.detach().cpu().contiguous() for name, tensor in weights.items()}
     torch.save(final, os.path.join(cfg.run_dir, "final_model.pt"))
     if board:
         board.close()

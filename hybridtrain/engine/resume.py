@@ -53,6 +53,8 @@ def restore(t: Trainer, state: dict, backend: str) -> EpochPosition | None:
     progress = [EpochProgress(**r["progress"]) for r in partial["ranks"]]
     if (ranks, batch_size) == (t.topo.size, t.batch_size):
         load_bn_buffers(t.model, partial["ranks"][t.topo.rank]["bn_buffers"])  # its own, not the average
+        if t.ema is not None and "ema_bn_buffers" in partial["ranks"][t.topo.rank]:
+            t.ema.load_bn_buffers(partial["ranks"][t.topo.rank]["ema_bn_buffers"])  # the EMA's of them too
         return EpochPosition(partial["epoch"], progress[t.topo.rank], start, first_step)
     consumed = partial.get("samples", consumed_samples(start, progress[0].passes, ranks, batch_size))
     check_continuable_by_samples(backend, partial["epoch"], consumed, (ranks, batch_size), (t.topo.size, t.batch_size))
@@ -128,8 +130,12 @@ def save_stopped_epoch(cfg: Config, t: Trainer, position: EpochPosition, stopped
     layout and samples consumed, so that a resume on another layout continues by samples."""
     mine = {"bn_buffers": [buf.detach().cpu().clone() for buf in running_buffers(t.model)],
             "progress": dataclasses.asdict(stopped)}
+    if t.ema is not None:
+        mine["ema_bn_buffers"] = t.ema.bn_buffers()
     ranks = distributed.allgather_object(mine, "stopped_epoch")
     average_running_statistics(t.model, cfg.bn.combine)  # the checkpoint's model is the averaged one
+    if t.ema is not None:
+        t.ema.average_bn()
 
     epoch, step = position.epoch, position.first_step + stopped.passes // t.k
 

@@ -142,8 +142,10 @@ class GraphedStep:
 
     WARMUP_ITERATIONS = 3  # on a side stream before capture (PyTorch's recipe; cudnn autotuning, lazy state)
 
-    def __init__(self, model, precision, static_images: torch.Tensor, static_labels: torch.Tensor):
+    def __init__(self, model, precision, static_images: torch.Tensor, static_labels: torch.Tensor,
+                 label_smoothing: float = 0.0):
         self.static_images, self.static_labels = static_images, static_labels
+        self.label_smoothing = label_smoothing
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.graph, self.capture_stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
         statistics = RunningStatsGuard(model)  # the warm-up's passes on the static batch must not reach them
@@ -161,7 +163,7 @@ class GraphedStep:
     def _forward_backward(self, model, precision) -> tuple[torch.Tensor, torch.Tensor]:
         with precision.forward_context(self.static_images.device):
             logits = model(self.static_images)
-        loss = classification_loss(logits, self.static_labels)
+        loss = classification_loss(logits, self.static_labels, label_smoothing=self.label_smoothing)
         precision.scaler.backward(loss)
         return loss.detach(), logits.detach()
 
@@ -217,16 +219,18 @@ def build_step(model, cfg, precision, batch: tuple[torch.Tensor, torch.Tensor] |
         forward_model = torch.compile(wrap(model))
     else:
         forward_model = wrap(compile_blocks(model))
+    smoothing = max(cfg.train.label_smoothing, 0.0)  # -1 (the optimizer's default) is resolved by config validation
     if not cfg.train.cuda_graphs:
-        return EagerStep(forward_model)
+        return EagerStep(forward_model, smoothing)
     device = next(model.parameters()).device
     images, labels = batch or static_batch(cfg, device, precision.policy.input_dtype)
-    return GraphedStep(forward_model, precision, images, labels)
+    return GraphedStep(forward_model, precision, images, labels, smoothing)
 
 
-def build_train_step(model, cfg, precision, batch: tuple[torch.Tensor, torch.Tensor] | None = None):
-    """``step(optimizer, precision, micro_batches) -> StepResult``: ``train_step`` as the config runs it."""
-    return partial(train_step, build_step(model, cfg, precision, batch))
+def build_train_step(model, cfg, precision, batch: tuple[torch.Tensor, torch.Tensor] | None = None, ema=None):
+    """``step(optimizer, precision, micro_batches) -> StepResult``: ``train_step`` as the config runs it (``ema``:
+    the weights' EMA, updated after every applied step)."""
+    return partial(train_step, build_step(model, cfg, precision, batch), ema=ema)
 
 
 def compiled_forward(model: torch.nn.Module, scope: str) -> torch.nn.Module:
@@ -260,13 +264,17 @@ def _compile_each_block(module: torch.nn.Module, backend: str) -> torch.nn.Modul
     return container
 
 
-def classification_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    """Softmax cross-entropy in FP32 (FP64 in fp64 mode) whatever the compute dtype (paper 2.2.2, item 2)."""
-    return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), labels, reduction=reduction)
+def classification_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean",
+                        label_smoothing: float = 0.0) -> torch.Tensor:
+    """Softmax cross-entropy in FP32 (FP64 in fp64 mode) whatever the compute dtype (paper 2.2.2, item 2);
+    ``label_smoothing`` e (train.label_smoothing): the target is (1 - e) on the label plus e/C on each of the C
+    classes, so the loss is (1 - e) * CE(label) + e * mean over classes of -log p."""
+    return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), labels, reduction=reduction,
+                           label_smoothing=label_smoothing)
 
 
 def backward_pass(model, precision: Precision, images, labels, weight: float = 1.0,
-                  sync: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                  sync: bool = True, label_smoothing: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward (in the policy's precision), FP32 loss, scaled and weighted backward; gradients accumulate.
     ``sync`` False: a pass of gradient accumulation before the last, whose gradients a DDP ``model`` keeps local
     (its ``no_sync``); Horovod counts the passes itself (backward_passes_per_step)."""
@@ -274,7 +282,7 @@ def backward_pass(model, precision: Precision, images, labels, weight: float = 1
     with contextlib.nullcontext() if sync or no_sync is None else no_sync(), \
             precision.forward_context(images.device):
         logits = model(images)
-    loss = classification_loss(logits, labels)
+    loss = classification_loss(logits, labels, label_smoothing=label_smoothing)
     precision.scaler.backward(loss * weight if weight != 1.0 else loss)
     return loss.detach(), logits.detach()
 
@@ -297,13 +305,15 @@ class StepResult:
         return self.passes[-1][1]
 
 
-def train_step(step, optimizer, precision: Precision, micro_batches: Sequence, bn_guard=None) -> StepResult:
+def train_step(step, optimizer, precision: Precision, micro_batches: Sequence, bn_guard=None,
+               ema=None) -> StepResult:
     """One optimizer step however ``step`` runs forward and backward (EagerStep, compiled, or GraphedStep), as
     ``train``, ``bench``, ``scale`` and the tests run it: zero the gradients; a forward and scaled backward of each
     ``(images, labels, weight)`` in ``micro_batches``, already on the device (the gradients accumulate; Horovod
     all-reduces once, as its backward_passes_per_step says); unscale; the update unless the gradients overflowed,
     in which case ``bn_guard`` (a RunningStatsGuard) puts back the BN running statistics the skipped passes changed.
-    The update's overflow check reads the device, so the passes have read every batch when this returns."""
+    The update's overflow check reads the device, so the passes have read every batch when this returns. ``ema``
+    (engine.ema.WeightEMA): updated after an applied update only (device ops, no host sync)."""
     optimizer.zero_grad()  # as the engine's gradient memory needs (wrap_optimizer: DDP's bucket views in place)
     if bn_guard is not None:
         bn_guard.save()
@@ -314,14 +324,16 @@ def train_step(step, optimizer, precision: Precision, micro_batches: Sequence, b
     stepped = precision.scaler.step(optimizer)  # Horovod's synchronize, unscale, update
     if not stepped and bn_guard is not None:
         bn_guard.restore()
+    if stepped and ema is not None:
+        ema.update()
     return StepResult(passes, stepped)
 
 
 class EagerStep:
     """Forward and backward passes of ``model`` (compiled or not), run as written."""
 
-    def __init__(self, model):
-        self.model = model
+    def __init__(self, model, label_smoothing: float = 0.0):
+        self.model, self.label_smoothing = model, label_smoothing
 
     def backward_pass(self, precision: Precision, images, labels, weight: float = 1.0, sync: bool = True):
-        return backward_pass(self.model, precision, images, labels, weight, sync)
+        return backward_pass(self.model, precision, images, labels, weight, sync, self.label_smoothing)

@@ -11,6 +11,7 @@ from hybridtrain.config import Config, gradient_compression
 from hybridtrain.data.loaders import create_loaders
 from hybridtrain.distributed import collectives as distributed
 from hybridtrain.engine import checkpoint
+from hybridtrain.engine.ema import create_ema
 from hybridtrain.engine.step import build_step, check_speedups
 from hybridtrain.engine.telemetry import log
 from hybridtrain.errors import UserError
@@ -37,14 +38,18 @@ class Trainer:
     compression: str = "none"  # the gradient all-reduce's wire, resolved from distributed.compression
     fp32_math: str = "ieee"  # FP32 convolutions and matmuls: ieee or tf32
     audit: object = None  # records.SampleAudit: the trained samples' indices (elastic.audit_samples)
+    ema: object = None  # ema.WeightEMA of the weights (train.ema_decay > 0), else None
 
     def state_dict(self) -> dict:
         """The trainer's run state, written once: what a checkpoint holds (resume.checkpoint_state), what a resume
         (resume.restore) and an elastic commit, roll-back or sync (elastic.ElasticState) restore, each with the
         position in training on top: the model (with BN buffers), the optimizer (phase, moments, momentum) and the
-        loss scaler."""
-        return {"model": self.model.state_dict(), "optimizer": self.bundle.optimizer.state_dict(),
-                "scaler": self.precision.scaler.state_dict()}
+        loss scaler; and the weights' EMA (train.ema_decay)."""
+        state = {"model": self.model.state_dict(), "optimizer": self.bundle.optimizer.state_dict(),
+                 "scaler": self.precision.scaler.state_dict()}
+        if self.ema is not None:
+            state["ema"] = self.ema.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Load :meth:`state_dict`'s parts from ``state``; one line when it was made for another model or optimizer
@@ -52,6 +57,8 @@ class Trainer:
         checkpoint.restore(state, self.model, self.bundle.optimizer)  # the optimizer's also drops Horovod's pending
         if "scaler" in state:                                          # all-reduces (an elastic roll-back)
             self.precision.scaler.load_state_dict(state["scaler"])
+        if self.ema is not None:  # a checkpoint without one (the EMA switched on at a resume) starts it here
+            self.ema.load_state_dict(state["ema"]) if "ema" in state else self.ema.reset()
 
 
 def build_trainer(cfg: Config, topo) -> Trainer:
@@ -93,7 +100,7 @@ def build_trainer(cfg: Config, topo) -> Trainer:
     # Wrap first: Horovod rebuilds the optimizer from its param_groups, so state loaded before would be lost.
     bundle.optimizer = distributed.wrap_optimizer(bundle.optimizer, model, cfg, k, compression)
     return Trainer(topo, data, model, precision, bundle, updates, k, cfg.train.batch_size, step, compression,
-                   fp32_math)
+                   fp32_math, ema=create_ema(model, cfg.train))
 
 
 def use_deterministic_algorithms() -> None:

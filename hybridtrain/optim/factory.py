@@ -17,7 +17,7 @@ import torch
 
 from hybridtrain.errors import UserError
 from hybridtrain.optim import schedules
-from hybridtrain.optim.optimizers import HybridOptimizer, LinearScalingAdaBound
+from hybridtrain.optim.optimizers import LARS, HybridOptimizer, LinearScalingAdaBound
 
 
 def is_bn_or_bias(name: str, param: torch.nn.Parameter) -> bool:
@@ -52,6 +52,13 @@ def _build_sgd(groups: list[dict], o, first: dict) -> torch.optim.Optimizer:
     return torch.optim.SGD(groups, lr=first["lr"], momentum=o.momentum)
 
 
+def _build_mlperf(groups: list[dict], o, first: dict) -> torch.optim.Optimizer:
+    """MLPerf's LARS (lars_optimizer.py): trust ratio eta*||w||/(||g|| + wd*||w|| + eps) on the decayed group; BN
+    parameters and biases (optim.decay_bn_and_bias false) get neither LARS nor weight decay, as its skip_list."""
+    return LARS(groups, lr=first["lr"], momentum=o.momentum, weight_decay=o.weight_decay,
+                trust_coefficient=o.mlperf_trust_coefficient, eps=o.mlperf_eps, mode="scale")
+
+
 @dataclass(frozen=True)
 class Spec:
     """What an ``optim.name`` is: how it is built and scheduled, and what config, engine and bench ask of it."""
@@ -76,6 +83,7 @@ OPTIMIZERS = {
                      needs_fp32_state=True),
     "goyal": Spec(_build_sgd, schedules.goyal_schedule),
     "sgd": Spec(_build_sgd, schedules.sgd_schedule),
+    "mlperf": Spec(_build_mlperf, schedules.mlperf_schedule),
 }
 
 

@@ -12,6 +12,7 @@ the one of each optimizer).
 from __future__ import annotations
 
 import bisect
+import math
 
 HYBRID_PHASES = ("adabound", "sgd")  # the hybrid optimizer's: AdaBound for T epochs, then SGD + LARS
 GRANULARITIES = ("iteration", "epoch")
@@ -132,6 +133,34 @@ def goyal_lr(step: int, iters_per_epoch: int, base_lr: float, world_size: int, w
     return target * step_decay_factor(step // iters_per_epoch, total_epochs, milestones, decay_factor)
 
 
+def budgeted_factor(progress: float, start: float, total_epochs: int, shape: str) -> float:
+    """The decay factor at ``progress`` (fractional epochs) of a decay from 1 at epoch ``start`` to 0 at the end of
+    the last epoch, ``total_epochs``: ``linear`` (FFCV's budgeted schedule) or ``cosine`` (Loshchilov & Hutter)."""
+    fraction = min(max((progress - start) / (total_epochs - start), 0.0), 1.0)
+    if shape == "linear":
+        return 1.0 - fraction  # (E - t) / (E - W)
+    return 0.5 * (1.0 + math.cos(math.pi * fraction))  # (1 + cos(pi (t - W) / (E - W))) / 2
+
+
+def decayed_lr(step: int, iters_per_epoch: int, peak: float, start: float, total_epochs: int, o) -> float:
+    """``peak`` decayed after the warmup's end ``start`` (epochs) as ``o.schedule`` says: step (the milestones,
+    per epoch), linear or cosine (per step, `budgeted_factor`)."""
+    if o.schedule == "step":
+        return peak * step_decay_factor(step // iters_per_epoch, total_epochs, o.milestones, o.decay_factor)
+    return peak * budgeted_factor(step / iters_per_epoch, start, total_epochs, o.schedule)
+
+
+def poly_warmup_lr(step: int, peak: float, end: float, warmup_steps: float, total_steps: int,
+                   power: float) -> float:
+    """MLPerf's PolynomialDecayWithWarmup (image_classification/tensorflow2/lars_util.py) at the 0-based step s:
+    peak * s / W for s <= W, then Keras' PolynomialDecay of s - W over D = total - W + 1 steps."""
+    if step <= warmup_steps:
+        return peak * step / warmup_steps if warmup_steps > 0 else peak  # peak * s / W
+    decay_steps = total_steps - warmup_steps + 1  # D = total - W + 1
+    done = min(step - warmup_steps, decay_steps)
+    return (peak - end) * (1.0 - done / decay_steps) ** power + end  # (peak - end)(1 - (s-W)/D)^p + end
+
+
 def sgd_lr(step: int, iters_per_epoch: int, base_lr: float, world_size: int, total_epochs: int, milestones,
            decay_factor: float) -> float:
     """Plain linear-scaling SGD: lr*N from the first step, the same step decay, no warmup."""
@@ -161,11 +190,23 @@ def adabound_schedule(step: int, o, world_size: int, iters_per_epoch: int | None
 
 
 def goyal_schedule(step: int, o, world_size: int, iters_per_epoch: int, total_epochs: int) -> dict:
-    """`goyal_lr`: warmup to lr*N, then step decay."""
-    return {"lr": goyal_lr(step, iters_per_epoch, o.lr, world_size, o.warmup_epochs, total_epochs, o.milestones,
-                           o.decay_factor)}
+    """`goyal_lr`: warmup to lr*N, then ``o.schedule``'s decay (`decayed_lr`: step, linear or cosine)."""
+    if getattr(o, "schedule", "step") == "step" or step / iters_per_epoch < o.warmup_epochs:
+        return {"lr": goyal_lr(step, iters_per_epoch, o.lr, world_size, o.warmup_epochs, total_epochs, o.milestones,
+                               o.decay_factor)}
+    return {"lr": decayed_lr(step, iters_per_epoch, linear_scaled_lr(o.lr, world_size), o.warmup_epochs,
+                             total_epochs, o)}
 
 
 def sgd_schedule(step: int, o, world_size: int, iters_per_epoch: int, total_epochs: int) -> dict:
-    """`sgd_lr`: lr*N with step decay."""
-    return {"lr": sgd_lr(step, iters_per_epoch, o.lr, world_size, total_epochs, o.milestones, o.decay_factor)}
+    """lr*N from the first step, then ``o.schedule``'s decay (step: `sgd_lr`; linear or cosine from epoch 0)."""
+    if getattr(o, "schedule", "step") == "step":
+        return {"lr": sgd_lr(step, iters_per_epoch, o.lr, world_size, total_epochs, o.milestones, o.decay_factor)}
+    return {"lr": decayed_lr(step, iters_per_epoch, linear_scaled_lr(o.lr, world_size), 0.0, total_epochs, o)}
+
+
+def mlperf_schedule(step: int, o, world_size: int, iters_per_epoch: int, total_epochs: int) -> dict:
+    """MLPerf's recipe: linear warmup from 0 to lr*N over ``o.warmup_epochs``, then polynomial decay (power
+    ``o.poly_power``) to ``o.end_lr`` at the last step (`poly_warmup_lr`)."""
+    return {"lr": poly_warmup_lr(step, linear_scaled_lr(o.lr, world_size), o.end_lr, o.warmup_epochs * iters_per_epoch,
+                                 total_epochs * iters_per_epoch, o.poly_power)}

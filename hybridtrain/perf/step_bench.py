@@ -36,6 +36,7 @@ from hybridtrain.config import load_config
 from hybridtrain.data.loaders import SYNTHETIC_CLASSES
 from hybridtrain.distributed import collectives as distributed
 from hybridtrain.distributed.topology import cores_per_rank
+from hybridtrain.engine.ema import create_ema
 from hybridtrain.engine.memory import memory_figures, reset_peak_memory
 from hybridtrain.engine.step import build_train_step, check_speedups
 from hybridtrain.errors import UserError
@@ -138,7 +139,7 @@ def optimizations(cfg, label: str) -> list[str]:
     names = ["channels_last"] if cfg.data.channels_last else []
     if label != "baseline":
         names += [name for name, on in (("compile", cfg.train.compile), ("cuda_graphs", cfg.train.cuda_graphs),
-                                        ("fused_optimizer", cfg.optim.fused)) if on]
+                                        ("fused_optimizer", cfg.optim.fused), ("ema", cfg.train.ema_decay > 0)) if on]
     return names
 
 
@@ -187,7 +188,8 @@ def trainer_loop(cfg, phase: str = "adabound"):
     bundle = create_optimizer(model, cfg, 1, STEPS_PER_EPOCH)
     bundle.optimizer = distributed.wrap_optimizer(bundle.optimizer, model, cfg)  # the step contract (job_of_one's)
     images, labels = synthetic_batch(cfg, device, policy.input_dtype, classes)
-    run_step = build_train_step(model, cfg, precision, (images, labels))
+    # train.ema_decay > 0: the weights' EMA updated after every applied step, as the trainer does (its cost is timed)
+    run_step = build_train_step(model, cfg, precision, (images, labels), ema=create_ema(model, cfg.train))
     counter = {"step": hybrid_phase_start(phase, cfg.optim.adabound_epochs, STEPS_PER_EPOCH)}
 
     def step():

@@ -20,6 +20,7 @@ from hybridtrain.errors import UserError
 from hybridtrain.outputs import atomic_path, figure, markdown_table, save_figure
 from hybridtrain.reports import paper_metrics as metrics
 from hybridtrain.reports.links import links_markdown, read_probe
+from hybridtrain.reports.time_breakdown import breakdown_figures, breakdown_markdown, plot_breakdown, summary_rows
 
 HEADLINE_KEYS = ("convergence_epoch", "actual_training_time_s", "actual_avg_single_gpu_time_s", "single_gpu_speed",
                  "scaling_efficiency", "final_top1", "final_top5", "images_per_sec", "world_size")
@@ -168,6 +169,7 @@ def run_figures(history: list[dict], world_size: int, top1_target: float, top5_t
             modelled = metrics.model_single_gpu_time(epoch, figures["images_per_epoch"], single_gpu_speed, efficiency)
             figures["model_single_gpu_time_s"] = modelled
             figures["model_gap"] = metrics.model_gap(figures["actual_avg_single_gpu_time_s"], modelled)
+    figures.update(breakdown_figures(history))  # where the time went (engine/breakdown.py), when recorded
     return figures
 
 
@@ -186,6 +188,10 @@ def report_run(run_dir: str, top1_target: float | None = None, top5_target: floa
     figures = run_figures(history, world_size, top1_target, top5_target, speed, source)
     report = {**figures, "config": config, **(extra or {})}
     markdown = report_markdown(os.path.basename(os.path.abspath(run_dir)), figures, history)
+    breakdown = breakdown_markdown(history, figures)
+    if breakdown:
+        markdown += "\n" + breakdown
+    markdown += "\n" + settings_markdown(config, history)
     links = read_probe(run_dir)  # link_probe.json: which host's link is slow (python -m hybridtrain.cluster.link_probe)
     if links:
         report["links"] = links
@@ -248,8 +254,29 @@ def report_markdown(name: str, f: dict, history: list[dict]) -> str:
                      ) + "\n"
 
 
+def settings_rows(config: dict, history: list[dict]) -> list[tuple[str, str]]:
+    """The run's recipe settings (its saved config.yaml, label smoothing resolved): the optimizer and its schedule,
+    label smoothing, the weights' EMA, validation with mirrored images; with the EMA's top-1 (final / best)."""
+    train, optim = config.get("train", {}), config.get("optim", {})
+    name = optim.get("name", "hybrid")
+    schedule = optim.get("schedule", "step") if name in ("goyal", "sgd") else "its own"
+    rows = [("optimizer (schedule)", f"{name} ({schedule})"),
+            ("label smoothing", str(train.get("label_smoothing", 0.0))),
+            ("EMA decay (0 = off)", str(train.get("ema_decay", 0.0))),
+            ("final weights", str(train.get("final_weights", "raw"))),
+            ("validation with mirrored images", str(train.get("val_flip", False)).lower())]
+    ema = [r["val_top1_ema"] for r in history if "val_top1_ema" in r]
+    if ema:
+        rows.append(("EMA val top-1 (final / best)", f"{pct(ema[-1])} / {pct(max(ema))}"))
+    return rows
+
+
+def settings_markdown(config: dict, history: list[dict]) -> str:
+    return "## Settings\n\n" + markdown_table(["setting", "value"], settings_rows(config, history)) + "\n"
+
+
 def summary_table(figures: dict) -> str:
-    rows = headline_rows(figures)
+    rows = headline_rows(figures) + summary_rows(figures)
     width = max(len(k) for k, _ in rows)
     value_width = max(len(v) for _, v in rows)
     line = "+" + "-" * (width + 2) + "+" + "-" * (value_width + 2) + "+"
@@ -290,4 +317,7 @@ def plot_run(history: list[dict], out_dir: str) -> list[str]:
         ax.plot(epochs, [r[key] for r in history], marker="o")
         ax.set(xlabel="epoch", ylabel=ylabel)
         save(fig, name)
+    breakdown = plot_breakdown(history, out_dir)
+    if breakdown:
+        paths.append(breakdown)
     return paths
