@@ -12,7 +12,16 @@ import subprocess
 
 import pytest
 import torch
-from conftest import TORCHRUN, digits_subset, env_with_venv, read_metrics, tiny_config
+from conftest import (
+    HYBRIDTRAIN,
+    TORCHRUN,
+    assert_one_error_line,
+    digits_subset,
+    env_with_venv,
+    read_metrics,
+    run,
+    tiny_config,
+)
 
 from hybridtrain.distributed import collectives
 from hybridtrain.distributed.engines import (
@@ -63,16 +72,33 @@ def test_an_optimizer_of_an_engine_that_reduces_in_the_backward_keeps_the_step_c
         wrapped.step()
 
 
-def test_the_configs_engine_choices_are_the_registry_and_the_clis():
-    """config imports no package module, so it lists the names itself; they must be the registry's."""
+def test_the_registry_is_the_only_list_of_engines(tmp_path, monkeypatch):
+    """Layout review 4 §3: the config key and --engine take what is registered, a plugin included, and refuse
+    anything else in one line naming the registered engines; no module but the registry spells the names out."""
+    import re
+
     from hybridtrain.cli import build_parser
     from hybridtrain.config import Config
     section = Config().distributed
-    choices = next(f for f in dataclasses.fields(section) if f.name == "engine").metadata["choices"]
-    assert tuple(choices) == ("auto", *ENGINES)
-    train = build_parser()._subparsers._group_actions[0].choices["train"]
-    engine_option = next(a for a in train._actions if "--engine" in a.option_strings)
-    assert tuple(engine_option.choices) == tuple(choices)
+    assert "choices" not in next(f for f in dataclasses.fields(section) if f.name == "engine").metadata
+    listed = re.compile(r"[\"']horovod[\"'],\s*[\"']torch[\"']|[\"']torch[\"'],\s*[\"']horovod[\"']")
+    package = os.path.dirname(os.path.dirname(os.path.abspath(collectives.__file__)))
+    for root, _, files in os.walk(package):
+        for name in files:
+            if name.endswith(".py") and name != "engines.py":
+                assert not listed.search(open(os.path.join(root, name)).read()), os.path.join(root, name)
+    (tmp_path / "ddp_copy.py").write_text(THIRD_ENGINE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv(PLUGINS_VAR, "ddp_copy")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    assert build_parser().parse_args(["train", "--config", "c.yaml", "--engine", "ddp_copy"]).engine == "ddp_copy"
+    assert build_parser().parse_args(["bench", "--engine", "ddp_copy"]).engine == ["ddp_copy"]
+    proc = run([HYBRIDTRAIN, "train", "--config", "c.yaml", "--engine", "tyo"], timeout=60)
+    assert_one_error_line(proc, "argument --engine: 'tyo' is not a registered engine: choose auto, horovod, torch, "
+                                "ddp_copy")
+    with pytest.raises(UserError, match="distributed.engine=tyo is not an engine: choose auto, horovod, torch, "
+                                        "ddp_copy"):
+        resolve_engine("tyo", dict(os.environ))
 
 
 def test_each_engines_launcher_command_and_variables_come_from_its_entry():
@@ -101,10 +127,11 @@ def test_a_plugin_that_is_no_engine_module_or_takes_a_taken_name_is_one_line(tmp
 
 def test_a_collective_before_init_is_an_error_naming_the_call(monkeypatch):
     monkeypatch.setitem(collectives._active, "engine", None)
-    for call, run in (("allreduce_sum", lambda: collectives.allreduce_sum(torch.zeros(1), "x")),
-                      ("size", collectives.size), ("wrap_optimizer", lambda: collectives.wrap_optimizer(None, None, None))):
+    for call, attempt in (("allreduce_sum", lambda: collectives.allreduce_sum(torch.zeros(1), "x")),
+                          ("size", collectives.size),
+                          ("wrap_optimizer", lambda: collectives.wrap_optimizer(None, None, None))):
         with pytest.raises(RuntimeError, match=rf"distributed\.{call}\(\) was called before distributed\.init\(\)"):
-            run()
+            attempt()
 
 
 # ----------------------------------------------------------------------------- a third engine: one file, one entry
@@ -119,26 +146,17 @@ NAME = "ddp_copy"
 ENGINE_SPEC = dataclasses.replace(ENGINES["torch"], name=NAME, module=__name__)
 '''
 
-# The config's choices are the package's engines (config imports nothing above it): a plugin engine is named
-# through the API, as a program that embeds the trainer would.
-DRIVER = '''import sys
-from hybridtrain.config import load_config
-from hybridtrain.engine.loop import run_training
-cfg = load_config(sys.argv[1])
-cfg.distributed.engine = "ddp_copy"
-run_training(cfg)
-'''
 
 
-def test_a_ddp_like_engine_is_one_file_and_one_registry_entry(digits_dir, tmp_path, write_config):
+def test_a_plugin_engine_is_one_file_and_trains_through_hybridtrain_train(digits_dir, tmp_path, write_config):
     (tmp_path / "ddp_copy.py").write_text(THIRD_ENGINE)
-    (tmp_path / "drive.py").write_text(DRIVER)
     data = digits_subset(digits_dir, str(tmp_path / "data"), 8, 2)  # 80 images: 3 steps of 2 x 16
     run_dir = str(tmp_path / "run")
     cfg = write_config(tiny_config(data, run_dir, train={"epochs": 1}, optim={"name": "sgd"}))
     env = env_with_venv(2)
     env.update({PLUGINS_VAR: "ddp_copy", "PYTHONPATH": os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])})
-    proc = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node=2", str(tmp_path / "drive.py"), cfg],
+    proc = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node=2", HYBRIDTRAIN, "train", "--config", cfg,
+                           "--engine", "ddp_copy"],
                           capture_output=True, text=True, timeout=300, env=env, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "2 rank(s) of the ddp_copy engine" in proc.stdout + proc.stderr

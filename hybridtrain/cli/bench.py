@@ -1,8 +1,15 @@
 """The benchmarks of one machine: `bench` (the training step; --find-max-batch), `bench-optim`, `bench-data`."""
 from __future__ import annotations
 
-from hybridtrain.cli.options import BATCH, CROP, add_recipe_options, add_timing_options, bounded_float, bounded_int
-from hybridtrain.distributed.engines import ENGINES
+from hybridtrain.cli.options import (
+    BATCH,
+    CROP,
+    add_recipe_options,
+    add_timing_options,
+    bounded_float,
+    bounded_int,
+    engine_name,
+)
 from hybridtrain.errors import UserError
 from hybridtrain.outputs import check_output_dir, check_output_file, write_json_atomically
 
@@ -107,7 +114,7 @@ def add_commands(sub) -> None:
                       help="also time the whole step as train runs it: one rank under horovodrun, with Horovod's "
                            "DistributedOptimizer, the all-reduce compression, the loss scaler and the schedule "
                            "(the same as --engine horovod)")
-    step.add_argument("--engine", action="append", choices=tuple(ENGINES),
+    step.add_argument("--engine", action="append", type=engine_name(auto=False),
                       help="also time the whole step as train runs it on this engine: one rank under horovodrun "
                            "or torchrun (DDP); repeatable, e.g. --engine horovod --engine torch")
     step.add_argument("--phase", choices=["adabound", "sgd"], default="adabound",

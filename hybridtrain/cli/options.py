@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from hybridtrain.distributed.engines import ENGINES
+from hybridtrain.distributed.engines import registered
 
 
 def _number_text(x) -> str:
@@ -97,10 +97,22 @@ def add_timing_options(parser: argparse.ArgumentParser, steps: int, warmup: int,
     parser.add_argument("--warmup", type=WARMUP, default=warmup, help=f"untimed {unit} first (default {warmup})")
 
 
+def engine_name(auto: bool = True):
+    """argparse ``type=``: the name of a registered engine (the package's and HYBRIDTRAIN_ENGINE_PLUGINS'), or
+    ``auto`` where ``auto``; else one error line naming them. The registry is the only list of engines."""
+    def name(text: str) -> str:
+        names = (["auto"] if auto else []) + list(registered())
+        if text not in names:
+            raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a registered engine: choose {', '.join(names)}")
+        return text
+    return name
+
+
 def add_engine_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--engine", choices=("auto", *ENGINES),
-                        help="the data-parallel engine (distributed.engine): horovod under horovodrun/mpirun, torch "
-                             "(DDP) under torchrun or srun; default the config's (auto: the launcher's)")
+    parser.add_argument("--engine", type=engine_name(),
+                        help="the data-parallel engine (distributed.engine), a registered one (plugins included): "
+                             "horovod under horovodrun/mpirun, torch (DDP) under torchrun or srun; default the "
+                             "config's (auto: the launcher's)")
 
 
 def with_engine(args) -> list[str]:

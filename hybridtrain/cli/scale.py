@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 
 from hybridtrain.cli.options import add_recipe_options, add_timing_options, bounded_int, count_list
-from hybridtrain.distributed.engines import ENGINES
+from hybridtrain.distributed.engines import registered
 from hybridtrain.errors import UserError
 from hybridtrain.outputs import check_output_dir, check_output_file, write_json_atomically
 
@@ -51,10 +51,10 @@ def scale_here(args) -> tuple[list[dict], str, str]:
 
 
 def parse_engines(text: str) -> tuple[str, ...]:
-    names = tuple(x.strip() for x in text.split(",") if x.strip())
-    if not names or any(n not in ENGINES for n in names) or len(set(names)) != len(names):
-        raise UserError(f"--engine must list {' and/or '.join(ENGINES)}, each once, got '{text}': e.g. --engine "
-                        f"horovod,torch")
+    names, engines = tuple(x.strip() for x in text.split(",") if x.strip()), registered()
+    if not names or any(n not in engines for n in names) or len(set(names)) != len(names):
+        raise UserError(f"--engine must list registered engines ({', '.join(engines)}), each once, got '{text}': "
+                        f"e.g. --engine horovod,torch")
     return names
 
 

@@ -233,8 +233,8 @@ def launcher_size(env: Mapping | None = None) -> int:
     """The number of processes the launcher started, from the first size variable of an engine's launchers that is
     set (0 when none says so)."""
     env = os.environ if env is None else env
-    return next((int(env[var]) for spec in ENGINES.values() for var in spec.size_vars if env.get(var, "").isdigit()),
-                0)
+    return next((int(env[var]) for spec in registered(env).values() for var in spec.size_vars
+                 if env.get(var, "").isdigit()), 0)
 
 
 def refuse_elastic(name: str) -> None:

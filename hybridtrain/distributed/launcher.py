@@ -1,10 +1,11 @@
 """Which engine a process runs under, and how a command starts the sub-jobs it measures, from the registry of
-engines (``engines.ENGINES``). Torch-free: the CLI reads it before anything heavy is imported."""
+engines (``engines.registered()``: the package's and the plugins'). Torch-free: the CLI reads it before anything
+heavy is imported."""
 from __future__ import annotations
 
 import os
 
-from hybridtrain.distributed.engines import ENGINES, engine_spec, installed, registered
+from hybridtrain.distributed.engines import engine_spec, installed, registered
 from hybridtrain.distributed.launch_env import PMI_RANK_VARS, process_env, under_srun
 from hybridtrain.distributed.launch_env import venv_tool as venv_tool  # scale's and experiment's launches
 from hybridtrain.errors import UserError
@@ -35,7 +36,7 @@ def resolve_engine(wanted: str, env=None) -> str:
     found = launcher_engine(env)
     tasks = srun_without_mpi(env)
     if wanted == "auto":
-        return found or next(name for name, spec in ENGINES.items()
+        return found or next(name for name, spec in registered(env).items()
                              if installed(spec) and not (tasks and spec.srun_needs_mpi))
     spec = engine_spec(wanted, env)
     if found and not spec.started_by(env):
