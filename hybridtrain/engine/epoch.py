@@ -11,6 +11,7 @@ import torch
 
 from hybridtrain.data.loaders import to_device
 from hybridtrain.distributed import collectives as distributed
+from hybridtrain.engine.breakdown import StepClock, first_step_done, reduces_in_backward
 from hybridtrain.engine.guards import local_work
 from hybridtrain.engine.step import RunningStatsGuard, StepResult, classification_loss, train_step
 from hybridtrain.errors import UserError
@@ -42,6 +43,7 @@ class EpochResult:
     stopped: EpochProgress | None = None  # set when a preemption stopped the epoch after a step
     warmup_time_s: float = 0.0  # of train_time_s: the first steps of a process (compile, cuDNN autotuning)
     warmup_samples: int = 0  # of samples_seen: those trained in warmup_time_s (over all ranks)
+    breakdown: dict | None = None  # this rank's seconds per step part (breakdown.StepClock.totals)
 
 
 @dataclass
@@ -126,19 +128,23 @@ class EpochSteps:
         self.warmup_end = done.passes // t.k + warmup if warmup else -1  # steps timed apart: compile, autotune
         self.compiling_end = done.passes // t.k + compiling
         self.warmup_time, self.warmup_seen = 0.0, torch.zeros((), dtype=torch.float64, device=device)
+        self.clock = StepClock(device)  # where each step's time goes (breakdown.py), read once at the epoch's end
 
     def __iter__(self):
         t, k, position = self.t, self.t.k, self.position
         batches = first_batch_as_local_work(itertools.islice(t.data.train, self.steps * k))  # none past the last
         for _ in itertools.islice(batches, self.done.passes):  # drawn again and skipped: data, augmentation go on
             pass
+        self.clock.attach(t.bundle.optimizer, t.model, reduces_in_backward(t.step))  # detached by result, stopped
         for i in range(self.done.passes // k, self.steps):
             global_step = position.epoch * t.updates + position.first_step + i
             phase_change = apply_schedule(t.bundle.optimizer, t.bundle.schedule, global_step)
             with local_work("a compiling step") if i < self.compiling_end else contextlib.nullcontext():
+                self.clock.mark("begin")
                 drawn = list(itertools.islice(batches, k))
                 result = train_step(t.step, t.bundle.optimizer, t.precision, self.on_device(drawn),
                                     bn_guard=self.bn_guard, ema=t.ema)
+            self.step_done()
             self.count(result)
             if i + 1 == self.warmup_end:
                 if self.device.type == "cuda":
@@ -154,7 +160,15 @@ class EpochSteps:
         for batch in drawn:
             images, labels = to_device(batch, self.device, dtype)
             ready.append((images, labels, micro_batch_weight(labels.numel(), t.batch_size, t.k)))
+        self.clock.mark("drawn")
         return ready
+
+    def step_done(self) -> None:
+        """After each step: the clock's last mark, the process's first step noted, the profiler's window moved."""
+        self.clock.mark("end")
+        first_step_done()
+        if getattr(self.t, "profiler", None) is not None:
+            self.t.profiler.step()
 
     def count(self, result: StepResult) -> None:
         """A step's passes into the epoch's sums, pass by pass."""
@@ -173,15 +187,18 @@ class EpochSteps:
     def stopped(self) -> EpochResult:
         """The result of the epoch stopped after the latest step (a preemption)."""
         done = self.progress()
+        self.clock.detach()
         return EpochResult(float("nan"), float("nan"), 0, done.train_time_s, done.skipped_steps, done)
 
     def result(self) -> EpochResult:
         """The trained epoch's figures over all ranks (one all-reduce of the sums)."""
         elapsed = time.perf_counter() - self.began
+        self.clock.detach()
         totals = distributed.allreduce_sum(torch.stack([self.loss_sum, self.correct, self.seen, self.warmup_seen])
                                            .cpu(), f"train_totals.{self.position.epoch}")
         return EpochResult(float(totals[0] / totals[2]), float(totals[1] / totals[2]), int(totals[2]), elapsed,
-                           self.skipped, warmup_time_s=self.warmup_time, warmup_samples=int(totals[3]))
+                           self.skipped, warmup_time_s=self.warmup_time, warmup_samples=int(totals[3]),
+                           breakdown=self.clock.totals())
 
 
 @torch.no_grad()

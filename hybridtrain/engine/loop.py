@@ -13,6 +13,7 @@ from hybridtrain.config import Config, save_config
 from hybridtrain.distributed import collectives as distributed
 from hybridtrain.distributed import failures
 from hybridtrain.engine import checkpoint, rundir
+from hybridtrain.engine.breakdown import epoch_fields, startup_fields, startup_line, startup_mark
 from hybridtrain.engine.epoch import (
     EpochPosition,
     EpochResult,
@@ -67,12 +68,14 @@ def run_training(cfg: Config, resume: str | None = None, move_aside: bool = Fals
     local in torch (no collective: Gloo's group ends its own threads; NCCL's flushes what this rank issued), so a
     rank that failed alone does not wait for its peers. Not after a peer's failure: a peer may have died inside a
     collective, and the launcher ends this rank anyway."""
+    startup_mark("imports")  # the interpreter, the config, torch: the time to the first step (breakdown.py)
     watch = PreemptionWatch()  # first: a SIGTERM during the setup also ends the run cleanly
     topo = distributed.init(cfg.train.threads, cfg, device=cfg.train.device, engine=cfg.distributed.engine)
     watch.join(topo)
     owner, outcome = None, "failed"
     try:
         owner = claim_run_dir(cfg, topo, resume, move_aside)  # before the set-up: a refusal costs nothing
+        startup_mark("engine_start")
         t = build_trainer(cfg, topo)
         watch.every = steps_between_checks(t.updates)
         finished = train_epochs(cfg, t, watch, resume, owner)
@@ -106,12 +109,16 @@ def end_epoch(cfg: Config, t: Trainer, epoch: int, result, epoch_start: float, r
     if t.ema is not None:
         t.ema.average_bn()
     record = training_record(t, epoch, result, epoch_start, run_start)
+    saving = time.perf_counter()
     root_writes(t.topo, lambda: save(record))
+    validating = time.perf_counter()
     try:
         ev, extra = validate(cfg, t, str(epoch))
     except UserError as exc:
         raise UserError(f"{exc} (epoch {epoch + 1}'s training is saved: fix the data, then rerun with --resume "
                         f"auto)") from None
+    record.update(epoch_breakdown(t, epoch, result, validating - saving, time.perf_counter() - validating,
+                                  epoch_start))
     return record_epoch(cfg, t, {**with_validation(record, ev, epoch_start, run_start), **extra}, history, board)
 
 
@@ -124,6 +131,18 @@ def validate(cfg: Config, t: Trainer, tag: str) -> tuple:
     with t.ema.swapped_in():
         averaged = evaluate(t.model, t.data.val, t.precision, tag=f"{tag}.ema", flip=cfg.train.val_flip)
     return ev, {"val_loss_ema": averaged.loss, "val_top1_ema": averaged.top1, "val_top5_ema": averaged.top5}
+
+
+def epoch_breakdown(t: Trainer, epoch: int, result, checkpoint_s: float, validation_s: float,
+                    epoch_start: float) -> dict:
+    """The record's breakdown of the epoch's time (breakdown.epoch_fields: every rank's parts in one allgather)
+    and, in a process's first record, its time to the first step (rank 0's, also as a log line)."""
+    fields = epoch_fields(distributed.allgather_floats, result.breakdown or {}, validation_s, checkpoint_s,
+                          epoch_start, t.topo.size, str(epoch))
+    fields.update(startup_fields())
+    if "startup_s" in fields:
+        log(t.topo, startup_line(fields["startup_s"]))
+    return fields
 
 
 def complete_pending_record(cfg: Config, t: Trainer, state: dict, history: list, board) -> None:
@@ -153,6 +172,7 @@ def train_epochs(cfg: Config, t: Trainer, watch: PreemptionWatch, resume: str | 
         t.bundle.optimizer.load_state_dict(distributed.broadcast_object(t.bundle.optimizer.state_dict(), "optim_init"))
         if t.ema is not None:
             t.ema.reset()  # from the broadcast weights
+    startup_mark("model_build")  # built, wrapped and broadcast (or restored)
     if topo.is_root:
         os.makedirs(cfg.run_dir, exist_ok=True)
         save_config(cfg, os.path.join(cfg.run_dir, "config.yaml"))
@@ -164,6 +184,7 @@ def train_epochs(cfg: Config, t: Trainer, watch: PreemptionWatch, resume: str | 
         complete_pending_record(cfg, t, state, history, board)
     t.audit = SampleAudit(audit_path(cfg))
     watchdog = stall_watchdog(cfg, topo)
+    startup_mark("run_setup")  # the config written, metrics.jsonl, TensorBoard's writer, the watchdog
     try:
         return train_epoch_range(cfg, t, watch, watchdog, start_epoch, resumed, run_start, history, board, owner)
     finally:
@@ -202,6 +223,7 @@ def epoch_steps(cfg: Config, t: Trainer, position: EpochPosition, first_of_proce
     try:
         yield steps, walk()
     finally:
+        steps.clock.detach()  # a step that raised leaves synchronize() wrapped (breakdown.StepClock)
         if bar:
             bar.close()
 

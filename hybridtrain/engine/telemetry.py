@@ -72,6 +72,8 @@ TENSORBOARD_SCALARS = {"loss/train": "train_loss", "loss/val": "val_loss", "top1
 def write_scalars(board, record: dict) -> None:
     for tag, key in TENSORBOARD_SCALARS.items():
         board.add_scalar(tag, record[key], record["epoch"])
+    for part, seconds in (record.get("breakdown_s") or {}).items():  # where the epoch's time went (breakdown.py)
+        board.add_scalar(f"time/{part}_s", seconds, record["epoch"])
     board.flush()
 
 

@@ -11,6 +11,7 @@ from hybridtrain.config import Config, gradient_compression
 from hybridtrain.data.loaders import create_loaders
 from hybridtrain.distributed import collectives as distributed
 from hybridtrain.engine import checkpoint
+from hybridtrain.engine.breakdown import startup_mark
 from hybridtrain.engine.ema import create_ema
 from hybridtrain.engine.step import build_step, check_speedups
 from hybridtrain.engine.telemetry import log
@@ -79,8 +80,10 @@ def build_trainer(cfg: Config, topo) -> Trainer:
     check_hardware(policy, topo.device)
     check_speedups(cfg, topo.device)
     data = create_loaders(cfg, topo, policy.input_dtype)
+    startup_mark("data_scan")
     if not cfg.train.cuda_graphs:
         data.start()  # the workers start while the model is built
+        startup_mark("loader_start")
     model = model_from_config(cfg.model, data.num_classes, seed=cfg.seed).to(topo.device)
     model = prepare_model(configure_batch_norm(model, cfg.bn, topo.device), policy)
     if cfg.data.channels_last:

@@ -1,0 +1,96 @@
+"""Where the time goes (engine/breakdown.py), in real runs where one part dominates on purpose: a slow loader (input),
+a large model at a small batch (compute), Horovod's all-reduce held back by a long cycle time on every rank
+(communication), and a straggler under DDP (its peer waits in communication; the straggler is named). Each run's
+record, its report (report.md, breakdown.png) and, for one, TensorBoard name the dominant part."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+from conftest import BIN, HOROVODRUN, REPO, TORCHRUN, digits_subset, env_with_venv, read_metrics, tiny_config
+
+from hybridtrain.engine.breakdown import PARTS, STARTUP_PARTS
+
+SLOWED = os.path.join(REPO, "tests", "scripts", "slowed_train.py")
+PYTHON = os.path.join(BIN, "python")
+
+
+def launch(prefix: list[str], config: str, ranks: int, **env) -> subprocess.CompletedProcess:
+    """``slowed_train.py train --config CONFIG`` under ``prefix`` (a launcher, or nothing: one rank alone)."""
+    proc = subprocess.run([*prefix, PYTHON, SLOWED, "train", "--config", config], capture_output=True, text=True,
+                          timeout=300, cwd=REPO, stdin=subprocess.DEVNULL,
+                          env={**env_with_venv(ranks), **{k: str(v) for k, v in env.items()}})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc
+
+
+def one_epoch(data_path: str, run_dir: str, **sections) -> dict:
+    sections.setdefault("optim", {}).update(warmup_epochs=0)
+    return tiny_config(data_path, run_dir, train={"epochs": 1, **sections.pop("train", {})}, **sections)
+
+
+def checked_record(run_dir: str, dominant: str) -> dict:
+    """The epoch's record: every part present, the parts' sum the epoch's time, ``dominant`` first; the report
+    (written by train's rank 0) says so too and draws breakdown.png."""
+    record = read_metrics(run_dir)[-1]
+    parts = record["breakdown_s"]
+    assert list(parts) == list(PARTS) and all(v >= 0 for v in parts.values()), parts
+    assert abs(sum(parts.values()) - record["epoch_time_s"]) < 0.05 * record["epoch_time_s"] + 0.05, record
+    assert record["dominant"] == dominant, parts
+    assert f"Dominant: **{dominant}**" in open(os.path.join(run_dir, "report.md")).read()
+    assert open(os.path.join(run_dir, "breakdown.png"), "rb").read(4) == b"\x89PNG"
+    return record
+
+
+def test_a_slow_loader_is_named_input_and_the_first_step_is_split(small_digits, tmp_path, write_config):
+    """Each training batch collates 1 s longer (7 steps): waiting for input dominates. The first record holds the
+    time from the process's start to its first step, split into the set-up's parts, which add up to it."""
+    run_dir = str(tmp_path / "input")
+    cfg = one_epoch(small_digits, run_dir, train={"batch_size": 32}, report={"tensorboard": False})
+    proc = launch([], write_config(cfg), 1, SLOW_BATCH_S=1.0)
+    record = checked_record(run_dir, "input")
+    assert record["breakdown_s"]["input"] > 6.0  # 7 batches x 1 s
+    startup = record["startup_s"]
+    assert set(STARTUP_PARTS) <= set(startup) and startup["imports"] > 0 and startup["first_step"] >= 1.0
+    assert abs(sum(startup[p] for p in STARTUP_PARTS) - startup["total"]) < 1e-6
+    assert "hybridtrain: first step" in proc.stdout and "breakdown_per_rank_s" not in record  # one rank
+
+
+def test_a_large_model_at_a_small_batch_is_named_compute(digits_dir, tmp_path, write_config):
+    """ResNet-50 at 4 images of 64 px per step: forward and backward dominate."""
+    data = digits_subset(digits_dir, str(tmp_path / "data"), 4, 1)
+    run_dir = str(tmp_path / "compute")
+    cfg = one_epoch(data, run_dir, model={"arch": "resnet50"}, data={"crop_size": 64, "val_resize": 64},
+                    train={"batch_size": 4}, report={"tensorboard": False})
+    launch([], write_config(cfg), 1)
+    checked_record(run_dir, "compute")
+
+
+def test_an_all_reduce_held_back_on_every_rank_is_named_communication(small_digits, tmp_path, write_config):
+    """Horovod's background cycle at 500 ms (horovod.cycle_time_ms): each step's all-reduce waits up to a cycle in
+    synchronize() on both ranks, so exposed communication dominates on each; the parts reach TensorBoard."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    run_dir = str(tmp_path / "communication")
+    cfg = one_epoch(small_digits, run_dir, horovod={"cycle_time_ms": 500})
+    launch([HOROVODRUN, "--gloo", "-np", "2", "-H", "localhost:2"], write_config(cfg), 2)
+    record = checked_record(run_dir, "communication")
+    assert record["dominant_per_rank"] == ["communication", "communication"]
+    assert len(record["breakdown_per_rank_s"]["communication"]) == 2
+    events = EventAccumulator(os.path.join(run_dir, "tensorboard"))
+    events.Reload()
+    assert {f"time/{part}_s" for part in PARTS} <= set(events.Tags()["scalars"])
+
+
+def test_a_straggler_under_ddp_is_named_and_its_peer_waits_in_communication(small_digits, tmp_path, write_config):
+    """Rank 1's loader is 0.5 s slower per batch: on DDP rank 0 waits at the end of its backward for rank 1's
+    gradients (communication), rank 1's own time goes to input, and rank 1 is the slowest rank."""
+    run_dir = str(tmp_path / "straggler")
+    cfg = one_epoch(small_digits, run_dir, report={"tensorboard": False})
+    launch([TORCHRUN, "--standalone", "--nproc-per-node=2", "--no-python"], write_config(cfg), 2,
+           SLOW_BATCH_S=0.5, SLOW_RANK=1)
+    record = read_metrics(run_dir)[-1]
+    assert record["slowest_rank"] == 1 and record["dominant_per_rank"] == ["communication", "input"], record
+    report = json.load(open(os.path.join(run_dir, "report.json")))
+    assert report["slowest_rank"] == 1
+    assert "Slowest rank: 1" in open(os.path.join(run_dir, "report.md")).read()
