@@ -467,7 +467,7 @@ def test_the_rehearsal_passes_offline_from_a_venv_without_torchrun(tmp_path):
         assert "[X] NCCL" in subprocess.run([str(out / "horovod-venv" / "bin" / "horovodrun"), "--check-build"],
                                         capture_output=True, text=True, timeout=120).stdout
     starts = [f for f in os.listdir(out) if f.startswith("start-")]
-    assert len(starts) == len([r for r in gr.build_rows(1, str(out), PY, dali=True) if r.kind != "note"])
+    assert len(starts) == len([r for r in gr.build_rows(1, str(out), PY) if r.kind != "note"])
 
 
 # ----------------------------------------------------------------------------- what comes back from the device
