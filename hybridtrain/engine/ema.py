@@ -39,7 +39,7 @@ class WeightEMA:
         self.sources = {name: tensor.detach() for name, tensor in live.items()}
         self.shadow = {name: src.clone().to(torch.promote_types(src.dtype, torch.float32))
                        if src.is_floating_point() else src.clone() for name, src in self.sources.items()}
-        by_id = {id(src): name for name, src in self.sources.items()}
+        by_id = {id(tensor): name for name, tensor in live.items()}  # the buffers themselves, not detached views
         self.bn_names = [by_id[id(buf)] for buf in running_buffers(model) if id(buf) in by_id]
         averaged = [n for n in self.names if self.sources[n].is_floating_point()]
         same = [n for n in averaged if self.sources[n].dtype == self.shadow[n].dtype]
