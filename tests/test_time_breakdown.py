@@ -16,9 +16,9 @@ SLOWED = os.path.join(REPO, "tests", "scripts", "slowed_train.py")
 PYTHON = os.path.join(BIN, "python")
 
 
-def launch(prefix: list[str], config: str, ranks: int, **env) -> subprocess.CompletedProcess:
-    """``slowed_train.py train --config CONFIG`` under ``prefix`` (a launcher, or nothing: one rank alone)."""
-    proc = subprocess.run([*prefix, PYTHON, SLOWED, "train", "--config", config], capture_output=True, text=True,
+def launch(prefix: list[str], config: str, ranks: int, args: tuple = (), **env) -> subprocess.CompletedProcess:
+    """``slowed_train.py train --config CONFIG ARGS`` under ``prefix`` (a launcher, or nothing: one rank alone)."""
+    proc = subprocess.run([*prefix, PYTHON, SLOWED, "train", "--config", config, *args], capture_output=True, text=True,
                           timeout=300, cwd=REPO, stdin=subprocess.DEVNULL,
                           env={**env_with_venv(ranks), **{k: str(v) for k, v in env.items()}})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -45,10 +45,14 @@ def checked_record(run_dir: str, dominant: str) -> dict:
 
 def test_a_slow_loader_is_named_input_and_the_first_step_is_split(small_digits, tmp_path, write_config):
     """Each training batch collates 1 s longer (7 steps): waiting for input dominates. The first record holds the
-    time from the process's start to its first step, split into the set-up's parts, which add up to it."""
+    time from the process's start to its first step, split into the set-up's parts, which add up to it. Under
+    --profile, the window's steps (1 waited, 1 warmed up, 2 recorded) are a Chrome trace in the run folder."""
     run_dir = str(tmp_path / "input")
-    cfg = one_epoch(small_digits, run_dir, train={"batch_size": 32}, report={"tensorboard": False})
-    proc = launch([], write_config(cfg), 1, SLOW_BATCH_S=1.0)
+    cfg = one_epoch(small_digits, run_dir, train={"batch_size": 32}, report={"tensorboard": False},
+                    profile={"wait": 1, "warmup": 1, "active": 2})
+    proc = launch([], write_config(cfg), 1, args=("--profile",), SLOW_BATCH_S=1.0)
+    trace = json.load(open(os.path.join(run_dir, "profile", "trace-rank0.json")))
+    assert any(event.get("name") == "ProfilerStep#3" for event in trace["traceEvents"])  # the recorded steps
     record = checked_record(run_dir, "input")
     assert record["breakdown_s"]["input"] > 6.0  # 7 batches x 1 s
     startup = record["startup_s"]
@@ -65,6 +69,7 @@ def test_a_large_model_at_a_small_batch_is_named_compute(digits_dir, tmp_path, w
                     train={"batch_size": 4}, report={"tensorboard": False})
     launch([], write_config(cfg), 1)
     checked_record(run_dir, "compute")
+    assert not os.path.exists(os.path.join(run_dir, "profile"))  # off by default
 
 
 def test_an_all_reduce_held_back_on_every_rank_is_named_communication(small_digits, tmp_path, write_config):

@@ -12,7 +12,8 @@ def cmd_train(args) -> int:
     from hybridtrain.config import load_config
     if args.resume not in (None, "required", "auto"):
         raise UserError(f"--resume takes no value or 'auto', got '{args.resume}': e.g. --resume auto")
-    cfg = load_config(args.config, with_engine(args), for_command="train")
+    cfg = load_config(args.config, with_engine(args) + (["profile.enabled=true"] if args.profile else []),
+                      for_command="train")
     args.crash_log_dir = cfg.run_dir  # where run_guarded writes a rank's traceback if a bug stops it
     from hybridtrain.distributed.engines import refuse_elastic
     from hybridtrain.distributed.launcher import check_launch  # the launcher's variables: one line, never a wait
@@ -78,4 +79,7 @@ def add_commands(sub) -> None:
     train.add_argument("--elastic", action="store_true",
                        help="Horovod elastic training: ranks may leave and join (horovodrun --min-np/--max-np "
                             "--host-discovery-script; docs/elastic.md)")
+    train.add_argument("--profile", action="store_true",
+                       help="torch.profiler over a window of steps on every rank (profile.wait/warmup/active): a "
+                            "Chrome/Perfetto trace per rank in run_dir/profile/ (profile.enabled)")
     train.set_defaults(func=cmd_train)

@@ -294,6 +294,21 @@ class ReportConfig:
 
 
 @dataclass
+class ProfileConfig:
+    enabled: bool = plain(False, "train --profile: torch.profiler over a window of steps on every rank, a "
+                                 "Chrome/Perfetto trace per rank in run_dir/profile/trace-rank<r>.json; off: no cost")
+    wait: int = number(5, lo=0, hi=1_000_000, doc="steps of the process before the window (the first steps' start-up "
+                                                    "left out)")
+    warmup: int = number(2, lo=0, hi=1000, doc="steps profiled and thrown away before the recorded ones")
+    active: int = number(3, lo=1, hi=1000, doc="steps recorded in the trace")
+    memory: bool = plain(False, "on a GPU: a CUDA memory snapshot with Python stacks over the recorded steps, "
+                                "run_dir/profile/memory-rank<r>.pickle (open it in pytorch.org/memory_viz)")
+
+
+NOT_RECIPE = ("distributed", "profile")  # sections that change no math: left out of the fingerprint
+
+
+@dataclass
 class Config:
     run_dir: str = plain("runs/default", "where checkpoints, metrics and reports go")
     seed: int = number(0, lo=0, hi=1_000_000, doc="global seed")
@@ -307,14 +322,15 @@ class Config:
     bn: BNConfig = field(default_factory=BNConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     def fingerprint(self) -> str:
-        """The recipe's identity: the engine and its time limits are left out (a run resumes under either, with
+        """The recipe's identity: the engine, its limits and the profiler are left out (a run resumes under either, with
         other limits, with the same math). The all-reduce's compression changes the math, so it counts, hashed where
         it stood until issue 35 (horovod.compression): a checkpoint written before the move keeps its fingerprint."""
-        recipe = {key: value for key, value in self.to_dict().items() if key != "distributed"}
+        recipe = {key: value for key, value in self.to_dict().items() if key not in NOT_RECIPE}
         recipe["horovod"]["compression"] = self.distributed.compression
         return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]

@@ -24,6 +24,7 @@ from hybridtrain.engine.epoch import (
 from hybridtrain.engine.guards import PreemptionWatch, StallWatchdog, root_writes, steps_between_checks
 from hybridtrain.engine.memory import reset_peak_memory
 from hybridtrain.engine.metrics_file import truncate_metrics
+from hybridtrain.engine.profiling import create_profiler
 from hybridtrain.engine.records import (
     SampleAudit,
     audit_path,
@@ -183,12 +184,15 @@ def train_epochs(cfg: Config, t: Trainer, watch: PreemptionWatch, resume: str | 
     if state:
         complete_pending_record(cfg, t, state, history, board)
     t.audit = SampleAudit(audit_path(cfg))
+    t.profiler = create_profiler(cfg, topo)  # train --profile (profiling.py); None when off
     watchdog = stall_watchdog(cfg, topo)
     startup_mark("run_setup")  # the config written, metrics.jsonl, TensorBoard's writer, the watchdog
     try:
         return train_epoch_range(cfg, t, watch, watchdog, start_epoch, resumed, run_start, history, board, owner)
     finally:
         watchdog.close()
+        if t.profiler is not None:
+            t.profiler.close()
 
 
 def resumed_at(position: EpochPosition | None, t: Trainer, start_epoch: int) -> str:
