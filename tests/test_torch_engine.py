@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -325,6 +326,72 @@ def test_a_refusal_after_the_group_formed_ends_both_ranks_with_status_2_and_no_a
     statuses = [int(x) for x in re.findall(r"exitcode\s*:\s*(-?\d+)", output)]
     assert -6 not in statuses and 134 not in statuses, output[-3000:]
 
+
+
+# imported by every Python process of a launch (PYTHONPATH): when a rank prints its error line (after run_training
+# called shutdown), it says first how many DDP wrappers are still alive, each holding the process group
+DDP_AT_ERROR_PROBE = """
+import gc, os, sys
+class _Watch:
+    def __init__(self, stream):
+        self.stream = stream
+    def write(self, text):
+        if "hybridtrain: error:" in text and "torch.distributed" in sys.modules:
+            ddp = sum(type(o).__name__ == "DistributedDataParallel" for o in gc.get_objects())
+            self.stream.write(f"probe: rank {os.environ['RANK']}: DDP wrappers alive at the error line: {ddp}\\n")
+        return self.stream.write(text)
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+if "LOCAL_RANK" in os.environ:
+    sys.stderr = _Watch(sys.stderr)
+"""
+
+
+def test_a_failure_mid_epoch_frees_the_group_at_shutdown_and_ends_the_job_at_once(small_digits, tmp_path,
+                                                                                  write_config, monkeypatch):
+    """Review 4 #10: an error after some steps of DDP (a static loss scale of 2^24 overflows the FP16 wire at every
+    step; the third skipped step in a row stops the run, in epoch 1 of 7 steps) still frees the DDP wrapper, and
+    with it the process group, when the rank shuts the engine down: the error's traceback held the trainer in
+    its frames (and in the epoch's closures), so the wrapper outlived shutdown(). The job ends with rank 0's status
+    2 and one line, no abort, no traceback of ours, and at once after the line."""
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    (probe / "sitecustomize.py").write_text(DDP_AT_ERROR_PROBE)
+    monkeypatch.setenv("PYTHONPATH", str(probe))
+    run_dir = tmp_path / "run"
+    cfg = write_config(tiny_config(small_digits, str(run_dir), train={"epochs": 1}, optim={"name": "sgd"},
+                                   precision={"mode": "fp32", "loss_scaling": "static", "loss_scale": 2.0 ** 24,
+                                              "max_consecutive_overflows": 3},
+                                   distributed={"engine": "torch", "compression": "fp16"}))
+    proc = subprocess.Popen([TORCHRUN, "--standalone", "--nproc-per-node=2", "--no-python", HYBRIDTRAIN, "train",
+                             "--config", cfg], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env_with_venv(), cwd=REPO, stdin=subprocess.DEVNULL, start_new_session=True)
+    lines, error_at = [], None
+    stop = threading.Timer(300, lambda: os.killpg(proc.pid, signal.SIGKILL))  # a hang fails, never blocks
+    stop.start()
+    try:
+        for line in proc.stdout:  # the ranks' lines as they come (PYTHONUNBUFFERED)
+            lines.append(line)
+            if error_at is None and "hybridtrain: error:" in line:
+                error_at = time.monotonic()
+        proc.wait()
+        ended_after = time.monotonic() - (error_at or 0)
+    finally:
+        stop.cancel()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    output = "".join(lines)
+    errors = error_lines(output)
+    assert proc.returncode != 0 and len(errors) == 1 and "3 steps in a row" in errors[0], output[-3000:]
+    assert not (run_dir / "checkpoint-epoch0001.pt").exists()  # it failed inside epoch 1
+    assert "probe: rank 0: DDP wrappers alive at the error line: 0" in output, output[-3000:]
+    assert ended_after < 10, f"the job ended {ended_after:.1f} s after the error line"
+    assert "terminate called" not in output and "SIGABRT" not in output and not our_frames(output), output[-3000:]
+    root = re.search(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", output, re.S)
+    assert root and root.groups() == ("0", "2"), output[-3000:]
+    # rank 1 waits quietly for rank 0's line (a refusal every rank makes), then torchrun stops it: 2 or SIGTERM
+    statuses = [int(x) for x in re.findall(r"exitcode\s*:\s*(-?\d+)", output)]
+    assert set(statuses) <= {2, -15}, output[-3000:]
 
 @pytest.mark.parametrize("sets,needle", [(["--elastic"], "--elastic is Horovod's"),
                                          (["--set", "horovod.autotune=true"], "horovod.autotune tunes the Horovod"),

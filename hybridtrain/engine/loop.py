@@ -6,6 +6,7 @@ import contextlib
 import os
 import sys
 import time
+import traceback
 
 import torch
 
@@ -73,7 +74,7 @@ def run_training(cfg: Config, resume: str | None = None, move_aside: bool = Fals
     watch = PreemptionWatch()  # first: a SIGTERM during the setup also ends the run cleanly
     topo = distributed.init(cfg.train.threads, cfg, device=cfg.train.device, engine=cfg.distributed.engine)
     watch.join(topo)
-    owner, outcome = None, "failed"
+    owner, outcome, t = None, "failed", None
     try:
         owner = claim_run_dir(cfg, topo, resume, move_aside)  # before the set-up: a refusal costs nothing
         startup_mark("engine_start")
@@ -91,6 +92,8 @@ def run_training(cfg: Config, resume: str | None = None, move_aside: bool = Fals
             raise failures.peer_failure(topo) from None
         raise
     finally:
+        if outcome == "failed":
+            release_failed_run(t, sys.exc_info()[1])
         t = None  # noqa: F841 - the trainer's DDP wrapper holds the process group: shutdown destroys it only when free
         if outcome == "done":
             distributed.shutdown()
@@ -99,6 +102,28 @@ def run_training(cfg: Config, resume: str | None = None, move_aside: bool = Fals
                 distributed.shutdown()
         if owner:
             owner.release()
+
+
+def release_failed_run(t: Trainer | None, exc: BaseException | None) -> None:
+    """Let go of what still holds a failed run's DDP wrapper, and with it the process group, before ``shutdown()``
+    (review 4 #10). The error's traceback keeps the frames it passed through (train_epochs, the epoch, the step) and
+    with them their locals (the trainer, the step, the DDP wrapper itself in its forward's frames) and, through the
+    frames of closures (the epoch's ``walk``), their function objects and cells, which clearing a frame does not
+    reach: without this the wrapper outlived ``shutdown()`` until the exception died in the CLI's ``except`` clause,
+    or, in a reference cycle, until a later collection, perhaps the interpreter's teardown, where a Gloo group's
+    destructor can abort the process. So the trainer drops its step (which holds the wrapper) and the frames of
+    ``exc`` and of the exceptions it chained drop their locals; the traceback keeps its files and lines for the crash
+    log, and the frames still running (this one's callers) are left as they are."""
+    if t is not None:
+        t.step = None
+    pending, seen = [exc], set()
+    while pending:
+        exc = pending.pop()
+        if exc is None or id(exc) in seen:
+            continue
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        pending += [exc.__cause__, exc.__context__]
 
 
 def end_epoch(cfg: Config, t: Trainer, epoch: int, result, epoch_start: float, run_start: float, history: list,
