@@ -199,6 +199,19 @@ def test_every_row_passes_its_engines_own_checks_and_a_refused_row_is_named(tmp_
     assert f"{refused.name}: train.cuda_graphs runs on the Horovod engine only" in log and "1 of 2 rows" in log
 
 
+def test_row_starts_pass_a_row_that_runs_or_wants_the_gpu_and_fail_one_that_breaks(tmp_path):
+    from hybridtrain.gpucheck import rehearsal
+    wants = "import sys; print('[0]<stderr>:hybridtrain: error: train.device=cuda but CUDA is unusable'); " \
+            "print('Traceback (most recent call last):'); sys.exit(1)"
+    rows = [py_row("runs", "import time; time.sleep(60)"), py_row("wants-gpu", wants), py_row("ok", "pass"),
+            py_row("breaks", "import sys; print('hybridtrain: error: no such option --fast'); sys.exit(2)")]
+    started = time.monotonic()
+    step = rehearsal.start_rows(rows, str(tmp_path), dict(os.environ))
+    assert step.status == gc.FAIL and step.detail == "breaks: exit 2: hybridtrain: error: no such option --fast"
+    assert time.monotonic() - started < rehearsal.START_S + 20  # the sleeper was stopped, side by side
+    assert rehearsal.start_rows(rows[1:3], str(tmp_path), dict(os.environ)).status == gc.PASS
+
+
 def test_every_training_row_is_a_valid_config_of_the_h100_recipe(tmp_path):
     from hybridtrain.config import load_config
     for row in gr.build_rows(2, str(tmp_path), PY, dali=True) + gr.build_rows(1, str(tmp_path), PY):

@@ -61,6 +61,7 @@ IMPORTS = {"image": "import torch, torchvision, torch.distributed.run, hybridtra
                       "hybridtrain.perf.step_bench, pytest"}
 STEP_TIMEOUT_S = 300
 START_S = 15        # row-starts: a row's command still running after this has started
+START_AT_ONCE = 3   # row-starts side by side
 REHEARSAL_CC = "90"  # the lent machine's H100/H200
 REHEARSAL_BUILD_S = 2400  # the NCCL build on a 2-core CPU machine: about 10 min alone, far more beside other work
 
@@ -134,25 +135,30 @@ def check_engines(rows: list[Row], python: str, out: str, env: dict) -> Row:
 
 def start_rows(rows: list[Row], out: str, env: dict) -> Row:
     """Every row's command started as the call starts it (its ``before`` commands not run: they need the GPU's
-    data), stopped after START_S; see the module's step 7 for what passes."""
-    started, bad = 0, []
+    data), START_AT_ONCE at a time, each stopped after START_S; see the module's step 7 for what passes."""
+    waiting, running, bad, started = [r for r in rows if r.kind != "note"], [], [], 0
     begin = time.monotonic()
-    for row in rows:
-        if row.kind == "note":
-            continue
-        trial = Row(f"start-{row.name}", row.kind, row.argv, START_S, env=row.env)
-        proc = start_row(trial, out, env, say=lambda line: None)
-        if proc is None:
-            bad.append(f"{row.name}: {trial.detail}")
-            continue
-        try:
-            rc = proc.wait(timeout=START_S)
-        except subprocess.TimeoutExpired:
-            stop_group(proc)
-            rc = None
-        if rc not in (None, 0) and not wants_the_gpu(os.path.join(out, f"{trial.name}.log")):
-            bad.append(f"{row.name}: exit {rc}: {last_line(os.path.join(out, f'{trial.name}.log'), width=300)}")
-        started += 1
+    while waiting or running:
+        while waiting and len(running) < START_AT_ONCE:
+            row = waiting.pop(0)
+            trial = Row(f"start-{row.name}", row.kind, row.argv, START_S, env=row.env)
+            proc = start_row(trial, out, env, say=lambda line: None)
+            if proc is None:
+                bad.append(f"{row.name}: {trial.detail}")
+            else:
+                running.append((row.name, os.path.join(out, f"{trial.name}.log"), proc, time.monotonic()))
+        time.sleep(0.2)
+        for entry in list(running):
+            name, log, proc, since = entry
+            rc = proc.poll()
+            if rc is None and time.monotonic() - since < START_S:
+                continue
+            if rc is None:
+                stop_group(proc)
+            elif rc != 0 and not wants_the_gpu(log):
+                bad.append(f"{name}: exit {rc}: {last_line(log, width=300)}")
+            running.remove(entry)
+            started += 1
     return Row("row-starts", "step", status=FAIL if bad else PASS, seconds=time.monotonic() - begin,
                detail="; ".join(bad)[:1500] if bad else f"{started} rows started (logs start-<row>.log)")
 
