@@ -99,3 +99,36 @@ def test_a_straggler_under_ddp_is_named_and_its_peer_waits_in_communication(smal
     report = json.load(open(os.path.join(run_dir, "report.json")))
     assert report["slowest_rank"] == 1
     assert "Slowest rank: 1" in open(os.path.join(run_dir, "report.md")).read()
+
+
+def test_the_transforms_are_torchvisions_pixel_for_pixel_and_the_loader_imports_no_torchvision():
+    """data/presets.py writes torchvision's transforms on PIL and torch (importing torchvision costs every rank and
+    worker ~2 s of torch._dynamo): the same random draws and pixels, crops larger than the image padded alike."""
+    import itertools
+
+    import numpy as np
+    import torch
+    from PIL import Image
+    from torchvision import transforms as T
+
+    from hybridtrain.data import presets as P
+
+    def reference(steps, u8):
+        tail = [T.PILToTensor()] if u8 else [T.ToTensor(), T.Normalize(P.IMAGENET_MEAN, P.IMAGENET_STD)]
+        return T.Compose(steps + tail)
+    rng = np.random.default_rng(0)
+    for w, h in ((32, 32), (40, 25), (17, 90)):
+        img = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+        for crop, area, flip, u8 in itertools.product((8, 64), (0.08, 1.0), (False, True), (False, True)):
+            steps = [T.RandomResizedCrop(crop, scale=(area, 1.0))] + ([T.RandomHorizontalFlip()] if flip else [])
+            for seed in range(3):
+                torch.manual_seed(seed)
+                want = reference(steps, u8)(img)
+                torch.manual_seed(seed)
+                assert torch.equal(P.train_transform(crop, area, flip, u8)(img), want)
+            for resize in (8, 36):
+                got = P.val_transform(crop, resize, u8)(img)
+                assert torch.equal(got, reference([T.Resize(resize), T.CenterCrop(crop)], u8)(img))
+    code = "import sys, hybridtrain.data.torchvision_loader; print('torchvision' in sys.modules)"
+    out = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr

@@ -58,10 +58,12 @@ class Loaders:
     def start(self) -> None:
         """Spawn both loaders' persistent workers now: each imports torch for seconds, which then overlaps the
         model's build and broadcast instead of delaying the first steps and the first validation. Their first
-        batches are the sampler's as it stands; an epoch's own ``iter()`` resets the workers to its batches."""
+        batches are the sampler's as it stands: the first epoch's own ``iter()`` takes them (WorkerLoader.start),
+        a later one resets the workers to its batches."""
         for loader in (self.train, self.val):
             if getattr(loader, "persistent_workers", False):
-                iter(loader)
+                start = getattr(loader, "start", None)
+                start() if start is not None else iter(loader)
 
     def close(self) -> None:
         """Stop the loaders' persistent workers now rather than when the garbage collector finds them (elastic

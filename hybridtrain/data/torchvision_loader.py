@@ -82,6 +82,9 @@ class EpochBatches:
         """Draw ``epoch``'s batches from entry ``start`` of its permutation on (elastic training's resizes)."""
         self.epoch, self.start = epoch, start
 
+    def state(self) -> tuple[int, int]:
+        return self.epoch, self.start
+
     def __iter__(self):
         for batch in self.batches_for_epoch(self.epoch, self.start):
             yield [(i, self.epoch) for i in batch]
@@ -92,9 +95,19 @@ class EpochBatches:
 
 class WorkerLoader(DataLoader):
     """A DataLoader with worker processes whose iterators say in one line when /dev/shm runs out
-    (``SharedMemoryErrors``); the workers still start at ``iter()``, as ``Loaders.start`` needs."""
+    (``SharedMemoryErrors``). ``start()`` (``Loaders.start``) spawns the workers now; the next ``iter()``, when the
+    sampler still draws the batches it drew then (the run's first epoch), takes the iterator they have been filling
+    instead of resetting it: a reset waits for every worker to answer and throws away the batches they prefetched
+    (issue 44: the time to the first step)."""
+
+    def start(self) -> None:
+        iter(self)
+        self._started_with = self.batch_sampler.state()
 
     def __iter__(self):
+        started_with, self._started_with = getattr(self, "_started_with", None), None
+        if started_with is not None and self._iterator is not None and started_with == self.batch_sampler.state():
+            return SharedMemoryErrors(self._iterator)
         return SharedMemoryErrors(super().__iter__())
 
 

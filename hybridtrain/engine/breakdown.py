@@ -75,6 +75,10 @@ class StepClock:
                     self._add(self.now, lambda a, b: b - a)
             self.now = {}
 
+    def add(self, part: str, seconds: float) -> None:
+        """Host time spent on ``part`` outside the steps (the loader's restart at the epoch's start: input)."""
+        self.sums[part] += seconds
+
     def _add(self, m: dict, span) -> None:
         sums = self.sums
         sums["input"] += span(m["begin"], m["drawn"])

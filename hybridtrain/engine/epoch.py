@@ -132,10 +132,12 @@ class EpochSteps:
 
     def __iter__(self):
         t, k, position = self.t, self.t.k, self.position
+        restart = time.perf_counter()  # the loader's restart is input: persistent workers wait to be reset
         batches = first_batch_as_local_work(itertools.islice(t.data.train, self.steps * k))  # none past the last
         for _ in itertools.islice(batches, self.done.passes):  # drawn again and skipped: data, augmentation go on
             pass
         self.clock.attach(t.bundle.optimizer, t.model, reduces_in_backward(t.step))  # detached by result, stopped
+        self.clock.add("input", time.perf_counter() - restart)
         for i in range(self.done.passes // k, self.steps):
             global_step = position.epoch * t.updates + position.first_step + i
             phase_change = apply_schedule(t.bundle.optimizer, t.bundle.schedule, global_step)
