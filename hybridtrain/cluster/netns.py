@@ -29,6 +29,7 @@ import time
 from contextlib import contextmanager
 
 from hybridtrain.errors import UserError
+from hybridtrain.outputs import write_json_atomically
 
 PREFIX = "htc-"
 SWITCH = PREFIX + "switch"
@@ -193,8 +194,7 @@ def build(hosts: int, rate: str) -> dict:
                                 "-o", "UsePAM=no", "-o", "PermitRootLogin=yes", "-o", "MaxStartups=100"]))
     state = {"hosts": names, "addresses": [address(i) for i in range(hosts)], "link": rate, "ssh_port": SSH_PORT,
              "identity": identity_file()}
-    with open(os.path.join(STATE_DIR, "state.json"), "w") as fh:
-        json.dump(state, fh)
+    write_json_atomically(os.path.join(STATE_DIR, "state.json"), state)
     wait_for_sshd(names)
     return state
 

@@ -21,7 +21,7 @@ import sys
 from hybridtrain.cluster import netns as cluster
 from hybridtrain.distributed.launcher import venv_tool
 from hybridtrain.errors import UserError
-from hybridtrain.outputs import markdown_table
+from hybridtrain.outputs import markdown_table, write_json_atomically
 from hybridtrain.perf.scaling import available_slots, launch, measured_config
 from hybridtrain.predict.cluster_model import ClusterSpec, predict
 
@@ -130,8 +130,8 @@ def run_cluster_scale(config: str | None, overrides: list[str], hosts: int, link
                                  "predicted_efficiency": predicted / (hosts * one["images_per_sec"])})
     finally:
         cluster.down()
-    with open(os.path.join(out, "scale_cluster.json"), "w") as fh:
-        json.dump({"config": config, "overrides": overrides, "rows": rows}, fh, indent=1)
+    write_json_atomically(os.path.join(out, "scale_cluster.json"), {"config": config, "overrides": overrides,
+                                                                     "rows": rows})
     plot_link_rates(rows, os.path.join(out, "scale_cluster.png"))
     return rows
 

@@ -15,6 +15,7 @@ from hybridtrain.config.paths import check_paths, not_dangling
 from hybridtrain.config.rules import validate
 from hybridtrain.config.sections import Config
 from hybridtrain.errors import UserError, launcher_rank
+from hybridtrain.outputs import write_text_atomically
 
 
 class DuplicateKey(yaml.YAMLError):
@@ -341,5 +342,4 @@ def _current_name(key_path: list[str], moved: list[tuple[str, str]], by_name: di
 
 
 def save_config(cfg: Config, path: str) -> None:
-    with open(path, "w") as fh:
-        yaml.safe_dump(cfg.to_dict(), fh, sort_keys=False)
+    write_text_atomically(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))

@@ -8,8 +8,6 @@ import sys
 import time
 import traceback
 
-import torch
-
 from hybridtrain.config import Config, save_config
 from hybridtrain.distributed import collectives as distributed
 from hybridtrain.distributed import failures
@@ -330,7 +328,7 @@ def finish(cfg: Config, t: Trainer, board) -> dict | None:
     # weights or their EMA (train.final_weights)
     weights = t.ema.weights() if cfg.train.final_weights == "ema" else t.model.state_dict()
     final = {name: tensor.detach().cpu().contiguous() for name, tensor in weights.items()}
-    torch.save(final, os.path.join(cfg.run_dir, "final_model.pt"))
+    checkpoint.atomic_save(final, os.path.join(cfg.run_dir, "final_model.pt"))  # durable, with its .sha256
     if board:
         board.close()
     return {"world_size": t.topo.size, "rank_digests": digests}

@@ -6,7 +6,6 @@ and ``NAME.png`` (train and val top-1 per epoch, as the paper's Fig 3.1) into ``
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -14,7 +13,7 @@ import subprocess
 from hybridtrain.config import load_config
 from hybridtrain.distributed.launcher import launch_command, resolve_engine, venv_tool
 from hybridtrain.errors import UserError
-from hybridtrain.outputs import figure, markdown_table, save_figure
+from hybridtrain.outputs import figure, markdown_table, save_figure, write_json_atomically
 from hybridtrain.reports.paper_metrics import convergence_epoch
 from hybridtrain.reports.report import load_run
 
@@ -163,8 +162,8 @@ def run_experiment(name: str, config: str, overrides: list[str], out: str, ranks
         run_dir = os.path.join(out, "runs", re.sub(r"[^A-Za-z0-9.+-]+", "_", row_name.replace("=", "-")).strip("_"))
         launch_row(config, overrides + row_sets, run_dir, ranks, resolve_engine(cfg.distributed.engine))
         rows.append(summarise_row(row_name, run_dir, target))
-    with open(os.path.join(out, f"{name}.json"), "w") as fh:
-        json.dump([{k: v for k, v in r.items() if k != "history"} for r in rows], fh, indent=2)
+    write_json_atomically(os.path.join(out, f"{name}.json"), [{k: v for k, v in r.items() if k != "history"}
+                                                              for r in rows])
     print(write_table(name, rows, out))
     plot_rows(name, rows, out)
     return rows
