@@ -2,8 +2,9 @@
 
 - ``cluster_model``: the all-reduce algorithms (ring, tree, hierarchical) over a cluster's links, and the scaling
   efficiency they leave;
-- ``time_to_target``: the time to a top-1 target on N GPUs, against published runs;
-- ``cluster_model_cli``: ``predict``'s run (its options are cli's), tables and figures.
+- ``time_to_target``: the time to a top-1 target on N GPUs, against published runs.
+
+``predict``'s run, tables and figures are the command's: ``cli/predict.py``.
 
 May import: reports and everything below it. Nothing imports it except cli and cluster (``scale --cluster`` sets its
 measured rows beside the model's).
