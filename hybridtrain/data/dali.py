@@ -203,6 +203,17 @@ class InFlight:
     one batch ahead), or holds the batch itself until its stream has read it: the training epoch draws a step's k
     batches at once and drops them after ``train_step``, whose overflow check waits for the passes on the host.
     ``fence()``: an event recorded now on torch's stream, with ``query()`` and ``synchronize()``.
+
+    The k >= 3 coupling (review 4 §2). With k <= 2 each batch's fence is recorded after its consumer's work. With
+    k >= 3 (train.accumulation_steps; EpochSteps draws the step's k batches before any pass is enqueued) the
+    request for batch j + 2 fences batch j, j = 0 .. k - 3, with an event recorded *before* that batch's forward:
+    the event completes at once and this class lets those batches go early. They stay safe only because (1) the
+    epoch's ``drawn`` list (and ``on_device``'s, the same tensors) holds them until ``train_step`` returns, past its
+    host sync, the loss scaler's ``bool(found_inf)``, which waits for every pass's backward on torch's stream; and
+    (2) ``run()`` is bound to torch's stream (``_output_stream``), so DALI's next writes into memory it gets back
+    are ordered after what torch's stream had queued. A step without that host sync, a consumer that drops the
+    batches before it, or a DALI without ``run(cuda_stream=...)`` breaks (1) or (2): then fence per pass instead
+    (``next_requested`` after each pass's work is enqueued) or ``drain()`` before letting a step's batches go.
     """
 
     def __init__(self, fence):
