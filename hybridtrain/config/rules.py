@@ -122,16 +122,11 @@ def validate_bn(cfg: Config) -> None:
                         f"{cfg.data.backend} delivers fixed batches): switch the backend or use per_rank_batch=fixed")
 
 
-DEFAULT_LABEL_SMOOTHING = {"mlperf": 0.1}  # optim.name -> train.label_smoothing's default (else 0): MLPerf's 0.1
-
-
 def validate_recipe(cfg: Config) -> None:
-    """Issue 45's options: train.label_smoothing's -1 resolved to the optimizer's default and written back (the
-    saved config.yaml and the report show the value used), EMA and schedule choices checked."""
+    """Issue 45's options: train.label_smoothing (its -1, the optimizer's default, is resolved as the Config is
+    made: Config.__post_init__), the EMA's and the schedule's choices."""
     t, o = cfg.train, cfg.optim
-    if t.label_smoothing == -1.0:
-        t.label_smoothing = DEFAULT_LABEL_SMOOTHING.get(o.name, 0.0)
-    elif t.label_smoothing < 0:
+    if t.label_smoothing < 0:
         raise UserError(f"config error: train.label_smoothing must be in [0, 1), or -1 for the optimizer's default; "
                         f"got {show(t.label_smoothing)}")
     if t.final_weights == "ema" and t.ema_decay == 0:

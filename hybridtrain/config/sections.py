@@ -143,6 +143,7 @@ class TrainConfig:
 OPTIMIZER_FLAGS = {"hybrid": ("fusable", "needs_fp32_state"), "adabound": ("fusable", "needs_fp32_state"),
                    "goyal": (), "sgd": (), "mlperf": ()}
 SCHEDULED = ("goyal", "sgd")  # the SGD-family optimizers whose decay optim.schedule picks
+DEFAULT_LABEL_SMOOTHING = {"mlperf": 0.1}  # optim.name -> train.label_smoothing's default (else 0): MLPerf's 0.1
 
 
 @dataclass
@@ -323,6 +324,12 @@ class Config:
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+
+    def __post_init__(self):
+        """train.label_smoothing's -1 resolved to the optimizer's default (DEFAULT_LABEL_SMOOTHING, else 0) as the
+        config is made, so its saved config.yaml, its fingerprint and the report hold the value used."""
+        if self.train.label_smoothing == -1.0:
+            self.train.label_smoothing = DEFAULT_LABEL_SMOOTHING.get(self.optim.name, 0.0)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
