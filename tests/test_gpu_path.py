@@ -18,6 +18,7 @@ from hybridtrain.distributed import horovod, topology
 from hybridtrain.engine import step
 from hybridtrain.engine.step import compiles_in_epoch, warmup_steps
 from hybridtrain.errors import UserError
+from hybridtrain.hardware import checks as hardware_checks
 from hybridtrain.perf.max_batch import is_out_of_memory, memory_budget_mb
 from hybridtrain.precision.policy import resolve_policy, set_fp32_math
 from hybridtrain.reports.report import run_speed
@@ -246,11 +247,11 @@ def test_cuda_graphs_are_captured_in_thread_local_mode_which_torch_documents():
 def test_compile_or_fused_on_a_gpu_too_old_for_triton_is_one_line(capability, refused):
     """gpu-path-3 #14: a P40 (6.1) would get inductor's GPUTooOldForTriton traceback at the first step; a V100
     (7.0) and an H100 (9.0) compile."""
-    assert step.too_old_for_triton(capability) is refused
+    assert hardware_checks.too_old_for_triton(capability) is refused
     for key in ("train.compile", "optim.fused"):
         if refused:
             with pytest.raises(UserError, match=rf"^{key}=true compiles Triton kernels, which need a GPU of compute "
                                                 rf"capability 7\.0 or newer, and this GPU is 6\.1 .*set {key}=false$"):
-                step.check_triton_gpu(key, capability)
+                hardware_checks.check_triton_gpu(key, capability)
         else:
-            step.check_triton_gpu(key, capability)
+            hardware_checks.check_triton_gpu(key, capability)

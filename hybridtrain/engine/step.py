@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
-import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -43,51 +41,6 @@ from hybridtrain.models.batchnorm import batch_norms, running_buffers
 from hybridtrain.models.resnet import ResidualBlock
 from hybridtrain.optim import optimizer_spec
 from hybridtrain.precision.scaler import Precision
-
-
-def missing_compiler(device: torch.device) -> str | None:
-    """The compiler torch.compile lacks for ``device``, in words; None when one is on PATH. Inductor's CPU kernels
-    need a C++ compiler ($CXX, else g++); Triton's GPU launchers a C compiler ($CC, else gcc or clang)."""
-    if device.type == "cuda":
-        names = [os.environ["CC"]] if os.environ.get("CC") else ["gcc", "clang"]
-        wanted = f"a C compiler for Triton ({' or '.join(names)})"
-    else:
-        names = [os.environ.get("CXX") or "g++"]
-        wanted = f"a C++ compiler for inductor's CPU kernels ({names[0]})"
-    return None if any(shutil.which(name) for name in names) else wanted
-
-
-TRITON_MIN_CAPABILITY = (7, 0)  # Triton's GPU kernels; older GPUs get inductor's GPUTooOldForTriton traceback
-
-
-def too_old_for_triton(capability: tuple[int, int]) -> bool:
-    """True for a GPU of compute capability ``capability`` (major, minor) that Triton cannot compile for: the
-    P40 (6.1), not the V100 (7.0) or the H100 (9.0)."""
-    return tuple(capability) < TRITON_MIN_CAPABILITY
-
-
-def check_speedups(cfg, device: torch.device) -> None:
-    """One error line, before anything is built, when the machine cannot do what train.* and optim.fused ask for."""
-    if cfg.train.cuda_graphs and device.type != "cuda":
-        raise UserError("train.cuda_graphs=true needs a CUDA GPU and this machine has none (torch.cuda.is_available() "
-                        "is False): set train.cuda_graphs=false")
-    for key, on in (("train.compile", cfg.train.compile), ("optim.fused", cfg.optim.fused)):
-        lacking = missing_compiler(device) if on else None
-        if lacking:
-            raise UserError(f"{key}=true needs {lacking} and none is on PATH: install one (e.g. the g++ or gcc "
-                            f"package) or set {key}=false")
-        if on and device.type == "cuda":
-            check_triton_gpu(key, torch.cuda.get_device_capability(device))
-
-
-def check_triton_gpu(key: str, capability: tuple[int, int]) -> None:
-    """``key`` (train.compile or optim.fused: inductor's Triton kernels) refused, in one line, on a GPU too old
-    for Triton; inductor would raise GPUTooOldForTriton as a traceback at the first step (review 3 #14)."""
-    if too_old_for_triton(capability):
-        major, minor = TRITON_MIN_CAPABILITY
-        raise UserError(f"{key}=true compiles Triton kernels, which need a GPU of compute capability {major}.{minor} "
-                        f"or newer, and this GPU is {capability[0]}.{capability[1]} (e.g. a P40): set {key}=false")
-
 
 # torch.cuda.graph's keywords for the capture. "thread_local": only this thread's unsafe CUDA calls invalidate the
 # capture; torch's default "global" also fails it on another thread's, such as the DataLoader's pin-memory thread

@@ -13,14 +13,14 @@ from hybridtrain.distributed import collectives as distributed
 from hybridtrain.engine import checkpoint
 from hybridtrain.engine.breakdown import startup_mark
 from hybridtrain.engine.ema import create_ema
-from hybridtrain.engine.step import build_step, check_speedups
+from hybridtrain.engine.step import build_step
 from hybridtrain.engine.telemetry import log
 from hybridtrain.errors import UserError
-from hybridtrain.hardware.checks import check_node
+from hybridtrain.hardware.checks import check_machine, check_node
 from hybridtrain.models import model_from_config
 from hybridtrain.models.batchnorm import configure_batch_norm
 from hybridtrain.optim import create_optimizer
-from hybridtrain.precision.policy import check_hardware, prepare_model, set_fp32_math
+from hybridtrain.precision.policy import prepare_model, set_fp32_math
 from hybridtrain.precision.scaler import Precision, create_precision
 
 
@@ -77,8 +77,7 @@ def build_trainer(cfg: Config, topo) -> Trainer:
     compression = gradient_compression(cfg.distributed.compression, cfg.precision)
     for warning in check_node(topo.device, cfg.precision):  # kernels, driver, bf16: one refusal line, or warnings
         log(topo, f"hybridtrain: {warning}")
-    check_hardware(policy, topo.device)
-    check_speedups(cfg, topo.device)
+    check_machine(cfg, policy, topo.device)
     data = create_loaders(cfg, topo, policy.input_dtype)
     startup_mark("data_scan")
     if not cfg.train.cuda_graphs:

@@ -1,11 +1,16 @@
-"""The checks a rank makes before it trains on this node (:func:`check_node`): torch has kernels for the GPU
-(:func:`kernel_refusal`), the driver runs torch's CUDA (:func:`driver_refusal`), BF16 has hardware
-(:func:`bf16_refusal`), and a warning where FP16 computes slower than FP32 (:func:`fp16_rate_warning`). torch is
+"""The checks a rank makes before it trains on this node, all in one place: the node (:func:`check_node`: torch has
+kernels for the GPU (:func:`kernel_refusal`), the driver runs torch's CUDA (:func:`driver_refusal`), BF16 has
+hardware (:func:`bf16_refusal`), and a warning where FP16 computes slower than FP32 (:func:`fp16_rate_warning`)),
+and what the config asks of it (:func:`check_machine`: native bf16, CUDA graphs, a compiler for compile and the
+fused optimizers, a GPU Triton compiles for). torch is
 imported inside :func:`check_node`; a refusal is a :class:`~hybridtrain.errors.UserError` (one line).
 
 May import: hardware.gpus, errors.
 """
 from __future__ import annotations
+
+import os
+import shutil
 
 from hybridtrain.errors import UserError
 from hybridtrain.hardware.gpus import (
@@ -91,3 +96,56 @@ def check_node(device, precision) -> list[str]:
     warning = fp16_rate_warning(cap, name, dtypes)
     return [warning] if warning else []
 
+
+# ----------------------------------------------------------------------------- what the config asks of this machine
+
+def missing_compiler(device) -> str | None:
+    """The compiler torch.compile lacks for ``device``, in words; None when one is on PATH. Inductor's CPU kernels
+    need a C++ compiler ($CXX, else g++); Triton's GPU launchers a C compiler ($CC, else gcc or clang)."""
+    if device.type == "cuda":
+        names = [os.environ["CC"]] if os.environ.get("CC") else ["gcc", "clang"]
+        wanted = f"a C compiler for Triton ({' or '.join(names)})"
+    else:
+        names = [os.environ.get("CXX") or "g++"]
+        wanted = f"a C++ compiler for inductor's CPU kernels ({names[0]})"
+    return None if any(shutil.which(name) for name in names) else wanted
+
+
+TRITON_MIN_CAPABILITY = (7, 0)  # Triton's GPU kernels; older GPUs get inductor's GPUTooOldForTriton traceback
+
+
+def too_old_for_triton(capability: tuple[int, int]) -> bool:
+    """True for a GPU of compute capability ``capability`` (major, minor) that Triton cannot compile for: the
+    P40 (6.1), not the V100 (7.0) or the H100 (9.0)."""
+    return tuple(capability) < TRITON_MIN_CAPABILITY
+
+
+def check_machine(cfg, policy, device) -> None:
+    """One error line, before anything is built, when this machine cannot do what the config asks for: bf16 where
+    the GPU computes it natively (compute capability 8.0+: emulation on a V100 or P40 is slow; the capability
+    itself, not ``is_bf16_supported(including_emulation=False)``, which torch < 2.4 lacks), CUDA graphs on a CUDA
+    GPU, and train.compile / optim.fused with a compiler (and, on a GPU, one Triton can compile for)."""
+    import torch
+    wants_bf16 = torch.bfloat16 in {policy.autocast_dtype, *policy.stage_dtypes.values()}
+    if wants_bf16 and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
+        raise UserError(f"precision.compute_dtype bf16 needs a GPU with native BF16 (compute capability 8.0 or "
+                        f"newer) and {torch.cuda.get_device_name(device)} has none: use compute_dtype fp16")
+    if cfg.train.cuda_graphs and device.type != "cuda":
+        raise UserError("train.cuda_graphs=true needs a CUDA GPU and this machine has none (torch.cuda.is_available() "
+                        "is False): set train.cuda_graphs=false")
+    for key, on in (("train.compile", cfg.train.compile), ("optim.fused", cfg.optim.fused)):
+        lacking = missing_compiler(device) if on else None
+        if lacking:
+            raise UserError(f"{key}=true needs {lacking} and none is on PATH: install one (e.g. the g++ or gcc "
+                            f"package) or set {key}=false")
+        if on and device.type == "cuda":
+            check_triton_gpu(key, torch.cuda.get_device_capability(device))
+
+
+def check_triton_gpu(key: str, capability: tuple[int, int]) -> None:
+    """``key`` (train.compile or optim.fused: inductor's Triton kernels) refused, in one line, on a GPU too old
+    for Triton; inductor would raise GPUTooOldForTriton as a traceback at the first step (review 3 #14)."""
+    if too_old_for_triton(capability):
+        major, minor = TRITON_MIN_CAPABILITY
+        raise UserError(f"{key}=true compiles Triton kernels, which need a GPU of compute capability {major}.{minor} "
+                        f"or newer, and this GPU is {capability[0]}.{capability[1]} (e.g. a P40): set {key}=false")

@@ -38,15 +38,16 @@ from hybridtrain.distributed import collectives as distributed
 from hybridtrain.distributed.topology import cores_per_rank
 from hybridtrain.engine.ema import create_ema
 from hybridtrain.engine.memory import memory_figures, reset_peak_memory
-from hybridtrain.engine.step import build_train_step, check_speedups
+from hybridtrain.engine.step import build_train_step
 from hybridtrain.errors import UserError
+from hybridtrain.hardware.checks import check_machine
 from hybridtrain.models import model_from_config
 from hybridtrain.optim import apply_schedule, create_optimizer, optimizer_spec
 from hybridtrain.optim.schedules import HYBRID_PHASES, hybrid_phase_start
 from hybridtrain.outputs import markdown_table
 from hybridtrain.perf.bench_sets import row_sets
 from hybridtrain.perf.host_syncs import count_host_syncs
-from hybridtrain.precision.policy import check_hardware, prepare_model, resolve_policy, set_fp32_math
+from hybridtrain.precision.policy import prepare_model, resolve_policy, set_fp32_math
 from hybridtrain.precision.scaler import create_precision
 
 STEPS_PER_EPOCH = 100  # what the optimizer's schedule assumes; the bench runs inside the first epoch(s)
@@ -178,8 +179,7 @@ def trainer_loop(cfg, phase: str = "adabound"):
     device = bench_device()
     precision = create_precision(cfg.precision)
     policy = precision.policy
-    check_hardware(policy, device)
-    check_speedups(cfg, device)
+    check_machine(cfg, policy, device)
     classes = synthetic_classes(cfg)
     model = model_from_config(cfg.model, classes, seed=cfg.seed).to(device)
     model = prepare_model(model, policy)

@@ -65,15 +65,6 @@ def resolve_policy(p) -> Policy:
     return policy
 
 
-def check_hardware(policy: Policy, device: torch.device) -> None:
-    """bf16 only where the GPU computes it natively (compute capability 8.0+: emulation on a V100 or P40 is slow).
-    The capability itself, not ``is_bf16_supported(including_emulation=False)``, which torch < 2.4 lacks."""
-    wants_bf16 = torch.bfloat16 in {policy.autocast_dtype, *policy.stage_dtypes.values()}
-    if wants_bf16 and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
-        raise UserError(f"precision.compute_dtype bf16 needs a GPU with native BF16 (compute capability 8.0 or "
-                        f"newer) and {torch.cuda.get_device_name(device)} has none: use compute_dtype fp16")
-
-
 def set_fp32_math(tf32: bool) -> str:
     """FP32 convolutions and matmuls in IEEE FP32, or TF32 (10-bit mantissa) on Ampere and newer when
     ``precision.tf32``; torch's default runs cuDNN convolutions in TF32. Returns the setting, for the metrics."""
