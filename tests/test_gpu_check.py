@@ -88,10 +88,9 @@ def test_a_read_only_out_folder_is_refused(tmp_path):
 
 @pytest.mark.parametrize("args, needles", [
     (["--bundle", "{tmp}/wheels"], ["--bundle", "has no horovod-0.28.1.tar.gz", "make gpu-bundle"]),
-    (["--resume"], ["--resume", "holds no gpu_check.json", "drop --resume"]),
-    (["--resume", "--fresh"], ["--resume", "--fresh", "give one of them"]),
     (["--gpus", "2"], ["--gpus is for --plan"]),
-], ids=["bundle-without-sdist", "resume-with-nothing-before", "resume-and-fresh", "gpus-without-plan"])
+    (["--rehearse", "--archive", "{tmp}/back"], ["--archive brings a GPU call's results back", "drop --archive"]),
+], ids=["bundle-without-sdist", "gpus-without-plan", "archive-with-rehearse"])
 def test_bad_options_are_refused_in_one_line_before_any_work(tmp_path, args, needles):
     (tmp_path / "wheels").mkdir()
     argv = [a.replace("{tmp}", str(tmp_path)) for a in args]
@@ -286,6 +285,17 @@ def test_bench_rows_read_the_plain_loop_and_the_whole_step_of_each_engine(tmp_pa
     assert shared.ratio is None  # review 4 #7: two ranks on one GPU get no per-GPU ratio
     gc.fill_ratios([torch_row, shared], gpus=2)
     assert shared.ratio == pytest.approx(4000.0 / 2 / 2500.0)
+
+
+def test_the_gpu_tests_row_is_judged_by_pytests_own_junit_report(tmp_path):
+    (tmp_path / "test_two.py").write_text("def test_good():\n    pass\n\ndef test_bad():\n    assert 0\n")
+    row = gr.tests_row(gr.Pythons(sys.executable, os.path.dirname(sys.executable)), str(tmp_path))
+    assert "--timeout=120" in row.argv and row.output == str(tmp_path / "gpu-tests.xml")
+    argv = row.argv[:row.argv.index("--timeout=120") + 2] + [str(tmp_path / "test_two.py")]  # its report, these tests
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 1
+    assert gc.read_junit(row) == "failed: test_bad" and row.detail == "1 passed, 1 failed, 0 skipped"
+    assert gc.read_junit(gr.Row("gpu-tests", "tests", output=str(tmp_path / "none.xml"))).startswith("no JUnit")
 
 
 def test_max_batch_and_bench_optim_rows_read_their_outputs(tmp_path):

@@ -8,8 +8,6 @@ from hybridtrain.errors import UserError
 def cmd_gpu_check(args) -> int:
     if args.gpus is not None and not args.plan:
         raise UserError("--gpus is for --plan (a real check counts the GPUs it finds): drop --gpus")
-    if args.resume and args.fresh:
-        raise UserError("--resume keeps the rows that passed and --fresh runs them again: give one of them")
     if args.plan:
         from hybridtrain.gpucheck.rows import Pythons, build_rows, format_plan, plan_calls
         print(format_plan(plan_calls(build_rows(args.gpus or 1, args.out or "OUT", Pythons(horovod_bin="VENV/bin")))))
@@ -21,7 +19,7 @@ def cmd_gpu_check(args) -> int:
         from hybridtrain.gpucheck.rehearsal import rehearse
         return rehearse(args.out, args.bundle, args.venv)
     from hybridtrain.gpucheck.check import run_gpu_check
-    return run_gpu_check(args.out, args.bundle, args.venv, args.budget_s, args.resume, args.fresh, args.archive)
+    return run_gpu_check(args.out, args.bundle, args.venv, args.budget_s, args.fresh, args.archive)
 
 
 def add_commands(sub) -> None:
@@ -41,8 +39,6 @@ def add_commands(sub) -> None:
     gpu.add_argument("--budget-s", type=bounded_float(0, 86400, lo_open=True), default=480,  # a day
                      help="time for this call, the node checks included; a row that would not fit is left for "
                           "the next call (default 480)")
-    gpu.add_argument("--resume", action="store_true",
-                     help="insist on an earlier call's table in --out (a second call resumes without it too)")
     gpu.add_argument("--fresh", action="store_true", help="run every row again, ignoring an earlier call's table")
     gpu.add_argument("--plan", action="store_true", help="print the rows, their estimated seconds on an H100 and "
                                                          "the call each falls in; needs no GPU")

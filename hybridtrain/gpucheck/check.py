@@ -5,7 +5,7 @@ Horovod, no DALI: it uses that Python and its torch as they are, and builds Horo
 (``make gpu-bundle``: ``.gpu-bundle/``) in the background while the rows that need no Horovod run. Every row is
 one real process whose whole output goes to ``OUT/<row>.log``; the table (``OUT/gpu_check.md`` and ``.json``) is
 written again after every row, so a crash or a kill never loses what ran. A second call with the same ``--out``
-(or ``--resume``) skips the rows that passed and reuses the build; ``--fresh`` runs everything again.
+skips the rows that passed and reuses the build; ``--fresh`` runs everything again.
 
 ``--plan`` prints the rows in the order they run with their estimated seconds and the call they fall in
 (hybridtrain.gpucheck.rows), without a GPU; ``--rehearse`` runs on a CPU machine every step a call takes before
@@ -232,6 +232,8 @@ def start_row(row: Row, out: str, base_env: dict, say: Callable[[str], None], re
     log_path = os.path.join(out, f"{row.name}.log")
     if row.kind in ("train", "resume") and os.path.isdir(row.output):
         shutil.rmtree(row.output)  # this row's runs from an earlier call: the trainer starts fresh
+    elif row.output and os.path.isfile(row.output):
+        os.remove(row.output)  # an earlier call's JSON or report: never judged as this call's
     env = {**base_env, **row.env}
     say(f"gpu-check: {row.name}: running (timeout {row.timeout_s:.0f} s, log {log_path})")
     with open(log_path, "w") as log:
@@ -315,15 +317,11 @@ def left_for_next_call(row: Row, why: str, seconds: float) -> Row:
 def judge(row: Row, rc: int, log_path: str) -> str:
     """'' when the row passed (its figures filled in), else what went wrong, in a few words."""
     readers = {"train": read_train, "resume": read_resume, "bench": read_bench, "bench-optim": read_bench_optim,
-               "max-batch": lambda r: read_max_batch(r, log_path)}
+               "max-batch": lambda r: read_max_batch(r, log_path), "tests": read_junit}
     if row.kind in readers:
         problem = readers[row.kind](row)
     elif row.kind == "step":  # a rehearsal step: its exit status says it all
         problem = ""
-    elif row.kind == "tests":
-        summary = last_line(log_path)
-        row.detail = summary if "passed" in summary or "failed" in summary else ""
-        problem = "" if rc == 0 else (row.detail or f"pytest exited {rc}")
     else:  # build: install.sh's own one-line error says what is missing
         problem = read_build(row, rc, log_path)
     if rc != 0:
@@ -423,6 +421,22 @@ def read_bench(row: Row) -> str:
                      + (f" ({whole['over_baseline']:.3f}x)" if "over_baseline" in whole else ""))
     row.detail = "; ".join(notes)
     return "" if row.images_per_sec > 0 and (baseline is None or row.baseline_images_per_sec > 0) else "zero img/s"
+
+
+def read_junit(row: Row) -> str:
+    """pytest's own JUnit report: its counts in the note, the failed tests' names as the problem."""
+    import xml.etree.ElementTree as ET
+    try:
+        suites = ET.parse(row.output).getroot()
+    except (OSError, ET.ParseError) as exc:
+        return f"no JUnit report ({exc.__class__.__name__})"
+    suite = suites if suites.tag == "testsuite" else suites.find("testsuite")
+    counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    row.detail = (f"{counts['tests'] - counts['failures'] - counts['errors'] - counts['skipped']} passed, "
+                  f"{counts['failures'] + counts['errors']} failed, {counts['skipped']} skipped")
+    failed = [case.get("name") for case in suite.iter("testcase")
+              if case.find("failure") is not None or case.find("error") is not None]
+    return f"failed: {', '.join(failed)}"[:300] if failed else ""
 
 
 def read_resume(row: Row) -> str:
@@ -604,14 +618,14 @@ def execute(rows: list[Row], out: str, deadline: float, base_env: dict, build: B
 
 
 def run_gpu_check(out: str | None = None, bundle: str | None = None, venv: str | None = None,
-                  budget_s: float = BUDGET_S, resume: bool = False, fresh: bool = False, archive: str | None = None,
+                  budget_s: float = BUDGET_S, fresh: bool = False, archive: str | None = None,
                   say: Callable[[str], None] = print) -> int:
     """The call; with ``archive``, DIR/gpu-check.tgz written at its end whatever the end (a refusal's line in it)."""
     out = os.path.abspath(out or OUT)
     if archive is not None:
         archive = os.path.abspath(check_output_dir(archive, "--archive"))
     try:
-        code = check_gpu(out, bundle, venv, budget_s, resume, fresh, say)
+        code = check_gpu(out, bundle, venv, budget_s, fresh, say)
     except (UserError, KeyboardInterrupt) as exc:
         if archive is not None:
             write_archive(out, archive, f"hybridtrain: error: {exc}\n" if isinstance(exc, UserError) else
@@ -622,7 +636,7 @@ def run_gpu_check(out: str | None = None, bundle: str | None = None, venv: str |
     return code
 
 
-def check_gpu(out: str, bundle: str | None, venv: str | None, budget_s: float, resume: bool, fresh: bool,
+def check_gpu(out: str, bundle: str | None, venv: str | None, budget_s: float, fresh: bool,
               say: Callable[[str], None]) -> int:
     """0 when every row that ran passed (rows may be left for the next call), 1 when one failed; bad input or no
     GPU: UserError before any work."""
@@ -631,9 +645,6 @@ def check_gpu(out: str, bundle: str | None, venv: str | None, budget_s: float, r
     bundle = check_bundle(bundle)
     check_checkout()
     earlier = {} if fresh else earlier_rows(out)
-    if resume and not earlier:
-        raise UserError(f"--resume: {out} holds no gpu_check.json with a passed row from an earlier call: drop "
-                        f"--resume to start")
     found = probe()
     first = node_row(found["checks"])
     os.makedirs(out, exist_ok=True)

@@ -190,9 +190,13 @@ def max_batch_row(py: Pythons, precision: str = "mixed-bf16") -> Row:
     return Row(f"max-batch-{precision}", "max-batch", argv, TIMEOUT_S["max-batch"], precision, estimate_s=55)
 
 
-def tests_row(py: Pythons) -> Row:
-    argv = [py.hvd("python"), "-m", "pytest", "-q", "-p", "no:cacheprovider", *GPU_TESTS]
-    return Row("gpu-tests", "tests", argv, TIMEOUT_S["tests"], horovod=True, estimate_s=180)
+def tests_row(py: Pythons, out: str) -> Row:
+    """The GPU tests under pytest, its per-test limit (pytest-timeout) and its JUnit report (OUT/gpu-tests.xml),
+    which the row is judged by."""
+    path = os.path.join(out, "gpu-tests.xml")
+    argv = [py.hvd("python"), "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout=120", f"--junitxml={path}",
+            *GPU_TESTS]
+    return Row("gpu-tests", "tests", argv, TIMEOUT_S["tests"], output=path, horovod=True, estimate_s=180)
 
 
 def dali_row(py: Pythons, out: str, dali: bool) -> Row:
@@ -227,7 +231,7 @@ def build_rows(gpus: int, out: str, py: Pythons, dali: bool = False) -> list[Row
             train_row(py, out, "mixed-fp16", "graphed", 1, estimate_s=55), two_torch,
             bench_row(py, out, "mixed-bf16", "horovod", estimate_s=55),
             train_row(py, out, "mixed-bf16", "compiled", 1, engine="torch", estimate_s=130), two_horovod,
-            tests_row(py), dali_row(py, out, dali),
+            tests_row(py, out), dali_row(py, out, dali),
             train_row(py, out, "fp32", "eager", two, estimate_s=50),
             train_row(py, out, "mixed-bf16", "eager", 1, estimate_s=40),
             bench_row(py, out, "mixed-fp16", "fused", estimate_s=120), bench_optim_row(py, out),
