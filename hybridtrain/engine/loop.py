@@ -203,7 +203,7 @@ def train_epochs(cfg: Config, t: Trainer, watch: PreemptionWatch, resume: str | 
         history = truncate_metrics(metrics_path, start_epoch)
     log_setup(cfg, t)
     run_start = time.perf_counter() - elapsed_before
-    board = tensorboard_writer(cfg) if topo.is_root else None
+    board = tensorboard_writer(cfg, resumed=state is not None) if topo.is_root else None
     if state:
         complete_pending_record(cfg, t, state, history, board)
     t.audit = SampleAudit(audit_path(cfg))

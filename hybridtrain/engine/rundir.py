@@ -144,7 +144,8 @@ def remove_stale_temp_files(directory: str) -> list[str]:
 
 
 RUN_FILES = ("run.json", "metrics.jsonl", "config.yaml", "final_model.pt", "report.json", "report.md",
-             "checkpoint-epoch*", "tensorboard", "logs", "samples", "accuracy.png", "throughput.png", "lr.png")
+             "checkpoint-epoch*", "tensorboard", "logs", "samples", "accuracy.png", "throughput.png", "lr.png",
+             "breakdown.png", "profile", "sinks.json", "mlruns", "wandb")
 # What a run that trained something leaves; a run that stopped before its first checkpoint (bad data, a wrong
 # flag) leaves only run.json, config.yaml and logs, and the next fresh run takes its folder over.
 RESULT_FILES = ("metrics.jsonl", "final_model.pt", "report.json", "report.md", "checkpoint-epoch*", "samples")

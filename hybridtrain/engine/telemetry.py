@@ -55,12 +55,17 @@ def log(topo, message: str) -> None:
         print(message, flush=True)
 
 
-def tensorboard_writer(cfg: Config):
-    """TensorBoard's writer for rank 0, or None when switched off (report.tensorboard)."""
-    if not cfg.report.tensorboard:
-        return None
-    from torch.utils.tensorboard import SummaryWriter
-    return SummaryWriter(os.path.join(cfg.run_dir, "tensorboard"))
+def tensorboard_writer(cfg: Config, resumed: bool = False):
+    """TensorBoard's writer for rank 0, or None when switched off (report.tensorboard); when the config names
+    sinks (sinks.mlflow, sinks.wandb), a ``sinks.Board`` that gives them the same scalars, each continuing its
+    tracked run when ``resumed``."""
+    writer = None
+    if cfg.report.tensorboard:
+        from torch.utils.tensorboard import SummaryWriter
+        writer = SummaryWriter(os.path.join(cfg.run_dir, "tensorboard"))
+    from hybridtrain.engine.sinks import Board, open_sinks
+    sinks = open_sinks(cfg, resumed)
+    return Board(writer, sinks) if sinks else writer
 
 
 TENSORBOARD_SCALARS = {"loss/train": "train_loss", "loss/val": "val_loss", "top1/train": "train_top1",

@@ -1,0 +1,177 @@
+"""The experiment trackers a run logs to besides metrics.jsonl: MLflow (``sinks.mlflow``: a local file store or a
+tracking URI) and Weights & Biases (``sinks.wandb``: offline, synced later with ``wandb sync``, or online). Optional
+and imported only when asked for (``pip install 'hybridtrain[sinks]'``), on rank 0 only, and fed from the same
+records as TensorBoard: ``Board`` stands where TensorBoard's writer stands (``telemetry.tensorboard_writer``), so
+every scalar TensorBoard gets (per epoch: losses, accuracies, lr, img/s, the time breakdown, ...) reaches each sink
+at the same step; the resolved config goes in as parameters when the run starts, and the report's files (report.md,
+report.json, the PNGs) as artifacts when it ends (``log_report``). The trackers' run ids are kept in
+run_dir/sinks.json, so ``--resume`` continues the same tracked runs."""
+from __future__ import annotations
+
+import json
+import os
+
+from hybridtrain.errors import UserError
+from hybridtrain.outputs import write_text_atomically
+
+IDS_FILE = "sinks.json"
+INSTALL = "pip install 'hybridtrain[sinks]' (or the package alone)"
+
+
+def flat_params(tree: dict, prefix: str = "") -> dict[str, str]:
+    """The config as ``section.key -> value`` strings (lists and mappings as JSON)."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and prefix == "":
+            out.update(flat_params(value, f"{key}."))
+        else:
+            out[f"{prefix}{key}"] = json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+    return out
+
+
+def read_ids(run_dir: str) -> dict:
+    try:
+        with open(os.path.join(run_dir, IDS_FILE)) as fh:
+            ids = json.load(fh)
+        return ids if isinstance(ids, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def needed(module: str, key: str):
+    import importlib
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise UserError(f"{key} is set but {module.split('.')[0]} cannot be imported ({exc}): {INSTALL}, or unset "
+                        f"{key}") from None
+
+
+class MlflowSink:
+    def __init__(self, cfg, run_id: str | None):
+        mlflow = self.mlflow = needed("mlflow", "sinks.mlflow")
+        uri = cfg.sinks.mlflow
+        if uri == "local":  # MLflow's file store: in maintenance since MLflow 3, and refused unless allowed
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+            uri = "file:" + os.path.abspath(os.path.join(cfg.run_dir, "mlruns"))
+        mlflow.set_tracking_uri(uri)
+        mlflow.set_experiment(cfg.sinks.project)
+        self.run = mlflow.start_run(run_id=run_id) if run_id else \
+            mlflow.start_run(run_name=os.path.basename(os.path.abspath(cfg.run_dir)))
+        self.id = self.run.info.run_id
+        if not run_id:
+            params = flat_params(cfg.to_dict())
+            names = sorted(params)
+            for i in range(0, len(names), 100):  # MLflow takes at most 100 parameters a call
+                mlflow.log_params({name: params[name][:6000] for name in names[i:i + 100]})
+
+    def log(self, scalars: dict, step: int) -> None:
+        self.mlflow.log_metrics(scalars, step=step)
+
+    def artifacts(self, paths: list[str]) -> None:
+        for path in paths:
+            self.mlflow.log_artifact(path)
+
+    def close(self) -> None:
+        self.mlflow.end_run()
+
+
+class WandbSink:
+    def __init__(self, cfg, run_id: str | None):
+        wandb = self.wandb = needed("wandb", "sinks.wandb")
+        name = os.path.basename(os.path.abspath(cfg.run_dir))
+        self.run = wandb.init(project=cfg.sinks.project, dir=os.path.abspath(cfg.run_dir), mode=cfg.sinks.wandb,
+                              id=run_id, resume="allow" if run_id else None, name=name, reinit="create_new",
+                              config=flat_params(cfg.to_dict()) if not run_id else None,
+                              settings=wandb.Settings(console="off", save_code=False, disable_git=True,
+                                                      x_disable_stats=True))  # the run's records, nothing else
+        self.id = self.run.id
+
+    def log(self, scalars: dict, step: int) -> None:
+        self.run.log(scalars, step=step)
+
+    def artifacts(self, paths: list[str]) -> None:
+        images = {os.path.basename(p): self.wandb.Image(p) for p in paths if p.endswith(".png")}
+        if images:
+            self.run.log({f"report/{name}": image for name, image in images.items()})
+        artifact = self.wandb.Artifact(f"report-{self.run.id}", type="report")
+        for path in paths:
+            artifact.add_file(path)
+        self.run.log_artifact(artifact)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+SINKS = {"mlflow": MlflowSink, "wandb": WandbSink}
+
+
+def check_sinks(cfg) -> None:
+    """One line on every rank, before torch is imported, when a sink is asked for and its package is missing."""
+    import importlib.util
+    for name in SINKS:
+        if getattr(cfg.sinks, name) and importlib.util.find_spec(name) is None:
+            raise UserError(f"sinks.{name} is set but {name} is not installed: {INSTALL}, or unset sinks.{name}")
+
+
+def open_sinks(cfg, resumed: bool) -> list:
+    """The sinks the config asks for, each continuing its tracked run when ``resumed`` (ids in sinks.json), and
+    the ids written for the next resume; [] when none is asked for (nothing imported)."""
+    wanted = [name for name in SINKS if getattr(cfg.sinks, name)]
+    if not wanted:
+        return []
+    ids = read_ids(cfg.run_dir) if resumed else {}
+    sinks = {name: SINKS[name](cfg, ids.get(name)) for name in wanted}
+    os.makedirs(cfg.run_dir, exist_ok=True)
+    write_text_atomically(os.path.join(cfg.run_dir, IDS_FILE),
+                          json.dumps({name: sink.id for name, sink in sinks.items()}) + "\n")
+    return list(sinks.values())
+
+
+class Board:
+    """Where TensorBoard's writer stands (``add_scalar``, ``flush``, ``close``): each scalar to TensorBoard (when
+    on) and to every sink, the epoch's scalars sent to a sink together at ``flush``."""
+
+    def __init__(self, writer, sinks: list):
+        self.writer, self.sinks, self.pending, self.step = writer, sinks, {}, None
+
+    def add_scalar(self, tag: str, value, step: int) -> None:
+        if self.writer is not None:
+            self.writer.add_scalar(tag, value, step)
+        if value is not None and isinstance(value, (int, float)) and not isinstance(value, bool):
+            if self.step is not None and step != self.step:
+                self._send()
+            self.pending[tag], self.step = float(value), step
+
+    def _send(self) -> None:
+        if self.pending:
+            for sink in self.sinks:
+                sink.log(self.pending, self.step)
+        self.pending = {}
+
+    def flush(self) -> None:
+        self._send()
+        if self.writer is not None:
+            self.writer.flush()
+
+    def close(self) -> None:
+        self.flush()
+        for sink in self.sinks:
+            sink.close()
+        if self.writer is not None:
+            self.writer.close()
+
+
+REPORT_FILES = ("report.md", "report.json", "accuracy.png", "throughput.png", "lr.png", "breakdown.png")
+
+
+def log_report(cfg) -> None:
+    """The report's files to the run's sinks as artifacts (rank 0, after ``hybridtrain train`` wrote the report):
+    each sink's tracked run continued from sinks.json, then ended."""
+    if not any(getattr(cfg.sinks, name) for name in SINKS):
+        return
+    paths = [os.path.join(cfg.run_dir, name) for name in REPORT_FILES if os.path.isfile(os.path.join(cfg.run_dir,
+                                                                                                     name))]
+    for sink in open_sinks(cfg, resumed=True):
+        sink.artifacts(paths)
+        sink.close()

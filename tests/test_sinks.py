@@ -1,0 +1,56 @@
+"""The experiment trackers (engine/sinks.py), with the real packages and no network: a 1-rank run logging to MLflow
+(its local file store) and Weights & Biases (offline) holds the numbers of metrics.jsonl, the resolved config and the
+report's files; ``--resume`` continues the same tracked runs; without sinks neither package is imported."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import HYBRIDTRAIN, read_metrics, run, tiny_config
+
+
+def test_a_run_logs_the_same_numbers_to_mlflow_and_wandb_and_resume_continues_them(small_digits, tmp_path,
+                                                                                     write_config, monkeypatch):
+    pytest.importorskip("mlflow", reason="the sinks extra (pip install 'hybridtrain[sinks]') is not installed")
+    pytest.importorskip("wandb", reason="the sinks extra (pip install 'hybridtrain[sinks]') is not installed")
+    from mlflow.tracking import MlflowClient
+    run_dir = str(tmp_path / "run")
+    config = write_config(tiny_config(small_digits, run_dir, report={"tensorboard": False},
+                                      sinks={"mlflow": "local", "wandb": "offline", "project": "digits"}))
+    proc = run([HYBRIDTRAIN, "train", "--config", config])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ids = json.load(open(os.path.join(run_dir, "sinks.json")))
+    records = read_metrics(run_dir)
+    proc = run([HYBRIDTRAIN, "train", "--config", config, "--resume"])  # the finished run: report and artifacts again
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.load(open(os.path.join(run_dir, "sinks.json"))) == ids  # the same tracked runs
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = MlflowClient("file:" + os.path.join(run_dir, "mlruns"))
+    (experiment,) = [e for e in client.search_experiments() if e.name == "digits"]
+    assert [r.info.run_id for r in client.search_runs([experiment.experiment_id])] == [ids["mlflow"]]
+    mlflow_run = client.get_run(ids["mlflow"])
+    assert mlflow_run.info.status == "FINISHED" and mlflow_run.data.params["train.batch_size"] == "16"
+    for tag, values in (("top1/val", [r["val_top1"] for r in records]),
+                        ("time/compute_s", [r["breakdown_s"]["compute"] for r in records])):
+        assert [(m.step, m.value) for m in client.get_metric_history(ids["mlflow"], tag)] == \
+            list(enumerate(values, start=1))
+    assert {"report.md", "report.json", "breakdown.png"} <= {a.path for a in client.list_artifacts(ids["mlflow"])}
+
+    files = sorted(glob.glob(os.path.join(run_dir, "wandb", "offline-run-*", f"run-{ids['wandb']}.wandb")))
+    assert len(files) == 4  # the training and the report's artifacts, of each of the two processes
+    logged = b"".join(open(path, "rb").read() for path in files)
+    assert all(json.dumps(r["val_top1"]).encode() in logged for r in records)
+    assert all(json.dumps(r["breakdown_s"]["compute"]).encode() in logged for r in records)
+    assert b"train.batch_size" in logged and b"breakdown.png" in logged
+
+
+def test_without_sinks_neither_tracker_is_imported():
+    code = ("import sys, hybridtrain.engine.loop, hybridtrain.engine.sinks, hybridtrain.cli.train; "
+            "print(sorted(m for m in ('mlflow', 'wandb') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
