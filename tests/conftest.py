@@ -58,6 +58,7 @@ FILE_WEIGHTS = {
     "test_bad_input_round3_nodes.py": 45,  # install.sh --plan with stand-in nvidia-smi, train in a small /dev/shm
     "test_time_breakdown.py": 90,  # 2 one-rank runs, a 2-rank horovodrun and a 2-rank torchrun launch (issue 44)
     "test_sinks.py": 60,  # a one-rank run logging to MLflow and W&B offline, and its resume
+    "test_progressive.py": 120,  # a 2-rank torchrun and a 2-rank horovodrun (DALI) run, each stopped and resumed
 }
 
 

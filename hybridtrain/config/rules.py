@@ -111,6 +111,34 @@ def validate_data(cfg: Config) -> None:
     if cfg.data.backend == "dali_gpu" and cfg.train.device == "cpu":  # gpu-path-2 #17: decode, then copy back
         raise UserError("config error: data.backend=dali_gpu decodes on the GPU but train.device=cpu trains on the "
                         "CPU: set train.device=cuda or auto, or use data.backend=dali_cpu")
+    validate_progressive(cfg)
+
+
+def validate_progressive(cfg: Config) -> None:
+    """Progressive resizing (data.res_*, data/resolution.py): low to high, on multiples of data.res_multiple, the
+    ramp inside the run and its last epoch at data.res_end (BN's last-iteration statistics are taken there)."""
+    d, epochs = cfg.data, cfg.train.epochs
+    if not d.res_start:
+        stray = [f"data.{key}" for key in ("res_end", "res_start_epoch", "res_end_epoch") if getattr(d, key)]
+        stray += ["data.res_multiple"] if d.res_multiple != 32 else []
+        if stray:
+            raise UserError(f"config error: {stray[0]} applies to progressive resizing, which data.res_start=0 "
+                            f"leaves off: set data.res_start (the first epochs' resolution), or drop {stray[0]}")
+        return
+    if d.backend == "synthetic":
+        raise UserError("config error: progressive resizing (data.res_start) resizes images, and data.backend="
+                        "synthetic has none (its batches are data.crop_size): use torchvision or dali_cpu/dali_gpu, "
+                        "or set data.res_start=0")
+    if not 8 <= d.res_start <= d.res_end:
+        raise UserError(f"config error: progressive resizing goes from low to high resolution: 8 <= data.res_start "
+                        f"<= data.res_end needed, got data.res_start={d.res_start}, data.res_end={d.res_end}")
+    if d.res_start % d.res_multiple or d.res_end % d.res_multiple:
+        raise UserError(f"config error: data.res_start ({d.res_start}) and data.res_end ({d.res_end}) must be "
+                        f"multiples of data.res_multiple ({d.res_multiple}), as the epochs between them are")
+    if not d.res_start_epoch < d.res_end_epoch < epochs:
+        raise UserError(f"config error: progressive resizing needs data.res_start_epoch < data.res_end_epoch < "
+                        f"train.epochs, got {d.res_start_epoch}, {d.res_end_epoch}, {epochs} (0-based epochs; the "
+                        f"last epoch trains at data.res_end, where BN's last-iteration statistics are taken)")
 
 
 def validate_bn(cfg: Config) -> None:

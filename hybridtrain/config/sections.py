@@ -81,6 +81,20 @@ class DataConfig:
     synthetic_images: int = number(12800, lo=1, hi=100_000_000,
                                    doc="synthetic: training images per epoch over all ranks")
     val_batch_size: int = number(0, lo=0, hi=65536, doc="validation batch per rank; 0 = train.batch_size")
+    # issue 45: progressive resizing (FFCV's), data/resolution.py
+    res_start: int = number(0, lo=0, hi=1024, doc="progressive resizing: the training resolution (px) up to epoch "
+                                                  "data.res_start_epoch, rising linearly to data.res_end; validation "
+                                                  "keeps data.val_resize and data.crop_size; 0 = off (training at "
+                                                  "data.crop_size)")
+    res_end: int = number(0, lo=0, hi=1024, doc="progressive resizing: the training resolution (px) from epoch "
+                                                "data.res_end_epoch to the end (BN's last-iteration statistics are "
+                                                "taken there)")
+    res_start_epoch: int = number(0, lo=0, hi=10_000, doc="progressive resizing: the last epoch (0-based, FFCV's "
+                                                          "start_ramp) at data.res_start")
+    res_end_epoch: int = number(0, lo=0, hi=10_000, doc="progressive resizing: the first epoch (0-based, FFCV's "
+                                                        "end_ramp) at data.res_end; below train.epochs")
+    res_multiple: int = number(32, lo=1, hi=256, doc="progressive resizing: the epochs in between train at the "
+                                                     "linear ramp rounded to a multiple of this (FFCV's 32)")
 
 
 @dataclass

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import inspect
 import math
 import os
@@ -51,6 +52,7 @@ import torch
 from hybridtrain.data.check import CLEAN_LIST_HINT, decode_error
 from hybridtrain.data.folder import ImageList
 from hybridtrain.data.presets import IMAGENET_MEAN, IMAGENET_STD
+from hybridtrain.data.resolution import resolutions
 from hybridtrain.distributed.topology import cores_per_rank
 from hybridtrain.errors import UserError
 
@@ -270,6 +272,7 @@ class DaliLoader:
         self.epoch = 0
         self.reusable = None  # validation: the pipeline whose reader is back at its list's start
         self.builds = 0
+        self.resolution = None  # training: the epoch's resolution (data.res_*, data/resolution.py), set by _create
         on_gpu = spec.device == "gpu" and not pin
         self.in_flight = InFlight(stream_fence(torch.device("cuda", device_id))) if on_gpu else None
 
@@ -296,6 +299,12 @@ class DaliLoader:
             return train_steps(len(self.images), self.world_size, self.batch_size)
         return math.ceil(len(self.shard) / self.batch_size)
 
+    def epoch_spec(self, epoch: int) -> GraphSpec:
+        """The graph of ``epoch``'s pipeline: training resizes to the epoch's resolution (progressive resizing)."""
+        if self.resolution is None or not self.spec.training:
+            return self.spec
+        return dataclasses.replace(self.spec, crop_size=self.resolution(epoch))
+
     def epoch_order(self, epoch: int) -> np.ndarray:
         """The reader's file list for ``epoch``: sample indices, permuted by (seed, epoch) for training."""
         n = len(self.images)
@@ -319,7 +328,7 @@ class DaliLoader:
 
     def _build(self, order: np.ndarray, epoch: int):
         with reader_file_list(self.lines, order[self.shard.start:self.shard.stop]) as file_list:  # read by build()
-            return self._built(imagenet_graph, order, epoch, file_list, self.images.root, self.spec)
+            return self._built(imagenet_graph, order, epoch, file_list, self.images.root, self.epoch_spec(epoch))
 
     def _built(self, graph, order: np.ndarray, epoch: int, *graph_args):
         """``graph(*graph_args)`` as this loader's pipeline for ``epoch``, built (a failure names its file)."""
@@ -420,8 +429,11 @@ def _create(images: ImageList, cfg, rank: int, world_size: int, local_size: int,
     spec = graph_spec(cfg, training, device, dtype, channels_last)
     threads = cfg.data.workers or cores_per_rank(local_size)
     device_id = torch.cuda.current_device() if device == "gpu" else None
-    return loader_class(images, spec, rank, world_size, batch_size, cfg.seed, threads, cfg.data.prefetch, device_id,
-                        pin)
+    loader = loader_class(images, spec, rank, world_size, batch_size, cfg.seed, threads, cfg.data.prefetch, device_id,
+                          pin)
+    if training:  # the pipeline built for each epoch resizes to that epoch's resolution
+        loader.resolution = resolutions(cfg.data)
+    return loader
 
 
 def create_dali_train_loader(images: ImageList, cfg, rank: int, world_size: int, local_size: int, device: str,

@@ -78,7 +78,7 @@ class DaliShardLoader(DaliLoader):
         if self.spec.training:
             keys = keys[:len(self) * self.batch_size]  # the full batches it yields
         feed = EpochFeed(self.images, keys, self.batch_size, again=not self.spec.training)
-        return self._built(shard_graph, order, epoch, feed, self.spec)
+        return self._built(shard_graph, order, epoch, feed, self.epoch_spec(epoch))
 
     def _run(self, pipe, order: np.ndarray, run: int) -> tuple[torch.Tensor, torch.Tensor]:
         with self._errors(order, run):

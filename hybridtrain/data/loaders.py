@@ -164,7 +164,8 @@ def create_loaders(cfg, topo, model_dtype: torch.dtype = torch.float32) -> Loade
         if not cfg.data.in_process:
             d = cfg.data
             check_shared_memory(WorkerBatches(cfg.train.batch_size, d.val_batch_size or cfg.train.batch_size,
-                                              d.crop_size, workers, d.prefetch), topo.local_size, bool(d.workers))
+                                              max(d.crop_size, d.res_end), workers, d.prefetch), topo.local_size,
+                                bool(d.workers))  # res_end: the largest training resolution (progressive resizing)
         pin = topo.device.type == "cuda"
         train = create_train_loader(train_set, cfg, topo.rank, topo.size, workers, pin)
         val = create_val_loader(val_set, cfg, topo.rank, topo.size, workers, pin)

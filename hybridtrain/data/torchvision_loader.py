@@ -15,6 +15,7 @@ from hybridtrain.data import sharding
 from hybridtrain.data.folder import ImageList, UnreadableImage
 from hybridtrain.data.images import to_rgb
 from hybridtrain.data.presets import train_transform, val_transform
+from hybridtrain.data.resolution import Resolutions, resolutions
 from hybridtrain.data.workers import SharedMemoryErrors, die_with_the_rank, spawn_context
 
 
@@ -39,13 +40,29 @@ class ImageListDataset(Dataset):
         # in a worker the seed is the worker's own; in the rank's process (data.in_process) the training's
         # random state is put back afterwards
         in_process = torch.utils.data.get_worker_info() is None
+        transform = self.transform.for_epoch(epoch) if isinstance(self.transform, EpochTransform) else self.transform
         with torch.random.fork_rng(devices=[], enabled=in_process):
             torch.manual_seed(sample_seed(self.seed, epoch, index))
             try:
                 with Image.open(self.images.open(index)) as img:
-                    return self.transform(to_rgb(img)), label, index
+                    return transform(to_rgb(img)), label, index
             except Exception as exc:  # every decoder failure: OSError, SyntaxError, DecompressionBombError, ...
                 return UnreadableImage(path, f"{type(exc).__name__}: {str(exc)[:200]}")
+
+
+class EpochTransform:
+    """The training transform at each epoch's resolution (``data.res_*``, data/resolution.py): the same random
+    draws at every resolution (the crop's box and the flip), only the box's resize differs; made once per size."""
+
+    def __init__(self, resolution: Resolutions, min_crop_area: float, hflip: bool):
+        self.resolution, self.min_crop_area, self.hflip = resolution, min_crop_area, hflip
+        self.made = {}
+
+    def for_epoch(self, epoch: int):
+        size = self.resolution(epoch)
+        if size not in self.made:
+            self.made[size] = train_transform(size, self.min_crop_area, self.hflip, as_uint8=True)
+        return self.made[size]
 
 
 class Collate:
@@ -126,11 +143,10 @@ def _loader(dataset, batch_sampler, cfg, workers: int, pin: bool) -> DataLoader:
 
 def create_train_loader(images: ImageList, cfg, rank: int, world_size: int, workers: int,
                         pin: bool = False) -> DataLoader:
-    """This rank's training batches of uint8 pixels (``device_images`` normalises them): every sample at most
-    once per epoch, see ``sharding.train_batches``."""
+    """This rank's training batches of uint8 pixels (``device_images`` normalises them) at the epoch's resolution
+    (``EpochTransform``): every sample at most once per epoch, see ``sharding.train_batches``."""
     d = cfg.data
-    dataset = ImageListDataset(images, train_transform(d.crop_size, d.min_crop_area, d.hflip, as_uint8=True),
-                               cfg.seed)
+    dataset = ImageListDataset(images, EpochTransform(resolutions(d), d.min_crop_area, d.hflip), cfg.seed)
     n, b = len(images), cfg.train.batch_size
     random_split = cfg.bn.per_rank_batch == "random"
     sampler = EpochBatches(lambda epoch, start: sharding.train_batches(n, rank, world_size, b, cfg.seed, epoch,

@@ -9,6 +9,7 @@ import time
 import traceback
 
 from hybridtrain.config import Config, save_config
+from hybridtrain.data.resolution import train_resolution
 from hybridtrain.distributed import collectives as distributed
 from hybridtrain.distributed import failures
 from hybridtrain.engine import checkpoint, rundir
@@ -33,7 +34,7 @@ from hybridtrain.engine.records import (
     with_validation,
 )
 from hybridtrain.engine.resume import checkpoint_state, restore, resume_state, save_stopped_epoch
-from hybridtrain.engine.step import compile_steps, compiles_in_epoch, warmup_steps
+from hybridtrain.engine.step import compile_steps, compiles_in_epoch, recompiles_in_epoch, warmup_steps
 from hybridtrain.engine.telemetry import ProgressBar, log, tensorboard_writer
 from hybridtrain.engine.trainer import Trainer, build_trainer
 from hybridtrain.errors import PeerFailure, UserError, is_peer_failure
@@ -132,7 +133,8 @@ def end_epoch(cfg: Config, t: Trainer, epoch: int, result, epoch_start: float, r
     average_running_statistics(t.model, cfg.bn.combine)
     if t.ema is not None:
         t.ema.average_bn()
-    record = training_record(t, epoch, result, epoch_start, run_start)
+    record = {**training_record(t, epoch, result, epoch_start, run_start),
+              "train_resolution": train_resolution(cfg, epoch)}  # progressive resizing's px (data.res_*)
     saving = time.perf_counter()
     root_writes(t.topo, lambda: save(record))
     validating = time.perf_counter()
@@ -237,7 +239,8 @@ def epoch_steps(cfg: Config, t: Trainer, position: EpochPosition, first_of_proce
     bar = ProgressBar(t.updates * t.k, position.epoch, cfg.train.epochs, t.topo.size) \
         if t.topo.is_root and cfg.train.progress else None
     reset_peak_memory(t.topo.device)
-    compiles = compiles_in_epoch(position.epoch, first_of_process, cfg.optim)
+    compiles = (compiles_in_epoch(position.epoch, first_of_process, cfg.optim)
+                or recompiles_in_epoch(cfg, position.epoch))  # progressive resizing's next resolution, compiled
     warmup = warmup_steps(compiles, t.updates)
     steps = EpochSteps(t, position, warmup, compile_steps(compiles, warmup))
 

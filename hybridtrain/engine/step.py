@@ -10,6 +10,10 @@ region one autograd node, so with the whole model compiled every gradient hook H
 of the backward (the review's #9: the first hook at 90% of it on the CPU), while block by block a block's
 gradients start their all-reduce as soon as its backward is done (``python -m hybridtrain.perf.hook_timing``).
 
+Progressive resizing (``data.res_*``) trains at a few resolutions: compiled, each is its own static-shape graph
+(``dynamic=False``: one recompile per resolution, counted in tests/test_progressive.py, not one dynamic-shape graph
+for all), the recompile limit raised to hold them; graphed, each resolution has its own capture (``GraphedSteps``).
+
 ``train.cuda_graphs``: forward, FP32 loss and scaled backward are captured once in a CUDA graph on static
 input tensors and replayed every step, following PyTorch's whole-network recipe: a few warmup iterations on
 a side stream, the gradients set to None before capture so that the graph allocates them in its private
@@ -36,6 +40,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from hybridtrain.data.resolution import resolutions
 from hybridtrain.errors import UserError
 from hybridtrain.models.batchnorm import batch_norms, running_buffers
 from hybridtrain.models.resnet import ResidualBlock
@@ -52,6 +57,13 @@ def compiles_in_epoch(epoch: int, first_epoch_of_process: bool, optim_cfg) -> bo
     """Whether the epoch's first steps compile or capture: a process's first epoch (torch.compile, CUDA graphs,
     cuDNN autotuning), and the optimizer's `Spec.fused_switch_epoch` (optim.fused compiles the next phase)."""
     return first_epoch_of_process or epoch == optimizer_spec(optim_cfg).fused_switch_epoch(optim_cfg)
+
+
+def recompiles_in_epoch(cfg, epoch: int) -> bool:
+    """train.compile under progressive resizing (data.res_*): an epoch at a resolution no earlier epoch had compiles
+    its graphs for it in its first steps."""
+    schedule = resolutions(cfg.data)
+    return cfg.train.compile and epoch > 0 and schedule(epoch) not in schedule.distinct(epoch)
 
 
 def warmup_steps(compiles: bool, updates_per_epoch: int, steps: int = 3) -> int:
@@ -148,9 +160,29 @@ class GraphedStep:
             p.grad = grad
         return self.static_loss, self.static_logits
 
-def static_batch(cfg, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zero images and labels of the training batch's shape, dtype and layout: the graph's inputs."""
-    b, size = cfg.train.batch_size, cfg.data.crop_size
+class GraphedSteps:
+    """One ``GraphedStep`` per training batch shape: progressive resizing captures each resolution of the run before
+    the first step (before Horovod's hooks exist, as one capture is), each in its own memory pool, and a step replays
+    its batch's capture."""
+
+    def __init__(self, captures: list[GraphedStep]):
+        self.captures = {tuple(c.static_images.shape): c for c in captures}
+
+    def backward_pass(self, precision, images: torch.Tensor, labels: torch.Tensor, weight: float = 1.0,
+                      sync: bool = True):
+        capture = self.captures.get(tuple(images.shape))
+        if capture is None:
+            raise UserError(f"train.cuda_graphs captured the batch shapes {', '.join(map(str, self.captures))} but got "
+                            f"{tuple(images.shape)}: keep every training batch full (train.batch_size) or set "
+                            f"train.cuda_graphs=false")
+        return capture.backward_pass(precision, images, labels, weight, sync)
+
+
+def static_batch(cfg, device: torch.device, dtype: torch.dtype, size: int | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero images and labels of the training batch's shape (``size`` px, default data.crop_size), dtype and
+    layout: the graph's inputs."""
+    b, size = cfg.train.batch_size, size or cfg.data.crop_size
     memory_format = torch.channels_last if cfg.data.channels_last else torch.contiguous_format
     images = torch.zeros(b, 3, size, size, dtype=dtype, device=device).contiguous(memory_format=memory_format)
     return images, torch.zeros(b, dtype=torch.long, device=device)
@@ -166,18 +198,27 @@ def build_step(model, cfg, precision, batch: tuple[torch.Tensor, torch.Tensor] |
     model (torch.compile of DDP is the order PyTorch's DDP optimizer splits at bucket boundaries).
     """
     wrap = wrap or (lambda m: m)
+    schedule = resolutions(cfg.data)
+    sizes = schedule.distinct(cfg.train.epochs) if batch is None else [batch[0].shape[-1]]
+    # progressive resizing: a static-shape graph per resolution (not torch's automatic dynamic shapes after the
+    # first change); random per-rank batches change the batch size every step and keep torch's default
+    dynamic = False if schedule.progressive and cfg.bn.per_rank_batch == "fixed" else None
     if not cfg.train.compile:
         forward_model = wrap(model)
     elif cfg.train.compile_scope == "model":
-        forward_model = torch.compile(wrap(model))
+        forward_model = torch.compile(wrap(model), dynamic=dynamic)
+        raise_recompile_limit(len(sizes) + 1)  # a graph per resolution, and eval mode's
     else:
-        forward_model = wrap(compile_blocks(model))
+        forward_model = wrap(compile_blocks(model, dynamic=dynamic, resolutions=len(sizes)))
     smoothing = max(cfg.train.label_smoothing, 0.0)  # -1 (the optimizer's default) is resolved by config validation
     if not cfg.train.cuda_graphs:
         return EagerStep(forward_model, smoothing)
+    if batch is not None:
+        return GraphedStep(forward_model, precision, *batch, smoothing)
     device = next(model.parameters()).device
-    images, labels = batch or static_batch(cfg, device, precision.policy.input_dtype)
-    return GraphedStep(forward_model, precision, images, labels, smoothing)
+    captures = [GraphedStep(forward_model, precision, *static_batch(cfg, device, precision.policy.input_dtype, size),
+                            smoothing) for size in sizes]
+    return captures[0] if len(captures) == 1 else GraphedSteps(captures)
 
 
 def build_train_step(model, cfg, precision, batch: tuple[torch.Tensor, torch.Tensor] | None = None, ema=None):
@@ -191,7 +232,15 @@ def compiled_forward(model: torch.nn.Module, scope: str) -> torch.nn.Module:
     return torch.compile(model) if scope == "model" else compile_blocks(model)
 
 
-def compile_blocks(module: torch.nn.Module, backend: str = "inductor") -> torch.nn.Module:
+def raise_recompile_limit(graphs: int) -> None:
+    """Let dynamo keep ``graphs`` graphs per code object (``cache_size_limit``: see ``compile_blocks``)."""
+    import torch._dynamo  # only where compiling (it is slow to import)
+
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, graphs)
+
+
+def compile_blocks(module: torch.nn.Module, backend: str = "inductor", dynamic: bool | None = None,
+                   resolutions: int = 1) -> torch.nn.Module:
     """A copy of the containers on the way to each residual block, with every block ``torch.compile``'d. Blocks,
     parameters, buffers and the other layers stay the original's (``model.train()``/``.eval()`` reach them and the
     state-dict keys do not change); a compiled block is one autograd node of the backward.
@@ -199,21 +248,22 @@ def compile_blocks(module: torch.nn.Module, backend: str = "inductor") -> torch.
     Dynamo keeps at most ``recompile_limit`` (8) graphs per code object, and the blocks of a class share their
     forward's: ResNet-50's 16 blocks have 8 shapes, twice over with validation's eval mode, and past the limit
     dynamo runs the rest eagerly with only a warning. So the limit is raised to two graphs per block
-    (gpu-path-2 #11; ``cache_size_limit`` is its name on torch 2.3 and an alias of it on newer releases)."""
-    import torch._dynamo  # only where compiling (it is slow to import)
-
+    (gpu-path-2 #11; ``cache_size_limit`` is its name on torch 2.3 and an alias of it on newer releases), and to
+    one more per block for each further training resolution (``resolutions``: progressive resizing; ``dynamic``:
+    torch.compile's, False there: one static-shape graph per resolution)."""
     blocks = sum(isinstance(m, ResidualBlock) for m in module.modules())
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * blocks)
-    return _compile_each_block(module, backend)
+    raise_recompile_limit((1 + resolutions) * blocks)
+    return _compile_each_block(module, backend, dynamic)
 
 
-def _compile_each_block(module: torch.nn.Module, backend: str) -> torch.nn.Module:
+def _compile_each_block(module: torch.nn.Module, backend: str, dynamic: bool | None = None) -> torch.nn.Module:
     if isinstance(module, ResidualBlock):
-        return torch.compile(module, backend=backend)
+        return torch.compile(module, backend=backend, dynamic=dynamic)
     if not any(isinstance(m, ResidualBlock) for m in module.modules()):
         return module
     container = copy.copy(module)
-    container._modules = {name: _compile_each_block(child, backend) for name, child in module._modules.items()}
+    container._modules = {name: _compile_each_block(child, backend, dynamic)
+                          for name, child in module._modules.items()}
     return container
 
 

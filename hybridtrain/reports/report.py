@@ -242,9 +242,10 @@ def headline_rows(f: dict) -> list[tuple[str, str]]:
 
 
 def report_markdown(name: str, f: dict, history: list[dict]) -> str:
-    epochs = markdown_table(["epoch", "train loss", "train top-1", "val top-1", "val top-5", "lr", "img/s", "epoch s",
-                             "wall s"],
-                            [[r["epoch"], f"{r['train_loss']:.4f}", f"{r.get('train_top1', float('nan')):.4f}",
+    epochs = markdown_table(["epoch", "train px", "train loss", "train top-1", "val top-1", "val top-5", "lr", "img/s",
+                             "epoch s", "wall s"],
+                            [[r["epoch"], r.get("train_resolution", "-"), f"{r['train_loss']:.4f}",
+                              f"{r.get('train_top1', float('nan')):.4f}",
                               f"{r['val_top1']:.4f}", f"{r['val_top5']:.4f}", f"{r['lr']:.4g}",
                               f"{r['images_per_sec']:.1f}", f"{r['epoch_time_s']:.1f}", f"{r['wall_time_s']:.1f}"]
                              for r in history])
@@ -264,11 +265,21 @@ def settings_rows(config: dict, history: list[dict]) -> list[tuple[str, str]]:
             ("label smoothing", str(train.get("label_smoothing", 0.0))),
             ("EMA decay (0 = off)", str(train.get("ema_decay", 0.0))),
             ("final weights", str(train.get("final_weights", "raw"))),
-            ("validation with mirrored images", str(train.get("val_flip", False)).lower())]
+            ("validation with mirrored images", str(train.get("val_flip", False)).lower()),
+            ("progressive resizing (train px per epoch)", progressive_row(config.get("data", {}), history))]
     ema = [r["val_top1_ema"] for r in history if "val_top1_ema" in r]
     if ema:
         rows.append(("EMA val top-1 (final / best)", f"{pct(ema[-1])} / {pct(max(ema))}"))
     return rows
+
+
+def progressive_row(data: dict, history: list[dict]) -> str:
+    """data.res_*'s ramp and the resolutions the epochs trained at (metrics.jsonl's train_resolution), or off."""
+    if not data.get("res_start"):
+        return "off"
+    trained = " ".join(str(r["train_resolution"]) for r in history if "train_resolution" in r)
+    return (f"{data['res_start']} px to epoch {data.get('res_start_epoch', 0) + 1}, {data.get('res_end')} px from "
+            f"epoch {data.get('res_end_epoch', 0) + 1}, multiples of {data.get('res_multiple', 32)}: {trained}")
 
 
 def settings_markdown(config: dict, history: list[dict]) -> str:
