@@ -79,9 +79,12 @@ def bench_device() -> torch.device:
 
 @contextlib.contextmanager
 def job_of_one():
-    """A job of this process alone on the torch engine (no launcher, no port), for the trainer's step: it zeroes the
-    gradients as its engine needs, and a collective needs an engine. Its group is Gloo's on the CPU (the step calls
-    no collective, and a GPU keeps the memory an NCCL communicator would take); the threads are left as they are."""
+    """A job of this process alone on the torch engine (no launcher, no port), for the trainer's step: its optimizer
+    gets the engine's step contract, and a collective needs an engine. The row's model is not in DDP, so that
+    optimizer's zero_grad sets the gradients to None, as the plain loop's does (zeroed in place, as DDP's bucket
+    views need, they cost the row a pass over the gradients and an add instead of a steal in every backward: review
+    4 #8). Its group is Gloo's on the CPU (the step calls no collective, and a GPU keeps the memory an NCCL
+    communicator would take), and costs nothing per step; the threads are left as they are."""
     distributed.init(torch.get_num_threads(), device="cpu", engine="torch")
     try:
         yield
