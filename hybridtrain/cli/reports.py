@@ -23,7 +23,8 @@ def cmd_experiment(args) -> int:
         raise UserError(f"--ranks must be >= 1, got {args.ranks}")
     from hybridtrain.cluster.netns import stopped_cleanly
     with stopped_cleanly("its runs' ranks ended"):
-        run_experiment(args.name, args.config, with_engine(args), args.out, args.ranks, args.target)
+        run_experiment(args.name, args.config, with_engine(args), args.out, args.ranks, args.target,
+                       [row.strip() for row in args.rows.split(",")] if args.rows else None)
     return 0
 
 
@@ -56,15 +57,18 @@ def cmd_report(args) -> int:
 def add_commands(sub) -> None:
     """experiment and report's parsers."""
     exp = sub.add_parser("experiment", help="run a named comparison on 2+ ranks (optimizers, warmup-epochs, "
-                                            "lars, precision, layered, bn, init, gamma)")
+                                            "lars, precision, layered, bn, init, gamma, recipes)")
     exp.add_argument("name", help="optimizers (paper Fig 3.1), warmup-epochs (Fig 3.2), lars (LARS defaults), "
                                   "precision (seed 003, Fig 3.3), layered (seed 000), bn (Table 3.4), init "
-                                  "(Table 3.5) or gamma (Table 3.6)")
+                                  "(Table 3.5), gamma (Table 3.6) or recipes (issue 45: hybrid, mlperf, goyal, each "
+                                  "alone and with label smoothing, EMA, progressive resizing)")
     add_recipe_options(exp, "base recipe (default configs/demo.yaml)", "override for every row",
                        default="configs/demo.yaml")
     exp.add_argument("--out", default="runs/experiments", help="where tables, JSON and PNGs go")
     exp.add_argument("--ranks", type=RANKS, default=2, help="ranks per row (default 2)")
     add_engine_option(exp)
+    exp.add_argument("--rows", metavar="NAME,...", help="run only these rows of the experiment (comma-separated "
+                                                        "names, as its table shows them)")
     exp.add_argument("--target", type=FRACTION_TARGET, help="val top-1 target for epochs-to-target (default: the "
                                                             "recipe's report.top1_target)")
     exp.set_defaults(func=cmd_experiment)

@@ -94,9 +94,39 @@ def gamma_rows(cfg) -> list[tuple[str, list[str]]]:
     return [("gamma=0", ["model.zero_init_last_bn=true"]), ("gamma=1", ["model.zero_init_last_bn=false"])]
 
 
+def progressive_sets(cfg) -> list[str]:
+    """Progressive resizing for a recipe row, FFCV's shape scaled to the run: from about 3/4 of data.crop_size (on
+    multiples of 32 from 128 px up, FFCV's 160 -> 224 at 224; of 4 below: 20 -> 28 at 28) at epoch 0 up to the crop
+    at three quarters of the run, validated at the crop."""
+    crop, epochs = cfg.data.crop_size, cfg.train.epochs
+    multiple = 32 if crop >= 128 and crop % 32 == 0 else 4 if crop % 4 == 0 else 1
+    start = max(8, multiple * round(0.75 * crop / multiple))
+    end_epoch = min(epochs - 1, max(1, round(0.75 * (epochs - 1))))
+    return [f"data.res_start={start}", f"data.res_end={crop}", f"data.res_multiple={multiple}",
+            "data.res_start_epoch=0", f"data.res_end_epoch={end_epoch}"]
+
+
+def recipe_rows(cfg) -> list[tuple[str, list[str]]]:
+    """Issue 45's recipes side by side: the paper's hybrid, MLPerf's (LARS, poly decay) and Goyal's, each alone
+    (label smoothing 0, mlperf's default 0.1 included), with label smoothing 0.1, with the EMA of the weights (its
+    rows report the EMA's top-1) and with progressive resizing (``progressive_sets``). Warmups fit the run: T and
+    the linear warmup at most a quarter and a third of it."""
+    epochs = cfg.train.epochs
+    warmup, adabound = min(5, epochs // 3), max(1, min(cfg.optim.adabound_epochs, epochs // 4))
+    bases = [("hybrid", ["optim.name=hybrid", f"optim.adabound_epochs={adabound}"]),
+             ("mlperf", ["optim.name=mlperf", f"optim.warmup_epochs={warmup}"]),
+             ("goyal", ["optim.name=goyal", f"optim.warmup_epochs={warmup}"])]
+    ema = cfg.train.ema_decay or 0.99
+    options = [("", []), (" + smoothing", ["train.label_smoothing=0.1"]),
+               (" + EMA", [f"train.ema_decay={ema}", "train.final_weights=ema"]),
+               (" + progressive", progressive_sets(cfg))]
+    return [(name + suffix, ["train.label_smoothing=0", *sets, *extra])
+            for name, sets in bases for suffix, extra in options]
+
+
 EXPERIMENTS = {"optimizers": optimizer_rows, "warmup-epochs": warmup_epoch_rows, "lars": lars_rows,
                "precision": precision_rows, "layered": layered_rows, "bn": bn_rows, "init": init_rows,
-               "gamma": gamma_rows}
+               "gamma": gamma_rows, "recipes": recipe_rows}
 
 
 def launch_row(config: str, overrides: list[str], run_dir: str, ranks: int, engine: str = "horovod") -> None:
@@ -110,10 +140,15 @@ def launch_row(config: str, overrides: list[str], run_dir: str, ranks: int, engi
 
 
 def summarise_row(name: str, run_dir: str, target: float) -> dict:
+    """A row's figures; a run with the EMA of the weights (train.ema_decay) is judged by the EMA's top-1."""
     _, history = load_run(run_dir)
-    top1 = [r["val_top1"] for r in history]
-    return {"row": name, "final_top1": top1[-1], "best_top1": max(top1),
-            "epochs_to_target": convergence_epoch(top1, target), "target": target,
+    key = "val_top1_ema" if all("val_top1_ema" in r for r in history) else "val_top1"
+    top1 = [r[key] for r in history]
+    reached = convergence_epoch(top1, target)
+    return {"row": name, "final_top1": top1[-1], "best_top1": max(top1), "top1_of": key,
+            "epochs_to_target": reached, "target": target,
+            "time_to_target_s": sum(r["epoch_time_s"] for r in history[:reached]) if reached else None,
+            "images_per_sec": sum(r["samples_seen"] for r in history) / sum(r["train_time_s"] for r in history),
             "train_time_s": sum(r["epoch_time_s"] for r in history),
             "epoch_time_s": sum(r["epoch_time_s"] for r in history) / len(history),
             "peak_memory_mb": max(r["peak_memory_mb"] for r in history),
@@ -122,11 +157,13 @@ def summarise_row(name: str, run_dir: str, target: float) -> dict:
 
 
 def write_table(name: str, rows: list[dict], out: str) -> str:
-    header = [name, "final top-1", "best top-1", f"epochs to top-1 >= {rows[0]['target']}", "time (s)", "s/epoch",
-              "peak MiB/rank", "skipped steps", "NaN epochs"]
+    header = [name, "final top-1", "best top-1", f"epochs to top-1 >= {rows[0]['target']}", "time to target (s)",
+              "time (s)", "s/epoch", "img/s", "peak MiB/rank", "skipped steps", "NaN epochs"]
     text = markdown_table(header, [[r["row"], f"{r['final_top1']:.4f}", f"{r['best_top1']:.4f}",
                                     r["epochs_to_target"] if r["epochs_to_target"] is not None else "not reached",
+                                    f"{r['time_to_target_s']:.1f}" if r["time_to_target_s"] is not None else "-",
                                     f"{r['train_time_s']:.1f}", f"{r['epoch_time_s']:.1f}",
+                                    f"{r['images_per_sec']:.1f}",
                                     f"{r['peak_memory_mb']:.0f}", r["skipped_steps"], r["nan_epochs"]]
                                    for r in rows]) + "\n"
     with open(os.path.join(out, f"{name}.md"), "w") as fh:
@@ -140,25 +177,45 @@ def plot_rows(name: str, rows: list[dict], out: str) -> str:
     for r in rows:
         epochs = [h["epoch"] for h in r["history"]]
         train_ax.plot(epochs, [h["train_top1"] for h in r["history"]], marker="o", label=r["row"])
-        acc_ax.plot(epochs, [h["val_top1"] for h in r["history"]], marker="o", label=r["row"])
+        acc_ax.plot(epochs, [h[r.get("top1_of", "val_top1")] for h in r["history"]], marker="o", label=r["row"])
     train_ax.set(xlabel="epoch", ylabel="train top-1", title="training top-1 (augmented batches)")
-    acc_ax.set(xlabel="epoch", ylabel="val top-1", title="validation top-1")
+    acc_ax.set(xlabel="epoch", ylabel="val top-1", title="validation top-1 (EMA rows: the EMA's)")
     acc_ax.axhline(rows[0]["target"], color="grey", linestyle=":", label="target")
-    acc_ax.legend()
+    acc_ax.legend(fontsize="small")
     path = os.path.join(out, f"{name}.png")
     return save_figure(fig, path)
 
 
-def run_experiment(name: str, config: str, overrides: list[str], out: str, ranks: int, target: float) -> list[dict]:
+def chosen_rows(name: str, cfg, config: str, overrides: list[str], only: list[str] | None):
+    """The experiment's rows (``only``: those named, in the experiment's order), each row's recipe validated before
+    any launch."""
+    rows = EXPERIMENTS[name](cfg)
+    if only:
+        unknown = [row for row in only if row not in [row_name for row_name, _ in rows]]
+        if unknown:
+            raise UserError(f"experiment {name} has no row '{unknown[0]}': its rows are "
+                            f"{', '.join(row_name for row_name, _ in rows)}")
+        rows = [row for row in rows if row[0] in only]
+    for row_name, row_sets in rows:
+        try:
+            load_config(config, overrides + row_sets)
+        except UserError as exc:
+            raise UserError(f"experiment {name}, row '{row_name}': {exc}") from None
+    return rows
+
+
+def run_experiment(name: str, config: str, overrides: list[str], out: str, ranks: int, target: float,
+                   only: list[str] | None = None) -> list[dict]:
     if name not in EXPERIMENTS:
         raise UserError(f"unknown experiment '{name}': choose one of {', '.join(EXPERIMENTS)}")
     cfg = load_config(config, overrides)  # fail fast on a bad recipe, before any launch
     target = cfg.report.top1_target if target is None else target
     if not 0 < target <= 1:
         raise UserError(f"--target must be in (0, 1], got {target}")
+    rows_to_run = chosen_rows(name, cfg, config, overrides, only)
     os.makedirs(out, exist_ok=True)
     rows = []
-    for row_name, row_sets in EXPERIMENTS[name](cfg):
+    for row_name, row_sets in rows_to_run:
         run_dir = os.path.join(out, "runs", re.sub(r"[^A-Za-z0-9.+-]+", "_", row_name.replace("=", "-")).strip("_"))
         launch_row(config, overrides + row_sets, run_dir, ranks, resolve_engine(cfg.distributed.engine))
         rows.append(summarise_row(row_name, run_dir, target))
