@@ -167,7 +167,7 @@ def test_nulls_in_metrics_are_unknown_figures_and_the_rest_is_reported_correctly
     assert report["images_per_sec"] == pytest.approx(10.0) and report["convergence_epoch"] == 2
     assert report["best_top1"] == 0.6 and report["final_top5"] != report["final_top5"]  # NaN: not recorded
     text = (tmp_path / "run" / "report.md").read_text()
-    assert "| val top-5 (final) | - |" in text and "| 1 | nan |" in text, text
+    assert "| val top-5 (final) | - |" in text and "| 1 | - | nan |" in text, text
     for bad, needle in (({"epoch": None}, "epoch is null, not an epoch count"),
                         ({"world_size": None}, "world_size is null, not a number"),
                         ({"samples_seen": "100"}, 'samples_seen is "100", not a number')):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -69,6 +70,20 @@ def train_until_sigterm(config: str, ranks_to_signal: tuple[int, ...], resume: b
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     return subprocess.CompletedProcess(cmd, proc.returncode, "".join(lines), "")
+
+
+def straight_then_stopped_and_resumed(straight: str, broken: str, engine: str, launch) -> int:
+    """``straight`` trained on 2 ranks of ``engine`` (``launch``: conftest's torchrun or horovodrun), and ``broken``
+    SIGTERM'd mid-epoch 1 then resumed with --resume auto from the step it stopped after; returns that step."""
+    done = launch(2, ["train", "--config", straight])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    stopped = train_until_sigterm(broken, (1,), resume=False, engine=engine)
+    assert stopped.returncode == 0, stopped.stdout[-3000:]
+    step = int(re.search(r"after step (\d+) of epoch 1;", stopped.stdout).group(1))
+    assert 0 < step < 5
+    resumed = launch(2, ["train", "--config", broken, "--resume", "auto"])
+    assert resumed.returncode == 0 and f"resumed from step {step} of epoch 1" in resumed.stdout, resumed.stdout[-3000:]
+    return step
 
 
 @pytest.fixture(scope="module")

@@ -4,13 +4,11 @@ counters), one CUDA-graph capture per batch shape (its dispatch), and a 2-rank r
 and resumed bit-exactly at the epoch's resolution, its report listing the resolution per epoch."""
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 import yaml
 from conftest import WITH_WORKERS, digits_subset, horovodrun, read_metrics, tiny_config, torchrun
-from test_preemption import train_until_sigterm
+from test_preemption import straight_then_stopped_and_resumed
 
 from hybridtrain.config import config_from_dict
 from hybridtrain.data.resolution import Resolutions, progressive_resolution
@@ -134,15 +132,8 @@ def stopped_and_resumed_matches_straight(tmp_path, few: str, engine: str, launch
                           data={**TINY_RAMP, "res_end_epoch": 1, **data_keys, **extra})
         (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
         return str(tmp_path / f"{name}.yaml")
-    straight = launch(2, ["train", "--config", write("straight", {})])
-    assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
-    broken = write("broken", WITH_WORKERS if data_keys.get("backend", "torchvision") == "torchvision" else {})
-    stopped = train_until_sigterm(broken, (1,), resume=False, engine=engine)
-    assert stopped.returncode == 0, stopped.stdout[-3000:]
-    step = int(re.search(r"after step (\d+) of epoch 1;", stopped.stdout).group(1))
-    assert 0 < step < 5
-    resumed = launch(2, ["train", "--config", broken, "--resume", "auto"])
-    assert resumed.returncode == 0 and f"resumed from step {step} of epoch 1" in resumed.stdout, resumed.stdout[-3000:]
+    straight_then_stopped_and_resumed(write("straight", {}), write(
+        "broken", WITH_WORKERS if data_keys.get("backend", "torchvision") == "torchvision" else {}), engine, launch)
     for epoch in (1, 2):
         a, b = (torch.load(tmp_path / run / f"checkpoint-epoch000{epoch}.pt", weights_only=True)
                 for run in ("straight", "broken"))

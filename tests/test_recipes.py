@@ -14,7 +14,7 @@ import pytest
 import torch
 import yaml
 from conftest import WITH_WORKERS, digits_subset, horovodrun, read_metrics, tiny_config, torchrun
-from test_preemption import file_digest, train_until_sigterm
+from test_preemption import file_digest, straight_then_stopped_and_resumed
 
 from hybridtrain.config import load_config
 from hybridtrain.distributed.engines import with_step_contract
@@ -185,15 +185,9 @@ def stop_and_resume_matches_straight(tmp_path, few, optim: dict, train: dict, en
     def write(name, cfg):
         (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
         return str(tmp_path / f"{name}.yaml")
-    straight = launch(2, ["train", "--config", write("straight", recipe(few, str(tmp_path / "straight"), optim, train))])
-    assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
-    broken = write("broken", recipe(few, str(tmp_path / "broken"), optim, train, **WITH_WORKERS))
-    stopped = train_until_sigterm(broken, (1,), resume=False, engine=engine)
-    assert stopped.returncode == 0, stopped.stdout[-3000:]
-    step = int(re.search(r"after step (\d+) of epoch 1;", stopped.stdout).group(1))
-    assert 0 < step < 5
-    resumed = launch(2, ["train", "--config", broken, "--resume", "auto"])
-    assert resumed.returncode == 0 and f"resumed from step {step} of epoch 1" in resumed.stdout, resumed.stdout[-3000:]
+    straight_then_stopped_and_resumed(write("straight", recipe(few, str(tmp_path / "straight"), optim, train)),
+                                      write("broken", recipe(few, str(tmp_path / "broken"), optim, train,
+                                                             **WITH_WORKERS)), engine, launch)
     a, b = (torch.load(tmp_path / run / "checkpoint-epoch0001.pt", weights_only=True) for run in ("straight", "broken"))
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     assert a["ema"]["updates"] == b["ema"]["updates"] == 5

@@ -143,12 +143,12 @@ def remove_stale_temp_files(directory: str) -> list[str]:
     return removed
 
 
-RUN_FILES = ("run.json", "metrics.jsonl", "config.yaml", "final_model.pt", "report.json", "report.md",
+RUN_FILES = ("run.json", "metrics.jsonl", "config.yaml", "final_model.pt*", "report.json", "report.md",
              "checkpoint-epoch*", "tensorboard", "logs", "samples", "accuracy.png", "throughput.png", "lr.png",
              "breakdown.png", "profile", "sinks.json", "mlruns", "wandb")
 # What a run that trained something leaves; a run that stopped before its first checkpoint (bad data, a wrong
 # flag) leaves only run.json, config.yaml and logs, and the next fresh run takes its folder over.
-RESULT_FILES = ("metrics.jsonl", "final_model.pt", "report.json", "report.md", "checkpoint-epoch*", "samples")
+RESULT_FILES = ("metrics.jsonl", "final_model.pt*", "report.json", "report.md", "checkpoint-epoch*", "samples")
 
 
 def run_files(run_dir: str, patterns: tuple[str, ...] = RUN_FILES) -> list[str]:
@@ -258,7 +258,8 @@ def read_marker(run_dir: str) -> dict | None:
                         f"run.json from a backup") from None
 
 
-OWN_FILES = (MARKER, "config.yaml", "metrics.jsonl", "final_model.pt", "report.json", "report.md")
+OWN_FILES = (MARKER, "config.yaml", "metrics.jsonl", "final_model.pt", "final_model.pt.sha256", "report.json",
+             "report.md")
 
 
 def check_own_files(run_dir: str) -> None:
