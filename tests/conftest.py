@@ -73,6 +73,28 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: -FILE_WEIGHTS.get(os.path.basename(item.nodeid.split("::", 1)[0]), 0))
 
 
+def needs_cluster(test):
+    """A test of the cluster in a box (hybridtrain/cluster/netns.py): it needs root, iproute2 and openssh-server, and
+    it takes turns with the other files' cluster tests (cluster_box)."""
+    from hybridtrain.cluster import netns as cluster
+    missing = os.geteuid() != 0 or not all(shutil.which(t) for t in cluster.TOOLS) or not os.path.exists(cluster.SSHD)
+    return pytest.mark.usefixtures("cluster_box")(pytest.mark.skipif(
+        missing, reason="needs root, iproute2 and openssh-server (HYBRIDTRAIN_SYSTEM_PACKAGES=1 ./install.sh installs "
+                        "them)")(test))
+
+
+@pytest.fixture(scope="module")
+def cluster_box():
+    """The cluster's namespaces (htc-h0, htc-h1, ...) are one per machine, and `make test` runs two files at a time:
+    a file's cluster tests hold this lock from the first of them to the file's end, so that one file's `cluster down`
+    never removes the hosts under the other's run (CI's failure: test_multihost's scale row lost its hosts to
+    test_bad_input_round4_commands' SIGTERM tests)."""
+    import fcntl
+    with open(os.path.join("/tmp", "hybridtrain-tests-cluster.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def venv_without(root, excluded: list[str]) -> str:
     """A real venv whose site-packages links every entry of this one except ``excluded`` (paths relative to
     site-packages, globs allowed, e.g. 'nvidia/dali'): importing those genuinely fails there. Returns its python."""

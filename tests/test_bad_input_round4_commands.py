@@ -16,16 +16,13 @@ import time
 
 import pytest
 import yaml
-from conftest import HYBRIDTRAIN, REPO, assert_one_error_line, env_with_venv, error_lines, tiny_config
+from conftest import HYBRIDTRAIN, REPO, assert_one_error_line, env_with_venv, error_lines, needs_cluster, tiny_config
 from PIL import Image
 from test_report import write_run
 
 from hybridtrain.cluster import netns as cluster
 from hybridtrain.config import load_config
 
-needs_cluster = pytest.mark.skipif(
-    os.geteuid() != 0 or not all(shutil.which(t) for t in cluster.TOOLS) or not os.path.exists(cluster.SSHD),
-    reason="needs root, iproute2 and openssh-server (HYBRIDTRAIN_SYSTEM_PACKAGES=1 ./install.sh installs them)")
 needs_root = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root and unshare")
 
 

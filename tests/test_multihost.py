@@ -9,18 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import time
 
 import pytest
-from conftest import HOROVODRUN, HYBRIDTRAIN, REPO, TORCHRUN, env_with_venv, tiny_config
+from conftest import HOROVODRUN, HYBRIDTRAIN, REPO, TORCHRUN, env_with_venv, needs_cluster, tiny_config
 
 from hybridtrain.cluster import netns as cluster
-
-needs_cluster = pytest.mark.skipif(
-    os.geteuid() != 0 or not all(shutil.which(t) for t in cluster.TOOLS) or not os.path.exists(cluster.SSHD),
-    reason="needs root, iproute2 and openssh-server (HYBRIDTRAIN_SYSTEM_PACKAGES=1 ./install.sh installs them)")
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
@@ -76,7 +71,7 @@ def test_a_damaged_link_probe_file_is_one_line_naming_it(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def hosts():
+def hosts(cluster_box):
     """Three hosts (a slow one is told apart only among three or more); the two-host tests use h0 and h1."""
     proc = cli("up", "--hosts", "3", "--link", "none")
     assert proc.returncode == 0, proc.stderr
