@@ -41,7 +41,7 @@
 #       torch, torchvision, DALI, mpi4py (when an MPI is installed) and hybridtrain; no compiler or cmake needed.
 #
 # On a GPU node the install chooses by what `nvidia-smi --query-gpu=compute_cap,driver_version` reports
-# (hybridtrain/hardware/install_plan.py; docs/hardware.md has the table and its sources):
+# (hybridtrain/install/plan.py; docs/hardware.md has the table and its sources):
 #   - torch: the registry's default build (CUDA 13.0) for Turing (sm_75) and newer on an r580+ driver; the
 #     CUDA 12.6 build from PyTorch's own wheel index for Pascal/Volta or an r525-r570 driver (the plan names
 #     that host: where the node cannot reach it, HYBRIDTRAIN_TORCH=system or HYBRIDTRAIN_TORCH_INDEX=DIR); one
@@ -50,7 +50,7 @@
 #   - Horovod: HOROVOD_GPU_OPERATIONS=NCCL (unless set), its kernels for the node's compute capabilities
 #     (HOROVOD_BUILD_CUDA_CC_LIST, unless set), NCCL from the system or from torch's matching NCCL wheel.
 # Without a GPU (no nvidia-smi) the install is the one for CPUs, as before. An nvidia-smi that fails, hangs, finds
-# no GPU or reports a GPU as ERR!/[N/A] stops the plan in one line naming the cause (install_plan.py's smi_failure):
+# no GPU or reports a GPU as ERR!/[N/A] stops the plan in one line naming the cause (install/plan.py's smi_failure):
 #   HYBRIDTRAIN_GPUS=none       an install without GPUs on a node that has nvidia-smi (it is not asked)
 #   HYBRIDTRAIN_GPUS=0,1        plan for these GPUs only (nvidia-smi -i, its indices): a node with GPUs of two
 #                               kinds, or with one failed GPU
@@ -63,9 +63,9 @@
 # The full log is in $VENV/install.log; the console shows one line per step.
 set -euo pipefail
 
-TORCH_VERSION="2.13.0"          # hybridtrain/hardware/install_plan.py's PINNED_TORCH (a test checks they agree)
+TORCH_VERSION="2.13.0"          # hybridtrain/install/plan.py's PINNED_TORCH (a test checks they agree)
 TORCHVISION_VERSION="0.28.0"
-OLDEST_TORCH="2.3"              # install_plan.py's OLDEST_TORCH
+OLDEST_TORCH="2.3"              # install/plan.py's OLDEST_TORCH
 HOROVOD_VERSION="0.28.1"
 HOROVOD_RUNTIME_REQS=(cloudpickle psutil pyyaml packaging "cffi>=1.4.0")
 # Everything Horovod's setup.py imports or asks for at build time (setup_requires has cffi, which setuptools
@@ -216,7 +216,7 @@ ask_smi() {
   return "$rc"
 }
 
-# What this node's GPUs and driver need (hybridtrain/hardware/install_plan.py, run with $PYTHON: no venv and no torch
+# What this node's GPUs and driver need (hybridtrain/install/plan.py, run with $PYTHON: no venv and no torch
 # needed): sets PLAN_* (torch, torchvision, variant, CUDA, index, DALI, Horovod GPU operations and CC list) and
 # PLAN_LINES, the why. No nvidia-smi: no GPU, the CPU install as before.
 PLAN_TORCH="" PLAN_TORCHVISION="" PLAN_VARIANT="" PLAN_CUDA="" PLAN_INDEX="" PLAN_DALI="" PLAN_GPU_OPERATIONS=""
@@ -235,11 +235,11 @@ plan_node() {
     fi
   fi
   if [ "$TORCH_MODE" = system ]; then   # torch's version and CUDA, and the driver API its process loads
-    system_torch="$(PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m hybridtrain.hardware.install_plan probe-torch 2>/dev/null)" \
-      || fail "could not ask $PYTHON about its torch (python -m hybridtrain.hardware.install_plan probe-torch): run it to see why"
+    system_torch="$(PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m hybridtrain.install.plan probe-torch 2>/dev/null)" \
+      || fail "could not ask $PYTHON about its torch (python -m hybridtrain.install.plan probe-torch): run it to see why"
   fi
   out="$(printf '%s\n' "$smi" | PLAN_SMI_STATUS="$status" PLAN_SYSTEM_TORCH="$system_torch" PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" \
-         "$PYTHON" -m hybridtrain.hardware.install_plan plan)" || fail "could not work out this node's plan with $PYTHON (hybridtrain/hardware/install_plan.py): see its error above"
+         "$PYTHON" -m hybridtrain.install.plan plan)" || fail "could not work out this node's plan with $PYTHON (hybridtrain/install/plan.py): see its error above"
   eval "$out"
 }
 
@@ -306,7 +306,7 @@ torch_version() { [ -n "$TORCH_V" ] || read_torch; echo "$TORCH_V"; }
 torch_cuda() { [ "$TORCH_CUDA" != "-" ] || read_torch; echo "$TORCH_CUDA"; }
 
 # HYBRIDTRAIN_TORCH=system and $PYTHON has torch but no torchvision (a torch-only image): the torchvision release
-# paired with that torch (the plan's PLAN_TORCHVISION, install_plan.py's torchvision_pairing) goes into the venv with
+# paired with that torch (the plan's PLAN_TORCHVISION, install/plan.py's torchvision_pairing) goes into the venv with
 # --no-deps, so that pip never replaces the installed torch, then its other requirements (Pillow, NumPy) unless
 # they are there; from the wheelhouse, else the registry. Its ops must load with that torch, else it is removed
 # again and the install stops in one line. Returns 1 (the caller's line) unless torch is there without torchvision.

@@ -12,26 +12,7 @@ import tempfile
 import time
 import traceback
 
-# the rank each launcher gives, in the order they are trusted: torchrun's RANK first under torchrun (srun's PMI and
-# SLURM variables pass through torchrun unchanged, the same for all of its ranks), then horovodrun, Open MPI,
-# MPICH/Intel MPI, PMIx, and srun's own. A RANK that no torchrun set, or a SLURM_PROCID outside an srun step (a batch
-# script's shell has SLURM_PROCID=0), is not a rank: an old shell's variable must not keep rank 0 quiet.
-RANK_ENV_VARS = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
-
-
-TORCHRUN_MARK = "TORCHELASTIC_RUN_ID"  # torchrun sets it for its workers; nothing else does
-SRUN_MARK = "SLURM_STEP_ID"  # srun sets it for its tasks; the batch script's shell has no step
-
-
-def launcher_rank() -> int:
-    """The rank the launcher assigned, readable before hvd.init() (0 when run alone)."""
-    env = os.environ
-    trusted = (("RANK",) if TORCHRUN_MARK in env else ()) + RANK_ENV_VARS + \
-        (("SLURM_PROCID",) if SRUN_MARK in env else ())
-    for var in trusted:
-        if env.get(var, "").isdigit():
-            return int(env[var])
-    return 0
+from hybridtrain.launched_by import launcher_rank
 
 
 class UserError(Exception):

@@ -14,7 +14,8 @@ from hybridtrain.config.coercion import build, default_of, printable, show
 from hybridtrain.config.paths import check_paths, not_dangling
 from hybridtrain.config.rules import validate
 from hybridtrain.config.sections import Config
-from hybridtrain.errors import UserError, launcher_rank
+from hybridtrain.errors import UserError
+from hybridtrain.launched_by import launcher_rank
 from hybridtrain.outputs import write_text_atomically
 
 

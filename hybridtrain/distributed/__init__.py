@@ -5,5 +5,5 @@ is the contract (a Protocol) and the registry (name, module, launcher, its varia
 launcher's environment and build launch commands; ``topology`` binds a rank to its device; ``layout`` gives
 tensors of any memory layout to element-wise collectives; ``failures`` names a rank that died.
 
-May import: errors. Only this package imports an engine module, Horovod or torch.distributed.
+May import: errors, launched_by. Only this package imports an engine module, Horovod or torch.distributed.
 """

@@ -24,13 +24,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Mapping, Protocol, runtime_checkable
 
 from hybridtrain.distributed.launch_env import (
-    PMI_RANK_VARS,
     process_env,
-    srun_pmi,
-    under_torchrun,
     venv_tool,
 )
-from hybridtrain.errors import RANK_ENV_VARS, UserError
+from hybridtrain.errors import UserError
+from hybridtrain.launched_by import started_by_mpi, under_torchrun
 
 if TYPE_CHECKING:
     import torch
@@ -139,15 +137,6 @@ def torchrun_command(ranks: int, program: list, options: tuple = (), python: str
     venv that sees an image's torch through a .pth has no torchrun script."""
     return [python or sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
             *options, "--no-python", *program]
-
-
-def started_by_mpi(env: Mapping) -> bool:
-    """horovodrun or an MPI's mpirun (its rank variables; PMI's only when srun did not set them for itself), and
-    not torchrun (whose workers keep the variables of whatever started torchrun)."""
-    if under_torchrun(env):
-        return False
-    mpi_only = tuple(var for var in RANK_ENV_VARS if var not in PMI_RANK_VARS)
-    return any(var in env for var in mpi_only) or (any(var in env for var in PMI_RANK_VARS) and not srun_pmi(env))
 
 
 # what torch.distributed's Gloo and NCCL say on a surviving rank when a peer died or its connection broke

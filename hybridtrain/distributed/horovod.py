@@ -12,7 +12,8 @@ import torch
 
 from hybridtrain.distributed.engines import launcher_size
 from hybridtrain.distributed.topology import Topology, bind, check_gpu_binding, gpu_id, select_device
-from hybridtrain.errors import UserError, launcher_rank
+from hybridtrain.errors import UserError
+from hybridtrain.launched_by import launcher_rank
 
 NAME = "horovod"
 

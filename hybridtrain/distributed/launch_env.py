@@ -13,30 +13,14 @@ import os
 import shutil
 import sys
 
-from hybridtrain.errors import SRUN_MARK, TORCHRUN_MARK, UserError
+from hybridtrain.errors import UserError
+from hybridtrain.launched_by import SRUN_MARK, TORCHRUN_MARK, under_srun, under_torchrun
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 STALE_FIX = "unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT"
 SRUN_HINT = ("export MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1) MASTER_PORT=29500 "
              "before srun (launch/slurm-torch.sbatch does)")
 ALONE = {"rank": 0, "size": 1, "local_rank": 0, "local_size": 1}
-PMI_RANK_VARS = ("PMI_RANK", "PMIX_RANK")  # MPICH's or Intel MPI's mpirun, Open MPI 5; and srun --mpi=pmi2/pmix
-
-
-def under_torchrun(env=None) -> bool:
-    return TORCHRUN_MARK in (os.environ if env is None else env)
-
-
-def under_srun(env=None) -> bool:
-    env = os.environ if env is None else env
-    return SRUN_MARK in env and "SLURM_PROCID" in env
-
-
-def srun_pmi(env) -> bool:
-    """PMI_RANK/PMIX_RANK set by srun itself (MpiDefault=pmix or pmi2, srun --mpi=...): the task's own rank, equal
-    to SLURM_PROCID. They say that srun wired up MPI, not that an MPI launcher started this process: srun can start
-    either engine."""
-    return under_srun(env) and all(env[var] == env["SLURM_PROCID"] for var in PMI_RANK_VARS if var in env)
 
 
 def venv_tool(name: str) -> str:

@@ -6,9 +6,10 @@ from __future__ import annotations
 import os
 
 from hybridtrain.distributed.engines import engine_spec, installed, registered
-from hybridtrain.distributed.launch_env import PMI_RANK_VARS, process_env, under_srun
+from hybridtrain.distributed.launch_env import process_env
 from hybridtrain.distributed.launch_env import venv_tool as venv_tool  # scale's and experiment's launches
 from hybridtrain.errors import UserError
+from hybridtrain.launched_by import PMI_RANK_VARS, under_srun
 
 
 def launcher_engine(env=None) -> str | None:

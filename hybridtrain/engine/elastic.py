@@ -26,24 +26,21 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hybridtrain.config import Config, save_config
+from hybridtrain.config import Config
 from hybridtrain.data.loaders import create_loaders
 from hybridtrain.distributed import collectives as distributed
 from hybridtrain.distributed import horovod
-from hybridtrain.engine import checkpoint
 from hybridtrain.engine.epoch import EpochPosition, EpochProgress, EpochResult
 from hybridtrain.engine.loop import end_epoch, epoch_steps, finish, stall_watchdog
-from hybridtrain.engine.metrics_file import truncate_metrics
-from hybridtrain.engine.records import SampleAudit, audit_path, log_setup
+from hybridtrain.engine.records import RunRecord, SampleAudit, audit_path, log_setup
 from hybridtrain.engine.resume import (
     carried_progress,
-    checkpoint_state,
     consumed_samples,
     resume_state,
     step_in_epoch,
     stopped_layout,
 )
-from hybridtrain.engine.telemetry import log, tensorboard_writer
+from hybridtrain.engine.telemetry import log
 from hybridtrain.engine.trainer import Trainer, build_trainer
 from hybridtrain.errors import UserError
 from hybridtrain.optim import create_schedule
@@ -157,18 +154,14 @@ def on_reset(cfg: Config, state: ElasticState) -> None:
 
 
 def start_run(cfg: Config, state: ElasticState, resume: str | None) -> None:
-    """Once per run, inside the elastic loop (its collectives must not meet a joining worker's state sync):
-    load the checkpoint, write the resolved config, cut the metrics to the resumed epochs."""
+    """Once per run, inside the elastic loop (its collectives must not meet a joining worker's state sync): load the
+    checkpoint (the run's record then writes the resolved config and cuts the metrics to the resumed epochs)."""
     t, pos = state.trainer, state.position
     loaded = resume_state(cfg, t.topo, required=resume == "required") if resume else None
     if loaded:
         restore_position(cfg, t, loaded, pos)
         log(t.topo, f"hybridtrain: resumed from epoch {pos.epoch + 1}, sample {pos.consumed} of its permutation, "
                     f"in {cfg.run_dir}")
-    if t.topo.is_root:
-        os.makedirs(cfg.run_dir, exist_ok=True)
-        save_config(cfg, os.path.join(cfg.run_dir, "config.yaml"))
-        truncate_metrics(os.path.join(cfg.run_dir, "metrics.jsonl"), pos.epoch)
     pos.started = True
 
 
@@ -249,35 +242,24 @@ def train_epochs_elastic(state: ElasticState, cfg: Config, resume: str | None, w
         start_run(cfg, state, resume)
         state.commit()
     log_setup(cfg, t)
-    run_start = time.perf_counter() - state.position.elapsed_s
-    board = tensorboard_writer(cfg) if t.topo.is_root else None
-    metrics_path = os.path.join(cfg.run_dir, "metrics.jsonl")
+    # after a reset too: metrics.jsonl is cut to the committed epochs (a rolled-back epoch's end may have written)
+    run = RunRecord(cfg, t.topo, None, state.position.epoch, state.position.elapsed_s)
     first_epoch_of_process = True
     while state.position.epoch < cfg.train.epochs:
         pos, b, epoch_start = state.position, cfg.train.batch_size, time.perf_counter()
-        committer = Committer(state, cfg.elastic.commit_steps, b, run_start)
+        committer = Committer(state, cfg.elastic.commit_steps, b, run.start)
         segment = EpochPosition(pos.epoch, resume=segment_base(pos, t.topo), start=pos.consumed,
                                 first_step=step_in_epoch(pos.consumed, t.topo.size, b, t.k))
         result = train_segment(cfg, t, segment, first_epoch_of_process, watchdog, committer)
         first_epoch_of_process = False
         watchdog.beat()
-        def save(record, pos=pos):
-            truncate_metrics(metrics_path, pos.epoch)  # a rolled-back epoch end may have written it already
-            pos.elapsed_s = time.perf_counter() - run_start
-            checkpoint.save_checkpoint(save_state(cfg, state, record), cfg.run_dir, pos.epoch + 1,
-                                       cfg.train.keep_checkpoints)
-        end_epoch(cfg, t, pos.epoch, result, epoch_start, run_start, [], board, save)
+        end_epoch(cfg, t, pos.epoch, result, epoch_start, run)
         watchdog.beat()
         t.audit.write(pos.epoch, t.topo)
-        state.position = Position(epoch=pos.epoch + 1, elapsed_s=time.perf_counter() - run_start, started=True)
+        state.position = Position(epoch=pos.epoch + 1, elapsed_s=run.elapsed(), started=True)
         state.commit()
     watchdog.pause()
-    return finish(cfg, t, board)
-
-
-def save_state(cfg: Config, state: ElasticState, record: dict | None = None) -> dict:
-    """The same epoch checkpoint as a static run's: it resumes with or without --elastic, on any ranks."""
-    return checkpoint_state(cfg, state.trainer, state.position.epoch, state.position.elapsed_s, record)
+    return finish(cfg, t, run)
 
 
 def run_elastic(cfg: Config, resume: str | None = None) -> dict | None:

@@ -48,7 +48,7 @@ import torch
 
 from hybridtrain.distributed import collectives as distributed
 from hybridtrain.distributed import failures
-from hybridtrain.errors import launcher_rank
+from hybridtrain.launched_by import launcher_rank
 
 # ----------------------------------------------------------------------------- SIGTERM and dead peers
 
@@ -176,16 +176,17 @@ def local_work(what: str):
         watchdog.busy = before
 
 
-def root_writes(topo, write) -> None:
-    """Rank 0 runs ``write()`` (a checkpoint) while the other ranks wait for it: local work on every rank. Rank 0
-    then waits for them outside it, so a rank that hung meanwhile is still named by rank 0's watchdog."""
-    if topo.is_root:
-        with local_work("a checkpoint write"):
-            write()
-        distributed.barrier()
-    else:
-        with local_work("rank 0's checkpoint write"):
+@contextlib.contextmanager
+def root_writes(topo):
+    """Rank 0 writes (a checkpoint) inside this context, which yields whether this rank is the one that writes, while
+    the other ranks wait for it: local work on every rank. Rank 0 then waits for them outside it, so a rank that hung
+    meanwhile is still named by rank 0's watchdog."""
+    with local_work("a checkpoint write" if topo.is_root else "rank 0's checkpoint write"):
+        yield topo.is_root
+        if not topo.is_root:
             distributed.barrier()
+    if topo.is_root:
+        distributed.barrier()
 
 
 class StallWatchdog:

@@ -8,7 +8,7 @@ import sys
 import time
 import traceback
 
-from hybridtrain.config import Config, save_config
+from hybridtrain.config import Config
 from hybridtrain.data.resolution import train_resolution
 from hybridtrain.distributed import collectives as distributed
 from hybridtrain.distributed import failures
@@ -23,19 +23,11 @@ from hybridtrain.engine.epoch import (
 )
 from hybridtrain.engine.guards import PreemptionWatch, StallWatchdog, root_writes, steps_between_checks
 from hybridtrain.engine.memory import reset_peak_memory
-from hybridtrain.engine.metrics_file import truncate_metrics
 from hybridtrain.engine.profiling import create_profiler
-from hybridtrain.engine.records import (
-    SampleAudit,
-    audit_path,
-    log_setup,
-    record_epoch,
-    training_record,
-    with_validation,
-)
+from hybridtrain.engine.records import RunRecord, SampleAudit, audit_path, log_setup, training_record, with_validation
 from hybridtrain.engine.resume import checkpoint_state, restore, resume_state, save_stopped_epoch
 from hybridtrain.engine.step import compile_steps, compiles_in_epoch, recompiles_in_epoch, warmup_steps
-from hybridtrain.engine.telemetry import ProgressBar, log, tensorboard_writer
+from hybridtrain.engine.telemetry import ProgressBar, log
 from hybridtrain.engine.trainer import Trainer, build_trainer
 from hybridtrain.errors import PeerFailure, UserError, is_peer_failure
 from hybridtrain.models.batchnorm import average_running_statistics
@@ -125,18 +117,19 @@ def release_failed_run(t: Trainer | None, exc: BaseException | None) -> None:
         pending += [exc.__cause__, exc.__context__]
 
 
-def end_epoch(cfg: Config, t: Trainer, epoch: int, result, epoch_start: float, run_start: float, history: list,
-              board, save) -> dict:
+def end_epoch(cfg: Config, t: Trainer, epoch: int, result, epoch_start: float, run: RunRecord) -> dict:
     """The one end-of-epoch path of the static and the elastic loop: BN statistics averaged over the ranks ->
-    the checkpoint (rank 0, ``save(record)``; local work for the watchdog on every rank), so a failing validation
-    loses no training -> validation -> the record in metrics.jsonl, TensorBoard and the log."""
+    the checkpoint (rank 0; local work for the watchdog on every rank), so a failing validation loses no training ->
+    validation -> the record in metrics.jsonl, TensorBoard and the log (``run``)."""
     average_running_statistics(t.model, cfg.bn.combine)
     if t.ema is not None:
         t.ema.average_bn()
-    record = {**training_record(t, epoch, result, epoch_start, run_start),
+    record = {**training_record(t, epoch, result, epoch_start, run.start),
               "train_resolution": train_resolution(cfg, epoch)}  # progressive resizing's px (data.res_*)
     saving = time.perf_counter()
-    root_writes(t.topo, lambda: save(record))
+    with root_writes(t.topo) as writing:
+        if writing:
+            run.save_checkpoint(checkpoint_state(cfg, t, epoch, run.elapsed(), record), epoch + 1)
     validating = time.perf_counter()
     try:
         ev, extra = validate(cfg, t, str(epoch))
@@ -145,7 +138,7 @@ def end_epoch(cfg: Config, t: Trainer, epoch: int, result, epoch_start: float, r
                         f"auto)") from None
     record.update(epoch_breakdown(t, epoch, result, validating - saving, time.perf_counter() - validating,
                                   epoch_start))
-    return record_epoch(cfg, t, {**with_validation(record, ev, epoch_start, run_start), **extra}, history, board)
+    return run.write({**with_validation(record, ev, epoch_start, run.start), **extra})
 
 
 def validate(cfg: Config, t: Trainer, tag: str) -> tuple:
@@ -171,23 +164,22 @@ def epoch_breakdown(t: Trainer, epoch: int, result, checkpoint_s: float, validat
     return fields
 
 
-def complete_pending_record(cfg: Config, t: Trainer, state: dict, history: list, board) -> None:
+def complete_pending_record(cfg: Config, t: Trainer, state: dict, run: RunRecord) -> None:
     """A run that stopped between an epoch's checkpoint and its metrics line: validate now and write the line."""
     pending = state.get("pending_record") if not state.get("partial") else None
-    missing = distributed.broadcast_object(bool(pending) and all(r["epoch"] != pending["epoch"] for r in history),
+    missing = distributed.broadcast_object(bool(pending) and all(r["epoch"] != pending["epoch"] for r in run.history),
                                            "pending_record")
     if missing:
         now = time.perf_counter()
         ev, extra = validate(cfg, t, f"pending{pending['epoch']}")
-        record_epoch(cfg, t, {**with_validation(pending, ev, now - pending["epoch_time_s"],
-                                                now - pending["wall_time_s"]), **extra}, history, board)
+        run.write({**with_validation(pending, ev, now - pending["epoch_time_s"], now - pending["wall_time_s"]),
+                   **extra})
 
 
 def train_epochs(cfg: Config, t: Trainer, watch: PreemptionWatch, resume: str | None,
                  owner: rundir.RunDir | None = None) -> dict | None:
     topo = t.topo
-    metrics_path = os.path.join(cfg.run_dir, "metrics.jsonl")
-    start_epoch, history, elapsed_before, resumed = 0, [], 0.0, None
+    start_epoch, elapsed_before, resumed = 0, 0.0, None
     state = resume_state(cfg, topo, required=resume == "required") if resume else None
     if state:
         resumed = restore(t, state, cfg.data.backend)
@@ -199,21 +191,16 @@ def train_epochs(cfg: Config, t: Trainer, watch: PreemptionWatch, resume: str | 
         if t.ema is not None:
             t.ema.reset()  # from the broadcast weights
     startup_mark("model_build")  # built, wrapped and broadcast (or restored)
-    if topo.is_root:
-        os.makedirs(cfg.run_dir, exist_ok=True)
-        save_config(cfg, os.path.join(cfg.run_dir, "config.yaml"))
-        history = truncate_metrics(metrics_path, start_epoch)
     log_setup(cfg, t)
-    run_start = time.perf_counter() - elapsed_before
-    board = tensorboard_writer(cfg, resumed=state is not None) if topo.is_root else None
+    run = RunRecord(cfg, topo, owner, start_epoch, elapsed_before, resumed=state is not None)
     if state:
-        complete_pending_record(cfg, t, state, history, board)
+        complete_pending_record(cfg, t, state, run)
     t.audit = SampleAudit(audit_path(cfg))
     t.profiler = create_profiler(cfg, topo)  # train --profile (profiling.py); None when off
     watchdog = stall_watchdog(cfg, topo)
     startup_mark("run_setup")  # the config written, metrics.jsonl, TensorBoard's writer, the watchdog
     try:
-        return train_epoch_range(cfg, t, watch, watchdog, start_epoch, resumed, run_start, history, board, owner)
+        return train_epoch_range(cfg, t, watch, watchdog, start_epoch, resumed, run)
     finally:
         watchdog.close()
         if t.profiler is not None:
@@ -288,8 +275,7 @@ def stall_watchdog(cfg: Config, topo) -> StallWatchdog:
 
 
 def train_epoch_range(cfg: Config, t: Trainer, watch: PreemptionWatch, watchdog: StallWatchdog, start_epoch: int,
-                      resumed: EpochPosition | None, run_start: float, history: list, board,
-                      owner: rundir.RunDir | None) -> dict | None:
+                      resumed: EpochPosition | None, run: RunRecord) -> dict | None:
     """Epochs ``start_epoch`` to the end, each followed by the end-of-epoch path; a SIGTERM stops after a step."""
     topo = t.topo
     for epoch in range(start_epoch, cfg.train.epochs):
@@ -299,14 +285,11 @@ def train_epoch_range(cfg: Config, t: Trainer, watch: PreemptionWatch, watchdog:
         if result.stopped:
             watch.close()
             t.audit.write(epoch, topo)
-            save_stopped_epoch(cfg, t, position, result.stopped, time.perf_counter() - run_start)
+            save_stopped_epoch(cfg, t, position, result.stopped, run)
             return None
-        def save(record, epoch=epoch):
-            checkpoint.save_checkpoint(checkpoint_state(cfg, t, epoch, time.perf_counter() - run_start, record),
-                                       cfg.run_dir, epoch + 1, cfg.train.keep_checkpoints, owner=owner)
         watchdog.beat()
         t.audit.write(epoch, topo)
-        end_epoch(cfg, t, epoch, result, epoch_start, run_start, history, board, save)
+        end_epoch(cfg, t, epoch, result, epoch_start, run)
         watchdog.beat()
         if epoch + 1 < cfg.train.epochs and watch.agreed_now():
             watch.close()
@@ -315,10 +298,10 @@ def train_epoch_range(cfg: Config, t: Trainer, watch: PreemptionWatch, watchdog:
             return None
     watch.close()
     watchdog.pause()
-    return finish(cfg, t, board)
+    return finish(cfg, t, run)
 
 
-def finish(cfg: Config, t: Trainer, board) -> dict | None:
+def finish(cfg: Config, t: Trainer, run: RunRecord) -> dict | None:
     """Check that the ranks agree and write the final model; rank 0 returns what the report adds (cli writes
     it), the other ranks None."""
     digests = distributed.gather_digests(t.model.state_dict(), t.bundle.optimizer.state_dict())
@@ -332,6 +315,5 @@ def finish(cfg: Config, t: Trainer, board) -> dict | None:
     weights = t.ema.weights() if cfg.train.final_weights == "ema" else t.model.state_dict()
     final = {name: tensor.detach().cpu().contiguous() for name, tensor in weights.items()}
     checkpoint.atomic_save(final, os.path.join(cfg.run_dir, "final_model.pt"))  # durable, with its .sha256
-    if board:
-        board.close()
+    run.close()
     return {"world_size": t.topo.size, "rank_digests": digests}

@@ -1,4 +1,5 @@
-"""An epoch's record: what metrics.jsonl, TensorBoard and the log get, and the setup lines."""
+"""The run's record, kept by the loop (``RunRecord``): the run folder, metrics.jsonl and its records, the board, the
+clock; an epoch's record (what metrics.jsonl, TensorBoard and the log get) and the setup lines."""
 from __future__ import annotations
 
 import json
@@ -7,25 +8,61 @@ import socket
 import time
 from typing import TYPE_CHECKING
 
-from hybridtrain.config import Config
+from hybridtrain.config import Config, save_config
 from hybridtrain.distributed import collectives as distributed
+from hybridtrain.engine import checkpoint
 from hybridtrain.engine.memory import memory_figures
-from hybridtrain.engine.metrics_file import append_metrics
-from hybridtrain.engine.telemetry import device_name, epoch_line, log, write_scalars
+from hybridtrain.engine.metrics_file import append_metrics, truncate_metrics
+from hybridtrain.engine.rundir import RunDir
+from hybridtrain.engine.telemetry import device_name, epoch_line, log, tensorboard_writer, write_scalars
 from hybridtrain.optim import optimizer_spec
 
 if TYPE_CHECKING:  # annotations only
     from hybridtrain.engine.trainer import Trainer
 
 
-def record_epoch(cfg: Config, t: Trainer, record: dict, history: list, board) -> dict:
-    if t.topo.is_root:
-        append_metrics(os.path.join(cfg.run_dir, "metrics.jsonl"), record)
-        history.append(record)
-        if board:
-            write_scalars(board, record)
-        log(t.topo, epoch_line(record, cfg.train.epochs))
-    return record
+class RunRecord:
+    """What a run keeps from its start to its end, in one place that the loop owns and that writes every file of the
+    run folder the training writes: the folder's hold (``owner``, rundir.RunDir: rank 0's, None under --elastic),
+    the resolved config.yaml, metrics.jsonl (cut to the ``completed_epochs`` a resumed run keeps) and the records in
+    it, the board (TensorBoard and the sinks), and the run's clock (``start``, which counts the ``elapsed_s`` of the
+    run's earlier processes). Rank 0 writes; on the other ranks the writes are no-ops."""
+
+    def __init__(self, cfg: Config, topo, owner: RunDir | None = None, completed_epochs: int = 0,
+                 elapsed_s: float = 0.0, resumed: bool = False):
+        self.cfg, self.topo, self.owner = cfg, topo, owner
+        self.metrics_path = os.path.join(cfg.run_dir, "metrics.jsonl")
+        self.history, self.board = [], None
+        if topo.is_root:
+            os.makedirs(cfg.run_dir, exist_ok=True)
+            save_config(cfg, os.path.join(cfg.run_dir, "config.yaml"))
+            self.history = truncate_metrics(self.metrics_path, completed_epochs)
+            self.board = tensorboard_writer(cfg, resumed)
+        self.start = time.perf_counter() - elapsed_s
+
+    def elapsed(self) -> float:
+        """The run's training time so far, its earlier processes' included."""
+        return time.perf_counter() - self.start
+
+    def save_checkpoint(self, state: dict, epoch: int, step: int | None = None) -> str:
+        """Epoch ``epoch``'s checkpoint (a stopped one after ``step`` steps), listed in run.json; the oldest beyond
+        train.keep_checkpoints pruned (checkpoint.save_checkpoint)."""
+        return checkpoint.save_checkpoint(state, self.cfg.run_dir, epoch, self.cfg.train.keep_checkpoints, step,
+                                          self.owner)
+
+    def write(self, record: dict) -> dict:
+        """An epoch's record into metrics.jsonl, the board and the log."""
+        if self.topo.is_root:
+            append_metrics(self.metrics_path, record)
+            self.history.append(record)
+            if self.board:
+                write_scalars(self.board, record)
+            log(self.topo, epoch_line(record, self.cfg.train.epochs))
+        return record
+
+    def close(self) -> None:
+        if self.board:
+            self.board.close()
 
 
 def log_setup(cfg: Config, t: Trainer) -> None:

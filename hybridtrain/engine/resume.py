@@ -16,6 +16,7 @@ from hybridtrain.errors import UserError
 from hybridtrain.models.batchnorm import average_running_statistics, running_buffers
 
 if TYPE_CHECKING:  # annotations only
+    from hybridtrain.engine.records import RunRecord
     from hybridtrain.engine.trainer import Trainer
 
 
@@ -125,7 +126,7 @@ def checkpoint_state(cfg: Config, t: Trainer, completed_epoch: int, elapsed_s: f
 
 
 def save_stopped_epoch(cfg: Config, t: Trainer, position: EpochPosition, stopped: EpochProgress,
-                       elapsed_s: float) -> None:
+                       run: RunRecord) -> None:
     """A preempted epoch's checkpoint: the averaged model, every rank's own BN buffers and progress, and the
     layout and samples consumed, so that a resume on another layout continues by samples."""
     mine = {"bn_buffers": [buf.detach().cpu().clone() for buf in running_buffers(t.model)],
@@ -139,12 +140,13 @@ def save_stopped_epoch(cfg: Config, t: Trainer, position: EpochPosition, stopped
 
     epoch, step = position.epoch, position.first_step + stopped.passes // t.k
 
-    def write():
-        state = checkpoint_state(cfg, t, epoch - 1, elapsed_s)
-        state["partial"] = {"epoch": epoch, "ranks": ranks, "batch_size": t.batch_size, "start": position.start,
-                            "first_step": position.first_step,
-                            "samples": consumed_samples(position.start, stopped.passes, t.topo.size, t.batch_size)}
-        path = checkpoint.save_checkpoint(state, cfg.run_dir, epoch + 1, cfg.train.keep_checkpoints, step=step)
-        log(t.topo, f"hybridtrain: stopped on SIGTERM after step {step} of epoch {epoch + 1}; "
-                    f"resumable from {path}: rerun the same command with --resume auto")
-    root_writes(t.topo, write)
+    with root_writes(t.topo) as writing:
+        if writing:
+            state = checkpoint_state(cfg, t, epoch - 1, run.elapsed())
+            state["partial"] = {"epoch": epoch, "ranks": ranks, "batch_size": t.batch_size, "start": position.start,
+                                "first_step": position.first_step,
+                                "samples": consumed_samples(position.start, stopped.passes, t.topo.size,
+                                                            t.batch_size)}
+            path = run.save_checkpoint(state, epoch + 1, step=step)
+            log(t.topo, f"hybridtrain: stopped on SIGTERM after step {step} of epoch {epoch + 1}; "
+                        f"resumable from {path}: rerun the same command with --resume auto")

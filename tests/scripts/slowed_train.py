@@ -9,7 +9,7 @@ import time
 
 from hybridtrain.cli import main
 from hybridtrain.data import torchvision_loader
-from hybridtrain.errors import launcher_rank
+from hybridtrain.launched_by import launcher_rank
 
 
 def slow_train_loader(create):
