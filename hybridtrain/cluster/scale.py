@@ -21,7 +21,7 @@ import sys
 from hybridtrain.cluster import netns as cluster
 from hybridtrain.distributed.launcher import venv_tool
 from hybridtrain.errors import UserError
-from hybridtrain.outputs import markdown_table, write_json_atomically
+from hybridtrain.outputs import markdown_table, write_json_atomically, write_text_atomically
 from hybridtrain.perf.scaling import available_slots, launch, measured_config
 from hybridtrain.predict.cluster_model import ClusterSpec, predict
 
@@ -72,8 +72,7 @@ def cluster_row(config: str | None, overrides: list[str], hosts: list[str], comp
     outputs = [p.communicate()[0] for p in procs]
     if any(p.returncode for p in procs) or not os.path.isfile(record_path):
         lines = [x for o in outputs for x in o.splitlines() if "hybridtrain: error" in x][-1:] or ["see its output"]
-        with open(os.path.join(out, f"{tag}.log"), "w") as fh:
-            fh.write("\n".join(outputs))
+        write_text_atomically(os.path.join(out, f"{tag}.log"), "\n".join(outputs))
         raise UserError(f"cluster row {engine} compression={compression} failed: {lines[0]} (output in "
                         f"{out}/{tag}.log)", same_on_all_ranks=False)
     after = cluster.link_counters(hosts)

@@ -13,7 +13,7 @@ import subprocess
 from hybridtrain.config import load_config
 from hybridtrain.distributed.launcher import launch_command, resolve_engine, venv_tool
 from hybridtrain.errors import UserError
-from hybridtrain.outputs import figure, markdown_table, save_figure, write_json_atomically
+from hybridtrain.outputs import figure, markdown_table, save_figure, write_json_atomically, write_text_atomically
 from hybridtrain.reports.paper_metrics import convergence_epoch
 from hybridtrain.reports.report import load_run
 
@@ -166,8 +166,7 @@ def write_table(name: str, rows: list[dict], out: str) -> str:
                                     f"{r['images_per_sec']:.1f}",
                                     f"{r['peak_memory_mb']:.0f}", r["skipped_steps"], r["nan_epochs"]]
                                    for r in rows]) + "\n"
-    with open(os.path.join(out, f"{name}.md"), "w") as fh:
-        fh.write(text)
+    write_text_atomically(os.path.join(out, f"{name}.md"), text)
     return text
 
 
