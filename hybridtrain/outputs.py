@@ -127,6 +127,21 @@ def check_output_dir(path: str | None, option: str) -> str:
     return path
 
 
+def is_plain_file(path: str) -> bool:
+    """A regular file that is not a symbolic link: the only kind of file a run replaces or removes."""
+    return os.path.isfile(path) and not os.path.islink(path)
+
+
+def refuse_unless_plain(path: str) -> None:
+    """One line when ``path`` exists as a symbolic link, a folder or another non-file: a run never writes through
+    or removes what is not its own plain file."""
+    if os.path.lexists(path) and not is_plain_file(path):
+        kind = ("a symbolic link" + ("" if os.path.exists(path) else " that points nowhere")
+                if os.path.islink(path) else "a folder" if os.path.isdir(path) else "not a regular file")
+        raise UserError(f"{path} is {kind}, where the run keeps its own file: hybridtrain never writes through or "
+                        f"removes it: move it out of the run_dir, or choose another run_dir", same_on_all_ranks=False)
+
+
 def refuse_dangling(path: str, option: str) -> None:
     """One line when ``path``, or a folder on its way, is a symbolic link to nothing (an unmounted disk, a moved
     folder): the link is what to fix, not the path."""

@@ -17,8 +17,8 @@ import torch
 import yaml
 from conftest import HYBRIDTRAIN, REPO, assert_one_error_line, env_with_venv, read_metrics, tiny_config
 
-from hybridtrain.engine.checkpoint import file_sha256, load_checkpoint, save_checkpoint, verify_checksum
-from hybridtrain.engine.rundir import checksum_path
+from hybridtrain.engine.checkpoint import checksum_path, file_sha256, load_checkpoint, verify_checksum
+from hybridtrain.engine.rundir import save_checkpoint
 
 FILE_SIZE_LIMIT = 32 << 20  # below a resnet18 checkpoint (~90 MB), above what MPI's startup writes
 
@@ -182,7 +182,7 @@ def test_full_disk_while_saving_keeps_the_previous_checkpoint_and_is_one_error_l
 
 SAVE_UNDER_A_FILE_SIZE_LIMIT = """
 import resource, signal, sys, torch
-from hybridtrain.engine.checkpoint import save_checkpoint
+from hybridtrain.engine.rundir import save_checkpoint
 from hybridtrain.cli import run_guarded
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))

@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import HYBRIDTRAIN, assert_one_error_line, horovodrun, rank_output, read_metrics, run, tiny_config
 
-from hybridtrain.engine import checkpoint, rundir
+from hybridtrain.engine import rundir
 from hybridtrain.errors import UserError
 
 
@@ -74,7 +74,7 @@ def test_pruning_removes_only_the_runs_own_checkpoints(tmp_path):
     foreign.write_bytes(b"someone else's")
     state = {"model": {"w": torch.ones(2)}, "epoch": 0}
     for epoch in (1, 2, 3):
-        checkpoint.save_checkpoint(state, run_dir, epoch, keep=2, owner=owner)
+        rundir.save_checkpoint(state, run_dir, epoch, keep=2, owner=owner)
     names = sorted(p.name for p in tmp_path.glob("checkpoint-epoch*.pt"))
     assert names == ["checkpoint-epoch0002.pt", "checkpoint-epoch0003.pt", "checkpoint-epoch0009.pt"]
     assert owner.checkpoints() == ["checkpoint-epoch0002.pt", "checkpoint-epoch0003.pt"]

@@ -1,10 +1,10 @@
-"""Verified checkpoints: SHA-256 sidecar, temp file + fsync + rename, keep the last K, safe loading.
+"""What a checkpoint file holds: its bytes (written atomically), its SHA-256 sidecar, its safe loading and its restore.
 
 On disk, ``checkpoint-epochNNNN.pt`` is a plain ``torch.save`` file whose state holds the config fingerprint,
 and ``checkpoint-epochNNNN.pt.sha256`` holds its SHA-256 as a ``sha256sum`` line (``sha256sum -c`` checks it).
 A save hashes the bytes as they are written to a temp file and fsyncs it, then writes and fsyncs the sidecar.
-Only then is the temp file renamed into place. Older checkpoints are pruned after the new one is durable;
-which names are checkpoints, and which of them the run wrote, is rundir.py's.
+Only then is the temp file renamed into place. Which names are checkpoints, the save of one into the run folder,
+the pruning of older ones after the new one is durable and the choice of the newest to load are rundir.py's.
 Loading checks the SHA-256 before anything is unpickled, then uses ``torch.load(weights_only=True)``:
 tensors and plain data only, so a planted pickle cannot run code. A checkpoint that fails either check is
 named and skipped for the previous one.
@@ -20,11 +20,16 @@ import warnings
 
 import torch
 
-from hybridtrain.engine import rundir
 from hybridtrain.errors import UserError
 from hybridtrain.optim.optimizers import RUN_CHOICE_KEYS
+from hybridtrain.outputs import is_plain_file, refuse_unless_plain
 
 SHA256SUM_LINE = re.compile(r"^([0-9a-f]{64}) [ *](.+)$")
+CHECKSUM_SUFFIX = ".sha256"
+
+
+def checksum_path(path: str) -> str:
+    return path + CHECKSUM_SUFFIX
 
 
 def _create_new(path: str, mode: str):
@@ -84,7 +89,7 @@ def _write_checksum(path: str, digest: str, tmp: str) -> None:
     with _create_new(tmp, "w") as fh:
         fh.write(f"{digest}  {os.path.basename(path)}\n")
         _fsync(fh)
-    os.replace(tmp, rundir.checksum_path(path))
+    os.replace(tmp, checksum_path(path))
 
 
 def atomic_save(obj, path: str) -> None:
@@ -93,9 +98,9 @@ def atomic_save(obj, path: str) -> None:
     A failed write (full disk, file-size limit) removes the temp files and leaves an older checkpoint intact.
     """
     directory = os.path.dirname(os.path.abspath(path))
-    tmp, tmp_sum = f"{path}.tmp-{os.getpid()}", f"{rundir.checksum_path(path)}.tmp-{os.getpid()}"
-    for own in (path, rundir.checksum_path(path), tmp, tmp_sum):
-        rundir.refuse_unless_plain(own)
+    tmp, tmp_sum = f"{path}.tmp-{os.getpid()}", f"{checksum_path(path)}.tmp-{os.getpid()}"
+    for own in (path, checksum_path(path), tmp, tmp_sum):
+        refuse_unless_plain(own)
     for leftover in (tmp, tmp_sum):  # a save of an earlier process with this pid, killed mid-write
         if os.path.lexists(leftover):
             os.remove(leftover)
@@ -107,23 +112,10 @@ def atomic_save(obj, path: str) -> None:
         _fsync_dir(directory)
     except OSError as exc:
         for leftover in (tmp, tmp_sum):
-            if rundir.is_plain_file(leftover):
+            if is_plain_file(leftover):
                 os.remove(leftover)
         raise UserError(f"could not write checkpoint {path} ({exc.strerror or exc}): free disk space or "
                         f"choose another run_dir; the previous checkpoint is intact", same_on_all_ranks=False) from None
-
-
-def save_checkpoint(state: dict, directory: str, epoch: int, keep: int, step: int | None = None,
-                    owner: rundir.RunDir | None = None) -> str:
-    """Write the epoch's checkpoint (a stopped one when ``step`` is given), then prune old ones (only after
-    the new one is durable): those ``owner`` (the run's rundir.RunDir) wrote, or without one every checkpoint
-    in ``directory`` (rundir.keep_newest)."""
-    os.makedirs(directory, exist_ok=True)
-    name = rundir.checkpoint_name(epoch, step)
-    path = os.path.join(directory, name)
-    atomic_save(state, path)
-    rundir.keep_newest(directory, name, keep, owner)
-    return path
 
 
 def file_sha256(path: str) -> str:
@@ -136,7 +128,7 @@ def file_sha256(path: str) -> str:
 
 def verify_checksum(path: str) -> bool:
     """True when ``path`` matches its sidecar, False when it has none; ValueError when it does not match."""
-    sidecar = rundir.checksum_path(path)
+    sidecar = checksum_path(path)
     if not os.path.exists(sidecar):
         return False
     with open(sidecar, "rb") as fh:
@@ -160,7 +152,7 @@ def _refusal(exc: pickle.UnpicklingError) -> str:
 def load_checkpoint(path: str) -> dict:
     """The verified, weights-only state of ``path``; ValueError saying why when it is unusable."""
     if not verify_checksum(path):
-        print(f"hybridtrain: warning: {path} has no {os.path.basename(rundir.checksum_path(path))}: its integrity "
+        print(f"hybridtrain: warning: {path} has no {os.path.basename(checksum_path(path))}: its integrity "
               f"cannot be verified (copy the .sha256 file along with a checkpoint)", file=sys.stderr)
     try:
         with warnings.catch_warnings():
@@ -175,22 +167,6 @@ def load_checkpoint(path: str) -> dict:
     if not isinstance(state, dict) or "model" not in state or "epoch" not in state:
         raise ValueError("not a hybridtrain checkpoint (missing 'model' or 'epoch')")
     return state
-
-
-def load_latest(directory: str) -> dict:
-    """The newest checkpoint that verifies and loads; the others are named and skipped."""
-    candidates = rundir.list_checkpoints(directory)
-    if not candidates:
-        raise UserError(f"--resume: no checkpoint in {directory}: run without --resume to start fresh")
-    reasons = []
-    for _, path in reversed(candidates):
-        try:
-            return load_checkpoint(path)
-        except ValueError as exc:
-            reasons.append(f"{os.path.basename(path)} {exc}")
-            print(f"hybridtrain: warning: skipping checkpoint {path}: {exc}", file=sys.stderr)
-    raise UserError(f"--resume: no usable checkpoint in {directory} ({len(reasons)} skipped; newest: {reasons[0]}): "
-                    f"remove the bad ones and start fresh without --resume")
 
 
 def _model_mismatch(model: torch.nn.Module, saved: dict) -> str:

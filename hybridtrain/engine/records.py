@@ -10,10 +10,9 @@ from typing import TYPE_CHECKING
 
 from hybridtrain.config import Config, save_config
 from hybridtrain.distributed import collectives as distributed
-from hybridtrain.engine import checkpoint
 from hybridtrain.engine.memory import memory_figures
 from hybridtrain.engine.metrics_file import append_metrics, truncate_metrics
-from hybridtrain.engine.rundir import RunDir
+from hybridtrain.engine.rundir import RunDir, save_checkpoint
 from hybridtrain.engine.telemetry import device_name, epoch_line, log, tensorboard_writer, write_scalars
 from hybridtrain.optim import optimizer_spec
 
@@ -46,8 +45,8 @@ class RunRecord:
 
     def save_checkpoint(self, state: dict, epoch: int, step: int | None = None) -> str:
         """Epoch ``epoch``'s checkpoint (a stopped one after ``step`` steps), listed in run.json; the oldest beyond
-        train.keep_checkpoints pruned (checkpoint.save_checkpoint)."""
-        return checkpoint.save_checkpoint(state, self.cfg.run_dir, epoch, self.cfg.train.keep_checkpoints, step,
+        train.keep_checkpoints pruned (rundir.save_checkpoint)."""
+        return save_checkpoint(state, self.cfg.run_dir, epoch, self.cfg.train.keep_checkpoints, step,
                                           self.owner)
 
     def write(self, record: dict) -> dict:

@@ -8,7 +8,7 @@ import torch
 
 from hybridtrain.config import Config
 from hybridtrain.distributed import collectives as distributed
-from hybridtrain.engine import checkpoint, rundir
+from hybridtrain.engine import rundir
 from hybridtrain.engine.epoch import EpochPosition, EpochProgress
 from hybridtrain.engine.guards import root_writes
 from hybridtrain.engine.telemetry import log
@@ -26,7 +26,7 @@ def resume_state(cfg: Config, topo, required: bool = True) -> dict | None:
     state = None
     if topo.is_root:
         try:
-            state = checkpoint.load_latest(cfg.run_dir) if required or rundir.list_checkpoints(cfg.run_dir) \
+            state = rundir.load_latest(cfg.run_dir) if required or rundir.list_checkpoints(cfg.run_dir) \
                 else {"none": True}
         except UserError as exc:
             state = {"error": str(exc)}  # every rank raises it, nobody waits on a dead rank 0

@@ -1,7 +1,8 @@
 """What a run's folder holds, in one module: which names are the run's (``RUN_FILES``, the checkpoint names), which
-are checkpoints (``list_checkpoints``), which temp files are stale, and the run's hold on the folder. A run owns its
-``run_dir``: an exclusive lock while it trains, a marker naming the run, and a refusal to start fresh over another
-run's files. (checkpoint.py is what a checkpoint file holds: its bytes, checksum and loading.)
+are checkpoints (``list_checkpoints``), a checkpoint's save into the folder and the pruning after it
+(``save_checkpoint``), the newest one that loads (``load_latest``), which temp files are stale, and the run's hold on
+the folder. A run owns its ``run_dir``: an exclusive lock while it trains, a marker naming the run, and a refusal to
+start fresh over another run's files. (checkpoint.py is what a checkpoint file holds: its bytes, checksum and loading.)
 
 - ``run.json`` names the run (``run_id``) and lists the checkpoints it wrote; pruning removes only those.
 - ``.lock`` is held with ``flock`` by rank 0 for the whole run. The kernel drops it when the process dies, so
@@ -24,8 +25,10 @@ import time
 import uuid
 
 from hybridtrain.config import check_run_dir
+from hybridtrain.engine import checkpoint
+from hybridtrain.engine.checkpoint import CHECKSUM_SUFFIX, checksum_path
 from hybridtrain.errors import UserError, environment_fault
-from hybridtrain.outputs import write_json_atomically
+from hybridtrain.outputs import is_plain_file, refuse_unless_plain, write_json_atomically
 
 MARKER = "run.json"
 LOCK = ".lock"
@@ -38,11 +41,6 @@ NAME_RE = re.compile(r"checkpoint-epoch\d+(?:-step\d+)?\.pt")  # the whole name 
 TEMP_RE = re.compile(r"(?:checkpoint-epoch\d+(?:-step\d+)?\.pt(?:\.sha256)?|run\.json|metrics\.jsonl)\.tmp-\d+"
                      r"|\.run\.json\.\w{8}\.json|\.metrics\.jsonl\.\w{8}\.jsonl")
 WHOLE_EPOCH = 1 << 30  # sorts a finished epoch after every stopped checkpoint of the same epoch
-CHECKSUM_SUFFIX = ".sha256"
-
-
-def checksum_path(path: str) -> str:
-    return path + CHECKSUM_SUFFIX
 
 
 def checkpoint_name(epoch: int, step: int | None = None) -> str:
@@ -59,21 +57,6 @@ def is_run_file_name(name: str) -> bool:
     """A checkpoint's name, its sidecar's, or a save's temp file's: the checkpoint-epoch* files a run writes."""
     base = name[:-len(CHECKSUM_SUFFIX)] if name.endswith(CHECKSUM_SUFFIX) else name
     return is_own_name(base) or TEMP_RE.fullmatch(name) is not None
-
-
-def is_plain_file(path: str) -> bool:
-    """A regular file that is not a symbolic link: the only kind of file a run replaces or removes."""
-    return os.path.isfile(path) and not os.path.islink(path)
-
-
-def refuse_unless_plain(path: str) -> None:
-    """One line when ``path`` exists as a symbolic link, a folder or another non-file: a run never writes through
-    or removes what is not its own plain file."""
-    if os.path.lexists(path) and not is_plain_file(path):
-        kind = ("a symbolic link" + ("" if os.path.exists(path) else " that points nowhere")
-                if os.path.islink(path) else "a folder" if os.path.isdir(path) else "not a regular file")
-        raise UserError(f"{path} is {kind}, where the run keeps its own file: hybridtrain never writes through or "
-                        f"removes it: move it out of the run_dir, or choose another run_dir", same_on_all_ranks=False)
 
 
 def list_checkpoints(directory: str) -> list[tuple[tuple[int, int], str]]:
@@ -337,3 +320,32 @@ def claim_run_dir(run_dir: str, resume: str | None, move: bool = False) -> tuple
     except BaseException:
         RunDir(run_dir, fd, {}, created).release()
         raise
+
+
+def save_checkpoint(state: dict, directory: str, epoch: int, keep: int, step: int | None = None,
+                    owner: RunDir | None = None) -> str:
+    """Write the epoch's checkpoint (a stopped one when ``step`` is given), then prune old ones (only after
+    the new one is durable): those ``owner`` (the run's RunDir) wrote, or without one every checkpoint
+    in ``directory`` (keep_newest)."""
+    os.makedirs(directory, exist_ok=True)
+    name = checkpoint_name(epoch, step)
+    path = os.path.join(directory, name)
+    checkpoint.atomic_save(state, path)
+    keep_newest(directory, name, keep, owner)
+    return path
+
+
+def load_latest(directory: str) -> dict:
+    """The newest checkpoint that verifies and loads; the others are named and skipped."""
+    candidates = list_checkpoints(directory)
+    if not candidates:
+        raise UserError(f"--resume: no checkpoint in {directory}: run without --resume to start fresh")
+    reasons = []
+    for _, path in reversed(candidates):
+        try:
+            return checkpoint.load_checkpoint(path)
+        except ValueError as exc:
+            reasons.append(f"{os.path.basename(path)} {exc}")
+            print(f"hybridtrain: warning: skipping checkpoint {path}: {exc}", file=sys.stderr)
+    raise UserError(f"--resume: no usable checkpoint in {directory} ({len(reasons)} skipped; newest: {reasons[0]}): "
+                    f"remove the bad ones and start fresh without --resume")
