@@ -7,7 +7,7 @@
   CUDA graph);
 - ``resume``, ``checkpoint``, ``rundir``: what a run keeps on disk and how it continues;
 - ``elastic``, ``guards``: ranks that come, go, are stopped (SIGTERM) or hang (the stall watchdog);
-- ``telemetry``, ``records``, ``memory``: what a run says and records.
+- ``records``: what a run says and records (the loop's RunRecord, the log, the progress bar, TensorBoard, peak memory).
 
 May import: data, models, optim, precision, distributed, config, errors. Never perf, reports or cli.
 """

@@ -31,8 +31,8 @@ from hybridtrain.data.loaders import create_loaders
 from hybridtrain.distributed import collectives as distributed
 from hybridtrain.distributed import horovod
 from hybridtrain.engine.epoch import EpochPosition, EpochProgress, EpochResult
-from hybridtrain.engine.loop import end_epoch, epoch_steps, finish, stall_watchdog
-from hybridtrain.engine.records import RunRecord, SampleAudit, audit_path, log_setup
+from hybridtrain.engine.loop import end_epoch, epoch_steps, finish, log_setup, stall_watchdog
+from hybridtrain.engine.records import RunRecord, SampleAudit, audit_path, log
 from hybridtrain.engine.resume import (
     carried_progress,
     consumed_samples,
@@ -40,7 +40,6 @@ from hybridtrain.engine.resume import (
     step_in_epoch,
     stopped_layout,
 )
-from hybridtrain.engine.telemetry import log
 from hybridtrain.engine.trainer import Trainer, build_trainer
 from hybridtrain.errors import UserError
 from hybridtrain.optim import create_schedule

@@ -22,15 +22,24 @@ from hybridtrain.engine.epoch import (
     evaluate,
 )
 from hybridtrain.engine.guards import PreemptionWatch, StallWatchdog, root_writes, steps_between_checks
-from hybridtrain.engine.memory import reset_peak_memory
 from hybridtrain.engine.profiling import create_profiler
-from hybridtrain.engine.records import RunRecord, SampleAudit, audit_path, log_setup, training_record, with_validation
+from hybridtrain.engine.records import (
+    ProgressBar,
+    RunRecord,
+    SampleAudit,
+    audit_path,
+    device_name,
+    log,
+    memory_figures,
+    reset_peak_memory,
+    with_validation,
+)
 from hybridtrain.engine.resume import checkpoint_state, restore, resume_state, save_stopped_epoch
 from hybridtrain.engine.step import compile_steps, compiles_in_epoch, recompiles_in_epoch, warmup_steps
-from hybridtrain.engine.telemetry import ProgressBar, log
 from hybridtrain.engine.trainer import Trainer, build_trainer
 from hybridtrain.errors import PeerFailure, UserError, is_peer_failure
 from hybridtrain.models.batchnorm import average_running_statistics
+from hybridtrain.optim import optimizer_spec
 
 
 def claim_run_dir(cfg: Config, topo, resume: str | None, move_aside: bool) -> rundir.RunDir | None:
@@ -162,6 +171,47 @@ def epoch_breakdown(t: Trainer, epoch: int, result, checkpoint_s: float, validat
     if "startup_s" in fields:
         log(t.topo, startup_line(fields["startup_s"]))
     return fields
+
+
+def log_setup(cfg: Config, t: Trainer) -> None:
+    data, topo, k = t.data, t.topo, t.k
+    if data.skipped_files:
+        log(topo, f"hybridtrain: skipping {len(data.skipped_files)} non-image file(s), e.g. {data.skipped_files[0]}")
+    dropped = data.dropped_per_epoch + (data.steps_per_epoch - t.updates * k) * topo.size * cfg.train.batch_size
+    log(topo, f"hybridtrain: {topo.size} rank(s) of the {topo.engine} engine on {device_name(topo.device)}, "
+              f"{cfg.data.backend} input, "
+              f"{'channels_last' if cfg.data.channels_last else 'NCHW'}, {t.precision.policy.mode} precision "
+              f"(fp32 math {t.fp32_math}), all-reduce compression {t.compression}")
+    log(topo, f"hybridtrain: {data.train_images} train / "
+              f"{data.val_images} val images, {data.num_classes} classes, {t.updates} steps/epoch, global batch "
+              f"{topo.size * cfg.train.batch_size * k}" + (f" ({k} accumulated passes per step)" if k > 1 else "")
+              + (f", {dropped} image(s) dropped per epoch" if dropped else ""))
+    compiled = [name for name, on in ((f"torch.compile ({cfg.train.compile_scope})", cfg.train.compile),
+                                      ("CUDA graphs", cfg.train.cuda_graphs),
+                                      ("fused optimizer kernels", cfg.optim.fused)) if on]
+    if compiled:
+        switch_epoch = optimizer_spec(cfg.optim).fused_switch_epoch(cfg.optim)
+        switch = f" and of epoch {switch_epoch + 1}" if switch_epoch is not None else ""
+        log(topo, f"hybridtrain: {', '.join(compiled)}: the first steps of this process{switch} compile or capture "
+                  f"(slow, and timed apart as warmup)")
+
+
+def training_record(t: Trainer, epoch: int, result, epoch_start: float, run_start: float) -> dict:
+    """The epoch's record up to validation (the validation keys come from with_validation)."""
+    memory = memory_figures(t.topo.device)
+    per_rank = distributed.allgather_floats([-1.0 if v is None else v for v in memory.values()], f"memory.{epoch}")
+    columns = {key: [v for v in per_rank[i::len(memory)] if v >= 0] for i, key in enumerate(memory)}
+    peak_mb = columns["peak_memory_mb"]
+    return {"epoch": epoch + 1, "train_loss": result.train_loss, "train_top1": result.train_top1,
+            "lr": t.bundle.optimizer.param_groups[0]["lr"], "epoch_time_s": time.perf_counter() - epoch_start,
+            "train_time_s": result.train_time_s, "images_per_sec": result.samples_seen / result.train_time_s,
+            "samples_seen": result.samples_seen, "wall_time_s": time.perf_counter() - run_start,
+            "loss_scale": t.precision.scaler.scale, "skipped_steps": result.skipped_steps,
+            "peak_memory_mb": max(peak_mb), "peak_memory_mb_per_rank": peak_mb,
+            "peak_memory_reserved_mb": max(columns["peak_memory_reserved_mb"], default=None),
+            "device_memory_used_mb": max(columns["device_memory_used_mb"], default=None),
+            "warmup_time_s": result.warmup_time_s, "warmup_samples": result.warmup_samples,
+            "fp32_math": t.fp32_math, "compression": t.compression, "world_size": t.topo.size}
 
 
 def complete_pending_record(cfg: Config, t: Trainer, state: dict, run: RunRecord) -> None:

@@ -1,24 +1,147 @@
-"""The run's record, kept by the loop (``RunRecord``): the run folder, metrics.jsonl and its records, the board, the
-clock; an epoch's record (what metrics.jsonl, TensorBoard and the log get) and the setup lines."""
+"""What a run says and writes as it goes, in one module: the run's record that the loop keeps (``RunRecord``: the run
+folder, config.yaml, metrics.jsonl and its records, the board, the clock), an epoch's record (what metrics.jsonl,
+TensorBoard and the log get, with its peak memory), the setup lines, rank 0's log lines and progress bar, and
+TensorBoard's writer (metrics.jsonl's format is ``metrics_file``'s, torch-free for ``report``)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
+import sys
 import time
-from typing import TYPE_CHECKING
+
+import torch
 
 from hybridtrain.config import Config, save_config
-from hybridtrain.distributed import collectives as distributed
-from hybridtrain.engine.memory import memory_figures
 from hybridtrain.engine.metrics_file import append_metrics, truncate_metrics
 from hybridtrain.engine.rundir import RunDir, save_checkpoint
-from hybridtrain.engine.telemetry import device_name, epoch_line, log, tensorboard_writer, write_scalars
-from hybridtrain.optim import optimizer_spec
 
-if TYPE_CHECKING:  # annotations only
-    from hybridtrain.engine.trainer import Trainer
 
+class ProgressBar:
+    """Rank 0's progress through an epoch: tqdm's bar (loss, img/s, ETA) on a terminal; elsewhere (horovodrun
+    and batch jobs pipe the output, where each bar update would pile up on one long line) a plain line every
+    ``interval_s`` seconds. Reads the device only when it shows something."""
+
+    def __init__(self, total: int, epoch: int, epochs: int, world_size: int, every: int = 5,
+                 interval_s: float = 30.0):
+        self.total, self.label = total, f"epoch {epoch + 1}/{epochs}"
+        self.world_size, self.every, self.interval_s = world_size, every, interval_s
+        self.start = self.last_line = time.perf_counter()
+        self.bar = None
+        if sys.stdout.isatty():
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, desc=self.label, unit="step", leave=False, file=sys.stdout,
+                            dynamic_ncols=True)
+
+    def update(self, loss_sum, seen, steps: int) -> None:
+        """After a step: ``steps`` of the epoch's ``total`` passes are done; ``loss_sum`` and ``seen`` are its sums
+        so far (device tensors, read only for a line or the bar's loss every ``every`` passes)."""
+        now = time.perf_counter()
+        if self.bar is not None:
+            before = self.bar.n
+            self.bar.update(steps - before)
+            if steps // self.every != before // self.every:
+                self.bar.set_postfix(loss=f"{float(loss_sum / seen):.4f}", img_s=f"{self.rate(seen, now):.0f}")
+        elif now - self.last_line >= self.interval_s and steps < self.total:
+            self.last_line = now
+            eta = (now - self.start) * (self.total - steps) / steps
+            print(f"hybridtrain: {self.label} step {steps}/{self.total} ({100 * steps / self.total:.0f}%)  "
+                  f"loss {float(loss_sum / seen):.4f}  {self.rate(seen, now):.0f} img/s  ETA {eta:.0f}s", flush=True)
+
+    def rate(self, seen, now: float) -> float:
+        return float(seen) * self.world_size / (now - self.start)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def log(topo, message: str) -> None:
+    if topo.is_root:
+        print(message, flush=True)
+
+
+def tensorboard_writer(cfg: Config, resumed: bool = False):
+    """TensorBoard's writer for rank 0, or None when switched off (report.tensorboard); when the config names
+    sinks (sinks.mlflow, sinks.wandb), a ``sinks.Board`` that gives them the same scalars, each continuing its
+    tracked run when ``resumed``."""
+    writer = None
+    if cfg.report.tensorboard:
+        from torch.utils.tensorboard import SummaryWriter
+        writer = SummaryWriter(os.path.join(cfg.run_dir, "tensorboard"))
+    from hybridtrain.engine.sinks import Board, open_sinks
+    sinks = open_sinks(cfg, resumed)
+    return Board(writer, sinks) if sinks else writer
+
+
+TENSORBOARD_SCALARS = {"loss/train": "train_loss", "loss/val": "val_loss", "top1/train": "train_top1",
+                       "top1/val": "val_top1", "top5/val": "val_top5", "lr": "lr", "images_per_sec": "images_per_sec",
+                       "precision/loss_scale": "loss_scale", "precision/skipped_steps": "skipped_steps",
+                       "memory/peak_mb": "peak_memory_mb"}
+
+
+def write_scalars(board, record: dict) -> None:
+    for tag, key in TENSORBOARD_SCALARS.items():
+        board.add_scalar(tag, record[key], record["epoch"])
+    for part, seconds in (record.get("breakdown_s") or {}).items():  # where the epoch's time went (breakdown.py)
+        board.add_scalar(f"time/{part}_s", seconds, record["epoch"])
+    board.flush()
+
+
+def device_name(device: torch.device) -> str:
+    """'cuda:0 (NVIDIA H100 80GB HBM3)' or 'cpu'."""
+    return f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else str(device)
+
+
+def epoch_line(r: dict, epochs: int) -> str:
+    scale = f"  scale {r['loss_scale']:g}" if r.get("loss_scale", 1.0) != 1.0 else ""
+    skipped = f"  skipped {r['skipped_steps']}" if r.get("skipped_steps") else ""
+    return (f"epoch {r['epoch']:>3}/{epochs}  train_loss {r['train_loss']:.4f}  val_loss {r['val_loss']:.4f}  "
+            f"train_top1 {r['train_top1']:.4f}  top1 {r['val_top1']:.4f}  top5 {r['val_top5']:.4f}  lr {r['lr']:.4g}  "
+            f"{r['images_per_sec']:.0f} img/s  {r['epoch_time_s']:.1f}s{scale}{skipped}")
+
+
+# ----------------------------------------------------------------------------- peak memory
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak: the CUDA allocator's, or the process's peak RSS (Linux clear_refs)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    with contextlib.suppress(OSError):
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Max allocated on the GPU, or peak RSS (VmHWM) on the CPU, in MiB since the last reset."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2 ** 20
+    with contextlib.suppress(OSError):
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def memory_figures(device: torch.device) -> dict[str, float | None]:
+    """Peak memory since the last reset, in MiB: allocated by tensors (a CUDA graph's private pool is not
+    counted there), reserved by torch's caching allocator (graph pools and fragmentation included), and in use
+    on the whole device now (CUDA context, NCCL buffers, DALI's decoder pools and other processes included).
+    On the CPU: the peak RSS, and no reserved or device figure."""
+    figures = {"peak_memory_mb": peak_memory_mb(device), "peak_memory_reserved_mb": None,
+               "device_memory_used_mb": None}
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        figures["peak_memory_reserved_mb"] = torch.cuda.max_memory_reserved(device) / 2 ** 20
+        figures["device_memory_used_mb"] = (total - free) / 2 ** 20
+    return figures
+
+
+# ----------------------------------------------------------------------------- the run's record
 
 class RunRecord:
     """What a run keeps from its start to its end, in one place that the loop owns and that writes every file of the
@@ -64,51 +187,10 @@ class RunRecord:
             self.board.close()
 
 
-def log_setup(cfg: Config, t: Trainer) -> None:
-    data, topo, k = t.data, t.topo, t.k
-    if data.skipped_files:
-        log(topo, f"hybridtrain: skipping {len(data.skipped_files)} non-image file(s), e.g. {data.skipped_files[0]}")
-    dropped = data.dropped_per_epoch + (data.steps_per_epoch - t.updates * k) * topo.size * cfg.train.batch_size
-    log(topo, f"hybridtrain: {topo.size} rank(s) of the {topo.engine} engine on {device_name(topo.device)}, "
-              f"{cfg.data.backend} input, "
-              f"{'channels_last' if cfg.data.channels_last else 'NCHW'}, {t.precision.policy.mode} precision "
-              f"(fp32 math {t.fp32_math}), all-reduce compression {t.compression}")
-    log(topo, f"hybridtrain: {data.train_images} train / "
-              f"{data.val_images} val images, {data.num_classes} classes, {t.updates} steps/epoch, global batch "
-              f"{topo.size * cfg.train.batch_size * k}" + (f" ({k} accumulated passes per step)" if k > 1 else "")
-              + (f", {dropped} image(s) dropped per epoch" if dropped else ""))
-    compiled = [name for name, on in ((f"torch.compile ({cfg.train.compile_scope})", cfg.train.compile),
-                                      ("CUDA graphs", cfg.train.cuda_graphs),
-                                      ("fused optimizer kernels", cfg.optim.fused)) if on]
-    if compiled:
-        switch_epoch = optimizer_spec(cfg.optim).fused_switch_epoch(cfg.optim)
-        switch = f" and of epoch {switch_epoch + 1}" if switch_epoch is not None else ""
-        log(topo, f"hybridtrain: {', '.join(compiled)}: the first steps of this process{switch} compile or capture "
-                  f"(slow, and timed apart as warmup)")
-
-
 def with_validation(record: dict, ev, epoch_start: float, run_start: float) -> dict:
     """The epoch's record with its validation figures, and the times that include validation."""
     return {**record, "val_loss": ev.loss, "val_top1": ev.top1, "val_top5": ev.top5, "val_count": ev.count,
             "epoch_time_s": time.perf_counter() - epoch_start, "wall_time_s": time.perf_counter() - run_start}
-
-
-def training_record(t: Trainer, epoch: int, result, epoch_start: float, run_start: float) -> dict:
-    """The epoch's record up to validation (the validation keys come from with_validation)."""
-    memory = memory_figures(t.topo.device)
-    per_rank = distributed.allgather_floats([-1.0 if v is None else v for v in memory.values()], f"memory.{epoch}")
-    columns = {key: [v for v in per_rank[i::len(memory)] if v >= 0] for i, key in enumerate(memory)}
-    peak_mb = columns["peak_memory_mb"]
-    return {"epoch": epoch + 1, "train_loss": result.train_loss, "train_top1": result.train_top1,
-            "lr": t.bundle.optimizer.param_groups[0]["lr"], "epoch_time_s": time.perf_counter() - epoch_start,
-            "train_time_s": result.train_time_s, "images_per_sec": result.samples_seen / result.train_time_s,
-            "samples_seen": result.samples_seen, "wall_time_s": time.perf_counter() - run_start,
-            "loss_scale": t.precision.scaler.scale, "skipped_steps": result.skipped_steps,
-            "peak_memory_mb": max(peak_mb), "peak_memory_mb_per_rank": peak_mb,
-            "peak_memory_reserved_mb": max(columns["peak_memory_reserved_mb"], default=None),
-            "device_memory_used_mb": max(columns["device_memory_used_mb"], default=None),
-            "warmup_time_s": result.warmup_time_s, "warmup_samples": result.warmup_samples,
-            "fp32_math": t.fp32_math, "compression": t.compression, "world_size": t.topo.size}
 
 
 class SampleAudit:

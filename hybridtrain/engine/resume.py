@@ -11,7 +11,7 @@ from hybridtrain.distributed import collectives as distributed
 from hybridtrain.engine import rundir
 from hybridtrain.engine.epoch import EpochPosition, EpochProgress
 from hybridtrain.engine.guards import root_writes
-from hybridtrain.engine.telemetry import log
+from hybridtrain.engine.records import log
 from hybridtrain.errors import UserError
 from hybridtrain.models.batchnorm import average_running_statistics, running_buffers
 

@@ -13,8 +13,8 @@ from hybridtrain.distributed import collectives as distributed
 from hybridtrain.engine import checkpoint
 from hybridtrain.engine.breakdown import startup_mark
 from hybridtrain.engine.ema import create_ema
+from hybridtrain.engine.records import log
 from hybridtrain.engine.step import build_step
-from hybridtrain.engine.telemetry import log
 from hybridtrain.errors import UserError
 from hybridtrain.hardware.checks import check_machine, check_node
 from hybridtrain.models import model_from_config

@@ -37,7 +37,7 @@ from hybridtrain.data.loaders import SYNTHETIC_CLASSES
 from hybridtrain.distributed import collectives as distributed
 from hybridtrain.distributed.topology import cores_per_rank
 from hybridtrain.engine.ema import create_ema
-from hybridtrain.engine.memory import memory_figures, reset_peak_memory
+from hybridtrain.engine.records import memory_figures, reset_peak_memory
 from hybridtrain.engine.step import build_train_step
 from hybridtrain.errors import UserError
 from hybridtrain.hardware.checks import check_machine
