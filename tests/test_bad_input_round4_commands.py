@@ -111,6 +111,31 @@ def test_scale_cluster_stopped_before_the_cluster_and_while_its_ranks_run_leaves
     assert_stopped(proc, stderr, signal.SIGTERM, "ranks ended", "cluster is removed")
 
 
+@needs_cluster
+def test_a_command_that_would_take_the_cluster_in_use_is_one_line_naming_its_holder(tmp_path):
+    """The cluster in a box is one per machine (CI's lesson: one test file's `cluster down` took the hosts of the
+    other's scale run). While `cluster exec` runs there, `cluster down` and `scale --cluster` are refused in one line
+    naming it, and nothing is removed; a second `cluster exec` runs beside it (one torchrun per host); once it ends,
+    `cluster down` works."""
+    assert hybridtrain("cluster", "up", "--hosts", "2").returncode == 0
+    holder = subprocess.Popen([HYBRIDTRAIN, "cluster", "exec", "h1", "--", "sleep", "120"], stdin=subprocess.DEVNULL,
+                              env=env_with_venv(1), cwd=REPO)
+    try:
+        deadline = time.monotonic() + 60
+        while "cluster exec h1" not in (open(cluster.LOCK_PATH).read() if os.path.exists(cluster.LOCK_PATH) else ""):
+            assert time.monotonic() < deadline and holder.poll() is None, "cluster exec never held the cluster"
+            time.sleep(0.2)
+        for args in (["cluster", "down"], [*SCALE, "--out", str(tmp_path / "out")]):
+            assert_one_error_line(hybridtrain(*args), f"in use by hybridtrain cluster exec h1 (pid {holder.pid})",
+                                  "rerun it when that has ended")
+            assert sorted(cluster.namespaces()) == ["htc-h0", "htc-h1", "htc-switch"]
+        assert hybridtrain("cluster", "exec", "h0", "--", "true").returncode == 0
+    finally:
+        holder.terminate()
+        holder.wait(timeout=30)
+    assert hybridtrain("cluster", "down").returncode == 0 and cluster.namespaces() == []
+
+
 # ----------------------------------------------------------------------------- 4. engine plugins; no trace of a refusal
 
 PLUGINS = {

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 
-from hybridtrain.cluster.netns import stopped_cleanly
+from hybridtrain.cluster.netns import in_use, stopped_cleanly
 from hybridtrain.errors import UserError, run_guarded
 from hybridtrain.outputs import check_output_dir, write_json_atomically
 from hybridtrain.reports.links import PROBE_FILE, host_rates, links_lines, probe_problem
@@ -130,7 +130,7 @@ def main(argv: list[str]) -> int:
                         f"{args.megabytes}")
     hosts = parse_hosts(args.hosts)
     out = check_output_dir(args.out, "--out")
-    with stopped_cleanly("its transfers ended"):
+    with in_use("link probe", alone=False), stopped_cleanly("its transfers ended"):
         result = probe(hosts, args.megabytes)
     for pair in result["pairs"]:
         print(f"{pair['from']} -> {pair['to']}: {pair['bits_per_s'] / 1e6:.0f} Mbit/s ({pair['seconds']:.3f} s)")

@@ -18,6 +18,7 @@ twice is harmless. ``up`` begins with it.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -37,6 +38,7 @@ BRIDGE = "br0"
 SUBNET = "10.77.0"
 SSH_PORT = 2222
 STATE_DIR = "/run/hybridtrain-cluster"
+LOCK_PATH = "/run/hybridtrain-cluster.lock"  # beside STATE_DIR, which down() removes
 RATE = re.compile(r"^(\d+(?:\.\d+)?)(kbit|mbit|gbit)$")
 RATE_UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
 TBF_BURST_S = 0.002  # tokens for 2 ms at the link rate (never less than 64 KiB: one GSO segment)
@@ -295,6 +297,28 @@ def stopped_cleanly(what: str, cleanup=None):
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+@contextmanager
+def in_use(what: str, alone: bool):
+    """This command's hold on the cluster, one per machine (its hosts are this machine's namespaces): ``alone`` (up,
+    down, scale --cluster, which make or remove hosts) excludes every other holder; the others (exec, the link
+    probe) share it, so one torchrun per host runs beside the next. A command that cannot have it is one line naming
+    the holder. The kernel drops the hold when the process ends, however it ends."""
+    fd = os.open(LOCK_PATH, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_EX if alone else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another command"
+            raise UserError(f"the cluster in a box is in use by {holder}: {what} waits for nothing, so rerun it "
+                            f"when that has ended (the cluster is one per machine: its hosts are this machine's "
+                            f"network namespaces)") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"hybridtrain {what} (pid {os.getpid()})".encode(), 0)
+        yield
+    finally:
+        os.close(fd)
 
 
 def status() -> dict | None:
