@@ -20,7 +20,6 @@ def cmd_scale(args) -> int:
     if not args.cluster and args.link != "none":  # the default
         raise UserError(f"--link {args.link} limits the links of a --cluster: add --cluster N, or drop --link")
     if args.cluster:
-        cluster.require_root()
         with cluster.in_use("scale --cluster", alone=True), cluster.stopped_cleanly(
                 "the rows' ranks ended and the cluster is removed (its namespaces, sshds and ranks)", cluster.down):
             rows, table, written = scale_across_hosts(args)
@@ -71,14 +70,12 @@ def cmd_cluster(args) -> int:
         if not command:
             raise UserError(f"cluster exec {host} was given no command to run there: e.g. hybridtrain cluster exec "
                             f"{host} -- hostname")
-        cluster.require_root()
         with cluster.in_use(f"cluster exec {host}", alone=False), \
                 cluster.stopped_cleanly(f"the command on {host} ended"):
             return subprocess.run(cluster.host_command(host, command)).returncode
     if args.command:
         raise UserError(f"cluster {args.action} takes no command, got '{' '.join(args.command)}'")
     if args.action in ("up", "down"):
-        cluster.require_root()
         with cluster.in_use(f"cluster {args.action}", alone=True), \
                 cluster.stopped_cleanly("the cluster is removed (its namespaces, sshds and ranks)", cluster.down):
             if args.action == "up":

@@ -304,7 +304,8 @@ def in_use(what: str, alone: bool):
     """This command's hold on the cluster, one per machine (its hosts are this machine's namespaces): ``alone`` (up,
     down, scale --cluster, which make or remove hosts) excludes every other holder; the others (exec, the link
     probe) share it, so one torchrun per host runs beside the next. A command that cannot have it is one line naming
-    the holder. The kernel drops the hold when the process ends, however it ends."""
+    the holder. The kernel drops the hold when the process ends, however it ends. Root's, as the cluster is."""
+    require_root()
     fd = os.open(LOCK_PATH, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     try:
         try:
