@@ -355,3 +355,19 @@ def test_an_option_that_does_not_apply_to_the_source_is_refused_or_used(tmp_path
     assert used.returncode == 0, used.stderr
     assert os.listdir(tmp_path / "c" / "val" / CLASSES[1]) == [VAL[0]]  # the given labels, not another file's
     assert "--no-md5 had nothing to skip" in used.stdout
+
+
+def test_the_sample_audit_keeps_an_untrusted_host_name_inside_run_dir(tmp_path, monkeypatch):
+    """The audit file is named after the host, and a host's name is any bytes Linux takes ('/' and '..' included):
+    the file stays in run_dir/samples, and a write lands there."""
+    import socket
+
+    from hybridtrain.config import load_config
+    from hybridtrain.engine.records import SampleAudit, audit_path
+    cfg = load_config(None, [f"run_dir={tmp_path / 'run'}", "elastic.audit_samples=true"])
+    monkeypatch.setattr(socket, "gethostname", lambda: "../../outside/x")
+    path = audit_path(cfg)
+    samples = os.path.join(cfg.run_dir, "samples")
+    assert os.path.dirname(path) == samples and os.path.basename(path) == f"_.._outside_x-{os.getpid()}.jsonl"
+    SampleAudit(path).write(0, type("Topo", (), {"size": 1, "rank": 0})())
+    assert os.listdir(samples) == [os.path.basename(path)] and not (tmp_path / "outside").exists()

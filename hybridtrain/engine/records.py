@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import socket
 import sys
 import time
@@ -217,8 +218,12 @@ class SampleAudit:
 
 
 def audit_path(cfg: Config) -> str | None:
+    """This rank's audit file, ``run_dir/samples/HOST-PID.jsonl``. The host's name comes from the machine and is
+    untrusted (Linux takes any bytes for it, '/' and '..' included): every character but letters, digits, '.', '_'
+    and '-' becomes '_', so the file stays in ``samples/``."""
     if not cfg.elastic.audit_samples:
         return None
     folder = os.path.join(cfg.run_dir, "samples")
     os.makedirs(folder, exist_ok=True)
-    return os.path.join(folder, f"{socket.gethostname()}-{os.getpid()}.jsonl")
+    host = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname()).lstrip(".") or "host"
+    return os.path.join(folder, f"{host}-{os.getpid()}.jsonl")
