@@ -48,6 +48,22 @@ def test_default_knobs_fuse_and_cycle_fast(tmp_path):
     assert statistics.median(record["round_s"]) < 0.05
 
 
+@pytest.mark.parametrize("users", [None, "0"])
+def test_over_mpi_the_rank_yields_the_core_its_horovod_thread_waits_on_unless_the_user_says_no(tmp_path, users):
+    """Open MPI busy-polls while Horovod's background thread waits on the other ranks: a core per rank. The
+    engine's init sets mpi_yield_when_idle before MPI_Init; Open MPI's own list of the parameters it took from
+    the environment (mpi_show_mca_params=enviro) names it, and a value the user gave the launcher wins."""
+    env = {**env_with_venv(2), "OMPI_MCA_mpi_show_mca_params": "enviro"}
+    if users is not None:
+        env["OMPI_MCA_mpi_yield_when_idle"] = users
+    proc = subprocess.run([HOROVODRUN, "-np", "2", "-H", "localhost:2", sys.executable, KNOBS_SCRIPT,
+                           str(tmp_path / "out.json")], capture_output=True, text=True, timeout=300, env=env,
+                          cwd=REPO, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    want = "true" if users is None else "false"
+    assert f"mpi_yield_when_idle={want} (environment)" in proc.stdout + proc.stderr, proc.stderr[-3000:]
+
+
 def test_autotune_writes_its_log(tmp_path):
     log = tmp_path / "autotune.csv"
     knobs_job(tmp_path, ["horovod.autotune=true", f"horovod.autotune_log={log}"])

@@ -111,6 +111,10 @@ def init(threads: int = 0, cfg=None, elastic: bool = False, device: str = "auto"
     if cfg is not None:
         set_horovod_knobs(cfg, elastic)
     check_controller(hvd)
+    # Open MPI busy-polls while Horovod's background thread waits on its peers: a core per rank, taken from the
+    # compute and the loader workers wherever they share cores; yielding gives it back (issue 44: a fifth off the
+    # demo's epochs, docs/benchmarks.md). MPI_Init (in hvd.init) reads it; the user's own setting wins.
+    os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
     hvd.init()
     if elastic:
         return current_topology(threads, device=device)
