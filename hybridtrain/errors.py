@@ -58,12 +58,26 @@ def write_crash_log(exc: BaseException, rank: int, folder: str | None) -> str:
                             f"hybridtrain-rank-{rank}-{os.getpid()}-error.log")
         try:
             os.makedirs(base, exist_ok=True)
-            with open(path, "w") as fh:
-                fh.write(text)
-            return path
+            return replace_file(path, text)
         except OSError:
             continue
     return "(no writable folder for the log)"
+
+
+def replace_file(path: str, text: str) -> str:
+    """``text`` at ``path`` through a new temp file in its folder and one rename, so a reader (torchrun, a restarted
+    attempt, a user) finds the old file or the whole new one, even when this process is killed mid-write. The
+    writers of this module's files, which cannot use outputs.py's (it imports this one)."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=f".{os.path.basename(path)}.")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return path
 
 
 def unexpected_error_line(exc: BaseException, rank: int, log_path: str) -> str:
@@ -181,8 +195,7 @@ def tell_torchrun(line: str) -> None:
     line = line.removeprefix("hybridtrain: error: ")  # the box repeats the line: not a second error line
     data = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
     with contextlib.suppress(OSError):
-        with open(path, "w") as fh:
-            json.dump(data, fh)
+        replace_file(path, json.dumps(data))
 
 
 def refusal_mark() -> str | None:
@@ -212,8 +225,7 @@ def keep_refusal(line: str) -> None:
     mark = refusal_mark()
     if mark:
         with contextlib.suppress(OSError):
-            with open(mark, "w") as fh:
-                fh.write(line)
+            replace_file(mark, line)
 
 
 def _run_guarded(action, crash_log_dir) -> int:

@@ -1,7 +1,8 @@
 """Every file the project writes is written atomically: a writer killed (SIGKILL, no cleanup) at any moment of a
 write leaves the old file or the new one, never a broken one. The writers every run, tool and record goes through
 (outputs.write_text_atomically / write_json_atomically: config.yaml, run records, tables; checkpoint.atomic_save:
-checkpoints and final_model.pt) are killed mid-write again and again by a real process."""
+checkpoints and final_model.pt; errors.replace_file: a crash log, torchrun's error file, the refusal mark) are killed
+mid-write again and again by a real process."""
 from __future__ import annotations
 
 import hashlib
@@ -18,6 +19,7 @@ from conftest import REPO
 WRITER = """
 import sys, torch
 from hybridtrain.engine import checkpoint
+from hybridtrain.errors import replace_file
 from hybridtrain.outputs import write_text_atomically
 folder = sys.argv[1]
 texts = ["A" * 1_000_000, "B" * 1_500_000]
@@ -26,6 +28,7 @@ print("ready", flush=True)
 i = 0
 while True:
     write_text_atomically(folder + "/config.yaml", texts[i % 2])
+    replace_file(folder + "/rank-0-error.log", texts[i % 2])
     checkpoint.atomic_save({"w": tensors[i % 2]}, folder + "/final_model.pt")
     i += 1
 """
@@ -41,18 +44,20 @@ def test_a_writer_killed_mid_write_leaves_the_old_file_or_the_new_one(tmp_path):
         time.sleep(rng.uniform(0.2, 1.5))  # the loop is all writes: a kill lands inside one
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
-        text = tmp_path / "config.yaml"
-        if text.exists():
-            content = text.read_text()
-            assert content in ("A" * 1_000_000, "B" * 1_500_000), (kill, len(content))
-            seen.add(content[0])
+        for name in ("config.yaml", "rank-0-error.log"):
+            text = tmp_path / name
+            if text.exists():
+                content = text.read_text()
+                assert content in ("A" * 1_000_000, "B" * 1_500_000), (kill, name, len(content))
+                seen.add((name, content[0]))
         model = tmp_path / "final_model.pt"
         if model.exists():  # the .pt is whole; its .sha256 is renamed in first, so a kill between the two renames
             w = torch.load(model, weights_only=True)["w"]  # leaves the next version's sum: loading calls it damaged
             assert (w.numel(), float(w.sum())) in ((300_000, 0.0), (400_000, 400_000.0)), kill
             digests.add(hashlib.sha256(model.read_bytes()).hexdigest())
             sums.add((tmp_path / "final_model.pt.sha256").read_text().split()[0])
-    assert seen == {"A", "B"}  # the kills landed at different points of the alternation
+    assert {c for _, c in seen} == {"A", "B"}  # the kills landed at different points of the alternation
     assert len(digests) == 2 and sums <= digests  # every .sha256 is a whole version's
-    leftovers = [n for n in os.listdir(tmp_path) if n not in ("config.yaml", "final_model.pt", "final_model.pt.sha256")]
-    assert all(n.startswith(".config.yaml.") or ".tmp-" in n for n in leftovers), leftovers  # temps only
+    whole = ("config.yaml", "rank-0-error.log", "final_model.pt", "final_model.pt.sha256")
+    leftovers = [n for n in os.listdir(tmp_path) if n not in whole]
+    assert all(n.startswith((".config.yaml.", ".rank-0-error.log.")) or ".tmp-" in n for n in leftovers), leftovers
