@@ -2,8 +2,8 @@
 
 On disk, ``checkpoint-epochNNNN.pt`` is a plain ``torch.save`` file whose state holds the config fingerprint,
 and ``checkpoint-epochNNNN.pt.sha256`` holds its SHA-256 as a ``sha256sum`` line (``sha256sum -c`` checks it).
-A save hashes the bytes as they are written to a temp file and fsyncs it, then writes and fsyncs the sidecar.
-Only then is the temp file renamed into place. Which names are checkpoints, the save of one into the run folder,
+A save hashes the bytes as they are written to a temp file and fsyncs it, then writes and fsyncs the sidecar's
+temp file; only then are both renamed into place (``atomic_save``). Which names are checkpoints, the save of one into the run folder,
 the pruning of older ones after the new one is durable and the choice of the newest to load are rundir.py's.
 Loading checks the SHA-256 before anything is unpickled, then uses ``torch.load(weights_only=True)``:
 tensors and plain data only, so a planted pickle cannot run code. A checkpoint that fails either check is
@@ -85,15 +85,16 @@ def _save_hashed(obj, path: str) -> str:
 
 
 def _write_checksum(path: str, digest: str, tmp: str) -> None:
-    """``path.sha256`` as a sha256sum line, through ``tmp`` + fsync + rename."""
+    """``path``'s sha256sum line in ``tmp``, fsynced."""
     with _create_new(tmp, "w") as fh:
         fh.write(f"{digest}  {os.path.basename(path)}\n")
         _fsync(fh)
-    os.replace(tmp, checksum_path(path))
 
 
 def atomic_save(obj, path: str) -> None:
-    """Write ``obj`` to ``path`` and its SHA-256 to ``path.sha256``; ``path`` appears only once both are durable.
+    """Write ``obj`` to ``path`` and its SHA-256 to ``path.sha256``, both durable in temp files before either is
+    renamed. Over an older pair, its ``.sha256`` goes first, then the new ``path``, then the new sum: a kill between
+    two of these leaves a whole file without its sum (loaded with a warning), never one beside another's sum.
 
     A failed write (full disk, file-size limit) removes the temp files and leaves an older checkpoint intact.
     """
@@ -107,8 +108,10 @@ def atomic_save(obj, path: str) -> None:
     try:
         digest = _save_hashed(obj, tmp)
         _write_checksum(path, digest, tmp_sum)
-        _fsync_dir(directory)
+        if os.path.lexists(checksum_path(path)):
+            os.remove(checksum_path(path))
         os.replace(tmp, path)
+        os.replace(tmp_sum, checksum_path(path))
         _fsync_dir(directory)
     except OSError as exc:
         for leftover in (tmp, tmp_sum):
