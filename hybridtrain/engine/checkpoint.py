@@ -3,8 +3,9 @@
 On disk, ``checkpoint-epochNNNN.pt`` is a plain ``torch.save`` file whose state holds the config fingerprint,
 and ``checkpoint-epochNNNN.pt.sha256`` holds its SHA-256 as a ``sha256sum`` line (``sha256sum -c`` checks it).
 A save hashes the bytes as they are written to a temp file and fsyncs it, then writes and fsyncs the sidecar's
-temp file; only then are both renamed into place (``atomic_save``). Which names are checkpoints, the save of one into the run folder,
-the pruning of older ones after the new one is durable and the choice of the newest to load are rundir.py's.
+temp file; only then are both renamed into place (``atomic_save``). Which names are checkpoints, the save of one
+into the run folder, the pruning of older ones after the new one is durable and the choice of the newest to load
+are rundir.py's.
 Loading checks the SHA-256 before anything is unpickled, then uses ``torch.load(weights_only=True)``:
 tensors and plain data only, so a planted pickle cannot run code. A checkpoint that fails either check is
 named and skipped for the previous one.
