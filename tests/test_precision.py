@@ -133,12 +133,21 @@ def test_dynamic_scaler_against_hand_worked_numbers():
     assert static.scale == 128.0 and static.skipped_steps == 1
 
 
-def test_consecutive_overflows_stop_the_run_with_one_line():
+@pytest.mark.parametrize("mode, advice", [("fp32", "lower optim.lr or raise"),
+                                          ("mixed", "lower optim.lr, use precision.mode=fp32, or raise"),
+                                          ("fp16_pure", "lower optim.lr, use precision.mode=mixed or fp32, or raise")])
+def test_consecutive_overflows_stop_the_run_with_one_line_whose_fix_fits_the_precision(mode, advice):
+    from hybridtrain.config import load_config
     from hybridtrain.errors import UserError
-    scaler = LossScaler("dynamic", 2.0 ** 16, 10, 3)
+    from hybridtrain.precision.scaler import create_precision
+    sets = [f"precision.mode={mode}", "precision.max_consecutive_overflows=3"]
+    sets += ["precision.loss_scaling=dynamic"] if mode != "fp32" else []
+    sets += ["optim.name=goyal"] if mode == "fp16_pure" else []  # FP16 optimizer state: no AdaBound
+    scaler = create_precision(load_config(None, sets).precision).scaler
     scaler.update(False), scaler.update(False)
-    with pytest.raises(UserError, match="3 steps in a row had a NaN or inf loss or gradient"):
+    with pytest.raises(UserError, match="3 steps in a row had a NaN or inf loss or gradient") as stop:
         scaler.update(False)
+    assert advice in str(stop.value) and str(stop.value).count("precision.mode") == (mode != "fp32")
 
 
 def test_an_inf_on_one_rank_is_skipped_on_every_rank_and_the_scale_recovers(tmp_path):

@@ -11,12 +11,18 @@ import torch
 from hybridtrain.errors import UserError
 from hybridtrain.precision.policy import Policy, resolve_policy
 
+# the precision modes with more range that a run diverging in each mode can move to (none from fp32 or fp64)
+WIDER_MODES = {"mixed": "fp32", "layered": "mixed or fp32", "fp16_pure": "mixed or fp32"}
+
 
 class LossScaler:
-    """Static or dynamic loss scaling around the optimizer an engine's wrap_optimizer returns."""
+    """Static or dynamic loss scaling around the optimizer an engine's wrap_optimizer returns. ``wider``: the
+    precision.mode values the stop line suggests (WIDER_MODES), '' for none."""
 
-    def __init__(self, mode: str, scale: float, growth_interval: int, max_consecutive_overflows: int):
+    def __init__(self, mode: str, scale: float, growth_interval: int, max_consecutive_overflows: int,
+                 wider: str = ""):
         self.mode, self.growth_interval, self.max_overflows = mode, growth_interval, max_consecutive_overflows
+        self.wider = wider
         self.scale = float(scale) if mode != "none" else 1.0
         self.clean_steps = 0
         self.consecutive_overflows = 0
@@ -81,10 +87,10 @@ class LossScaler:
             self.set_scale(max(self.scale * 0.5, 2.0 ** -24))
         if self.consecutive_overflows >= self.max_overflows:
             scale = f" (loss scale now {self.scale:g})" if self.mode != "none" else ""
+            wider = f", use precision.mode={self.wider}," if self.wider else ""
             raise UserError(f"{self.consecutive_overflows} steps in a row had a NaN or inf loss or gradient on some "
-                            f"rank{scale}: the run is diverging (or the data holds NaN); lower optim.lr, use "
-                            f"precision.mode=mixed or fp32, or raise precision.max_consecutive_overflows; the last "
-                            f"checkpoint is intact")
+                            f"rank{scale}: the run is diverging (or the data holds NaN); lower optim.lr{wider} or "
+                            f"raise precision.max_consecutive_overflows; the last checkpoint is intact")
 
     def state_dict(self) -> dict:
         return {"scale": self.scale, "clean_steps": self.clean_steps,
@@ -98,7 +104,8 @@ class LossScaler:
 
 
 def create_scaler(p, policy: Policy) -> LossScaler:
-    return LossScaler(policy.loss_scaling, p.loss_scale, p.growth_interval, p.max_consecutive_overflows)
+    return LossScaler(policy.loss_scaling, p.loss_scale, p.growth_interval, p.max_consecutive_overflows,
+                      WIDER_MODES.get(p.mode, ""))
 
 
 @dataclass
