@@ -126,6 +126,8 @@ def test_prepare_digits_layout_split_and_idempotence(digits_dir, tmp_path):
         assert img.size == (32, 32) and img.mode == "RGB" and img.format == "JPEG"
     again = prepare_digits(digits_dir)
     assert again == counts
+    with pytest.raises(UserError, match="holds digits prepared with other settings"):
+        prepare_digits(digits_dir, seed=1)  # refused before anything is written
     other = tmp_path / "occupied"
     other.mkdir()
     (other / "notes.txt").write_text("mine")

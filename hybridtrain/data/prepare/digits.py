@@ -37,10 +37,12 @@ def digit_to_image(pixels: np.ndarray) -> Image.Image:
     return gray.resize((SIZE, SIZE), Image.BICUBIC).convert("RGB")
 
 
-def _check_target(out: str, params: dict) -> bool:
-    """True when ``out`` already holds this exact dataset; raise if it holds something else."""
+def prepared_counts(out: str, params: dict) -> dict | None:
+    """The counts per split when ``out`` already holds this exact dataset (prepare-data is idempotent), None when it
+    is free; raise if it holds something else. The prepare-data datasets' shared check (digits, mnist5k,
+    synthetic ImageNet)."""
     if not os.path.exists(out):
-        return False
+        return None
     if not os.path.isdir(out):
         raise UserError(f"{out} exists and is not a directory: choose another --out")
     marker = os.path.join(out, MARKER)
@@ -51,13 +53,13 @@ def _check_target(out: str, params: dict) -> bool:
         except (OSError, ValueError):
             found = None
         if found == params:
-            return True
+            return _counts(out)
         what = found.get("dataset", "a dataset") if isinstance(found, dict) else "a dataset (damaged marker)"
         raise UserError(f"{out} holds {what} prepared with other settings ({MARKER}), left as it is: choose another "
                         f"--out (or give the settings it was prepared with)")
     if os.listdir(out):
         raise UserError(f"{out} is not empty and was not made by prepare-data: choose another --out")
-    return False
+    return None
 
 
 def prepare_digits(out: str, val_fraction: float = 0.2, seed: int = 0) -> dict:
@@ -65,8 +67,8 @@ def prepare_digits(out: str, val_fraction: float = 0.2, seed: int = 0) -> dict:
     from sklearn.datasets import load_digits
 
     params = {"dataset": "digits", "size": SIZE, "val_fraction": val_fraction, "seed": seed}
-    if _check_target(out, params):
-        return _counts(out)
+    if (done := prepared_counts(out, params)) is not None:
+        return done
     digits = load_digits()
     train_idx, val_idx = stratified_split(digits.target, val_fraction, seed)
     tmp = start_partial(out)  # removes only an OUT.partial a previous run of ours left
@@ -82,7 +84,7 @@ def publish(tmp: str, out: str, params: dict) -> dict:
     """Mark the finished temporary tree and move it into place in one rename; returns counts per split."""
     with open(os.path.join(tmp, MARKER), "w") as fh:
         json.dump(params, fh)
-    finish_partial(tmp, out)  # out: absent or empty, checked by _check_target
+    finish_partial(tmp, out)  # out: absent or empty, checked by prepared_counts
     return _counts(out)
 
 

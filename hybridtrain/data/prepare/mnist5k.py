@@ -14,7 +14,7 @@ import os
 import numpy as np
 from PIL import Image
 
-from hybridtrain.data.prepare.digits import _check_target, _counts, publish, stratified_split
+from hybridtrain.data.prepare.digits import prepared_counts, publish, stratified_split
 from hybridtrain.errors import UserError
 from hybridtrain.outputs import start_partial
 
@@ -45,8 +45,8 @@ def read_mnist5k(path: str) -> tuple[np.ndarray, np.ndarray]:
 def prepare_mnist5k(out: str, val_fraction: float = 0.2, seed: int = 0) -> dict:
     """Write the dataset; idempotent. Returns counts per split."""
     params = {"dataset": "mnist5k", "size": SIZE, "val_fraction": val_fraction, "seed": seed}
-    if _check_target(out, params):
-        return _counts(out)
+    if (done := prepared_counts(out, params)) is not None:
+        return done
     images, labels = read_mnist5k(mnist5k_csv())
     train_idx, val_idx = stratified_split(labels, val_fraction, seed)
     tmp = start_partial(out)  # removes only an OUT.partial a previous run of ours left

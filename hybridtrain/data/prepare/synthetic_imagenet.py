@@ -15,7 +15,7 @@ import os
 import numpy as np
 from PIL import Image, ImageDraw
 
-from hybridtrain.data.prepare.digits import _check_target, _counts, publish
+from hybridtrain.data.prepare.digits import prepared_counts, publish
 from hybridtrain.errors import UserError
 from hybridtrain.outputs import start_partial
 
@@ -112,8 +112,8 @@ def prepare_synthetic_imagenet(out: str, num_classes: int = 100, train_per_class
         raise UserError(f"--workers must be >= 0 (0 = all cores), got {workers}")
     params = {"dataset": "synthetic-imagenet", "num_classes": num_classes, "train_per_class": train_per_class,
               "val_per_class": val_per_class, "seed": seed, "typical_size": list(typical_size)}
-    if _check_target(out, params):
-        return _counts(out)
+    if (done := prepared_counts(out, params)) is not None:
+        return done
     tmp = start_partial(out)  # removes only an OUT.partial a previous run of ours left
     per_split = {"train": train_per_class, "val": val_per_class}
     jobs = [(tmp, split, c, per_split[split], num_classes, seed, tuple(typical_size))
