@@ -64,14 +64,25 @@ def write_crash_log(exc: BaseException, rank: int, folder: str | None) -> str:
     return "(no writable folder for the log)"
 
 
+def new_file_mode() -> int:
+    """The mode a plain new file gets under this process's umask (a temp file starts at 0600)."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def replace_file(path: str, text: str) -> str:
-    """``text`` at ``path`` through a new temp file in its folder and one rename, so a reader (torchrun, a restarted
-    attempt, a user) finds the old file or the whole new one, even when this process is killed mid-write. The
-    writers of this module's files, which cannot use outputs.py's (it imports this one)."""
+    """``text`` at ``path`` through a new temp file in its folder, fsynced, and one rename, so a reader (torchrun, a
+    restarted attempt, a user) finds the old file or the whole new one, even when this process is killed mid-write.
+    Every text file the package writes goes through it (outputs.write_text_atomically adds the one-line error); it
+    lives here because this module's own files (the crash log, torchrun's error file) need it too."""
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=f".{os.path.basename(path)}.")
     try:
         with os.fdopen(fd, "w") as fh:
             fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, new_file_mode())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

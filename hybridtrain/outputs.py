@@ -28,7 +28,7 @@ import shutil
 import tempfile
 from contextlib import contextmanager
 
-from hybridtrain.errors import UserError, dangling_link
+from hybridtrain.errors import UserError, dangling_link, new_file_mode, replace_file
 
 PARTIAL_MARKER = ".hybridtrain-partial"
 
@@ -188,12 +188,6 @@ def _check_input(path: str | None, option: str, fix: str, folder: bool) -> str:
     return path
 
 
-def _default_mode() -> int:
-    umask = os.umask(0o022)
-    os.umask(umask)
-    return 0o666 & ~umask
-
-
 @contextmanager
 def atomic_path(path: str):
     """A temp path in ``path``'s folder, with ``path``'s extension (for writers that pick a format from it), that
@@ -203,7 +197,7 @@ def atomic_path(path: str):
     os.close(fd)
     try:
         yield tmp
-        os.chmod(tmp, _default_mode())
+        os.chmod(tmp, new_file_mode())
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -216,11 +210,7 @@ def atomic_path(path: str):
 def write_text_atomically(path: str, text: str) -> str:
     """``text`` into ``path`` through a temp file in the same folder, fsynced, then renamed over it."""
     try:
-        with atomic_path(path) as tmp:
-            with open(tmp, "w") as fh:
-                fh.write(text)
-                fh.flush()
-                os.fsync(fh.fileno())
+        replace_file(path, text)
     except OSError as exc:
         raise UserError(f"could not write {path} ({exc.strerror or exc}): free space or choose another path") from None
     return path
