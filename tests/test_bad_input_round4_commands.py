@@ -210,6 +210,21 @@ def test_a_section_mapping_in_set_is_judged_key_by_key_against_where_each_value_
                               "by --set")
 
 
+
+def test_a_cpu_compile_without_setuptools_is_one_line_naming_the_package(tmp_path, tiny_data):
+    """Inductor builds a CPU model's kernels through torch.utils.cpp_extension, which imports setuptools; a Python
+    3.12+ venv has none. That used to end in the first step as 'unexpected InductorError ... a bug'."""
+    from hybridtrain.gpucheck.rehearsal import linked_venv
+    python = linked_venv(str(tmp_path / "venv"), ["setuptools", "setuptools-*", "_distutils_hack",
+                                                  "distutils-precedence.pth", "pkg_resources"])
+    gone = subprocess.run([python, "-c", "import setuptools"], capture_output=True, text=True, cwd=tmp_path)
+    assert "No module named 'setuptools'" in gone.stderr
+    config = recipe(tmp_path, tiny_data, str(tmp_path / "runs" / "r"))
+    proc = subprocess.run([python, "-m", "hybridtrain", "train", "--config", config, "--set", "train.device=cpu",
+                           "--set", "train.compile=true"], capture_output=True, text=True, timeout=120, cwd=REPO,
+                          env=env_with_venv(1), stdin=subprocess.DEVNULL)
+    assert_one_error_line(proc, "train.compile on the CPU needs setuptools", "pip install setuptools")
+
 @needs_cluster
 @pytest.mark.parametrize("rate", ["0.001kbit", "1kbit", "2000gbit"])
 def test_a_link_rate_tc_cannot_do_is_refused_before_tc_runs(rate):

@@ -463,7 +463,7 @@ def test_make_gpu_bundle_holds_the_build_for_python_3_12_and_fits_the_limit(tmp_
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="cutting the network needs root")
 def test_the_rehearsal_passes_offline_from_a_venv_without_torchrun(tmp_path):
     """Review 3's reason for the issue: the first real call must not fail on its install or launch. The image-like
-    venv has torch but no torchrun, Horovod, cffi or setuptools; the build is Horovod with NCCL for sm_90 where
+    venv has torch and setuptools (as KINDS.md lists the image) but no torchrun, Horovod or cffi; the build is Horovod with NCCL for sm_90 where
     nvcc and torch's NCCL wheel are here (the lent machine's combination, review 4 §3), and reuses this machine's
     wheel (HYBRIDTRAIN_CACHE) when its key matches; every row's config passes its engine's checks and every row's
     command starts."""

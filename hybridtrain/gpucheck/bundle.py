@@ -3,11 +3,10 @@ travels with the working tree (at most 64 MiB with it).
 
     python -m hybridtrain.gpucheck.bundle [DIR]     # default .gpu-bundle
 
-The machine's ``python3`` is a Python 3.12 venv holding torch and most of hybridtrain's requirements, but no
-Horovod, cffi, pycparser, pytest-timeout, and (a 3.12 venv) no setuptools or wheel. The bundle holds Horovod's source
-distribution and the wheels of its build and run requirements for CPython 3.12 on manylinux x86_64, and the
-same wheels for the Python running this (so that ``gpu-check --rehearse`` can build from it here). Standard
-library only.
+The machine's ``python3`` is a Python 3.12 venv holding torch, setuptools and most of hybridtrain's requirements,
+but no Horovod, cffi or pycparser (KINDS.md). The bundle holds Horovod's source distribution and the wheels of
+its build and run requirements for CPython 3.12 on manylinux x86_64, and the same wheels for the Python running
+this (so that ``gpu-check --rehearse`` can build from it here). Standard library only.
 """
 from __future__ import annotations
 

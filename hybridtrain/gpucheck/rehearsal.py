@@ -2,8 +2,8 @@
 step, so that the first call on a lent GPU machine does not fail on its install or its launch.
 
 1. ``image-python``: a venv made the way the lent machine's is: its site-packages links this Python's torch,
-   torchvision and the rest, but no Horovod, cffi, pycparser, setuptools, wheel, DALI or hybridtrain, and its
-   ``bin/`` has no ``torchrun``;
+   torchvision, setuptools and the rest (KINDS.md's list of the image), but no Horovod, cffi, pycparser, DALI or
+   hybridtrain, and its ``bin/`` has no ``torchrun``;
 2. ``build``: install.sh builds Horovod from the bundle, offline, into its own venv from that Python, as the call
    does: with NCCL for sm_90 wherever nvcc and the NCCL wheel (nvidia-nccl-cu13, torch's) are present, as on the
    lent machine, else with CPU operations;
@@ -50,10 +50,10 @@ from hybridtrain.gpucheck.check import build_row as horovod_build_row
 from hybridtrain.gpucheck.rows import GPU_TESTS, RECIPE, REPO, Pythons, Row, build_rows
 from hybridtrain.outputs import check_output_dir, markdown_table, write_text_atomically
 
-# what the lent machine's Python lacks (KINDS.md): links of everything else
-IMAGE_LACKS = ["horovod", "horovod-*", "cffi", "cffi-*", "_cffi_backend*", "pycparser", "pycparser-*", "setuptools",
-               "setuptools-*", "_distutils_hack", "distutils-precedence.pth", "pkg_resources", "wheel", "wheel-*",
-               "nvidia/dali", "nvidia/dali_*", "nvidia_dali*", "hybridtrain*", "__editable__*"]
+# what the lent machine's Python lacks (KINDS.md lists its packages: setuptools and wheel among them, which
+# inductor's CPU kernels need): links of everything else
+IMAGE_LACKS = ["horovod", "horovod-*", "cffi", "cffi-*", "_cffi_backend*", "pycparser", "pycparser-*", "nvidia/dali",
+               "nvidia/dali_*", "nvidia_dali*", "hybridtrain*", "__editable__*"]
 IMPORTS = {"image": "import torch, torchvision, torch.distributed.run, hybridtrain.engine.loop, "
                     "hybridtrain.perf.step_bench, hybridtrain.perf.max_batch, hybridtrain.gpucheck.resume_check, "
                     "hybridtrain.gpucheck.probe, hybridtrain.distributed.torch_distributed",
@@ -221,7 +221,7 @@ def rehearse(out: str | None, bundle: str | None, venv_dir: str | None = None, s
         os.path.join(out, "image-venv")) else os.path.join(out, "image-venv", "bin", "python")
     lacks_torchrun = not os.path.exists(os.path.join(os.path.dirname(image), "torchrun"))
     steps = [Row("image-python", "step", status=PASS if lacks_torchrun else FAIL,
-                 detail=f"{image}: torch linked; no Horovod, cffi, setuptools, DALI, hybridtrain or torchrun")]
+                 detail=f"{image}: torch linked; no Horovod, cffi, DALI, hybridtrain or torchrun")]
     cache = os.environ.get("HYBRIDTRAIN_CACHE") or os.path.join(WORK, "cache")
     nccl = nccl_build_possible(image)
     what = f"with NCCL for sm_{REHEARSAL_CC}" if nccl else "with CPU operations (no nvcc or no NCCL wheel here)"
