@@ -6,11 +6,13 @@ from __future__ import annotations
 import glob
 import json
 import os
+import signal
 import subprocess
 import sys
 
 import pytest
-from conftest import HYBRIDTRAIN, read_metrics, run, tiny_config
+from conftest import HYBRIDTRAIN, env_with_venv, read_metrics, run, tiny_config
+from PIL import Image
 
 
 def test_a_run_logs_the_same_numbers_to_mlflow_and_wandb_and_resume_continues_them(small_digits, tmp_path,
@@ -48,6 +50,52 @@ def test_a_run_logs_the_same_numbers_to_mlflow_and_wandb_and_resume_continues_th
     assert all(json.dumps(r["breakdown_s"]["compute"]).encode() in logged for r in records)
     assert b"train.batch_size" in logged and b"breakdown.png" in logged
 
+
+
+def mlflow_status(run_dir: str, monkeypatch) -> str:
+    from mlflow.tracking import MlflowClient
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = MlflowClient("file:" + os.path.join(run_dir, "mlruns"))
+    return client.get_run(json.load(open(os.path.join(run_dir, "sinks.json")))["mlflow"]).info.status
+
+
+def test_a_stopped_run_ends_its_tracked_runs_as_killed_and_a_failed_one_as_failed(small_digits, tmp_path,
+                                                                                  write_config, monkeypatch):
+    """A SIGTERM'd run (resumable) used to leave its tracked runs open, and MLflow's exit hook then called them
+    FINISHED, as it did a run that failed: now KILLED (W&B: marked preempting, exit code 143) and FAILED."""
+    pytest.importorskip("mlflow", reason="the sinks extra (pip install 'hybridtrain[sinks]') is not installed")
+    pytest.importorskip("wandb", reason="the sinks extra (pip install 'hybridtrain[sinks]') is not installed")
+    sinks = {"mlflow": "local", "wandb": "offline", "project": "digits"}
+    stopped = str(tmp_path / "stopped")
+    config = write_config(tiny_config(small_digits, stopped, report={"tensorboard": False}, sinks=sinks,
+                                      train={"epochs": 30}))
+    proc = subprocess.Popen([HYBRIDTRAIN, "train", "--config", config], env=env_with_venv(1), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "steps/epoch" in line:  # the setup line: the tracked runs are open
+            proc.send_signal(signal.SIGTERM)
+            break
+    lines += proc.stdout.readlines()
+    assert proc.wait(timeout=300) == 0 and "stopped on SIGTERM" in "".join(lines), "".join(lines)[-3000:]
+    assert mlflow_status(stopped, monkeypatch) == "KILLED"
+    assert "got exitcode: 143" in open(os.path.join(stopped, "wandb", "debug.log")).read()  # W&B's own log
+
+    data = tmp_path / "data"  # an image that does not decode stops the run in its first epoch
+    for split in ("train", "val"):
+        for cls in ("a", "b"):
+            os.makedirs(data / split / cls)
+            for i in range(4):
+                Image.new("RGB", (16, 16), (40 * i, 0, 0)).save(data / split / cls / f"{i}.jpg")
+    (data / "train" / "a" / "9.jpg").write_bytes(b"not a jpeg")
+    failed = str(tmp_path / "failed")
+    config = write_config(tiny_config(str(data), failed, data={"crop_size": 16, "val_resize": 16},
+                                      train={"batch_size": 4}, report={"tensorboard": False},
+                                      sinks={"mlflow": "local", "project": "digits"}))
+    proc = run([HYBRIDTRAIN, "train", "--config", config])
+    assert proc.returncode == 2 and "9.jpg" in proc.stderr, proc.stderr[-3000:]
+    assert mlflow_status(failed, monkeypatch) == "FAILED"
 
 def test_without_sinks_neither_tracker_is_imported():
     code = ("import sys, hybridtrain.engine.loop, hybridtrain.engine.sinks, hybridtrain.cli.train; "

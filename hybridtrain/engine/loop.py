@@ -243,18 +243,19 @@ def train_epochs(cfg: Config, t: Trainer, watch: PreemptionWatch, resume: str | 
     startup_mark("model_build")  # built, wrapped and broadcast (or restored)
     log_setup(cfg, t)
     run = RunRecord(cfg, topo, owner, start_epoch, elapsed_before, resumed=state is not None)
-    if state:
-        complete_pending_record(cfg, t, state, run)
-    t.audit = SampleAudit(audit_path(cfg))
-    t.profiler = create_profiler(cfg, topo)  # train --profile (profiling.py); None when off
-    watchdog = stall_watchdog(cfg, topo)
-    startup_mark("run_setup")  # the config written, metrics.jsonl, TensorBoard's writer, the watchdog
-    try:
-        return train_epoch_range(cfg, t, watch, watchdog, start_epoch, resumed, run)
-    finally:
-        watchdog.close()
-        if t.profiler is not None:
-            t.profiler.close()
+    with run:  # an error or Ctrl-C from here on ends the run's tracked runs as failed or stopped
+        if state:
+            complete_pending_record(cfg, t, state, run)
+        t.audit = SampleAudit(audit_path(cfg))
+        t.profiler = create_profiler(cfg, topo)  # train --profile (profiling.py); None when off
+        watchdog = stall_watchdog(cfg, topo)
+        startup_mark("run_setup")  # the config written, metrics.jsonl, TensorBoard's writer, the watchdog
+        try:
+            return train_epoch_range(cfg, t, watch, watchdog, start_epoch, resumed, run)
+        finally:
+            watchdog.close()
+            if t.profiler is not None:
+                t.profiler.close()
 
 
 def resumed_at(position: EpochPosition | None, t: Trainer, start_epoch: int) -> str:
@@ -336,6 +337,7 @@ def train_epoch_range(cfg: Config, t: Trainer, watch: PreemptionWatch, watchdog:
             watch.close()
             t.audit.write(epoch, topo)
             save_stopped_epoch(cfg, t, position, result.stopped, run)
+            run.close("stopped")
             return None
         watchdog.beat()
         t.audit.write(epoch, topo)
@@ -345,6 +347,7 @@ def train_epoch_range(cfg: Config, t: Trainer, watch: PreemptionWatch, watchdog:
             watch.close()
             log(topo, f"hybridtrain: stopped on SIGTERM after epoch {epoch + 1}; resumable from its checkpoint: "
                       f"rerun the same command with --resume auto")
+            run.close("stopped")
             return None
     watch.close()
     watchdog.pause()

@@ -64,16 +64,16 @@ def log(topo, message: str) -> None:
 
 
 def tensorboard_writer(cfg: Config, resumed: bool = False):
-    """TensorBoard's writer for rank 0, or None when switched off (report.tensorboard); when the config names
-    sinks (sinks.mlflow, sinks.wandb), a ``sinks.Board`` that gives them the same scalars, each continuing its
-    tracked run when ``resumed``."""
+    """A ``sinks.Board`` for rank 0 that gives TensorBoard (unless report.tensorboard is off) and the sinks the config
+    names (sinks.mlflow, sinks.wandb) the same scalars, each sink continuing its tracked run when ``resumed``; None
+    when neither is on."""
     writer = None
     if cfg.report.tensorboard:
         from torch.utils.tensorboard import SummaryWriter
         writer = SummaryWriter(os.path.join(cfg.run_dir, "tensorboard"))
     from hybridtrain.engine.sinks import Board, open_sinks
     sinks = open_sinks(cfg, resumed)
-    return Board(writer, sinks) if sinks else writer
+    return Board(writer, sinks) if sinks or writer is not None else None
 
 
 TENSORBOARD_SCALARS = {"loss/train": "train_loss", "loss/val": "val_loss", "top1/train": "train_top1",
@@ -183,9 +183,20 @@ class RunRecord:
             log(self.topo, epoch_line(record, self.cfg.train.epochs))
         return record
 
-    def close(self) -> None:
-        if self.board:
-            self.board.close()
+    def close(self, how: str = "finished") -> None:
+        """End the board once: the sinks' tracked runs end as the training did (``how``: finished, stopped by a
+        SIGTERM and resumable, or failed); a sink that cannot end its run does not hide a failed run's error."""
+        board, self.board = self.board, None
+        if board is not None:
+            with contextlib.nullcontext() if how == "finished" else contextlib.suppress(Exception):
+                board.close(how)
+
+    def __enter__(self) -> RunRecord:
+        return self
+
+    def __exit__(self, kind, exc, tb) -> None:
+        if kind is not None:
+            self.close("failed" if issubclass(kind, Exception) else "stopped")  # KeyboardInterrupt: stopped
 
 
 def with_validation(record: dict, ev, epoch_start: float, run_start: float) -> dict:

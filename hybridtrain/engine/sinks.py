@@ -16,6 +16,9 @@ from hybridtrain.outputs import write_text_atomically
 
 IDS_FILE = "sinks.json"
 INSTALL = "pip install 'hybridtrain[sinks]' (or the package alone)"
+# how a tracked run ends, by how the training ended: finished, stopped by a SIGTERM (resumable), or failed
+MLFLOW_STATUS = {"finished": "FINISHED", "stopped": "KILLED", "failed": "FAILED"}
+WANDB_EXIT_CODE = {"finished": 0, "stopped": 128 + 15, "failed": 1}  # 128 + SIGTERM, as a shell reports it
 
 
 def flat_params(tree: dict, prefix: str = "") -> dict[str, str]:
@@ -72,8 +75,8 @@ class MlflowSink:
         for path in paths:
             self.mlflow.log_artifact(path)
 
-    def close(self) -> None:
-        self.mlflow.end_run()
+    def close(self, how: str = "finished") -> None:
+        self.mlflow.end_run(status=MLFLOW_STATUS[how])
 
 
 class WandbSink:
@@ -99,8 +102,10 @@ class WandbSink:
             artifact.add_file(path)
         self.run.log_artifact(artifact)
 
-    def close(self) -> None:
-        self.run.finish()
+    def close(self, how: str = "finished") -> None:
+        if how == "stopped":
+            self.run.mark_preempting()  # with a non-zero exit code: preempted, and resumable (W&B's contract)
+        self.run.finish(exit_code=WANDB_EXIT_CODE[how])
 
 
 SINKS = {"mlflow": MlflowSink, "wandb": WandbSink}
@@ -154,10 +159,10 @@ class Board:
         if self.writer is not None:
             self.writer.flush()
 
-    def close(self) -> None:
+    def close(self, how: str = "finished") -> None:
         self.flush()
         for sink in self.sinks:
-            sink.close()
+            sink.close(how)
         if self.writer is not None:
             self.writer.close()
 
