@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import importlib.util
 import json
 import os
 import signal
@@ -25,6 +26,8 @@ from hybridtrain.data import sharding
 from hybridtrain.engine.elastic import step_in_epoch
 from hybridtrain.optim import create_schedule
 from hybridtrain.optim.schedules import adabound_bounds, bound_progress
+
+MLFLOW = importlib.util.find_spec("mlflow") is not None  # the sinks extra: the run logs to MLflow too
 
 
 def test_a_resize_mid_epoch_neither_repeats_nor_skips_a_sample():
@@ -90,7 +93,8 @@ def test_elastic_run_survives_3_to_2_to_3_ranks_and_covers_every_sample(small_di
     run_dir = str(tmp_path / "run")
     cfg = write_config(tiny_config(small_digits, run_dir, train={"epochs": 4, "batch_size": 8},
                                    optim={"name": "hybrid", "adabound_epochs": 2}, data=WITH_WORKERS,
-                                   elastic={"commit_steps": 2, "audit_samples": True}))
+                                   elastic={"commit_steps": 2, "audit_samples": True},
+                                   sinks={"mlflow": "local", "project": "elastic"} if MLFLOW else {}))
     script, hosts = discovery_script(tmp_path, 3)
     cmd = [HOROVODRUN, "--network-interface", "lo", "-np", "3", "--min-np", "2", "--max-np", "3",
            "--host-discovery-script", script, HYBRIDTRAIN, "train", "--elastic", "--config", cfg]
@@ -130,6 +134,14 @@ def test_elastic_run_survives_3_to_2_to_3_ranks_and_covers_every_sample(small_di
         assert set(seen) <= set(range(240)) and 240 - len(seen) < 24, f"epoch {epoch} skipped a sample"
     assert len(samples[1]) == 240 and len(samples[4]) == 240
     assert os.path.exists(os.path.join(run_dir, "final_model.pt"))
+    if MLFLOW:  # each reset ends the tracked run and the re-formed job continues it: one run, every epoch, FINISHED
+        from mlflow.tracking import MlflowClient
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        client = MlflowClient("file:" + os.path.join(run_dir, "mlruns"))
+        (experiment,) = [e for e in client.search_experiments() if e.name == "elastic"]
+        (tracked,) = client.search_runs([experiment.experiment_id])
+        assert tracked.info.status == "FINISHED"
+        assert [m.step for m in client.get_metric_history(tracked.info.run_id, "top1/val")] == [1, 2, 3, 4]
 
 
 @pytest.mark.slow

@@ -152,9 +152,10 @@ def on_reset(cfg: Config, state: ElasticState) -> None:
                 f"{t.updates} steps/epoch, lr*N and the bounds with N={t.topo.size * t.k}")
 
 
-def start_run(cfg: Config, state: ElasticState, resume: str | None) -> None:
+def start_run(cfg: Config, state: ElasticState, resume: str | None) -> bool:
     """Once per run, inside the elastic loop (its collectives must not meet a joining worker's state sync): load the
-    checkpoint (the run's record then writes the resolved config and cuts the metrics to the resumed epochs)."""
+    checkpoint (the run's record then writes the resolved config and cuts the metrics to the resumed epochs).
+    Whether it resumed one."""
     t, pos = state.trainer, state.position
     loaded = resume_state(cfg, t.topo, required=resume == "required") if resume else None
     if loaded:
@@ -162,6 +163,7 @@ def start_run(cfg: Config, state: ElasticState, resume: str | None) -> None:
         log(t.topo, f"hybridtrain: resumed from epoch {pos.epoch + 1}, sample {pos.consumed} of its permutation, "
                     f"in {cfg.run_dir}")
     pos.started = True
+    return loaded is not None
 
 
 def restore_position(cfg: Config, t: Trainer, loaded: dict, pos: Position) -> None:
@@ -237,13 +239,20 @@ def train_elastic(state: ElasticState, cfg: Config, resume: str | None) -> dict 
 
 def train_epochs_elastic(state: ElasticState, cfg: Config, resume: str | None, watchdog) -> dict | None:
     t = state.trainer
-    if not state.position.started:
-        start_run(cfg, state, resume)
+    continued = state.position.started  # re-formed after a reset: the run's records exist
+    if not continued:
+        continued = start_run(cfg, state, resume)
         state.commit()
     log_setup(cfg, t)
-    # after a reset too: metrics.jsonl is cut to the committed epochs (a rolled-back epoch's end may have written)
-    run = RunRecord(cfg, t.topo, None, state.position.epoch, state.position.elapsed_s)
-    first_epoch_of_process = True
+    # after a reset too: metrics.jsonl is cut to the committed epochs (a rolled-back epoch's end may have written),
+    # and the sinks continue their tracked runs; a reset's exception ends them (the next body continues them)
+    run = RunRecord(cfg, t.topo, None, state.position.epoch, state.position.elapsed_s, resumed=continued)
+    with run:
+        return train_recorded_epochs(state, cfg, run, watchdog)
+
+
+def train_recorded_epochs(state: ElasticState, cfg: Config, run: RunRecord, watchdog) -> dict | None:
+    t, first_epoch_of_process = state.trainer, True
     while state.position.epoch < cfg.train.epochs:
         pos, b, epoch_start = state.position, cfg.train.batch_size, time.perf_counter()
         committer = Committer(state, cfg.elastic.commit_steps, b, run.start)
