@@ -88,6 +88,24 @@ def discovery_script(tmp_path, slots: int) -> tuple[str, str]:
     return str(script), str(hosts)
 
 
+
+def test_a_fresh_elastic_run_into_another_runs_folder_is_one_line_and_touches_nothing(small_digits, tmp_path,
+                                                                                    write_config):
+    """Elastic runs did not claim their run_dir: a fresh one cut the earlier run's metrics.jsonl and pruned its
+    checkpoints. Now it is refused as a static run is (rundir.claim, inside Horovod's elastic loop)."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    earlier = {"metrics.jsonl": '{"epoch": 1}\n', "checkpoint-epoch0001.pt": "weights"}
+    for name, text in earlier.items():
+        (run_dir / name).write_text(text)
+    cfg = write_config(tiny_config(small_digits, str(run_dir)))
+    script, _ = discovery_script(tmp_path, 2)
+    proc = subprocess.run([HOROVODRUN, "--network-interface", "lo", "-np", "2", "--min-np", "2", "--max-np", "2",
+                           "--host-discovery-script", script, HYBRIDTRAIN, "train", "--elastic", "--config", cfg],
+                          capture_output=True, text=True, timeout=300, env=env_with_venv(), stdin=subprocess.DEVNULL)
+    assert_one_error_line(proc, "holds another run's files", "--resume")
+    assert {name: (run_dir / name).read_text() for name in earlier} == earlier
+
 @pytest.mark.slow
 def test_elastic_run_survives_3_to_2_to_3_ranks_and_covers_every_sample(small_digits, tmp_path, write_config):
     run_dir = str(tmp_path / "run")

@@ -31,7 +31,7 @@ from hybridtrain.data.loaders import create_loaders
 from hybridtrain.distributed import collectives as distributed
 from hybridtrain.distributed import horovod
 from hybridtrain.engine.epoch import EpochPosition, EpochProgress, EpochResult
-from hybridtrain.engine.loop import end_epoch, epoch_steps, finish, log_setup, stall_watchdog
+from hybridtrain.engine.loop import claim_run_dir, end_epoch, epoch_steps, finish, log_setup, stall_watchdog
 from hybridtrain.engine.records import RunRecord, SampleAudit, audit_path, log
 from hybridtrain.engine.resume import (
     carried_progress,
@@ -101,6 +101,7 @@ class ElasticState:
         hvd = horovod.import_horovod()
         super().__init__(bcast_object=hvd.broadcast_object, get_rank=hvd.rank)
         self.trainer, self.position = trainer, position
+        self.owner = None  # rank 0's hold on run_dir (rundir.RunDir), taken by the process that started the run
         self.save()
 
     def run_state(self) -> dict:
@@ -157,6 +158,7 @@ def start_run(cfg: Config, state: ElasticState, resume: str | None) -> bool:
     checkpoint (the run's record then writes the resolved config and cuts the metrics to the resumed epochs).
     Whether it resumed one."""
     t, pos = state.trainer, state.position
+    state.owner = claim_run_dir(cfg, t.topo, resume, move_aside=False)  # a fresh run over another's is refused
     loaded = resume_state(cfg, t.topo, required=resume == "required") if resume else None
     if loaded:
         restore_position(cfg, t, loaded, pos)
@@ -246,7 +248,7 @@ def train_epochs_elastic(state: ElasticState, cfg: Config, resume: str | None, w
     log_setup(cfg, t)
     # after a reset too: metrics.jsonl is cut to the committed epochs (a rolled-back epoch's end may have written),
     # and the sinks continue their tracked runs; a reset's exception ends them (the next body continues them)
-    run = RunRecord(cfg, t.topo, None, state.position.epoch, state.position.elapsed_s, resumed=continued)
+    run = RunRecord(cfg, t.topo, state.owner, state.position.epoch, state.position.elapsed_s, resumed=continued)
     with run:
         return train_recorded_epochs(state, cfg, run, watchdog)
 

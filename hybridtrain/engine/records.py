@@ -146,10 +146,11 @@ def memory_figures(device: torch.device) -> dict[str, float | None]:
 
 class RunRecord:
     """What a run keeps from its start to its end, in one place that the loop owns and that writes every file of the
-    run folder the training writes: the folder's hold (``owner``, rundir.RunDir: rank 0's, None under --elastic),
-    the resolved config.yaml, metrics.jsonl (cut to the ``completed_epochs`` a resumed run keeps) and the records in
-    it, the board (TensorBoard and the sinks), and the run's clock (``start``, which counts the ``elapsed_s`` of the
-    run's earlier processes). Rank 0 writes; on the other ranks the writes are no-ops."""
+    run folder the training writes: the folder's hold (``owner``, rundir.RunDir: rank 0's; None on the others and on
+    an elastic rank 0 that joined later), the resolved config.yaml, metrics.jsonl (cut to the ``completed_epochs`` a
+    resumed run keeps) and the records in it, the board (TensorBoard and the sinks), and the run's clock (``start``,
+    which counts the ``elapsed_s`` of the run's earlier processes). Rank 0 writes; on the other ranks the writes are
+    no-ops."""
 
     def __init__(self, cfg: Config, topo, owner: RunDir | None = None, completed_epochs: int = 0,
                  elapsed_s: float = 0.0, resumed: bool = False):
@@ -222,6 +223,7 @@ class SampleAudit:
     def write(self, epoch: int, topo) -> None:
         if not self.path:
             return
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)  # here, not before the run claimed its run_dir
         with open(self.path, "a") as fh:
             fh.write(json.dumps({"epoch": epoch + 1, "ranks": topo.size, "rank": topo.rank,
                                  "samples": self.pending}) + "\n")
@@ -235,6 +237,5 @@ def audit_path(cfg: Config) -> str | None:
     if not cfg.elastic.audit_samples:
         return None
     folder = os.path.join(cfg.run_dir, "samples")
-    os.makedirs(folder, exist_ok=True)
     host = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname()).lstrip(".") or "host"
     return os.path.join(folder, f"{host}-{os.getpid()}.jsonl")
