@@ -100,11 +100,18 @@ def test_a_fresh_elastic_run_into_another_runs_folder_is_one_line_and_touches_no
         (run_dir / name).write_text(text)
     cfg = write_config(tiny_config(small_digits, str(run_dir)))
     script, _ = discovery_script(tmp_path, 2)
-    proc = subprocess.run([HOROVODRUN, "--network-interface", "lo", "-np", "2", "--min-np", "2", "--max-np", "2",
-                           "--host-discovery-script", script, HYBRIDTRAIN, "train", "--elastic", "--config", cfg],
-                          capture_output=True, text=True, timeout=300, env=env_with_venv(), stdin=subprocess.DEVNULL)
-    assert_one_error_line(proc, "holds another run's files", "--resume")
+    train = [HOROVODRUN, "--network-interface", "lo", "-np", "2", "--min-np", "2", "--max-np", "2",
+             "--host-discovery-script", script, HYBRIDTRAIN, "train", "--elastic", "--config", cfg]
+    proc = subprocess.run(train, capture_output=True, text=True, timeout=300, env=env_with_venv(),
+                          stdin=subprocess.DEVNULL)
+    assert_one_error_line(proc, "holds another run's files", "--move-aside")
     assert {name: (run_dir / name).read_text() for name in earlier} == earlier
+    proc = subprocess.run([*train, "--move-aside"], capture_output=True, text=True, timeout=300, env=env_with_venv(),
+                          stdin=subprocess.DEVNULL)  # the fix the line names
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    (previous,) = run_dir.glob("previous-*")
+    assert {name: (previous / name).read_text() for name in earlier} == earlier
+    assert [r["epoch"] for r in read_metrics(str(run_dir))] == [1, 2]
 
 @pytest.mark.slow
 def test_elastic_run_survives_3_to_2_to_3_ranks_and_covers_every_sample(small_digits, tmp_path, write_config):

@@ -22,10 +22,8 @@ def cmd_train(args) -> int:
     engine = check_launch(cfg.distributed.engine)
     if args.elastic:
         refuse_elastic(engine)
-        if args.move_aside:
-            raise UserError("--move-aside is for static runs; with --elastic, give a new run_dir or --resume")
         from hybridtrain.engine.elastic import run_elastic  # torch and Horovod from here on
-        finished = explaining_memory(cfg, lambda: run_elastic(cfg, resume=args.resume))
+        finished = explaining_memory(cfg, lambda: run_elastic(cfg, args.resume, args.move_aside))
     else:
         from hybridtrain.engine.loop import run_training  # torch from here on
         finished = explaining_memory(cfg, lambda: run_training(cfg, resume=args.resume, move_aside=args.move_aside))

@@ -102,6 +102,7 @@ class ElasticState:
         super().__init__(bcast_object=hvd.broadcast_object, get_rank=hvd.rank)
         self.trainer, self.position = trainer, position
         self.owner = None  # rank 0's hold on run_dir (rundir.RunDir), taken by the process that started the run
+        self.resume, self.move_aside = None, False  # how the run starts: train's --resume and --move-aside
         self.save()
 
     def run_state(self) -> dict:
@@ -153,13 +154,13 @@ def on_reset(cfg: Config, state: ElasticState) -> None:
                 f"{t.updates} steps/epoch, lr*N and the bounds with N={t.topo.size * t.k}")
 
 
-def start_run(cfg: Config, state: ElasticState, resume: str | None) -> bool:
+def start_run(cfg: Config, state: ElasticState) -> bool:
     """Once per run, inside the elastic loop (its collectives must not meet a joining worker's state sync): load the
     checkpoint (the run's record then writes the resolved config and cuts the metrics to the resumed epochs).
     Whether it resumed one."""
     t, pos = state.trainer, state.position
-    state.owner = claim_run_dir(cfg, t.topo, resume, move_aside=False)  # a fresh run over another's is refused
-    loaded = resume_state(cfg, t.topo, required=resume == "required") if resume else None
+    state.owner = claim_run_dir(cfg, t.topo, state.resume, state.move_aside)  # refuses a fresh run over another's
+    loaded = resume_state(cfg, t.topo, required=state.resume == "required") if state.resume else None
     if loaded:
         restore_position(cfg, t, loaded, pos)
         log(t.topo, f"hybridtrain: resumed from epoch {pos.epoch + 1}, sample {pos.consumed} of its permutation, "
@@ -229,21 +230,21 @@ def train_segment(cfg: Config, t: Trainer, segment: EpochPosition, first_of_proc
         return steps.result()
 
 
-def train_elastic(state: ElasticState, cfg: Config, resume: str | None) -> dict | None:
+def train_elastic(state: ElasticState, cfg: Config) -> dict | None:
     """The body that Horovod's elastic loop runs (again after every reset) until training is done. Its stall
     watchdog lives as long as one run of it: not through a reset, where the ranks re-form the job."""
     watchdog = stall_watchdog(cfg, state.trainer.topo)
     try:
-        return train_epochs_elastic(state, cfg, resume, watchdog)
+        return train_epochs_elastic(state, cfg, watchdog)
     finally:
         watchdog.close()
 
 
-def train_epochs_elastic(state: ElasticState, cfg: Config, resume: str | None, watchdog) -> dict | None:
+def train_epochs_elastic(state: ElasticState, cfg: Config, watchdog) -> dict | None:
     t = state.trainer
     continued = state.position.started  # re-formed after a reset: the run's records exist
     if not continued:
-        continued = start_run(cfg, state, resume)
+        continued = start_run(cfg, state)
         state.commit()
     log_setup(cfg, t)
     # after a reset too: metrics.jsonl is cut to the committed epochs (a rolled-back epoch's end may have written),
@@ -272,13 +273,14 @@ def train_recorded_epochs(state: ElasticState, cfg: Config, run: RunRecord, watc
     return finish(cfg, t, run)
 
 
-def run_elastic(cfg: Config, resume: str | None = None) -> dict | None:
-    """Train under Horovod elastic; ``resume`` as for ``run_training``."""
+def run_elastic(cfg: Config, resume: str | None = None, move_aside: bool = False) -> dict | None:
+    """Train under Horovod elastic; ``resume`` and ``move_aside`` as for ``run_training``."""
     check_elastic(cfg)
     hvd = horovod.import_horovod()
     t = build_trainer(cfg, distributed.init(cfg.train.threads, cfg, elastic=True,
                                           device=cfg.train.device, engine="horovod"))
     t.audit = SampleAudit(audit_path(cfg))
     state = new_elastic_state(t, Position())
+    state.resume, state.move_aside = resume, move_aside
     state.register_reset_callbacks([lambda: on_reset(cfg, state)])
-    return hvd.elastic.run(train_elastic)(state, cfg, resume)
+    return hvd.elastic.run(train_elastic)(state, cfg)
