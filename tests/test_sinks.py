@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import HYBRIDTRAIN, env_with_venv, read_metrics, run, tiny_config
+from conftest import HYBRIDTRAIN, assert_one_error_line, env_with_venv, read_metrics, run, tiny_config
 from PIL import Image
 
 
@@ -81,6 +81,12 @@ def test_a_stopped_run_ends_its_tracked_runs_as_killed_and_a_failed_one_as_faile
     assert proc.wait(timeout=300) == 0 and "stopped on SIGTERM" in "".join(lines), "".join(lines)[-3000:]
     assert mlflow_status(stopped, monkeypatch) == "KILLED"
     assert "got exitcode: 143" in open(os.path.join(stopped, "wandb", "debug.log")).read()  # W&B's own log
+    ids = os.path.join(stopped, "sinks.json")  # a crafted id: one line, not MLflow's error as "a bug"
+    for text in ('{"mlflow": "../../../x"}', '{"mlflow": "'):
+        with open(ids, "w") as fh:
+            fh.write(text)
+        assert_one_error_line(run([HYBRIDTRAIN, "train", "--config", config, "--resume"]), "sinks.json is damaged",
+                              "remove it")
 
     data = tmp_path / "data"  # an image that does not decode stops the run in its first epoch
     for split in ("train", "val"):

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 from hybridtrain.errors import UserError
 from hybridtrain.outputs import write_text_atomically
 
 IDS_FILE = "sinks.json"
+ID_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")  # an MLflow or W&B run id
 INSTALL = "pip install 'hybridtrain[sinks]' (or the package alone)"
 # how a tracked run ends, by how the training ended: finished, stopped by a SIGTERM (resumable), or failed
 MLFLOW_STATUS = {"finished": "FINISHED", "stopped": "KILLED", "failed": "FAILED"}
@@ -33,12 +35,21 @@ def flat_params(tree: dict, prefix: str = "") -> dict[str, str]:
 
 
 def read_ids(run_dir: str) -> dict:
-    try:
-        with open(os.path.join(run_dir, IDS_FILE)) as fh:
-            ids = json.load(fh)
-        return ids if isinstance(ids, dict) else {}
-    except (OSError, ValueError):
+    """The trackers' run ids a resumed run continues ({} when the run had no sinks); one line when the file is not
+    what open_sinks wrote (the ids become MLflow's and W&B's folder names: they refuse others, but as a bug's line)."""
+    path = os.path.join(run_dir, IDS_FILE)
+    if not os.path.lexists(path):
         return {}
+    try:
+        with open(path) as fh:
+            ids = json.load(fh)
+        if not isinstance(ids, dict) or not all(name in SINKS and isinstance(run_id, str) and
+                                                ID_RE.fullmatch(run_id) for name, run_id in ids.items()):
+            raise ValueError("not a tracker name and run id each, such as {\"mlflow\": \"3f2a9c\"}")
+        return ids
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{path} is damaged ({exc}): remove it to start new tracked runs, or restore it from a "
+                        f"backup") from None
 
 
 def needed(module: str, key: str):
