@@ -21,6 +21,7 @@ import yaml
 from conftest import HYBRIDTRAIN, REPO, assert_one_error_line, run, tiny_config, venv_without
 
 from hybridtrain.gpucheck import check as gc
+from hybridtrain.gpucheck import results
 from hybridtrain.gpucheck import rows as gr
 from hybridtrain.gpucheck.probe import no_gpu_reason
 
@@ -193,7 +194,7 @@ def test_every_row_passes_its_engines_own_checks_and_a_refused_row_is_named(tmp_
     refused = gr.train_row(PY, str(tmp_path), "mixed-bf16", "graphed", 1, engine="torch")
     assert list(rehearsal.engine_refusals(rows + [refused])) == [refused.name]
     step = rehearsal.check_engines([rows[0], refused], sys.executable, str(tmp_path), dict(os.environ))
-    assert step.status == gc.FAIL
+    assert step.status == gr.FAIL
     log = (tmp_path / "engine-checks.log").read_text()
     assert f"{refused.name}: train.cuda_graphs runs on the Horovod engine only" in log and "1 of 2 rows" in log
 
@@ -206,9 +207,9 @@ def test_row_starts_pass_a_row_that_runs_or_wants_the_gpu_and_fail_one_that_brea
             py_row("breaks", "import sys; print('hybridtrain: error: no such option --fast'); sys.exit(2)")]
     started = time.monotonic()
     step = rehearsal.start_rows(rows, str(tmp_path), dict(os.environ))
-    assert step.status == gc.FAIL and step.detail == "breaks: exit 2: hybridtrain: error: no such option --fast"
+    assert step.status == gr.FAIL and step.detail == "breaks: exit 2: hybridtrain: error: no such option --fast"
     assert time.monotonic() - started < rehearsal.START_S + 20  # the sleeper was stopped, side by side
-    assert rehearsal.start_rows(rows[1:3], str(tmp_path), dict(os.environ)).status == gc.PASS
+    assert rehearsal.start_rows(rows[1:3], str(tmp_path), dict(os.environ)).status == gr.PASS
 
 
 def test_every_training_row_is_a_valid_config_of_the_h100_recipe(tmp_path):
@@ -236,7 +237,7 @@ def records(*rates, reserved=True):
 
 
 def test_steady_rate_leaves_out_the_first_epoch_and_absent_memory_keys_are_none():
-    figures = gc.train_figures(records(10.0, 1000.0, 1200.0, reserved=False))
+    figures = results.train_figures(records(10.0, 1000.0, 1200.0, reserved=False))
     assert figures["images_per_sec"] == pytest.approx(1100.0)
     assert figures["peak_allocated_mb"] == 702.0
     assert figures["peak_reserved_mb"] is None and figures["device_used_mb"] is None
@@ -247,16 +248,16 @@ def test_a_train_row_is_judged_from_its_metrics_file(tmp_path):
     os.makedirs(row.output)
     with open(os.path.join(row.output, "metrics.jsonl"), "w") as fh:
         fh.writelines(json.dumps(r) + "\n" for r in records(50.0, 2500.0))
-    assert gc.read_train(row) == "" and row.images_per_sec == 2500.0 and row.peak_reserved_mb == 900.0
+    assert results.read_train(row) == "" and row.images_per_sec == 2500.0 and row.peak_reserved_mb == 900.0
     with open(os.path.join(row.output, "metrics.jsonl"), "w") as fh:
         fh.write(json.dumps(records(50.0)[0]) + "\n")
-    assert gc.read_train(row) == "1 of 2 epochs in metrics.jsonl"
+    assert results.read_train(row) == "1 of 2 epochs in metrics.jsonl"
     with open(os.path.join(row.output, "metrics.jsonl"), "w") as fh:
         fh.write('{"epoch": 1}\n' + json.dumps(records(50.0)[0]) + "\n")  # a damaged line, not the last
-    assert gc.read_train(row).startswith("unreadable metrics.jsonl (") and "line 1" in gc.read_train(row)
+    assert results.read_train(row).startswith("unreadable metrics.jsonl (") and "line 1" in results.read_train(row)
     for name in ("checkpoint-epoch0002.pt", "checkpoint-epoch0002.pt.sha256", "final_model.pt"):
         open(os.path.join(row.output, name), "w").close()
-    gc.drop_weights(row.output)  # hundreds of MiB per ResNet-50 row; the figures stay
+    results.drop_weights(row.output)  # hundreds of MiB per ResNet-50 row; the figures stay
     assert sorted(os.listdir(row.output)) == ["metrics.jsonl"]
 
 
@@ -273,17 +274,17 @@ def test_bench_rows_read_the_plain_loop_and_the_whole_step_of_each_engine(tmp_pa
     with open(hvd_row.output, "w") as fh:
         json.dump([{"loop": "trainer", "images_per_sec": 2400.0},
                    {"loop": "train/horovod", "images_per_sec": 2250.0, "peak_memory_mb": 11000.0}], fh)
-    assert gc.read_bench(torch_row) == "" and gc.read_bench(hvd_row) == "" and gc.read_bench(graphed) == ""
+    assert results.read_bench(torch_row) == "" and results.read_bench(hvd_row) == "" and results.read_bench(graphed) == ""
     assert (torch_row.images_per_sec, torch_row.ratio) == (2400.0, 0.96)
     assert torch_row.detail == ("plain loop 2500 img/s; host syncs/step 1; whole step under torchrun 2300 img/s "
                                 "(0.920x)")
     assert hvd_row.images_per_sec == 2250.0 and hvd_row.peak_allocated_mb == 11000.0
-    torch_row.status = hvd_row.status = graphed.status = gc.PASS
+    torch_row.status = hvd_row.status = graphed.status = gr.PASS
     shared = gr.Row("train-2ranks-shared", "train", precision="mixed-fp16", ranks=2, images_per_sec=4000.0)
-    gc.fill_ratios([torch_row, hvd_row, graphed, shared], gpus=1)
+    results.fill_ratios([torch_row, hvd_row, graphed, shared], gpus=1)
     assert hvd_row.ratio == pytest.approx(2250.0 / 2500.0) and graphed.ratio == pytest.approx(3000.0 / 2500.0)
     assert shared.ratio is None  # review 4 #7: two ranks on one GPU get no per-GPU ratio
-    gc.fill_ratios([torch_row, shared], gpus=2)
+    results.fill_ratios([torch_row, shared], gpus=2)
     assert shared.ratio == pytest.approx(4000.0 / 2 / 2500.0)
 
 
@@ -294,8 +295,8 @@ def test_the_gpu_tests_row_is_judged_by_pytests_own_junit_report(tmp_path):
     argv = row.argv[:row.argv.index("--timeout=120") + 2] + [str(tmp_path / "test_two.py")]  # its report, these tests
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 1
-    assert gc.read_junit(row) == "failed: test_bad" and row.detail == "1 passed, 1 failed, 0 skipped"
-    assert gc.read_junit(gr.Row("gpu-tests", "tests", output=str(tmp_path / "none.xml"))).startswith("no JUnit")
+    assert results.read_junit(row) == "failed: test_bad" and row.detail == "1 passed, 1 failed, 0 skipped"
+    assert results.read_junit(gr.Row("gpu-tests", "tests", output=str(tmp_path / "none.xml"))).startswith("no JUnit")
 
 
 def test_max_batch_and_bench_optim_rows_read_their_outputs(tmp_path):
@@ -303,8 +304,8 @@ def test_max_batch_and_bench_optim_rows_read_their_outputs(tmp_path):
     log = tmp_path / "max.log"
     log.write_text("| batch | images/s | peak MiB | fits |\n| 1792 | 2762.8 | 75885 | yes |\n"
                    "| 1816 (largest) | 2761.2 | 76900 | yes |\n")
-    assert gc.read_max_batch(row, str(log)) == "" and row.detail.startswith("largest batch 1816: 2761.2 img/s")
-    assert gc.read_max_batch(row, str(tmp_path / "none.log")) == "no (largest) row in the output"
+    assert results.read_max_batch(row, str(log)) == "" and row.detail.startswith("largest batch 1816: 2761.2 img/s")
+    assert results.read_max_batch(row, str(tmp_path / "none.log")) == "no (largest) row in the output"
     optim = gr.bench_optim_row(PY, str(tmp_path))
     with open(optim.output, "w") as fh:
         json.dump([{"optimizer": "sgd-foreach", "median_ms": 4.0, "ratio_to_sgd": 1.0},
@@ -326,16 +327,16 @@ def test_a_row_runs_as_a_real_process_with_its_log_and_its_timeout(tmp_path):
     gc.run_row(ok, str(tmp_path), deadline, dict(os.environ), lambda line: None)
     started = time.monotonic()
     gc.run_row(slow, str(tmp_path), deadline, dict(os.environ), lambda line: None)
-    assert ok.status == gc.PASS
-    assert slow.status == gc.FAIL and slow.detail.startswith("timed out after 2 s") and time.monotonic() - started < 20
+    assert ok.status == gr.PASS
+    assert slow.status == gr.FAIL and slow.detail.startswith("timed out after 2 s") and time.monotonic() - started < 20
     assert "waiting" in (tmp_path / "sleeper.log").read_text() and "1 passed" in (tmp_path / "echo.log").read_text()
     late = py_row("late", "pass", estimate_s=60)
     gc.run_row(late, str(tmp_path), time.monotonic() + 30, dict(os.environ), lambda line: None)
-    assert late.status == gc.NOT_RUN and late.detail.startswith(gc.NEXT_CALL)
+    assert late.status == gr.NOT_RUN and late.detail.startswith(gr.NEXT_CALL)
     cut = py_row("cut", "import time; time.sleep(60)", 50, estimate_s=1)  # review 4 #4: the budget's end, not FAIL
     gc.run_row(cut, str(tmp_path), time.monotonic() + gc.MIN_ROW_S + 2, dict(os.environ), lambda line: None)
-    assert cut.status == gc.NOT_RUN and cut.detail.startswith(f"{gc.NEXT_CALL} (stopped at the end of the budget")
-    text = gc.write_results([ok, late, cut], str(tmp_path), {})
+    assert cut.status == gr.NOT_RUN and cut.detail.startswith(f"{gr.NEXT_CALL} (stopped at the end of the budget")
+    text = results.write_results([ok, late, cut], str(tmp_path), {})
     assert text.startswith("# hybridtrain gpu-check: every row that ran passed; 2 rows left for the next call")
 
 
@@ -343,7 +344,7 @@ def test_a_missing_program_fails_its_row_not_the_check(tmp_path):
     """Review 3 #1: Popen's FileNotFoundError is the row's failure."""
     row = gr.Row("gone", "train", [str(tmp_path / "venv" / "bin" / "torchrun")], 30, output=str(tmp_path / "run"))
     gc.run_row(row, str(tmp_path), time.monotonic() + 60, dict(os.environ), lambda line: None)
-    assert row.status == gc.FAIL and row.detail.startswith("could not start:") and "torchrun" in row.detail
+    assert row.status == gr.FAIL and row.detail.startswith("could not start:") and "torchrun" in row.detail
 
 
 def test_the_table_survives_a_failed_and_a_killed_row_and_is_written_after_every_row(tmp_path):
@@ -354,9 +355,9 @@ def test_the_table_survives_a_failed_and_a_killed_row_and_is_written_after_every
             py_row("fails", "import sys; sys.exit(3)"),
             py_row("killed", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"),
             py_row("after", "print('still runs')")]
-    write = lambda: gc.write_results(rows, out, {"device": "cpu"})
+    write = lambda: results.write_results(rows, out, {"device": "cpu"})
     text = gc.execute(rows, out, time.monotonic() + 120, dict(os.environ), None, write, lambda line: None)
-    assert [r.status for r in rows] == [gc.PASS, gc.PASS, gc.FAIL, gc.FAIL, gc.PASS]
+    assert [r.status for r in rows] == [gr.PASS, gr.PASS, gr.FAIL, gr.FAIL, gr.PASS]
     assert rows[2].detail.startswith("exit status 3") and rows[3].detail.startswith("exit status -9")
     saved = json.loads((tmp_path / "gpu_check.json").read_text())
     assert saved["failed"] == ["fails", "killed"] and len(saved["rows"]) == 5
@@ -368,12 +369,12 @@ def test_a_check_stopped_by_sigterm_keeps_the_rows_that_ended_and_stops_the_runn
     marker = tmp_path / "grandchild.pid"
     script = textwrap.dedent(f"""
         import os, sys, time
-        from hybridtrain.gpucheck import check as gc, rows as gr
+        from hybridtrain.gpucheck import check as gc, results, rows as gr
         out = {str(tmp_path)!r}
         rows = [gr.Row("done", "step", [sys.executable, "-c", "pass"], 30),
                 gr.Row("long", "step", [sys.executable, "-c", "import os, time; open({str(marker)!r}, 'w').write("
                        "str(os.getpid())); time.sleep(120)"], 300)]
-        write = lambda: gc.write_results(rows, out, {{}})
+        write = lambda: results.write_results(rows, out, {{}})
         gc.execute(rows, out, time.monotonic() + 300, dict(os.environ), None, write, print)
         print("after", rows[1].status, flush=True)
     """)
@@ -386,8 +387,8 @@ def test_a_check_stopped_by_sigterm_keeps_the_rows_that_ended_and_stops_the_runn
     stdout, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0 and "stopped by SIGTERM" in stdout and "after not run" in stdout
     saved = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert [r["status"] for r in saved["rows"]] == [gc.PASS, gc.NOT_RUN]
-    assert saved["rows"][1]["detail"] == f"{gc.NEXT_CALL} (stopped by SIGTERM)" and saved["failed"] == []
+    assert [r["status"] for r in saved["rows"]] == [gr.PASS, gr.NOT_RUN]
+    assert saved["rows"][1]["detail"] == f"{gr.NEXT_CALL} (stopped by SIGTERM)" and saved["failed"] == []
     with pytest.raises(ProcessLookupError):  # the row's process did not outlive the check
         os.kill(int(marker.read_text()), 0)
 
@@ -399,22 +400,22 @@ def test_horovod_rows_wait_for_the_background_build_and_the_others_run_meanwhile
     rows = [py_row("horovod", stamp.format(str(tmp_path / "h")), horovod=True),
             py_row("plain", stamp.format(str(tmp_path / "p")))]
     gc.execute(rows, out, time.monotonic() + 120, dict(os.environ), build, lambda: "", lambda line: None)
-    assert build.row.status == gc.PASS and [r.status for r in rows] == [gc.PASS, gc.PASS]
+    assert build.row.status == gr.PASS and [r.status for r in rows] == [gr.PASS, gr.PASS]
     assert float((tmp_path / "p").read_text()) < float((tmp_path / "h").read_text())
     failed = gc.Background(py_row("build", "import sys; sys.exit(1)"), out, dict(os.environ), lambda line: None)
     waiting = [py_row("horovod2", "pass", horovod=True)]
     gc.execute(waiting, out, time.monotonic() + 60, dict(os.environ), failed, lambda: "", lambda line: None)
-    assert failed.row.status == gc.FAIL and waiting[0].status == gc.NOT_RUN
+    assert failed.row.status == gr.FAIL and waiting[0].status == gr.NOT_RUN
     assert waiting[0].detail.startswith("not run: no Horovod build")
 
 
 def test_a_second_call_keeps_the_rows_that_passed(tmp_path):
     rows = [py_row("passed", "pass"), py_row("failed", "pass")]
-    rows[0].status, rows[0].images_per_sec, rows[1].status = gc.PASS, 123.0, gc.FAIL
-    gc.write_results(rows, str(tmp_path), {})
+    rows[0].status, rows[0].images_per_sec, rows[1].status = gr.PASS, 123.0, gr.FAIL
+    results.write_results(rows, str(tmp_path), {})
     again = [py_row("passed", "pass"), py_row("failed", "pass")]
-    assert gc.take_earlier(again, gc.earlier_rows(str(tmp_path))) == 1
-    assert again[0].status == gc.PASS and again[0].images_per_sec == 123.0 and "earlier call" in again[0].detail
+    assert results.take_earlier(again, results.earlier_rows(str(tmp_path))) == 1
+    assert again[0].status == gr.PASS and again[0].images_per_sec == 123.0 and "earlier call" in again[0].detail
     assert again[1].status == "pending"
 
 
@@ -431,7 +432,7 @@ def test_the_resume_driver_finds_a_resumed_torch_engine_run_bitwise_equal(tmp_pa
     result = json.loads((tmp_path / "check" / "resume_check.json").read_text())
     assert result["equal"] and result["straight"].endswith("checkpoint-epoch0002.pt")
     row = gr.Row("resume", "resume", output=str(tmp_path / "check"))
-    assert gc.read_resume(row) == "" and row.images_per_sec
+    assert results.read_resume(row) == "" and row.images_per_sec
 
 
 def test_the_resume_comparison_names_what_differs():
@@ -537,12 +538,12 @@ def test_the_archive_holds_the_table_logs_and_figures_under_16_mib_and_no_weight
     big = os.urandom(10 * 2**20)  # incompressible: two of them pass the limit
     (out / "build.log").write_bytes(big)
     (out / "bench.log").write_bytes(big[::-1] + b"\nlast line\n")
-    path = gc.write_archive(str(out), str(tmp_path / "back"))
+    path = results.write_archive(str(out), str(tmp_path / "back"))
     import tarfile
-    assert os.path.getsize(path) <= gc.ARCHIVE_LIMIT and os.listdir(tmp_path / "back") == ["gpu-check.tgz"]
+    assert os.path.getsize(path) <= results.ARCHIVE_LIMIT and os.listdir(tmp_path / "back") == ["gpu-check.tgz"]
     with tarfile.open(path) as tar:
         names = sorted(tar.getnames())
         assert names == ["gpu-check/bench.log", "gpu-check/build.log", "gpu-check/gpu_check.md",
                          "gpu-check/runs/row/metrics.jsonl"]
         log = tar.extractfile("gpu-check/bench.log").read()
-        assert log.endswith(b"\nlast line\n") and len(log) == gc.LOG_TAIL  # the end of a cut log is kept
+        assert log.endswith(b"\nlast line\n") and len(log) == results.LOG_TAIL  # the end of a cut log is kept

@@ -35,8 +35,6 @@ from pathlib import Path
 
 from hybridtrain.errors import UserError
 from hybridtrain.gpucheck.check import (
-    FAIL,
-    PASS,
     WORK,
     check_bundle,
     check_checkout,
@@ -47,7 +45,7 @@ from hybridtrain.gpucheck.check import (
     stop_group,
 )
 from hybridtrain.gpucheck.check import build_row as horovod_build_row
-from hybridtrain.gpucheck.rows import GPU_TESTS, RECIPE, REPO, Pythons, Row, build_rows
+from hybridtrain.gpucheck.rows import FAIL, GPU_TESTS, PASS, RECIPE, REPO, Pythons, Row, build_rows
 from hybridtrain.outputs import check_output_dir, markdown_table, write_text_atomically
 
 # what the lent machine's Python lacks (KINDS.md lists its packages: setuptools and wheel among them, which

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from hybridtrain.distributed.launcher import launch_command
 from hybridtrain.perf.bench_sets import precision_sets
 
+PASS, FAIL, NOT_RUN = "pass", "fail", "not run"  # a row's status once run ("pending" before)
+NEXT_CALL = "left for the next call"
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RECIPE = os.path.join("configs", "resnet50_h100.yaml")
 
