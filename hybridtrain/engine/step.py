@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import importlib.util
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -204,8 +203,6 @@ def build_step(model, cfg, precision, batch: tuple[torch.Tensor, torch.Tensor] |
     # progressive resizing: a static-shape graph per resolution (not torch's automatic dynamic shapes after the
     # first change); random per-rank batches change the batch size every step and keep torch's default
     dynamic = False if schedule.progressive and cfg.bn.per_rank_batch == "fixed" else None
-    if cfg.train.compile:
-        check_cpu_compiler(next(model.parameters()).device)
     if not cfg.train.compile:
         forward_model = wrap(model)
     elif cfg.train.compile_scope == "model":
@@ -228,14 +225,6 @@ def build_train_step(model, cfg, precision, batch: tuple[torch.Tensor, torch.Ten
     """``step(optimizer, precision, micro_batches) -> StepResult``: ``train_step`` as the config runs it (``ema``:
     the weights' EMA, updated after every applied step)."""
     return partial(train_step, build_step(model, cfg, precision, batch), ema=ema)
-
-
-def check_cpu_compiler(device: torch.device) -> None:
-    """One line up front, not inductor's error at the first step: on the CPU, inductor builds its C++ kernels
-    through torch.utils.cpp_extension, which imports setuptools (a Python 3.12+ venv has none by default)."""
-    if device.type == "cpu" and importlib.util.find_spec("setuptools") is None:
-        raise UserError("train.compile on the CPU needs setuptools (torch's inductor builds its C++ kernels with "
-                        "it): pip install setuptools, or set train.compile=false")
 
 
 def compiled_forward(model: torch.nn.Module, scope: str) -> torch.nn.Module:

@@ -9,6 +9,7 @@ May import: hardware.gpus, errors.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 
@@ -100,15 +101,20 @@ def check_node(device, precision) -> list[str]:
 # ----------------------------------------------------------------------------- what the config asks of this machine
 
 def missing_compiler(device) -> str | None:
-    """The compiler torch.compile lacks for ``device``, in words; None when one is on PATH. Inductor's CPU kernels
-    need a C++ compiler ($CXX, else g++); Triton's GPU launchers a C compiler ($CC, else gcc or clang)."""
+    """What torch.compile lacks for ``device``, and its fix, in words; None when nothing is. Inductor's CPU kernels
+    need a C++ compiler ($CXX, else g++) and setuptools (it builds them through torch.utils.cpp_extension, which
+    imports it; a Python 3.12+ venv has none); Triton's GPU launchers a C compiler ($CC, else gcc or clang)."""
     if device.type == "cuda":
         names = [os.environ["CC"]] if os.environ.get("CC") else ["gcc", "clang"]
         wanted = f"a C compiler for Triton ({' or '.join(names)})"
     else:
         names = [os.environ.get("CXX") or "g++"]
         wanted = f"a C++ compiler for inductor's CPU kernels ({names[0]})"
-    return None if any(shutil.which(name) for name in names) else wanted
+    if not any(shutil.which(name) for name in names):
+        return f"{wanted} and none is on PATH: install one (e.g. the g++ or gcc package)"
+    if device.type != "cuda" and importlib.util.find_spec("setuptools") is None:
+        return "setuptools for inductor's CPU kernels and this Python has none: pip install setuptools"
+    return None
 
 
 TRITON_MIN_CAPABILITY = (7, 0)  # Triton's GPU kernels; older GPUs get inductor's GPUTooOldForTriton traceback
@@ -136,8 +142,7 @@ def check_machine(cfg, policy, device) -> None:
     for key, on in (("train.compile", cfg.train.compile), ("optim.fused", cfg.optim.fused)):
         lacking = missing_compiler(device) if on else None
         if lacking:
-            raise UserError(f"{key}=true needs {lacking} and none is on PATH: install one (e.g. the g++ or gcc "
-                            f"package) or set {key}=false")
+            raise UserError(f"{key}=true needs {lacking}, or set {key}=false")
         if on and device.type == "cuda":
             check_triton_gpu(key, torch.cuda.get_device_capability(device))
 
