@@ -243,7 +243,7 @@ def train_epochs(cfg: Config, t: Trainer, watch: PreemptionWatch, resume: str | 
     startup_mark("model_build")  # built, wrapped and broadcast (or restored)
     log_setup(cfg, t)
     run = RunRecord(cfg, topo, owner, start_epoch, elapsed_before, resumed=state is not None)
-    with run:  # an error or Ctrl-C from here on ends the run's tracked runs as failed or stopped
+    with run:  # the tracked runs end as failed on an error, as stopped on a SIGTERM's stop or Ctrl-C
         if state:
             complete_pending_record(cfg, t, state, run)
         t.audit = SampleAudit(audit_path(cfg))
@@ -337,7 +337,6 @@ def train_epoch_range(cfg: Config, t: Trainer, watch: PreemptionWatch, watchdog:
             watch.close()
             t.audit.write(epoch, topo)
             save_stopped_epoch(cfg, t, position, result.stopped, run)
-            run.close("stopped")
             return None
         watchdog.beat()
         t.audit.write(epoch, topo)
@@ -347,7 +346,6 @@ def train_epoch_range(cfg: Config, t: Trainer, watch: PreemptionWatch, watchdog:
             watch.close()
             log(topo, f"hybridtrain: stopped on SIGTERM after epoch {epoch + 1}; resumable from its checkpoint: "
                       f"rerun the same command with --resume auto")
-            run.close("stopped")
             return None
     watch.close()
     watchdog.pause()

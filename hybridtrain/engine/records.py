@@ -196,8 +196,9 @@ class RunRecord:
         return self
 
     def __exit__(self, kind, exc, tb) -> None:
-        if kind is not None:
-            self.close("failed" if issubclass(kind, Exception) else "stopped")  # KeyboardInterrupt: stopped
+        """After finish() closed the board as finished, nothing; else the run stopped (a SIGTERM's stop returns
+        without finishing, Ctrl-C raises KeyboardInterrupt) or failed (an error)."""
+        self.close("failed" if kind is not None and issubclass(kind, Exception) else "stopped")
 
 
 def with_validation(record: dict, ev, epoch_start: float, run_start: float) -> dict:
