@@ -110,10 +110,7 @@ def compute_time_from_speed(batch_per_gpu: int, single_gpu_speed: float) -> floa
 
 def ring_allreduce_time(world_size: int, message_bytes: float, bandwidth: float, latency: float) -> float:
     """Ring all-reduce of ``message_bytes`` over ``world_size`` ranks (reduce-scatter + allgather)."""
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size!r}")
-    n = world_size
-    return 2 * (n - 1) * latency + 2 * (n - 1) / n * message_bytes / bandwidth  # 2(N-1)a + 2(N-1)/N * b/B
+    return 2 * ring_reduce_scatter_time(world_size, message_bytes, bandwidth, latency)  # 2(N-1)a + 2(N-1)/N * b/B
 
 
 def ring_reduce_scatter_time(world_size: int, message_bytes: float, bandwidth: float, latency: float) -> float:
@@ -122,14 +119,6 @@ def ring_reduce_scatter_time(world_size: int, message_bytes: float, bandwidth: f
         raise ValueError(f"world_size must be >= 1, got {world_size!r}")
     n = world_size
     return (n - 1) * latency + (n - 1) / n * message_bytes / bandwidth  # (N-1)a + (N-1)/N * b/B
-
-
-def hierarchical_allreduce_time(spec: ClusterSpec) -> float:
-    """Intra-node reduce-scatter, inter-node ring all-reduce of 1/g of the data, intra-node allgather."""
-    g, m, size = spec.gpus_per_node, spec.nodes, spec.gradient_bytes
-    intra = ring_reduce_scatter_time(g, size, spec.intra_bandwidth, spec.intra_latency)
-    inter = ring_allreduce_time(m, size / g, spec.inter_bandwidth / g, spec.inter_latency)  # g flows share the NIC
-    return intra + inter + intra  # RS_intra + AR_inter + AG_intra
 
 
 def tree_allreduce_time(world_size: int, message_bytes: float, bandwidth: float, latency: float) -> float:
@@ -142,12 +131,13 @@ def tree_allreduce_time(world_size: int, message_bytes: float, bandwidth: float,
     return 2 * depth * latency + 2 * message_bytes / bandwidth  # 2 ceil(log2 N) a + 2 b/B
 
 
-def hierarchical_tree_allreduce_time(spec: ClusterSpec) -> float:
-    """Intra-node reduce-scatter, inter-node tree all-reduce of 1/g of the data, intra-node allgather."""
+def hierarchical_allreduce_time(spec: ClusterSpec, inter_allreduce=ring_allreduce_time) -> float:
+    """Intra-node reduce-scatter, inter-node all-reduce of 1/g of the data (a ring, or ``tree_allreduce_time``),
+    intra-node allgather."""
     g, m, size = spec.gpus_per_node, spec.nodes, spec.gradient_bytes
     intra = ring_reduce_scatter_time(g, size, spec.intra_bandwidth, spec.intra_latency)
-    inter = tree_allreduce_time(m, size / g, spec.inter_bandwidth / g, spec.inter_latency)
-    return intra + inter + intra  # RS_intra + AR_inter(tree) + AG_intra
+    inter = inter_allreduce(m, size / g, spec.inter_bandwidth / g, spec.inter_latency)  # g flows share the NIC
+    return intra + inter + intra  # RS_intra + AR_inter + AG_intra
 
 
 def flat_ring_allreduce_time(spec: ClusterSpec) -> float:
@@ -165,9 +155,8 @@ def allreduce_time(spec: ClusterSpec) -> float:
         return 0.0
     if spec.algorithm == "ring":
         return flat_ring_allreduce_time(spec)
-    if spec.algorithm == "hierarchical-tree":
-        return hierarchical_tree_allreduce_time(spec)
-    return hierarchical_allreduce_time(spec)
+    return hierarchical_allreduce_time(spec, tree_allreduce_time if spec.algorithm == "hierarchical-tree"
+                                       else ring_allreduce_time)
 
 
 def predict(spec: ClusterSpec) -> Prediction:
@@ -191,16 +180,19 @@ def predicted_single_gpu_time(spec: ClusterSpec, convergence_epoch: int, images_
     )  # = E * I / (S1 * eff) = N * E * I / (predicted cluster speed)
 
 
+def sized(template: ClusterSpec, gpus: int, batch: int, compute_time: float) -> ClusterSpec:
+    """``template`` at ``gpus`` GPUs: one node when gpus <= g, else whole g-GPU nodes (ValueError otherwise)."""
+    g = template.gpus_per_node
+    if gpus < 1 or (gpus > g and gpus % g):
+        raise ValueError(f"{gpus} GPUs is neither at most one node ({g}) nor a whole number of {g}-GPU nodes")
+    return replace(template, gpus_per_node=min(gpus, g), nodes=max(1, gpus // g), batch_per_gpu=batch,
+                   compute_time=compute_time)
+
+
 def efficiency_curve(spec: ClusterSpec, gpu_counts: Sequence[int]) -> list[tuple[int, float]]:
     """(N, predicted efficiency) as the cluster grows: N <= g fills one node, larger N must be whole nodes of g."""
-    g = spec.gpus_per_node
-    curve = []
-    for n in gpu_counts:
-        if n < 1 or (n > g and n % g):
-            raise ValueError(f"{n} GPUs is neither at most one node ({g}) nor a whole number of {g}-GPU nodes")
-        sized = replace(spec, gpus_per_node=min(n, g), nodes=max(1, n // g))
-        curve.append((int(n), float(predict(sized).efficiency)))
-    return curve
+    return [(int(n), float(predict(sized(spec, n, spec.batch_per_gpu, spec.compute_time)).efficiency))
+            for n in gpu_counts]
 
 
 @dataclass(frozen=True)

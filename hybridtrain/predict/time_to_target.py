@@ -22,7 +22,7 @@ Model (docs/predict.md has the sources of every number below):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
@@ -89,13 +89,7 @@ def h100_cluster(algorithm: str = "hierarchical-tree", overlap: float = H100_OVE
         inter_latency=cm.NIC_LATENCY, algorithm=algorithm, overlap=overlap)
 
 
-def sized(template: cm.ClusterSpec, gpus: int, batch: int, compute_time: float) -> cm.ClusterSpec:
-    """``template`` at ``gpus`` GPUs: one node when gpus <= g, else whole g-GPU nodes (ValueError otherwise)."""
-    g = template.gpus_per_node
-    if gpus < 1 or (gpus > g and gpus % g):
-        raise ValueError(f"{gpus} GPUs is neither at most one node ({g}) nor a whole number of {g}-GPU nodes")
-    return replace(template, gpus_per_node=min(gpus, g), nodes=max(1, gpus // g), batch_per_gpu=batch,
-                   compute_time=compute_time)
+sized = cm.sized  # the template at a row's GPUs, batch and compute time
 
 
 # ---------------------------------------------------------------------------------------------- MLPerf rows

@@ -22,12 +22,6 @@ from hybridtrain.reports import paper_metrics as metrics
 from hybridtrain.reports.links import links_markdown, read_probe
 from hybridtrain.reports.time_breakdown import breakdown_figures, breakdown_markdown, plot_breakdown, summary_rows
 
-HEADLINE_KEYS = ("convergence_epoch", "actual_training_time_s", "actual_avg_single_gpu_time_s", "single_gpu_speed",
-                 "scaling_efficiency", "final_top1", "final_top5", "images_per_sec", "world_size")
-
-
-
-
 
 # ----------------------------------------------------------------------------- reading a run
 
