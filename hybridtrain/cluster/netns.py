@@ -27,7 +27,9 @@ import signal
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
+
+import psutil
 
 from hybridtrain.errors import UserError
 from hybridtrain.outputs import write_json_atomically
@@ -38,6 +40,7 @@ BRIDGE = "br0"
 SUBNET = "10.77.0"
 SSH_PORT = 2222
 STATE_DIR = "/run/hybridtrain-cluster"
+IDENTITY = os.path.join(STATE_DIR, "id")  # the cluster's own ssh key
 LOCK_PATH = "/run/hybridtrain-cluster.lock"  # beside STATE_DIR, which down() removes
 RATE = re.compile(r"^(\d+(?:\.\d+)?)(kbit|mbit|gbit)$")
 RATE_UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
@@ -71,10 +74,6 @@ def namespace(host: str) -> str:
 
 def address(i: int) -> str:
     return f"{SUBNET}.{i + 1}"
-
-
-def identity_file() -> str:
-    return os.path.join(STATE_DIR, "id")
 
 
 def link_bits_per_s(rate: str) -> float | None:
@@ -186,7 +185,7 @@ def build(hosts: int, rate: str) -> dict:
             fh.write(hosts_file)
         os.makedirs(f"/etc/netns/{ns}/ssh", exist_ok=True)  # the hosts' own /etc/ssh: plain `ssh h1` works
         with open(f"/etc/netns/{ns}/ssh/ssh_config", "w") as fh:
-            fh.write(SSH_CONFIG.format(port=SSH_PORT, identity=identity_file()))
+            fh.write(SSH_CONFIG.format(port=SSH_PORT, identity=IDENTITY))
         set_link(host, rate)
     os.makedirs("/run/sshd", exist_ok=True)
     for i, host in enumerate(names):
@@ -195,7 +194,7 @@ def build(hosts: int, rate: str) -> dict:
                                 "-o", f"AuthorizedKeysFile={STATE_DIR}/id.pub", "-o", "StrictModes=no",
                                 "-o", "UsePAM=no", "-o", "PermitRootLogin=yes", "-o", "MaxStartups=100"]))
     state = {"hosts": names, "addresses": [address(i) for i in range(hosts)], "link": rate, "ssh_port": SSH_PORT,
-             "identity": identity_file()}
+             "identity": IDENTITY}
     write_json_atomically(os.path.join(STATE_DIR, "state.json"), state)
     wait_for_sshd(names)
     return state
@@ -215,8 +214,8 @@ def down() -> list[str]:
     their /etc/netns folders and the state folder. Idempotent. Returns the namespaces it removed."""
     require_root()
     found = namespaces()
-    for ns in found:
-        end_processes(ns)
+    for ns in found:  # every process in it (sshds, training ranks)
+        end_all(lambda ns=ns: [int(p) for p in sh("ip", "netns", "pids", ns, check=False).stdout.split()])
     for ns in found:
         sh("ip", "netns", "del", ns, check=False)
     if os.path.isdir("/etc/netns"):
@@ -225,11 +224,6 @@ def down() -> list[str]:
                 shutil.rmtree(os.path.join("/etc/netns", name), ignore_errors=True)
     shutil.rmtree(STATE_DIR, ignore_errors=True)
     return found
-
-
-def end_processes(ns: str) -> None:
-    """Every process in namespace ``ns`` (sshds, training ranks) ended (:func:`end_all`)."""
-    end_all(lambda: [int(p) for p in sh("ip", "netns", "pids", ns, check=False).stdout.split()])
 
 
 def end_all(pids, grace_s: float = 3.0) -> None:
@@ -246,21 +240,12 @@ def end_all(pids, grace_s: float = 3.0) -> None:
 
 
 def descendants() -> list[int]:
-    """The live processes this one started, and theirs (a launcher's ranks), from /proc; zombies left out."""
-    children: dict[int, list[int]] = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as fh:
-                state, ppid = fh.read().rsplit(")", 1)[1].split()[:2]
-        except (OSError, ValueError, IndexError):  # not a process, or one that just ended
-            continue
-        if state != "Z":
-            children.setdefault(int(ppid), []).append(int(entry))
-    found, todo = [], [os.getpid()]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        found += kids
-        todo += kids
+    """The live processes this one started, and theirs (a launcher's ranks); zombies left out."""
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        with suppress(psutil.NoSuchProcess):  # one that just ended
+            if child.status() != psutil.STATUS_ZOMBIE:
+                found.append(child.pid)
     return found
 
 
