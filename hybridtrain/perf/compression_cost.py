@@ -7,7 +7,7 @@ obvious fix it replaces (a contiguous copy before sending and a layout copy back
 from __future__ import annotations
 
 import argparse
-import time
+import timeit
 
 import torch
 
@@ -15,12 +15,7 @@ from hybridtrain.outputs import markdown_table
 
 
 def best_ms(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1000 * min(times)
+    return 1000 * min(timeit.repeat(fn, number=1, repeat=repeats))
 
 
 def resnet50_gradients(channels_last: bool) -> list[torch.Tensor]:

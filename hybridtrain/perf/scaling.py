@@ -38,8 +38,7 @@ def measured_config(config: str, overrides: list[str], compression: str | None =
     from hybridtrain.config import load_config
     sets = ["train.threads=1"] + list(overrides) + ["data.backend=synthetic", "data.file_lists=",
                                                     "data.in_process=false"]
-    cfg = load_config(config, sets + ([f"distributed.compression={compression}"] if compression else []))
-    return cfg
+    return load_config(config, sets + ([f"distributed.compression={compression}"] if compression else []))
 
 
 def worker(config: str, overrides: list[str], compression: str, steps: int, warmup: int, out: str,

@@ -129,13 +129,7 @@ def timed_steps(step, steps: int, warmup: int, device: torch.device, label: str)
         step()
     synchronize(device)
     reset_peak_memory(device)
-    times = []
-    for _ in tqdm(range(steps), desc=label, unit="step", leave=False, disable=None):
-        start = time.perf_counter()
-        step()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return times
+    return alternated_steps({label: step}, steps, device)[label]
 
 
 def optimizations(cfg, label: str) -> list[str]:
@@ -317,43 +311,34 @@ def bench(config: str | None, overrides: list[str], precisions: list[str], batch
     torch.set_num_threads(threads)
     if torch.cuda.is_available():
         torch.backends.cudnn.benchmark = True
-    with job_of_one():
-        return bench_rows(config, overrides, precisions, batch_sizes, steps, warmup, baseline, profile_dir, threads,
-                          engines, phase)
-
-
-def bench_rows(config, overrides, precisions, batch_sizes, steps, warmup, baseline, profile_dir, threads, engines,
-               phase) -> list[dict]:
     rows = []
-    for batch in batch_sizes if batch_sizes else [None]:  # None: the recipe's train.batch_size
-        for spec in precisions or [None]:
-            sets = row_sets(overrides, spec, batch)
-            cfg = load_config(config, sets)
-            set_fp32_math(cfg.precision.tf32)  # both loops alike
-            check_phase(cfg, phase)  # a phase the recipe lacks: one line before any work
-            if baseline:
-                trainer, plain = trainer_and_baseline_rows(cfg, steps, warmup, profile_dir, phase)
-            else:
-                trainer = trainer_row(cfg, steps, warmup, profile_dir, phase)
-            timed = [trainer]
-            if engines:
-                release_device_memory()  # the child process needs the GPU memory these rows cached
-            timed += [engine_row(config, sets, cfg, steps, warmup, threads, phase, engine) for engine in engines]
-            rows += timed
-            if baseline:
-                rows.append(plain)
-                for row in timed:
-                    row["over_baseline"] = row["images_per_sec"] / rows[-1]["images_per_sec"]
-                rows[-1]["trainer_over_baseline"] = timed[0]["over_baseline"]
+    with job_of_one():
+        for batch in batch_sizes if batch_sizes else [None]:  # None: the recipe's train.batch_size
+            for spec in precisions or [None]:
+                sets = row_sets(overrides, spec, batch)
+                cfg = load_config(config, sets)
+                set_fp32_math(cfg.precision.tf32)  # both loops alike
+                check_phase(cfg, phase)  # a phase the recipe lacks: one line before any work
+                if baseline:
+                    trainer, plain = trainer_and_baseline_rows(cfg, steps, warmup, profile_dir, phase)
+                else:
+                    trainer = trainer_row(cfg, steps, warmup, profile_dir, phase)
+                timed = [trainer]
+                if engines:
+                    release_device_memory()  # the child process needs the GPU memory these rows cached
+                timed += [engine_row(config, sets, cfg, steps, warmup, threads, phase, engine) for engine in engines]
+                rows += timed
+                if baseline:
+                    rows.append(plain)
+                    for row in timed:
+                        row["over_baseline"] = row["images_per_sec"] / rows[-1]["images_per_sec"]
+                    rows[-1]["trainer_over_baseline"] = timed[0]["over_baseline"]
     return rows
 
 
-def mebibytes(value: float | None) -> str:
-    return "-" if value is None else f"{value:.0f}"
-
-
-def milliseconds(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f}"
+def measured(value: float | None, digits: int) -> str:
+    """A figure with ``digits`` decimals; '-' where the row has none (the engine rows' median, the trainer's mean)."""
+    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def format_table(rows: list[dict]) -> str:
@@ -362,9 +347,9 @@ def format_table(rows: list[dict]) -> str:
               "÷ baseline"]
     return markdown_table(header, [[r["loop"], r["arch"], r["optimizer"], r["precision"], r["batch_size"],
                                      r["image_size"], ", ".join(r["optimizations"]) or "none", r["device"],
-                                     f"{r['images_per_sec']:.1f}", milliseconds(r["median_ms"]),
-                                     milliseconds(r["p90_ms"]), milliseconds(r.get("mean_ms")),
-                                     mebibytes(r["peak_memory_mb"]), mebibytes(r["peak_memory_reserved_mb"]),
+                                     f"{r['images_per_sec']:.1f}", measured(r["median_ms"], 1),
+                                     measured(r["p90_ms"], 1), measured(r.get("mean_ms"), 1),
+                                     measured(r["peak_memory_mb"], 0), measured(r["peak_memory_reserved_mb"], 0),
                                      "-" if r["skipped_steps"] is None else r["skipped_steps"],
                                      "" if r["host_syncs_per_step"] is None else r["host_syncs_per_step"],
                                      f"{r['over_baseline']:.3f}" if "over_baseline" in r else ""]

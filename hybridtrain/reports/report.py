@@ -22,7 +22,6 @@ from hybridtrain.reports import paper_metrics as metrics
 from hybridtrain.reports.links import links_markdown, read_probe
 from hybridtrain.reports.time_breakdown import breakdown_figures, breakdown_markdown, plot_breakdown, summary_rows
 
-
 # ----------------------------------------------------------------------------- reading a run
 
 def load_run(run_dir: str) -> tuple[dict, list[dict]]:
