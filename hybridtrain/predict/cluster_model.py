@@ -31,7 +31,6 @@ Step times alone cannot separate ``overlap`` from bandwidth/latency (only (1 - o
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
@@ -63,17 +62,11 @@ class ClusterSpec:
 
     def __post_init__(self) -> None:
         for name in ("compute_time", "intra_bandwidth", "inter_bandwidth"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+            metrics.require_positive(name, getattr(self, name))
         for name in ("intra_latency", "inter_latency"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value >= 0):
-                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+            metrics.require_non_negative(name, getattr(self, name))
         for name in ("batch_per_gpu", "parameter_count", "gpus_per_node", "nodes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            metrics.require_count(name, getattr(self, name))
         if self.bytes_per_element not in (2, 4):
             raise ValueError(f"bytes_per_element must be 2 (FP16) or 4 (FP32), got {self.bytes_per_element!r}")
         if self.algorithm not in ALGORITHMS:

@@ -20,20 +20,22 @@ import math
 import numbers
 from typing import NamedTuple, Optional, Sequence
 
+EPOCH = "a 1-based epoch number (integer >= 1)"  # what an epoch argument must be
 
-def _require_positive(name: str, value: float) -> None:
+
+def require_positive(name: str, value: float) -> None:
     if not (isinstance(value, numbers.Real) and math.isfinite(value) and value > 0):
         raise ValueError(f"{name} must be a positive finite number, got {value!r}")
 
 
-def _require_world_size(world_size: int) -> None:
-    if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral) or world_size < 1:
-        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+def require_non_negative(name: str, value: float) -> None:
+    if not (isinstance(value, numbers.Real) and math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
 
 
-def _require_epoch(name: str, epoch: int) -> None:
-    if isinstance(epoch, bool) or not isinstance(epoch, numbers.Integral) or epoch < 1:
-        raise ValueError(f"{name} must be a 1-based epoch number (integer >= 1), got {epoch!r}")
+def require_count(name: str, value: int, what: str = "an integer >= 1") -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name} must be {what}, got {value!r}")
 
 
 def _require_fraction(name: str, value: float) -> None:
@@ -43,23 +45,22 @@ def _require_fraction(name: str, value: float) -> None:
 
 def ideal_speed(single_gpu_speed: float, world_size: int) -> float:
     """Speed of N GPUs under perfect linear scaling, images/s."""
-    _require_positive("single_gpu_speed", single_gpu_speed)
-    _require_world_size(world_size)
+    require_positive("single_gpu_speed", single_gpu_speed)
+    require_count("world_size", world_size)
     return world_size * single_gpu_speed  # ideal speed = N * S1
 
 
 def scaling_efficiency(actual_speed: float, single_gpu_speed: float, world_size: int) -> float:
     """GPU scaling efficiency from measured speeds (section 3.2.2), a fraction (may exceed 1 for superlinear runs)."""
-    _require_positive("actual_speed", actual_speed)
+    require_positive("actual_speed", actual_speed)
     return actual_speed / ideal_speed(single_gpu_speed, world_size)  # efficiency = actual speed / (N * S1)
 
 
 def scaling_efficiency_from_times(comm_time: float, compute_time: float) -> float:
     """GPU scaling efficiency from per-GPU times (section 3.2.2); ``comm_time`` is the communication not hidden by
     compute."""
-    if not (isinstance(comm_time, numbers.Real) and math.isfinite(comm_time) and comm_time >= 0):
-        raise ValueError(f"comm_time must be a finite number >= 0, got {comm_time!r}")
-    _require_positive("compute_time", compute_time)
+    require_non_negative("comm_time", comm_time)
+    require_positive("compute_time", compute_time)
     return 1.0 / (1.0 + comm_time / compute_time)  # efficiency = 1 / (1 + comm time / compute time)
 
 
@@ -74,7 +75,7 @@ def convergence_epoch(values_per_epoch: Sequence[float], target: float) -> Optio
 
 def convergence_rate(epoch: int) -> float:
     """Convergence rate (section 1): reciprocal of the number of epochs completed at convergence."""
-    _require_epoch("epoch", epoch)
+    require_count("epoch", epoch, EPOCH)
     return 1.0 / epoch  # convergence rate = 1 / convergence epoch
 
 
@@ -97,7 +98,7 @@ def actual_training_time(
     spent evaluating in epoch i + 1; when it is None no evaluation time was recorded and both fields are
     equal.
     """
-    _require_epoch("convergence_epoch", convergence_epoch)
+    require_count("convergence_epoch", convergence_epoch, EPOCH)
     if convergence_epoch > len(epoch_end_times):
         raise ValueError(
             f"convergence_epoch {convergence_epoch} is past the last recorded epoch ({len(epoch_end_times)})"
@@ -122,8 +123,8 @@ def actual_training_time(
 
 def actual_average_single_gpu_time(actual_training_time: float, world_size: int) -> float:
     """The paper's criterion, measured form (Tables 3.8/3.9): GPU-time spent to converge, same unit as the input."""
-    _require_positive("actual_training_time", actual_training_time)
-    _require_world_size(world_size)
+    require_positive("actual_training_time", actual_training_time)
+    require_count("world_size", world_size)
     return actual_training_time * world_size  # single-GPU time = actual training time * N
 
 
@@ -131,7 +132,7 @@ def varying_ranks_single_gpu_time(epoch_ends: list[float], world_sizes: list[int
     """The same criterion when elastic training changed N between epochs: sum_e (t_e - t_(e-1)) * N_e, with
     t_0 = 0 and N_e the ranks at the end of epoch e (a mid-epoch resize counts at the epoch's end)."""
     for n in world_sizes:
-        _require_world_size(n)
+        require_count("world_size", n)
     starts = [0.0] + list(epoch_ends[:-1])
     return sum((end - start) * n for start, end, n in zip(starts, epoch_ends, world_sizes, strict=True))
 
@@ -144,22 +145,22 @@ def model_single_gpu_time(
     1 / (convergence rate x single-GPU speed x efficiency) expressed in time: the convergence rate
     counts epochs, so one epoch's images convert it to seconds.
     """
-    _require_epoch("convergence_epoch", convergence_epoch)
-    _require_positive("images_per_epoch", images_per_epoch)
-    _require_positive("single_gpu_speed", single_gpu_speed)
-    _require_positive("efficiency", efficiency)
+    require_count("convergence_epoch", convergence_epoch, EPOCH)
+    require_positive("images_per_epoch", images_per_epoch)
+    require_positive("single_gpu_speed", single_gpu_speed)
+    require_positive("efficiency", efficiency)
     return convergence_epoch * images_per_epoch / (single_gpu_speed * efficiency)  # = E * I / (S1 * eff)
 
 
 def model_gap(measured: float, modelled: float) -> float:
     """Relative gap of a measured value to its modelled value: 0 when they agree, -0.05 when measured is 5% lower."""
-    _require_positive("measured", measured)
-    _require_positive("modelled", modelled)
+    require_positive("measured", measured)
+    require_positive("modelled", modelled)
     return measured / modelled - 1.0  # gap = measured / modelled - 1
 
 
 def speedup(speed: float, baseline_speed: float) -> float:
     """How many times faster ``speed`` is than ``baseline_speed`` (e.g. Table 3.2: 1542/758 = 2.03)."""
-    _require_positive("speed", speed)
-    _require_positive("baseline_speed", baseline_speed)
+    require_positive("speed", speed)
+    require_positive("baseline_speed", baseline_speed)
     return speed / baseline_speed  # speedup = S_a / S_b
