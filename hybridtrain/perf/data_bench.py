@@ -45,11 +45,6 @@ def measure(backend: str, data: str, threads: int, batch_size: int, crop: int, s
             "form": "tar shards" if is_shard_dir(data) else "folders"}
 
 
-def thread_counts(requested: list[int]) -> list[int]:
-    """The requested counts, or 1 and all of this process's cores."""
-    return requested or sorted({1, cores_per_rank(1)})
-
-
 def bench_data(backends: list[str], data: str, threads: list[int], batch_size: int, crop: int, steps: int,
                warmup: int) -> list[dict]:
     if not os.path.isdir(data):
@@ -57,7 +52,8 @@ def bench_data(backends: list[str], data: str, threads: list[int], batch_size: i
                         f"--out {data}'")
     if min(batch_size, crop, steps) < 1 or warmup < 0 or any(t < 1 for t in threads):
         raise UserError("--batch-size, --crop, --steps and --threads must be >= 1 and --warmup >= 0")
-    return [measure(b, data, t, batch_size, crop, steps, warmup) for b in backends for t in thread_counts(threads)]
+    threads = threads or sorted({1, cores_per_rank(1)})  # none asked: 1 and all of this process's cores
+    return [measure(b, data, t, batch_size, crop, steps, warmup) for b in backends for t in threads]
 
 
 def format_table(rows: list[dict]) -> str:

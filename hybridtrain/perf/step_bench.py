@@ -69,10 +69,6 @@ def optimizer_label(cfg, phase: str | None) -> str:
     return f"{cfg.optim.name}/{phases[phase]}" if phase in phases else cfg.optim.name
 
 
-def phase_in_use(bundle) -> str | None:
-    return bundle.optimizer.param_groups[0].get("phase")
-
-
 def bench_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
@@ -198,7 +194,7 @@ def trainer_loop(cfg, phase: str = "adabound"):
 
 def trainer_summary(cfg, loop, times: list[float], profile_dir: str | None, memory: dict | None = None) -> dict:
     step, device, precision, bundle = loop
-    phase = phase_in_use(bundle)  # that of the timed steps: the watched one may go on into the next
+    phase = bundle.optimizer.param_groups[0].get("phase")  # the timed steps': the watched one may go into the next
     host_syncs = count_host_syncs(step, device)  # one more step, watched
     if profile_dir:
         write_profile(step, device, profile_dir)

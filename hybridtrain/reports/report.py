@@ -180,15 +180,14 @@ def report_run(run_dir: str, top1_target: float | None = None, top5_target: floa
     speed, source = single_gpu_speed_of(run_dir, history, world_size, single_gpu_speed)
     figures = run_figures(history, world_size, top1_target, top5_target, speed, source)
     report = {**figures, "config": config, **(extra or {})}
-    markdown = report_markdown(os.path.basename(os.path.abspath(run_dir)), figures, history)
-    breakdown = breakdown_markdown(history, figures)
-    if breakdown:
-        markdown += "\n" + breakdown
-    markdown += "\n" + settings_markdown(config, history)
     links = read_probe(run_dir)  # link_probe.json: which host's link is slow (python -m hybridtrain.cluster.link_probe)
     if links:
         report["links"] = links
-        markdown += "\n" + links_markdown(links)
+    sections = [report_markdown(os.path.basename(os.path.abspath(run_dir)), figures, history),
+                breakdown_markdown(history, figures),  # "" for records without a breakdown
+                "## Settings\n\n" + markdown_table(["setting", "value"], settings_rows(config, history)) + "\n",
+                links_markdown(links) if links else ""]
+    markdown = "\n".join(section for section in sections if section)
     try:  # each through a temp file renamed over it: never written through a link, never left half-written
         for name, text in (("report.json", json.dumps(report, indent=2)), ("report.md", markdown)):
             with atomic_path(os.path.join(run_dir, name)) as tmp, open(tmp, "w") as fh:
@@ -273,10 +272,6 @@ def progressive_row(data: dict, history: list[dict]) -> str:
     trained = " ".join(str(r["train_resolution"]) for r in history if "train_resolution" in r)
     return (f"{data['res_start']} px to epoch {data.get('res_start_epoch', 0) + 1}, {data.get('res_end')} px from "
             f"epoch {data.get('res_end_epoch', 0) + 1}, multiples of {data.get('res_multiple', 32)}: {trained}")
-
-
-def settings_markdown(config: dict, history: list[dict]) -> str:
-    return "## Settings\n\n" + markdown_table(["setting", "value"], settings_rows(config, history)) + "\n"
 
 
 def summary_table(figures: dict) -> str:
