@@ -28,6 +28,7 @@ import subprocess
 import sys
 import time
 from contextlib import contextmanager, suppress
+from pathlib import Path
 
 import psutil
 
@@ -180,12 +181,9 @@ def build(hosts: int, rate: str) -> dict:
         sh("ip", "-n", ns, "addr", "add", f"{address(i)}/24", "dev", "eth0")
         sh("ip", "-n", ns, "link", "set", "lo", "up")
         sh("ip", "-n", ns, "link", "set", "eth0", "up")
-        os.makedirs(f"/etc/netns/{ns}", exist_ok=True)
-        with open(f"/etc/netns/{ns}/hosts", "w") as fh:
-            fh.write(hosts_file)
         os.makedirs(f"/etc/netns/{ns}/ssh", exist_ok=True)  # the hosts' own /etc/ssh: plain `ssh h1` works
-        with open(f"/etc/netns/{ns}/ssh/ssh_config", "w") as fh:
-            fh.write(SSH_CONFIG.format(port=SSH_PORT, identity=IDENTITY))
+        Path(f"/etc/netns/{ns}/hosts").write_text(hosts_file)
+        Path(f"/etc/netns/{ns}/ssh/ssh_config").write_text(SSH_CONFIG.format(port=SSH_PORT, identity=IDENTITY))
         set_link(host, rate)
     os.makedirs("/run/sshd", exist_ok=True)
     for i, host in enumerate(names):
@@ -313,8 +311,7 @@ def status() -> dict | None:
     if not found:
         return None
     try:
-        with open(os.path.join(STATE_DIR, "state.json")) as fh:
-            state = json.load(fh)
+        state = json.loads(Path(STATE_DIR, "state.json").read_text())
     except (OSError, ValueError):
         return {"broken": True, "namespaces": found}
     rows = []
@@ -330,8 +327,7 @@ def status() -> dict | None:
 
 def sshd_alive(host: str) -> bool:
     try:
-        with open(os.path.join(STATE_DIR, f"{host}.pid")) as fh:
-            os.kill(int(fh.read().strip()), 0)
+        os.kill(int(Path(STATE_DIR, f"{host}.pid").read_text()), 0)
         return True
     except (OSError, ValueError):
         return False

@@ -9,18 +9,13 @@ from __future__ import annotations
 
 import argparse
 import time
+from itertools import cycle, islice
 
 from hybridtrain.data.dali import DaliLoader, GraphSpec, require_dali
 from hybridtrain.data.folder import ImageList, scan_split
 from hybridtrain.outputs import markdown_table
 
 BATCH = 32
-
-
-def repeated(images: ImageList, samples: int) -> ImageList:
-    """``images``' samples cycled up to ``samples`` entries."""
-    cycle = images.samples
-    return ImageList(images.root, images.classes, [cycle[i % len(cycle)] for i in range(samples)], 0)
 
 
 def epoch_boundaries(images: ImageList, world_size: int, epochs: int, batches: int = 20) -> list[dict]:
@@ -55,7 +50,8 @@ def main() -> None:
         parser.error(f"--samples must give every rank 2 batches of {BATCH} (>= {2 * BATCH * max(world_sizes)} "
                      f"here) and --epochs must be >= 1")
     require_dali()
-    images = repeated(scan_split(args.data, "train"), args.samples)
+    images = scan_split(args.data, "train")  # its samples cycled up to --samples entries
+    images = ImageList(images.root, images.classes, list(islice(cycle(images.samples), args.samples)), 0)
     rows = [row for k in world_sizes for row in epoch_boundaries(images, k, args.epochs)]
     print(markdown_table(["ranks", "epoch", "first batch s", "then ms/batch"],
                          [[r["ranks"], r["epoch"], f"{r['first_batch_s']:.2f}", f"{r['ms_per_batch']:.1f}"]

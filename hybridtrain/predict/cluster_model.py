@@ -349,8 +349,7 @@ def plot_efficiency(results: Mapping[str, Sequence[tuple[int, float]]], path: st
     for label, points in results.items():
         counts = [n for n, _ in points]
         axes.plot(counts, [100 * e for _, e in points], marker="o", label=label)
-    axes.set_xlabel("GPUs")
-    axes.set_ylabel("scaling efficiency (%)")
+    axes.set(xlabel="GPUs", ylabel="scaling efficiency (%)")
     axes.grid(True, alpha=0.3)
     axes.legend()
     figure.tight_layout()

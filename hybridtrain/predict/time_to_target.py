@@ -369,9 +369,7 @@ def plot_time_to_target(rows: Sequence[PlanRow], path: str, title: str,
         axes.plot([p.gpus for p in published], [p.minutes for p in published], "x", color="C3",
                   label="MLPerf v4.0 (published)")
     axes.set_xscale("log", base=2)
-    axes.set_yscale("log")
-    axes.set_xlabel("GPUs")
-    axes.set_ylabel("minutes to target")
+    axes.set(yscale="log", xlabel="GPUs", ylabel="minutes to target")
     axes.set_title(title, fontsize=9)
     axes.grid(True, which="both", alpha=0.3)
     axes.legend()
