@@ -104,13 +104,6 @@ def probe(hosts: list[str], megabytes: int) -> dict:
             "pairs": pairs, "host_bits_per_s": rates, "lines": links_lines(rates)}
 
 
-def parse_hosts(text: str) -> list[str]:
-    hosts = [h.strip() for h in text.split(",") if h.strip()]
-    if len(hosts) < 2 or len(set(hosts)) != len(hosts):
-        raise UserError(f"--hosts must list two or more hosts, each once (e.g. h0,h1,h2), got '{text}'")
-    return hosts
-
-
 MEGABYTES = (1, 1024)
 
 
@@ -128,7 +121,9 @@ def main(argv: list[str]) -> int:
     if not MEGABYTES[0] <= args.megabytes <= MEGABYTES[1]:
         raise UserError(f"--megabytes must be in [{MEGABYTES[0]}, {MEGABYTES[1]}] (MiB per transfer), got "
                         f"{args.megabytes}")
-    hosts = parse_hosts(args.hosts)
+    hosts = [h.strip() for h in args.hosts.split(",") if h.strip()]
+    if len(hosts) < 2 or len(set(hosts)) != len(hosts):
+        raise UserError(f"--hosts must list two or more hosts, each once (e.g. h0,h1,h2), got '{args.hosts}'")
     out = check_output_dir(args.out, "--out")
     with in_use("link probe", alone=False), stopped_cleanly("its transfers ended"):
         result = probe(hosts, args.megabytes)

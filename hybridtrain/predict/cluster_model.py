@@ -133,23 +133,19 @@ def hierarchical_allreduce_time(spec: ClusterSpec, inter_allreduce=ring_allreduc
     return intra + inter + intra  # RS_intra + AR_inter + AG_intra
 
 
-def flat_ring_allreduce_time(spec: ClusterSpec) -> float:
-    """Flat ring over all GPUs, every step at the slowest link (inter-node when nodes > 1)."""
+def allreduce_time(spec: ClusterSpec) -> float:
+    if spec.world_size == 1:
+        return 0.0
+    if spec.algorithm != "ring":
+        return hierarchical_allreduce_time(spec, tree_allreduce_time if spec.algorithm == "hierarchical-tree"
+                                           else ring_allreduce_time)
+    # a flat ring over all GPUs, every step at the slowest link (inter-node when nodes > 1)
     if spec.nodes == 1:
         bandwidth, latency = spec.intra_bandwidth, spec.intra_latency
     else:
         bandwidth = min(spec.intra_bandwidth, spec.inter_bandwidth)
         latency = max(spec.intra_latency, spec.inter_latency)
     return ring_allreduce_time(spec.world_size, spec.gradient_bytes, bandwidth, latency)
-
-
-def allreduce_time(spec: ClusterSpec) -> float:
-    if spec.world_size == 1:
-        return 0.0
-    if spec.algorithm == "ring":
-        return flat_ring_allreduce_time(spec)
-    return hierarchical_allreduce_time(spec, tree_allreduce_time if spec.algorithm == "hierarchical-tree"
-                                       else ring_allreduce_time)
 
 
 def predict(spec: ClusterSpec) -> Prediction:
