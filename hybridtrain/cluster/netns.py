@@ -194,17 +194,13 @@ def build(hosts: int, rate: str) -> dict:
     state = {"hosts": names, "addresses": [address(i) for i in range(hosts)], "link": rate, "ssh_port": SSH_PORT,
              "identity": IDENTITY}
     write_json_atomically(os.path.join(STATE_DIR, "state.json"), state)
-    wait_for_sshd(names)
-    return state
-
-
-def wait_for_sshd(names: list[str], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + 10.0  # each sshd writes its pid file once it listens
     for host in names:
         while not os.path.exists(os.path.join(STATE_DIR, f"{host}.pid")):
             if time.monotonic() > deadline:
                 raise UserError(f"cluster: the sshd of {host} did not start: run hybridtrain cluster down and retry")
             time.sleep(0.05)
+    return state
 
 
 def down() -> list[str]:

@@ -31,8 +31,13 @@ class SyncingOpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def count_cuda_syncs(fn) -> int:
-    """Synchronizing CUDA calls made by ``fn()``, by CUDA's sync debug mode."""
+def count_host_syncs(fn, device: torch.device) -> int:
+    """Host syncs in ``fn()`` on ``device``: measured on a GPU (the synchronizing CUDA calls, by CUDA's sync debug
+    mode), the would-be syncs on the CPU."""
+    if device.type != "cuda":
+        with SyncingOpCounter() as counter:
+            fn()
+        return counter.count
     previous = torch.cuda.get_sync_debug_mode()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -42,12 +47,3 @@ def count_cuda_syncs(fn) -> int:
         finally:
             torch.cuda.set_sync_debug_mode(previous)
     return sum(CUDA_SYNC_WARNING in str(w.message) for w in caught)
-
-
-def count_host_syncs(fn, device: torch.device) -> int:
-    """Host syncs in ``fn()`` on ``device``: measured on a GPU, the would-be syncs on the CPU."""
-    if device.type == "cuda":
-        return count_cuda_syncs(fn)
-    with SyncingOpCounter() as counter:
-        fn()
-    return counter.count
