@@ -209,8 +209,7 @@ def calibrate(measured_points: Sequence[tuple[int, float]], gradient_bytes: floa
     """
     if not (math.isfinite(gradient_bytes) and gradient_bytes > 0):
         raise ValueError(f"gradient_bytes must be positive, got {gradient_bytes!r}")
-    counts = np.array([n for n, _ in measured_points], dtype=float)
-    steps = np.array([t for _, t in measured_points], dtype=float)
+    counts, steps = np.array(measured_points, dtype=float).reshape(-1, 2).T  # the (N, step time) columns
     if counts.size == 0 or np.any(counts < 1) or np.any(counts != np.round(counts)):
         raise ValueError("measured_points must be (GPU count >= 1, step time) pairs")
     if np.any(~np.isfinite(steps)) or np.any(steps <= 0):

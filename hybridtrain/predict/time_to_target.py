@@ -54,8 +54,7 @@ def fit_throughput_curve(points: Sequence[tuple[float, float]], source: str) -> 
     A negative fitted fixed cost (points that speed up faster than a line allows) is set to 0 and the per-image
     cost refitted alone, so the curve never has a throughput above b / (b * per_image).
     """
-    batches = np.array([b for b, _ in points], dtype=float)
-    speeds = np.array([s for _, s in points], dtype=float)
+    batches, speeds = np.array(points, dtype=float).reshape(-1, 2).T  # the (batch, img/s) columns
     if batches.size == 0 or np.any(~np.isfinite(batches)) or np.any(batches < 1):
         raise ValueError("throughput points need per-GPU batches >= 1")
     if np.any(~np.isfinite(speeds)) or np.any(speeds <= 0):
