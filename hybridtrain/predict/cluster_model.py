@@ -94,10 +94,8 @@ class Prediction:
 
 def compute_time_from_speed(batch_per_gpu: int, single_gpu_speed: float) -> float:
     """Per-step compute time of one GPU from its measured single-GPU speed."""
-    if batch_per_gpu < 1:
-        raise ValueError(f"batch_per_gpu must be >= 1, got {batch_per_gpu!r}")
-    if not (math.isfinite(single_gpu_speed) and single_gpu_speed > 0):
-        raise ValueError(f"single_gpu_speed must be positive, got {single_gpu_speed!r}")
+    metrics.require_count("batch_per_gpu", batch_per_gpu)
+    metrics.require_positive("single_gpu_speed", single_gpu_speed)
     return batch_per_gpu / single_gpu_speed  # t_compute = B / S1
 
 
@@ -108,16 +106,14 @@ def ring_allreduce_time(world_size: int, message_bytes: float, bandwidth: float,
 
 def ring_reduce_scatter_time(world_size: int, message_bytes: float, bandwidth: float, latency: float) -> float:
     """Ring reduce-scatter (and, by the same formula, ring allgather) of ``message_bytes``."""
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size!r}")
+    metrics.require_count("world_size", world_size)
     n = world_size
     return (n - 1) * latency + (n - 1) / n * message_bytes / bandwidth  # (N-1)a + (N-1)/N * b/B
 
 
 def tree_allreduce_time(world_size: int, message_bytes: float, bandwidth: float, latency: float) -> float:
     """Binary-tree all-reduce (reduce up, broadcast down) of ``message_bytes``, pipelined in chunks."""
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size!r}")
+    metrics.require_count("world_size", world_size)
     if world_size == 1:
         return 0.0
     depth = math.ceil(math.log2(world_size))
