@@ -159,12 +159,7 @@ def dense_view(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...] | None]:
 
 def undo_dense_view(t: torch.Tensor, order: tuple[int, ...] | None) -> torch.Tensor:
     """The inverse of dense_view: the original shape with the original strides (``order`` () = a copy was made)."""
-    if not order:
-        return t
-    inverse = [0] * len(order)
-    for position, dim in enumerate(order):
-        inverse[dim] = position
-    return t.permute(inverse)
+    return t.permute(sorted(range(len(order)), key=order.__getitem__)) if order else t
 
 
 def broadcast_tensors(tensors: dict[str, torch.Tensor]) -> None:

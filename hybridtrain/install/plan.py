@@ -14,6 +14,7 @@ import os
 import re
 import shlex
 import sys
+from collections import Counter
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -309,6 +310,10 @@ def index_host(url: str) -> str:
     return urlsplit(url).netloc if re.match(r"https?://", url) else ""
 
 
+OLD_DRIVER = ("the NVIDIA driver {driver} is older than r525 (525.60.13), the oldest that any torch build hybridtrain "
+              "installs runs on (CUDA 12): upgrade the driver (r580+ for CUDA 13)")
+
+
 def choose(caps: list, driver: str, torch_version: str = PINNED_TORCH, torch_cuda: str = "",
            index: str = "", dali: str = "", gpu_operations: str | None = None, driver_api: int = 0,
            cuda_init: int = 0) -> Plan:
@@ -323,8 +328,7 @@ def choose(caps: list, driver: str, torch_version: str = PINNED_TORCH, torch_cud
     # HYBRIDTRAIN_TORCH=system with a driver API version: the driver library torch loads decides, not nvidia-smi
     by_api = torch_cuda not in ("", "none") and driver_api > 0
     if not caps and driver and not driver_ok(driver, "12.0") and not by_api:  # too old to report compute_cap
-        plan.error = (f"the NVIDIA driver {driver} is older than r525 (525.60.13), the oldest that any torch "
-                      f"build hybridtrain installs runs on (CUDA 12): upgrade the driver (r580+ for CUDA 13)")
+        plan.error = OLD_DRIVER.format(driver=driver)
         return plan
     if not caps:
         what = "no NVIDIA GPU" + (f" (driver {driver} but no GPU compute capability reported)" if driver else "")
@@ -346,11 +350,10 @@ def choose(caps: list, driver: str, torch_version: str = PINNED_TORCH, torch_cud
         plan.lines.append(f"DALI: nvidia-dali-cuda{dali or '<torch CUDA major>0'} (its CPU operators)")
         plan.lines.append(f"Horovod: GPU operations {gpu_operations or 'none (Gloo, MPI on the CPU)'}")
         return plan
-    node = ", ".join(f"{n} x {generation(c)}" for c, n in sorted(count(caps).items()))
+    node = ", ".join(f"{n} x {generation(c)}" for c, n in sorted(Counter(caps).items()))
     plan.lines.append(f"node: {node}, driver {driver or 'unknown'}")
     if driver and not driver_ok(driver, "12.0") and not by_api:
-        plan.error = (f"the NVIDIA driver {driver} is older than r525 (525.60.13), the oldest that any torch "
-                      f"build hybridtrain installs runs on (CUDA 12): upgrade the driver (r580+ for CUDA 13)")
+        plan.error = OLD_DRIVER.format(driver=driver)
         return plan
     if torch_cuda == "none":  # HYBRIDTRAIN_TORCH=system with a CPU build of torch
         plan.lines.append(f"torch: the installed torch {torch_version} is a CPU build (HYBRIDTRAIN_TORCH=system): "
@@ -423,13 +426,6 @@ def system_torchvision(torch_version: str, python: str) -> tuple[str, str]:
     return "", (f"torchvision: {python} has none: torchvision {pair}, the release paired with torch {torch_version}, "
                 f"is installed into the venv with --no-deps (the torch stays the installed one) from the wheelhouse "
                 f"or the registry, and must load its ops with that torch")
-
-
-def count(items: list) -> dict:
-    counted: dict = {}
-    for item in items:
-        counted[item] = counted.get(item, 0) + 1
-    return counted
 
 
 def shell_assignments(plan: Plan) -> str:
