@@ -187,11 +187,9 @@ def refused_in_an_earlier_attempt() -> str | None:
     mark = refusal_mark()
     if mark is None or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
         return None
-    try:
-        with open(mark) as fh:
-            return fh.read().strip() or None
-    except OSError:
-        return None
+    with contextlib.suppress(OSError), open(mark) as fh:
+        return fh.read().strip() or None
+    return None
 
 
 def keep_refusal(line: str) -> None:

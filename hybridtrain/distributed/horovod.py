@@ -188,8 +188,7 @@ def allreduce(tensor: torch.Tensor, name: str, average: bool = False) -> torch.T
 
 def allreduce_differentiable(tensor: torch.Tensor) -> torch.Tensor:
     """The sum over ranks, with its gradient (Horovod's allreduce is an autograd function)."""
-    hvd = import_horovod()
-    return hvd.allreduce(tensor, op=hvd.Sum)
+    return allreduce(tensor, None)
 
 
 def allreduce_async(tensor: torch.Tensor, name: str):
@@ -241,8 +240,7 @@ class LayoutCompressor:
         return undo_dense_view(tensor.to(dtype) if dtype is not None else tensor, order)
 
 
-class NoCompression(LayoutCompressor):
-    wire = None
+NoCompression = LayoutCompressor  # wire None: each gradient in its own dtype
 
 
 class FP16Compression(LayoutCompressor):

@@ -304,48 +304,33 @@ def choose(caps: list, driver: str, torch_version: str = PINNED_TORCH, torch_cud
     plan = Plan(torch=torch_version, torchvision=torchvision_for(torch_version), gpu_operations=gpu_operations or "")
     # HYBRIDTRAIN_TORCH=system with a driver API version: the driver library torch loads decides, not nvidia-smi
     by_api = torch_cuda not in ("", "none") and driver_api > 0
-    if not caps and driver and not driver_ok(driver, "12.0") and not by_api:  # too old to report compute_cap
+    node = ", ".join(f"{n} x {generation(c)}" for c, n in sorted(Counter(caps).items()))
+    plan.lines += [f"node: {node}, driver {driver or 'unknown'}"] if caps else []
+    if driver and not driver_ok(driver, "12.0") and not by_api:  # without a GPU: too old to report compute_cap
         plan.error = OLD_DRIVER.format(driver=driver)
         return plan
     if not caps:
         what = "no NVIDIA GPU" + (f" (driver {driver} but no GPU compute capability reported)" if driver else "")
         plan.lines.append(f"node: {what}: the install is the one for CPUs")
-        if torch_cuda:
-            error, warning = (system_driver_check(torch_version, torch_cuda, driver, driver_api, cuda_init)
-                              if by_api else ("", ""))
-            if error:
-                plan.error = error
-                return plan
-            plan.lines.append(f"torch: the installed torch {torch_version} (CUDA {torch_cuda or 'none'}), "
-                              f"HYBRIDTRAIN_TORCH=system")
-            plan.lines += [warning] if warning else []
-        else:
-            plan.index = index
-            plan.lines.append(f"torch {plan.torch} and torchvision {plan.torchvision} from "
-                              f"{index or 'the registry'} (its default build)")
-        plan.dali = dali
-        plan.lines.append(f"DALI: nvidia-dali-cuda{dali or '<torch CUDA major>0'} (its CPU operators)")
-        plan.lines.append(f"Horovod: GPU operations {gpu_operations or 'none (Gloo, MPI on the CPU)'}")
-        return plan
-    node = ", ".join(f"{n} x {generation(c)}" for c, n in sorted(Counter(caps).items()))
-    plan.lines.append(f"node: {node}, driver {driver or 'unknown'}")
-    if driver and not driver_ok(driver, "12.0") and not by_api:
-        plan.error = OLD_DRIVER.format(driver=driver)
-        return plan
-    if torch_cuda == "none":  # HYBRIDTRAIN_TORCH=system with a CPU build of torch
+    elif torch_cuda == "none":  # HYBRIDTRAIN_TORCH=system with a CPU build of torch
         plan.lines.append(f"torch: the installed torch {torch_version} is a CPU build (HYBRIDTRAIN_TORCH=system): "
                           f"this node's GPUs will not be used")
         plan.dali, plan.gpu_operations = dali, gpu_operations or ""
         return plan
-    if torch_cuda:  # HYBRIDTRAIN_TORCH=system: check the installed torch against the node
+    if torch_cuda:  # HYBRIDTRAIN_TORCH=system: check the installed torch against the node (without a GPU: by API)
         build = Build("system", torch_cuda, "", ())
-        plan.cuda = torch_cuda
-        error, warning = system_driver_check(torch_version, torch_cuda, driver, driver_api, cuda_init)
+        error, warning = (system_driver_check(torch_version, torch_cuda, driver, driver_api, cuda_init)
+                          if caps or by_api else ("", ""))
         if error:
             plan.error = error
             return plan
+        plan.cuda = torch_cuda if caps else ""
         plan.lines.append(f"torch: the installed torch {torch_version} (CUDA {torch_cuda}), HYBRIDTRAIN_TORCH=system")
         plan.lines += [warning] if warning else []
+    elif not caps:
+        plan.index = index
+        plan.lines.append(f"torch {plan.torch} and torchvision {plan.torchvision} from "
+                          f"{index or 'the registry'} (its default build)")
     else:
         builds = builds_for(torch_version)
         fits = [b for b in builds if all(kernels_for(c, b.archs) for c in caps) and
@@ -372,6 +357,11 @@ def choose(caps: list, driver: str, torch_version: str = PINNED_TORCH, torch_cud
                               f"HYBRIDTRAIN_TORCH=system (a Python that has torch already, e.g. an image's) or "
                               f"HYBRIDTRAIN_TORCH_INDEX=DIR (a folder holding the {build.variant} wheels of torch "
                               f"{plan.torch} and torchvision {plan.torchvision})")
+    if not caps:
+        plan.dali = dali
+        plan.lines.append(f"DALI: nvidia-dali-cuda{dali or '<torch CUDA major>0'} (its CPU operators)")
+        plan.lines.append(f"Horovod: GPU operations {gpu_operations or 'none (Gloo, MPI on the CPU)'}")
+        return plan
     cuda_major = version_tuple(build.cuda)[0]
     plan.dali = dali or f"{cuda_major}0"
     dali_major = int(plan.dali) // 10
@@ -476,8 +466,6 @@ def main(argv: list[str]) -> int:
                                       f"paired with torch {version}, is installed into the venv with --no-deps (the "
                                       f"torch stays the installed one) from the wheelhouse or the registry, and must "
                                       f"load its ops with that torch")
-        if plan.cuda == "none":
-            plan.cuda = ""
     else:
         plan = choose(caps, driver, PINNED_TORCH if mode == "pinned" else mode, **kwargs)
     if gpus and plan.lines and plan.lines[0].startswith("node: "):
