@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import io
 import json
 import os
 import signal
@@ -64,41 +63,40 @@ def write_crash_log(exc: BaseException, rank: int, folder: str | None) -> str:
     return "(no writable folder for the log)"
 
 
-def new_file_mode() -> int:
-    """The mode a plain new file gets under this process's umask (a temp file starts at 0600)."""
-    umask = os.umask(0o022)
-    os.umask(umask)
-    return 0o666 & ~umask
-
-
-def replace_file(path: str, text: str) -> str:
-    """``text`` at ``path`` through a new temp file in its folder, fsynced, and one rename, so a reader (torchrun, a
-    restarted attempt, a user) finds the old file or the whole new one, even when this process is killed mid-write.
-    Every text file the package writes goes through it (outputs.write_text_atomically adds the one-line error); it
-    lives here because this module's own files (the crash log, torchrun's error file) need it too."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=f".{os.path.basename(path)}.")
+@contextlib.contextmanager
+def atomic_path(path: str):
+    """A temp path in ``path``'s folder, with ``path``'s extension (for writers that pick a format from it), that
+    becomes ``path`` in one rename when the block ends without an error, with the mode a plain new file gets under
+    this process's umask (a temp file starts at 0600); removed when it does not."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.normpath(path)) or ".",
+                               prefix=f".{os.path.basename(path)}.", suffix=os.path.splitext(path)[1])
+    os.close(fd)
     try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, new_file_mode())
+        yield tmp
+        umask = os.umask(0o022)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def replace_file(path: str, text: str) -> str:
+    """``text`` at ``path`` through a new temp file in its folder (:func:`atomic_path`), fsynced, and one rename, so a
+    reader (torchrun, a restarted attempt, a user) finds the old file or the whole new one, even when this process is
+    killed mid-write. Every text file the package writes goes through it (outputs.write_text_atomically adds the
+    one-line error); it lives here because this module's own files (the crash log, torchrun's error file) need it
+    too."""
+    with atomic_path(path) as tmp, open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
     return path
 
 
-def unexpected_error_line(exc: BaseException, rank: int, log_path: str) -> str:
-    """The one line for a bug: the rank, the error, and where its traceback is."""
-    message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return (f"hybridtrain: error: rank {rank}: unexpected {type(exc).__name__}" + (f": {message[:300]}" if message
-            else "") + f" (a bug in hybridtrain or a library: the full traceback is in {log_path}; please report it)")
-
-
-class WholeLines(io.TextIOBase):
+class WholeLines:
     """A text stream that hands its stream only whole lines, each batch in one write, flushed at once.
 
     ``print(text)`` writes ``text`` and ``"\\n"`` apart, and an unbuffered stream (``python -u``,
@@ -107,7 +105,6 @@ class WholeLines(io.TextIOBase):
     leaves only with its newline; ``flush()`` still passes on a partial line (a prompt, a progress bar)."""
 
     def __init__(self, stream):
-        super().__init__()
         self.stream, self.pending = stream, ""
 
     def write(self, text: str) -> int:
@@ -125,52 +122,25 @@ class WholeLines(io.TextIOBase):
             self.pending = ""
         self.stream.flush()
 
-    def writable(self) -> bool:
-        return True
-
-    @property
-    def encoding(self):  # io.TextIOBase's own would say None
-        return self.stream.encoding
-
-    @property
-    def errors(self):
-        return self.stream.errors
-
-    def isatty(self) -> bool:
-        return self.stream.isatty()
-
-    def fileno(self) -> int:
-        return self.stream.fileno()
-
-    def __getattr__(self, name):  # encoding, errors, buffer, reconfigure, ...
+    def __getattr__(self, name):  # encoding, errors, isatty, fileno, buffer, reconfigure, ...
         return getattr(self.stream, name)
-
-
-@contextlib.contextmanager
-def whole_lines():
-    """sys.stdout and sys.stderr as :class:`WholeLines` for the block (once: nested blocks keep the outer one)."""
-    saved = sys.stdout, sys.stderr
-    if isinstance(sys.stdout, WholeLines) or sys.stdout is None or sys.stderr is None:
-        yield
-        return
-    sys.stdout, sys.stderr = WholeLines(sys.stdout), WholeLines(sys.stderr)
-    try:
-        yield
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):  # a closed pipe: nothing more can reach the reader
-                pass
-        sys.stdout, sys.stderr = saved
 
 
 def run_guarded(action, crash_log_dir=lambda: None) -> int:
     """Run ``action()``; bad input becomes one error line (rank 0 only when every rank has it), exit 2; a bug
     becomes one line naming the rank and the error, its traceback in a log under ``crash_log_dir()``, exit 1.
-    Every line leaves whole (:class:`WholeLines`)."""
-    with whole_lines():
+    Every line leaves whole: sys.stdout and sys.stderr are :class:`WholeLines` for the run (once: a nested run keeps
+    the outer one's)."""
+    if isinstance(sys.stdout, WholeLines) or sys.stdout is None or sys.stderr is None:
         return _run_guarded(action, crash_log_dir)
+    streams = WholeLines(sys.stdout), WholeLines(sys.stderr)
+    try:
+        with contextlib.redirect_stdout(streams[0]), contextlib.redirect_stderr(streams[1]):
+            return _run_guarded(action, crash_log_dir)
+    finally:
+        for stream in streams:
+            with contextlib.suppress(OSError, ValueError):  # a closed pipe: nothing more can reach the reader
+                stream.flush()
 
 
 # A refusal every rank makes (UserError.same_on_all_ranks) is printed by rank 0 alone; the other ranks wait this long
@@ -179,14 +149,6 @@ def run_guarded(action, crash_log_dir=lambda: None) -> int:
 # the ranks' start-up skew is larger than that. Rank 0's exit ends the wait (its launcher stops the other ranks), so
 # the wait costs nothing when rank 0 refuses too; it bounds a job whose rank 0 went on.
 PEER_REFUSAL_WAIT_S = 10.0
-
-
-def quiet_on_sigterm() -> None:
-    """SIGTERM ends this process at once and silently (a preemption handler may still be installed)."""
-    try:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    except ValueError:  # not the main thread: leave the handler as it is
-        pass
 
 
 # ----------------------------------------------------------------------------- what torchrun is told
@@ -225,11 +187,9 @@ def refused_in_an_earlier_attempt() -> str | None:
     mark = refusal_mark()
     if mark is None or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
         return None
-    try:
-        with open(mark) as fh:
-            return fh.read().strip() or None
-    except OSError:
-        return None
+    with contextlib.suppress(OSError), open(mark) as fh:
+        return fh.read().strip() or None
+    return None
 
 
 def keep_refusal(line: str) -> None:
@@ -254,7 +214,10 @@ def _run_guarded(action, crash_log_dir) -> int:
             tell_torchrun(line)
             print(line, file=sys.stderr, flush=True)
         else:
-            quiet_on_sigterm()  # the launcher's stop after rank 0's line is not a preemption to report
+            with contextlib.suppress(ValueError):  # not the main thread: leave the handler as it is
+                # SIGTERM ends this process at once and silently: the launcher's stop after rank 0's line is not a
+                # preemption to report (a preemption handler may still be installed)
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
             time.sleep(PEER_REFUSAL_WAIT_S)  # rank 0 prints the line, then its exit ends this job
         return 2
     except PeerFailure as exc:
@@ -336,9 +299,12 @@ def dangling_link(path: str) -> str | None:
 
 
 def report_bug(exc: Exception, log_dir: str | None) -> int:
-    """A bug, not bad input: one line naming the rank and the error; the traceback goes to a log file."""
+    """A bug, not bad input: one line naming the rank, the error and where its traceback is (a log file)."""
     rank = launcher_rank()
-    line = unexpected_error_line(exc, rank, write_crash_log(exc, rank, log_dir))
+    log_path = write_crash_log(exc, rank, log_dir)
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    line = (f"hybridtrain: error: rank {rank}: unexpected {type(exc).__name__}" + (f": {message[:300]}" if message
+            else "") + f" (a bug in hybridtrain or a library: the full traceback is in {log_path}; please report it)")
     tell_torchrun(line)
     print(line, file=sys.stderr, flush=True)
     return 1

@@ -25,10 +25,8 @@ import json
 import os
 import re
 import shutil
-import tempfile
-from contextlib import contextmanager
 
-from hybridtrain.errors import UserError, dangling_link, new_file_mode, replace_file
+from hybridtrain.errors import UserError, atomic_path, dangling_link, replace_file
 
 PARTIAL_MARKER = ".hybridtrain-partial"
 
@@ -186,25 +184,6 @@ def _check_input(path: str | None, option: str, fix: str, folder: bool) -> str:
     if os.path.isdir(path) != folder:
         raise UserError(f"{option} {path} is a {other}, not a {kind}" + (f": {fix}" if fix else f": give the {kind}"))
     return path
-
-
-@contextmanager
-def atomic_path(path: str):
-    """A temp path in ``path``'s folder, with ``path``'s extension (for writers that pick a format from it), that
-    becomes ``path`` in one rename when the block ends without an error; removed when it does not."""
-    folder = folder_of(path)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=os.path.splitext(path)[1])
-    os.close(fd)
-    try:
-        yield tmp
-        os.chmod(tmp, new_file_mode())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 def write_text_atomically(path: str, text: str) -> str:

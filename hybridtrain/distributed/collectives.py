@@ -10,8 +10,9 @@ from __future__ import annotations
 import hashlib
 
 import torch
+from torch.utils._pytree import tree_map
 
-from hybridtrain.distributed.engines import Engine, engine_module, peer_failure_signs
+from hybridtrain.distributed.engines import Engine, engine_module, engine_spec
 from hybridtrain.distributed.launcher import resolve_engine
 from hybridtrain.distributed.topology import Topology
 from hybridtrain.errors import PEER_FAILURE_SIGNS
@@ -36,7 +37,8 @@ def init(threads: int = 0, cfg=None, elastic: bool = False, device: str = "auto"
     name = resolve_engine(engine)
     module = engine_module(name)
     _active["engine"] = module
-    PEER_FAILURE_SIGNS["types"], PEER_FAILURE_SIGNS["words"] = peer_failure_signs(name)
+    spec = engine_spec(name)  # the signs of a lost peer in its errors on a surviving rank
+    PEER_FAILURE_SIGNS["types"], PEER_FAILURE_SIGNS["words"] = spec.peer_failure_types, spec.peer_failure_words
     topo = module.init(threads, cfg, elastic=elastic, device=device)
     topo.engine = module.NAME
     return topo
@@ -65,14 +67,8 @@ def broadcast_model(model: torch.nn.Module) -> None:
 
 
 def on_cpu(obj):
-    """``obj`` with every tensor moved to the CPU (lists, tuples and dicts followed)."""
-    if torch.is_tensor(obj):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {key: on_cpu(value) for key, value in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(on_cpu(item) for item in obj)
-    return obj
+    """``obj`` with every tensor moved to the CPU (lists, tuples and dicts followed: torch's own tree walk)."""
+    return tree_map(lambda leaf: leaf.detach().cpu() if torch.is_tensor(leaf) else leaf, obj)
 
 
 def broadcast_object(obj, name: str):

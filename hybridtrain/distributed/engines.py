@@ -16,7 +16,6 @@ Torch-free: the CLI and the launcher checks read it before torch is imported.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import os
 import sys
 import traceback
@@ -214,10 +213,6 @@ def engine_module(name: str) -> Engine:
     return importlib.import_module(engine_spec(name).module)
 
 
-def installed(spec: EngineSpec) -> bool:
-    return importlib.util.find_spec(spec.library) is not None
-
-
 def launcher_size(env: Mapping | None = None) -> int:
     """The number of processes the launcher started, from the first size variable of an engine's launchers that is
     set (0 when none says so)."""
@@ -235,8 +230,3 @@ def refuse_elastic(name: str) -> None:
                         f"{elastic.name}, or drop --elastic and let torchrun --max-restarts rerun the job with "
                         f"--resume auto (docs/elastic.md)")
 
-
-def peer_failure_signs(name: str) -> tuple[tuple, tuple]:
-    """(class names, words) of engine ``name``'s errors on a surviving rank after a peer was lost."""
-    spec = engine_spec(name)
-    return spec.peer_failure_types, spec.peer_failure_words

@@ -159,12 +159,7 @@ def dense_view(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...] | None]:
 
 def undo_dense_view(t: torch.Tensor, order: tuple[int, ...] | None) -> torch.Tensor:
     """The inverse of dense_view: the original shape with the original strides (``order`` () = a copy was made)."""
-    if not order:
-        return t
-    inverse = [0] * len(order)
-    for position, dim in enumerate(order):
-        inverse[dim] = position
-    return t.permute(inverse)
+    return t.permute(sorted(range(len(order)), key=order.__getitem__)) if order else t
 
 
 def broadcast_tensors(tensors: dict[str, torch.Tensor]) -> None:
@@ -193,8 +188,7 @@ def allreduce(tensor: torch.Tensor, name: str, average: bool = False) -> torch.T
 
 def allreduce_differentiable(tensor: torch.Tensor) -> torch.Tensor:
     """The sum over ranks, with its gradient (Horovod's allreduce is an autograd function)."""
-    hvd = import_horovod()
-    return hvd.allreduce(tensor, op=hvd.Sum)
+    return allreduce(tensor, None)
 
 
 def allreduce_async(tensor: torch.Tensor, name: str):
@@ -246,8 +240,7 @@ class LayoutCompressor:
         return undo_dense_view(tensor.to(dtype) if dtype is not None else tensor, order)
 
 
-class NoCompression(LayoutCompressor):
-    wire = None
+NoCompression = LayoutCompressor  # wire None: each gradient in its own dtype
 
 
 class FP16Compression(LayoutCompressor):

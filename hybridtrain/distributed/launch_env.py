@@ -16,7 +16,6 @@ import sys
 from hybridtrain.errors import UserError
 from hybridtrain.launched_by import SRUN_MARK, TORCHRUN_MARK, under_srun, under_torchrun
 
-TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 STALE_FIX = "unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT"
 SRUN_HINT = ("export MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1) MASTER_PORT=29500 "
              "before srun (launch/slurm-torch.sbatch does)")

@@ -3,9 +3,10 @@ engines (``engines.registered()``: the package's and the plugins'). Torch-free: 
 heavy is imported."""
 from __future__ import annotations
 
+import importlib.util
 import os
 
-from hybridtrain.distributed.engines import engine_spec, installed, registered
+from hybridtrain.distributed.engines import engine_spec, registered
 from hybridtrain.distributed.launch_env import process_env
 from hybridtrain.distributed.launch_env import venv_tool as venv_tool  # scale's and experiment's launches
 from hybridtrain.errors import UserError
@@ -37,8 +38,8 @@ def resolve_engine(wanted: str, env=None) -> str:
     found = launcher_engine(env)
     tasks = srun_without_mpi(env)
     if wanted == "auto":
-        return found or next(name for name, spec in registered(env).items()
-                             if installed(spec) and not (tasks and spec.srun_needs_mpi))
+        return found or next(name for name, spec in registered(env).items() if importlib.util.find_spec(spec.library)
+                             and not (tasks and spec.srun_needs_mpi))
     spec = engine_spec(wanted, env)
     if found and not spec.started_by(env):
         raise UserError(f"distributed.engine={wanted} but this process was started by {found}'s launcher: launch "

@@ -90,11 +90,10 @@ def init(threads: int = 0, cfg=None, elastic: bool = False, device: str = "auto"
         torch.cuda.set_device(chosen)
     if not dist.is_initialized():
         timeout = timedelta(seconds=collective_timeout_s(cfg.distributed if cfg is not None else None))
-        if where["size"] == 1:  # alone: no port to open (a MASTER_PORT left in the shell may be another job's)
-            dist.init_process_group(backend_for(chosen), store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-        else:
-            dist.init_process_group(backend_for(chosen), store=attempt_store(where, timeout), rank=where["rank"],
-                                    world_size=where["size"], timeout=timeout)
+        # alone: no port to open (a MASTER_PORT left in the shell may be another job's)
+        store = dist.HashStore() if where["size"] == 1 else attempt_store(where, timeout)
+        dist.init_process_group(backend_for(chosen), store=store, rank=where["rank"], world_size=where["size"],
+                                timeout=timeout)
     peers = tuple(allgather_object((socket.gethostname(), os.getpid(), gpu_id(chosen)), "peers"))
     if not gloo_forced():  # Gloo carries two ranks on one GPU; NCCL does not
         check_gpu_binding(peers)

@@ -21,13 +21,8 @@ GENERATIONS = (((3, 0), "Kepler", "K80"), ((5, 0), "Maxwell", "M40"), ((6, 0), "
 
 def version_tuple(text: str) -> tuple:
     """'2.13.0+cu130' -> (2, 13, 0); '535.104.05' -> (535, 104, 5)."""
-    parts = []
-    for piece in text.split("+")[0].split("."):
-        digits = re.match(r"\d*", piece).group()
-        if not digits:
-            break
-        parts.append(int(digits))
-    return tuple(parts)
+    found = re.match(r"\d+(?:\.\d+)*", text)
+    return tuple(int(part) for part in found.group().split(".")) if found else ()
 
 
 def parse_capability(text: str) -> tuple:
@@ -89,14 +84,12 @@ def driver_api_version() -> int:
     """The CUDA version the installed driver supports (cuDriverGetVersion: 12020 = 12.2), read from libcuda
     without creating a context; 0 when there is no driver. torch has no public getter for it."""
     import ctypes
+    version = ctypes.c_int(0)
     try:
-        libcuda = ctypes.CDLL("libcuda.so.1")
-        version = ctypes.c_int(0)
-        if libcuda.cuDriverGetVersion(ctypes.byref(version)) != 0:
-            return 0
-        return version.value
+        failed = ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(version))
     except (OSError, AttributeError):
         return 0
+    return 0 if failed else version.value
 
 
 def driver_init_result() -> int:

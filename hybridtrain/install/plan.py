@@ -14,7 +14,8 @@ import os
 import re
 import shlex
 import sys
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import asdict, dataclass, field
 from urllib.parse import urlsplit
 
 from hybridtrain.hardware.gpus import (
@@ -57,26 +58,20 @@ class Build:
         return MIN_DRIVER[int(self.cuda.split(".")[0])]
 
 
-def index_build(variant: str) -> Build:
-    cuda = f"{variant[2:-1]}.{variant[-1]}"
-    return Build(variant, cuda, f"{PYTORCH_INDEX}/{variant}", SM_75_TO_120 if cuda >= "13" else SM_50_TO_90)
+# The CUDA builds of a torch release that hybridtrain chooses from, preferred first (PyTorch's RELEASE.md and its
+# CUDA-matrix RFCs, pytorch/pytorch#172352, #190355, #190385): (variant, CUDA, first and last torch minor, kernels)
+BUILDS = (("cu130", "13.0", (2, 9), (2, 99), SM_75_TO_120), ("cu126", "12.6", (2, 6), (2, 14), SM_50_TO_90),
+          ("cu121", "12.1", (2, 0), (2, 5), SM_50_TO_90))
 
 
 def builds_for(torch_version: str) -> list[Build]:
-    """The CUDA builds of a torch release that hybridtrain chooses from, preferred first (PyTorch's RELEASE.md
-    and its CUDA-matrix RFCs, pytorch/pytorch#172352, #190355, #190385): the CUDA 13.0 build (the registry's
-    default for the pin, from PyTorch's index otherwise) for Turing and newer on r580+; the CUDA 12.6 build
-    (2.6 to 2.14; Maxwell to Hopper, r525+); the CUDA 12.1 build for 2.3 to 2.5."""
+    """The builds of :data:`BUILDS` for ``torch_version``, each from PyTorch's own index: the CUDA 13.0 build (the
+    registry's default for the pin) for Turing and newer on r580+; the CUDA 12.6 build (2.6 to 2.14; Maxwell to
+    Hopper, r525+); the CUDA 12.1 build for 2.3 to 2.5."""
     minor = version_tuple(torch_version)[:2]
-    found = []
-    if minor >= (2, 9):
-        cu130 = index_build("cu130")
-        found.append(Build("cu130", "13.0", "", cu130.archs) if torch_version == PINNED_TORCH else cu130)
-    if (2, 6) <= minor <= (2, 14):
-        found.append(index_build("cu126"))
-    if minor <= (2, 5):
-        found.append(index_build("cu121"))
-    return found
+    return [Build(variant, cuda, "" if variant == "cu130" and torch_version == PINNED_TORCH else
+                  f"{PYTORCH_INDEX}/{variant}", archs) for variant, cuda, first, last, archs in BUILDS
+            if first <= minor <= last]
 
 
 # ----------------------------------------------------------------------------- small parsers
@@ -128,12 +123,11 @@ def smi_failure(text: str, status: int, timeout_s: str = "20", gpus: str = "") -
                 f"HYBRIDTRAIN_GPUS=none")
     if driver and not driver_ok(driver, "12.0"):
         return ""   # too old to report compute_cap: choose() names the driver upgrade
-    broken = broken_gpus(text, gpus)
+    broken, healthy = broken_gpus(text, gpus)
     if broken:
         index, line = broken[0]
-        healthy = [i for i in smi_indices(text, gpus) if i not in {b[0] for b in broken}]
-        state = ("ERR!: the GPU is in an error state" if "ERR!" in line else
-                 "the driver cannot read its compute capability" if fields_na(line) else "not a GPU's values")
+        state = ("ERR!: the GPU is in an error state" if "ERR!" in line else "the driver cannot read its compute "
+                 "capability" if "N/A" in line or "Unknown Error" in line else "not a GPU's values")
         more = f"; {len(broken) - 1} more GPU(s) too" if broken[1:] else ""
         return (f"nvidia-smi reports GPU {index} as '{line}' ({state}{more}): the GPU has failed (dmesg shows its "
                 f"Xid): have it reset (nvidia-smi -r -i {index}, as root) or "
@@ -142,29 +136,21 @@ def smi_failure(text: str, status: int, timeout_s: str = "20", gpus: str = "") -
     return ""
 
 
-def fields_na(line: str) -> bool:
-    return "N/A" in line or "Unknown Error" in line
-
-
-def smi_indices(text: str, gpus: str = "") -> list[str]:
-    """nvidia-smi's index of each GPU line of the query (lines in index order; with -i, the listed ones)."""
-    rows = [line for line in text.splitlines() if line.count(",") >= 1]
-    listed = [g.strip() for g in gpus.split(",") if g.strip()] if gpus else []
-    return listed if len(listed) == len(rows) else [str(i) for i in range(len(rows))]
-
-
-def broken_gpus(text: str, gpus: str = "") -> list[tuple[str, str]]:
-    """(nvidia-smi index, its line) of each GPU whose compute capability or driver field is not a value: 'ERR!'
-    (the GPU is in an error state) or '[N/A]'/'[Unknown Error]' on a driver new enough to report it."""
+def broken_gpus(text: str, gpus: str = "") -> tuple[list[tuple[str, str]], list[str]]:
+    """((nvidia-smi index, its line) of each GPU whose compute capability or driver field is not a value: 'ERR!'
+    (the GPU is in an error state) or '[N/A]'/'[Unknown Error]' on a driver new enough to report it, the indices of
+    the other GPUs). nvidia-smi's index of each GPU line of the query: lines in index order; with -i, the listed
+    ones."""
     rows = [line.strip() for line in text.splitlines() if line.count(",") >= 1]
-    bad = []
-    for index, line in zip(smi_indices(text, gpus), rows):
+    listed = [g.strip() for g in gpus.split(",") if g.strip()] if gpus else []
+    broken, healthy = [], []
+    for index, line in zip(listed if len(listed) == len(rows) else [str(i) for i in range(len(rows))], rows):
         fields = [f.strip() for f in line.split(",")]
-        if fields[0] == "-":   # install.sh's driver-only fallback line
-            continue
-        if not (re.fullmatch(r"\d+\.\d+", fields[0]) and re.fullmatch(r"\d+(\.\d+)+", fields[1])):
-            bad.append((index, line))
-    return bad
+        if fields[0] == "-" or (re.fullmatch(r"\d+\.\d+", fields[0]) and re.fullmatch(r"\d+(\.\d+)+", fields[1])):
+            healthy.append(index)  # a GPU's values, or install.sh's driver-only fallback line
+        else:
+            broken.append((index, line))
+    return broken, healthy
 
 
 def driver_ok(driver: str, cuda: str) -> bool:
@@ -189,11 +175,8 @@ class Plan:
 
 
 def torchvision_for(torch_version: str) -> str:
-    minor = version_tuple(torch_version)[:2]
-    tv = TORCHVISION_MINOR.get(minor)
-    if tv is None:
-        return ""
-    return PINNED_TORCHVISION if torch_version == PINNED_TORCH else f"0.{tv}"
+    """The torchvision to install with ``torch_version``: the pin's, else its pairing's minor ('2.3.1' -> '0.18')."""
+    return PINNED_TORCHVISION if torch_version == PINNED_TORCH else torchvision_pairing(torch_version).rsplit(".", 1)[0]
 
 
 def torchvision_pairing(torch_version: str) -> str:
@@ -304,9 +287,8 @@ def system_driver_check(torch_version: str, torch_cuda: str, driver: str, driver
                 f"before it trains")
 
 
-def index_host(url: str) -> str:
-    """'https://host/whl/cu126' -> 'host'; '' for a folder or the registry."""
-    return urlsplit(url).netloc if re.match(r"https?://", url) else ""
+OLD_DRIVER = ("the NVIDIA driver {driver} is older than r525 (525.60.13), the oldest that any torch build hybridtrain "
+              "installs runs on (CUDA 12): upgrade the driver (r580+ for CUDA 13)")
 
 
 def choose(caps: list, driver: str, torch_version: str = PINNED_TORCH, torch_cuda: str = "",
@@ -322,50 +304,33 @@ def choose(caps: list, driver: str, torch_version: str = PINNED_TORCH, torch_cud
     plan = Plan(torch=torch_version, torchvision=torchvision_for(torch_version), gpu_operations=gpu_operations or "")
     # HYBRIDTRAIN_TORCH=system with a driver API version: the driver library torch loads decides, not nvidia-smi
     by_api = torch_cuda not in ("", "none") and driver_api > 0
-    if not caps and driver and not driver_ok(driver, "12.0") and not by_api:  # too old to report compute_cap
-        plan.error = (f"the NVIDIA driver {driver} is older than r525 (525.60.13), the oldest that any torch "
-                      f"build hybridtrain installs runs on (CUDA 12): upgrade the driver (r580+ for CUDA 13)")
+    node = ", ".join(f"{n} x {generation(c)}" for c, n in sorted(Counter(caps).items()))
+    plan.lines += [f"node: {node}, driver {driver or 'unknown'}"] if caps else []
+    if driver and not driver_ok(driver, "12.0") and not by_api:  # without a GPU: too old to report compute_cap
+        plan.error = OLD_DRIVER.format(driver=driver)
         return plan
     if not caps:
         what = "no NVIDIA GPU" + (f" (driver {driver} but no GPU compute capability reported)" if driver else "")
         plan.lines.append(f"node: {what}: the install is the one for CPUs")
-        if torch_cuda:
-            error, warning = (system_driver_check(torch_version, torch_cuda, driver, driver_api, cuda_init)
-                              if by_api else ("", ""))
-            if error:
-                plan.error = error
-                return plan
-            plan.lines.append(f"torch: the installed torch {torch_version} (CUDA {torch_cuda or 'none'}), "
-                              f"HYBRIDTRAIN_TORCH=system")
-            plan.lines += [warning] if warning else []
-        else:
-            plan.index = index
-            plan.lines.append(f"torch {plan.torch} and torchvision {plan.torchvision} from "
-                              f"{index or 'the registry'} (its default build)")
-        plan.dali = dali
-        plan.lines.append(f"DALI: nvidia-dali-cuda{dali or '<torch CUDA major>0'} (its CPU operators)")
-        plan.lines.append(f"Horovod: GPU operations {gpu_operations or 'none (Gloo, MPI on the CPU)'}")
-        return plan
-    node = ", ".join(f"{n} x {generation(c)}" for c, n in sorted(count(caps).items()))
-    plan.lines.append(f"node: {node}, driver {driver or 'unknown'}")
-    if driver and not driver_ok(driver, "12.0") and not by_api:
-        plan.error = (f"the NVIDIA driver {driver} is older than r525 (525.60.13), the oldest that any torch "
-                      f"build hybridtrain installs runs on (CUDA 12): upgrade the driver (r580+ for CUDA 13)")
-        return plan
-    if torch_cuda == "none":  # HYBRIDTRAIN_TORCH=system with a CPU build of torch
+    elif torch_cuda == "none":  # HYBRIDTRAIN_TORCH=system with a CPU build of torch
         plan.lines.append(f"torch: the installed torch {torch_version} is a CPU build (HYBRIDTRAIN_TORCH=system): "
                           f"this node's GPUs will not be used")
         plan.dali, plan.gpu_operations = dali, gpu_operations or ""
         return plan
-    if torch_cuda:  # HYBRIDTRAIN_TORCH=system: check the installed torch against the node
+    if torch_cuda:  # HYBRIDTRAIN_TORCH=system: check the installed torch against the node (without a GPU: by API)
         build = Build("system", torch_cuda, "", ())
-        plan.cuda = torch_cuda
-        error, warning = system_driver_check(torch_version, torch_cuda, driver, driver_api, cuda_init)
+        error, warning = (system_driver_check(torch_version, torch_cuda, driver, driver_api, cuda_init)
+                          if caps or by_api else ("", ""))
         if error:
             plan.error = error
             return plan
+        plan.cuda = torch_cuda if caps else ""
         plan.lines.append(f"torch: the installed torch {torch_version} (CUDA {torch_cuda}), HYBRIDTRAIN_TORCH=system")
         plan.lines += [warning] if warning else []
+    elif not caps:
+        plan.index = index
+        plan.lines.append(f"torch {plan.torch} and torchvision {plan.torchvision} from "
+                          f"{index or 'the registry'} (its default build)")
     else:
         builds = builds_for(torch_version)
         fits = [b for b in builds if all(kernels_for(c, b.archs) for c in caps) and
@@ -385,13 +350,18 @@ def choose(caps: list, driver: str, torch_version: str = PINNED_TORCH, torch_cud
             "PyTorch's own wheel index " + build.index if build.index else "the registry (its default build)")
         plan.lines.append(f"torch {plan.torch} and torchvision {plan.torchvision}, the CUDA {build.cuda} build "
                           f"({build.variant}), from {source}{why}")
-        host = "" if index else index_host(build.index)
+        host = "" if index else urlsplit(build.index).netloc  # PyTorch's index, or '' (the registry)
         if host:  # not the registry: a node that reaches only the registry (or nothing) cannot fetch it
             plan.lines.append(f"download: torch and torchvision come from {host}, not the registry: where this node "
                               f"cannot reach {host} (offline, or a registry mirror only), install with "
                               f"HYBRIDTRAIN_TORCH=system (a Python that has torch already, e.g. an image's) or "
                               f"HYBRIDTRAIN_TORCH_INDEX=DIR (a folder holding the {build.variant} wheels of torch "
                               f"{plan.torch} and torchvision {plan.torchvision})")
+    if not caps:
+        plan.dali = dali
+        plan.lines.append(f"DALI: nvidia-dali-cuda{dali or '<torch CUDA major>0'} (its CPU operators)")
+        plan.lines.append(f"Horovod: GPU operations {gpu_operations or 'none (Gloo, MPI on the CPU)'}")
+        return plan
     cuda_major = version_tuple(build.cuda)[0]
     plan.dali = dali or f"{cuda_major}0"
     dali_major = int(plan.dali) // 10
@@ -411,34 +381,11 @@ def choose(caps: list, driver: str, torch_version: str = PINNED_TORCH, torch_cud
     return plan
 
 
-def system_torchvision(torch_version: str, python: str) -> tuple[str, str]:
-    """HYBRIDTRAIN_TORCH=system and ``python`` has torch but no torchvision: (error, plan line). install.sh adds
-    the torchvision release paired with that torch (:func:`torchvision_pairing`) with --no-deps, so that the
-    torch stays the installed one, and then checks that its ops load."""
-    pair = torchvision_pairing(torch_version)
-    if not pair:
-        return (f"HYBRIDTRAIN_TORCH=system: {python} has torch {torch_version} and no torchvision, and hybridtrain "
-                f"knows no torchvision release for that torch: install torchvision for {python}, or leave "
-                f"HYBRIDTRAIN_TORCH unset for torch {PINNED_TORCH}"), ""
-    return "", (f"torchvision: {python} has none: torchvision {pair}, the release paired with torch {torch_version}, "
-                f"is installed into the venv with --no-deps (the torch stays the installed one) from the wheelhouse "
-                f"or the registry, and must load its ops with that torch")
-
-
-def count(items: list) -> dict:
-    counted: dict = {}
-    for item in items:
-        counted[item] = counted.get(item, 0) + 1
-    return counted
-
-
 def shell_assignments(plan: Plan) -> str:
-    """The plan as shell assignments (PLAN_*), for install.sh's eval."""
-    values = {"PLAN_TORCH": plan.torch, "PLAN_TORCHVISION": plan.torchvision, "PLAN_VARIANT": plan.variant,
-              "PLAN_CUDA": plan.cuda, "PLAN_INDEX": plan.index, "PLAN_DALI": plan.dali,
-              "PLAN_GPU_OPERATIONS": plan.gpu_operations, "PLAN_CC_LIST": plan.cc_list, "PLAN_ERROR": plan.error,
-              "PLAN_LINES": "\n".join(plan.lines)}
-    return "".join(f"{key}={shlex.quote(value)}\n" for key, value in values.items())
+    """The plan as shell assignments, one per field (PLAN_TORCH, ..., PLAN_LINES: a line each), for install.sh's
+    eval."""
+    values = {**asdict(plan), "lines": "\n".join(plan.lines)}
+    return "".join(f"PLAN_{key.upper()}={shlex.quote(value)}\n" for key, value in values.items())
 
 
 def probe_torch() -> str:
@@ -493,9 +440,8 @@ def main(argv: list[str]) -> int:
         return 0
     caps, driver = parse_smi(smi)
     mode = os.environ.get("HYBRIDTRAIN_TORCH", "pinned") or "pinned"
-    ops = os.environ.get("HOROVOD_GPU_OPERATIONS")
     kwargs = {"index": os.environ.get("HYBRIDTRAIN_TORCH_INDEX", ""), "dali": os.environ.get("DALI_CUDA_MAJOR", ""),
-              "gpu_operations": ops if ops is not None else None}
+              "gpu_operations": os.environ.get("HOROVOD_GPU_OPERATIONS")}
     if mode == "system":
         python = os.environ.get("PYTHON") or "python3"
         version, cuda, api, init, vision = (os.environ.get("PLAN_SYSTEM_TORCH", "").split() + [""] * 5)[:5]
@@ -507,12 +453,19 @@ def main(argv: list[str]) -> int:
                       f"install torch (2.{OLDEST_TORCH[1]} or newer) for it, or leave HYBRIDTRAIN_TORCH unset for "
                       f"torch {PINNED_TORCH}") or plan.error
         if version and vision == "none" and not plan.error:
-            plan.error, line = system_torchvision(version, python)
-            plan.torchvision = torchvision_pairing(version) if not plan.error else ""
-            at = next((i + 1 for i, text in enumerate(plan.lines) if text.startswith("torch: ")), len(plan.lines))
-            plan.lines.insert(at, line)
-        if plan.cuda == "none":
-            plan.cuda = ""
+            # install.sh adds the torchvision release paired with that torch (torchvision_pairing) with --no-deps, so
+            # that the torch stays the installed one, and then checks that its ops load
+            plan.torchvision = torchvision_pairing(version)
+            if not plan.torchvision:
+                plan.error = (f"HYBRIDTRAIN_TORCH=system: {python} has torch {version} and no torchvision, and "
+                              f"hybridtrain knows no torchvision release for that torch: install torchvision for "
+                              f"{python}, or leave HYBRIDTRAIN_TORCH unset for torch {PINNED_TORCH}")
+            else:
+                at = next((i + 1 for i, text in enumerate(plan.lines) if text.startswith("torch: ")), len(plan.lines))
+                plan.lines.insert(at, f"torchvision: {python} has none: torchvision {plan.torchvision}, the release "
+                                      f"paired with torch {version}, is installed into the venv with --no-deps (the "
+                                      f"torch stays the installed one) from the wheelhouse or the registry, and must "
+                                      f"load its ops with that torch")
     else:
         plan = choose(caps, driver, PINNED_TORCH if mode == "pinned" else mode, **kwargs)
     if gpus and plan.lines and plan.lines[0].startswith("node: "):
