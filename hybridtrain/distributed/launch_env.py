@@ -60,10 +60,8 @@ def process_env(env=None) -> dict:
     env = os.environ if env is None else env
     if under_torchrun(env):
         fix = "torchrun sets it for every rank: do not set it by hand in the command torchrun starts"
-        where = {"rank": whole_number(env, "RANK", fix), "size": whole_number(env, "WORLD_SIZE", fix),
-                 "local_rank": whole_number(env, "LOCAL_RANK", fix),
-                 "local_size": whole_number(env, "LOCAL_WORLD_SIZE", fix)}
         names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+        where = {key: whole_number(env, var, fix) for key, var in zip(ALONE, names)}
     elif under_srun(env):
         fix = "srun sets it for every task: do not export it in the job script"
         where = {"rank": whole_number(env, "SLURM_PROCID", fix), "size": whole_number(env, "SLURM_NTASKS", fix, 1),
