@@ -10,7 +10,6 @@ from hybridtrain.cli.options import (
     bounded_int,
     engine_name,
 )
-from hybridtrain.errors import UserError
 from hybridtrain.outputs import check_output_dir, check_output_file, write_json_atomically
 
 BENCH_PRECISIONS = ("fp64", "fp32", "mixed-fp16", "mixed-bf16", "layered", "fp16_pure")
@@ -21,12 +20,6 @@ def cmd_bench(args) -> int:
         check_output_file(args.json, "--json", "bench.json")
     if args.profile is not None:
         check_output_dir(args.profile, "--profile")
-    for option, values in (("--batch-size", args.batch_size or []), ("--image-size", [args.image_size])):
-        bad = [v for v in values if v is not None and v < 1]
-        if bad:
-            raise UserError(f"{option} must be >= 1, got {bad[0]}: e.g. {option} 64")
-    if args.threads < 0:
-        raise UserError(f"--threads must be >= 0 (0 = all cores), got {args.threads}")
     sets = list(args.set)
     sets += [f"model.arch={args.arch}"] if args.arch else []
     sets += [f"data.crop_size={args.image_size}"] if args.image_size is not None else []
@@ -60,9 +53,6 @@ def cmd_find_max_batch(args, sets: list[str]) -> int:
     from hybridtrain.config import load_config
     from hybridtrain.perf.bench_sets import precision_sets
     from hybridtrain.perf.max_batch import explain_cpu, find_max_batch, format_trials
-    if args.start_batch < 0 or args.batch_granularity < 1 or not 0 <= args.memory_margin < 1:
-        raise UserError("--start-batch must be >= 0 (0 = the recipe's train.batch_size), --batch-granularity >= 1 "
-                        "and --memory-margin in [0, 1)")
     if not torch.cuda.is_available():
         return explain_cpu()
     torch.backends.cudnn.benchmark = True  # the kernels training will use

@@ -262,8 +262,6 @@ def run_time_to_target(args) -> None:
                         f"table")
     if args.json is not None:
         check_output_file(args.json, "--json", "predict.json")
-    if args.images_per_epoch < 1:
-        raise UserError("--images-per-epoch must be >= 1")
     target = 0.759 if args.target_top1 is None else args.target_top1
     optimizer = args.optimizer or "lars"
     try:
