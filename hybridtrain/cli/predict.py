@@ -51,14 +51,18 @@ def table_value(args, name: str):
     return TABLE_DEFAULTS[name] if value is None else value
 
 
-def spec_from(args, overlap: float) -> predict.ClusterSpec:
+LINK_UNITS = {"intra_bandwidth": GB, "inter_bandwidth": GB, "intra_latency": 1e-6, "inter_latency": 1e-6}
+
+
+def cluster_spec(args, template: predict.ClusterSpec, **fixed) -> predict.ClusterSpec:
+    """``template`` with every link option the command line gives (GB/s and microseconds as the model's bytes/s and
+    seconds), then ``fixed``."""
+    given = dict(gpus_per_node=args.gpus_per_node, bytes_per_element=args.bytes, algorithm=args.algorithm,
+                 overlap=args.overlap, parameter_count=args.params,
+                 **{name: getattr(args, name) * unit for name, unit in LINK_UNITS.items()
+                    if getattr(args, name) is not None})
     try:
-        return predict.ClusterSpec(
-            compute_time=predict.compute_time_from_speed(args.batch_per_gpu, args.single_gpu_speed),
-            batch_per_gpu=args.batch_per_gpu, parameter_count=args.params, bytes_per_element=args.bytes,
-            gpus_per_node=args.gpus_per_node, nodes=1, intra_bandwidth=args.intra_bandwidth * GB,
-            intra_latency=args.intra_latency * 1e-6, inter_bandwidth=args.inter_bandwidth * GB,
-            inter_latency=args.inter_latency * 1e-6, algorithm=args.algorithm, overlap=overlap)
+        return replace(template, **{k: v for k, v in given.items() if v is not None}, **fixed)
     except ValueError as exc:
         raise UserError(f"predict: {exc}") from None
 
@@ -114,11 +118,12 @@ def calibration_text(path: str, gradient_bytes: float) -> str:
             f"RMS {100 * fit.rms_relative_error:.1f}%, max {100 * fit.max_relative_error:.1f}%")
 
 
-def run_predict(args) -> None:
+def cmd_predict(args) -> int:
     check_output_file(args.out, "--out", "predict.png")
     check_image_format(args.out, "--out")
     if args.gpus is not None:
-        return run_time_to_target(args)
+        run_time_to_target(args)
+        return 0
     given = [option for name, option in GPUS_ONLY.items() if getattr(args, name) is not None]
     if given:
         raise UserError(f"{given[0]} needs --gpus: e.g. predict --gpus 8,64,512 {given[0]} ...")
@@ -127,7 +132,8 @@ def run_predict(args) -> None:
         read_scale_rows(args.calibrate)  # a bad --calibrate costs one line before the tables
     check = predict.paper_cluster_check()
     overlap = check.overlap if args.overlap is None else args.overlap
-    spec = spec_from(args, overlap)
+    spec = cluster_spec(args, ttt.h100_cluster(), overlap=overlap, batch_per_gpu=args.batch_per_gpu,
+                        compute_time=predict.compute_time_from_speed(args.batch_per_gpu, args.single_gpu_speed))
     nodes = args.nodes  # sorted, distinct counts (cli.options.count_list)
     table, curve = prediction_table(spec, nodes, args.convergence_epoch, args.images_per_epoch)
     print(f"{args.algorithm} all-reduce, {args.gpus_per_node} GPUs/node, S1 {args.single_gpu_speed:g} img/s, "
@@ -139,6 +145,7 @@ def run_predict(args) -> None:
     with atomic_path(args.out) as tmp:
         predict.plot_efficiency({f"{args.algorithm}, {args.gpus_per_node}/node": curve}, tmp)
     print(f"\nwrote {args.out}")
+    return 0
 
 
 # ---------------------------------------------------------------------------------------------- --gpus
@@ -177,21 +184,6 @@ def read_bench_curve(path: str) -> tuple[ttt.ThroughputCurve, str]:
         return ttt.fit_throughput_curve(points, f"{path} ({kinds[0]})"), arch
     except ValueError as exc:
         raise UserError(f"--throughput {path}: {exc}: {BENCH_FIX}") from None
-
-
-def gpus_template(args) -> predict.ClusterSpec:
-    """The DGX H100 template with every link option the command line gives."""
-    h = ttt.h100_cluster()
-    given = dict(gpus_per_node=args.gpus_per_node, bytes_per_element=args.bytes, algorithm=args.algorithm,
-                 overlap=args.overlap, parameter_count=args.params,
-                 intra_bandwidth=None if args.intra_bandwidth is None else args.intra_bandwidth * GB,
-                 inter_bandwidth=None if args.inter_bandwidth is None else args.inter_bandwidth * GB,
-                 intra_latency=None if args.intra_latency is None else args.intra_latency * 1e-6,
-                 inter_latency=None if args.inter_latency is None else args.inter_latency * 1e-6)
-    try:
-        return replace(h, **{k: v for k, v in given.items() if v is not None})
-    except ValueError as exc:
-        raise UserError(f"predict: {exc}") from None
 
 
 def minutes_text(value: float) -> str:
@@ -271,7 +263,7 @@ def run_time_to_target(args) -> None:
                         f"the published runs)") from None
     curve, arch = (ttt.default_throughput_curve(), "resnet50") if args.throughput is None else \
         read_bench_curve(args.throughput)
-    template = gpus_template(args)
+    template = cluster_spec(args, ttt.h100_cluster())  # the DGX H100 template
     g = template.gpus_per_node
     bad = [n for n in args.gpus if n > g and n % g]
     if bad:
@@ -336,13 +328,9 @@ GBPS = bounded_float(0, 10_000, lo_open=True)   # GB/s of a link; NVLink 5 is 18
 MICROSECONDS = bounded_float(0, 1e6)           # a link's latency; a second is no network
 
 
-def cmd_predict(args) -> int:
-    run_predict(args)
-    return 0
-
-
-def add_predict_options(p: argparse.ArgumentParser) -> None:
-    """predict's options, each with its bounds (their defaults: TABLE_DEFAULTS and the model's)."""
+def add_commands(sub) -> None:
+    """predict's parser: its options, each with its bounds (their defaults: TABLE_DEFAULTS and the model's)."""
+    p = sub.add_parser("predict", help="model step time, img/s and efficiency of large clusters")
     d = TABLE_DEFAULTS
     p.add_argument("--single-gpu-speed", type=bounded_float(0, 1e6, lo_open=True),  # an H100: ~3000 img/s
                    help=f"S1, img/s of one GPU (default {d['single_gpu_speed']:g}, the paper's V100 mixed precision)")
@@ -383,9 +371,4 @@ def add_predict_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="FILE", help="with --gpus: also write the rows and the checks to this JSON file")
     p.add_argument("--out", default="predict.png",
                    help="efficiency against GPU count (PNG); with --gpus, minutes to target against GPUs")
-
-
-def add_commands(sub) -> None:
-    """predict's parser."""
-    add_predict_options(sub.add_parser("predict", help="model step time, img/s and efficiency of large clusters"))
-    sub.choices["predict"].set_defaults(func=cmd_predict)
+    p.set_defaults(func=cmd_predict)
