@@ -107,36 +107,28 @@ def default_of(f: dataclasses.Field):
     return f.default if f.default is not dataclasses.MISSING else f.default_factory()
 
 
+# a key's type -> what its error line says it must be (float: _as_float)
+KINDS = {bool: "true or false", int: "an integer", str: "a string", list: "a list", dict: "a mapping"}
+
+
 def _coerce(value: Any, f: dataclasses.Field, dotted: str):
     """Check a value against a field's declared type and constraints; return it typed."""
     default = default_of(f)
     meta = f.metadata
     expected = type(default)
-    if expected is bool:
-        if not isinstance(value, bool):
-            raise UserError(f"config error: {dotted} must be true or false, got {show(value)}")
-    elif expected is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise UserError(f"config error: {dotted} must be an integer, got {show(value)}")
-    elif expected is float:
+    if expected in KINDS and (not isinstance(value, expected) or isinstance(value, bool) != (expected is bool)):
+        unquoted = expected is str and (value is None or isinstance(value, (bool, int, float)))
+        hint = (f" (YAML reads that unquoted value as a {type(value).__name__}: to mean the text, quote it, e.g. "
+                f"{dotted.rpartition('.')[2]}: \"...\")" if unquoted else "")
+        raise UserError(f"config error: {dotted} must be {KINDS[expected]}, got {show(value)}{hint}")
+    if expected is float:
         value = _as_float(value, meta, dotted)
-    elif expected is str:
-        if not isinstance(value, str):
-            hint = (f" (YAML reads that unquoted value as a {type(value).__name__}: to mean the text, quote it, e.g. "
-                    f"{dotted.rpartition('.')[2]}: \"...\")" if value is None or isinstance(value, (bool, int, float))
-                    else "")
-            raise UserError(f"config error: {dotted} must be a string, got {show(value)}{hint}")
-        if "\0" in value:
-            raise UserError(f"config error: {dotted} holds a NUL character (\\0), which no path or name may hold: "
-                            f"remove it")
-    elif expected is list:
-        if not isinstance(value, list):
-            raise UserError(f"config error: {dotted} must be a list, got {show(value)}")
-        if "items" in meta:
-            value = _check_numbers(value, meta, dotted)
+    elif expected is str and "\0" in value:
+        raise UserError(f"config error: {dotted} holds a NUL character (\\0), which no path or name may hold: "
+                        f"remove it")
+    elif "items" in meta:  # a list of numbers
+        value = _check_numbers(value, meta, dotted)
     elif expected is dict:
-        if not isinstance(value, dict):
-            raise UserError(f"config error: {dotted} must be a mapping, got {show(value)}")
         value = {**default, **value}  # a partial mapping overrides only the keys it names
     if "choices" in meta and value not in meta["choices"]:
         allowed = ", ".join(str(c) for c in meta["choices"])
