@@ -88,8 +88,9 @@ def paper_table(check: predict.PaperCheck) -> str:
             f"\nmax error {100 * check.max_abs_error:.1f} points, RMS {100 * check.rms_error:.1f} points")
 
 
-def read_scale_rows(path: str) -> list[dict]:
-    """The rows of a ``hybridtrain scale`` result, or one line saying what to pass instead."""
+def read_scale_rows(path: str) -> list[tuple]:
+    """The (world_size, step_time_s, compression) rows of a ``hybridtrain scale`` result, or one line saying what to
+    pass instead."""
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, "scale.json")):
         raise UserError(f"--calibrate {path} is a folder: pass the file in it, --calibrate "
                         f"{os.path.join(path, 'scale.json')}")
@@ -101,13 +102,12 @@ def read_scale_rows(path: str) -> list[dict]:
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
         raise UserError(f"--calibrate {path} is not the scale.json of 'hybridtrain scale' ({type(exc).__name__}: "
                         f"{str(exc)[:80]}): run 'hybridtrain scale --out DIR' and pass DIR/scale.json") from None
-    return [{"world_size": n, "step_time_s": t, "compression": c} for n, t, c in points]
+    return points
 
 
 def calibration_text(path: str, gradient_bytes: float) -> str:
     rows = read_scale_rows(path)
-    points = [(r["world_size"], r["step_time_s"]) for r in rows if r["compression"] == "fp16"] or \
-             [(r["world_size"], r["step_time_s"]) for r in rows]
+    points = [(n, t) for n, t, c in rows if c == "fp16"] or [(n, t) for n, t, _ in rows]
     try:
         fit = predict.calibrate(points, gradient_bytes)
     except ValueError as exc:

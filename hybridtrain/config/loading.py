@@ -214,12 +214,11 @@ def _apply_override(tree: dict, path: list[str], value: Any) -> None:
 
 def read_yaml(path: str) -> dict:
     shown = printable(path)
-    if "\0" not in path and os.path.isdir(path):
+    if os.path.isdir(path):  # os.path answers False for a path holding a NUL
         raise UserError(f"config file {shown} is a folder, not a file: name the recipe YAML in it, e.g. --config "
                         f"configs/demo.yaml")
-    if "\0" not in path:
-        not_dangling("--config", path)
-    if "\0" in path or not os.path.isfile(path):
+    not_dangling("--config", path)
+    if not os.path.isfile(path):
         raise UserError(f"config file not found: {shown} (pass an existing YAML, e.g. --config configs/demo.yaml)")
     try:
         with open(path, encoding="utf-8") as fh:
