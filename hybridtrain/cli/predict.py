@@ -46,11 +46,6 @@ GPUS_ONLY = {"target_top1": "--target-top1", "optimizer": "--optimizer", "throug
              "json": "--json"}
 
 
-def table_value(args, name: str):
-    value = getattr(args, name)
-    return TABLE_DEFAULTS[name] if value is None else value
-
-
 LINK_UNITS = {"intra_bandwidth": GB, "inter_bandwidth": GB, "intra_latency": 1e-6, "inter_latency": 1e-6}
 
 
@@ -127,7 +122,8 @@ def cmd_predict(args) -> int:
     given = [option for name, option in GPUS_ONLY.items() if getattr(args, name) is not None]
     if given:
         raise UserError(f"{given[0]} needs --gpus: e.g. predict --gpus 8,64,512 {given[0]} ...")
-    args = argparse.Namespace(**{**vars(args), **{k: table_value(args, k) for k in TABLE_DEFAULTS}})
+    args = argparse.Namespace(**{**vars(args), **{k: d if getattr(args, k) is None else getattr(args, k)
+                                                  for k, d in TABLE_DEFAULTS.items()}})
     if args.calibrate is not None:
         read_scale_rows(args.calibrate)  # a bad --calibrate costs one line before the tables
     check = predict.paper_cluster_check()

@@ -38,11 +38,6 @@ def edit_distance(a: str, b: str) -> int:
     return rows[-1][-1]
 
 
-def typo_limit(key: str) -> int:
-    """The edit distance within which ``key`` is a typo of another key: 1 below 5 letters, 2 below 10, else 3."""
-    return 1 if len(key) < 5 else 2 if len(key) < 10 else 3
-
-
 def all_keys(cls=None, prefix: str = "") -> list[str]:
     """Every dotted key of the config, sections included (``train``, ``train.epochs``, ...)."""
     keys = []
@@ -55,9 +50,11 @@ def all_keys(cls=None, prefix: str = "") -> list[str]:
 
 
 def _unique_nearest(key: str, names: list[str]) -> str | None:
-    """The one name within ``typo_limit`` of ``key`` and nearer than every other, else None."""
+    """The one name within typo distance of ``key`` (1 below 5 letters, 2 below 10, else 3) and nearer than every
+    other, else None."""
+    limit = 1 if len(key) < 5 else 2 if len(key) < 10 else 3
     ranked = sorted((edit_distance(key, n), n) for n in names)
-    if not ranked or ranked[0][0] > typo_limit(key) or (len(ranked) > 1 and ranked[1][0] == ranked[0][0]):
+    if not ranked or ranked[0][0] > limit or (len(ranked) > 1 and ranked[1][0] == ranked[0][0]):
         return None
     return ranked[0][1]
 
@@ -96,11 +93,6 @@ def suggest_key(dotted: str) -> str | None:
     near = _unique_nearest(key, [k.rpartition(".")[2] for k in elsewhere]) if len(key) >= 5 else None
     found = [k for k in elsewhere if k.rpartition(".")[2] == near]
     return found[0] if not same and len(found) == 1 and edit_distance(key, near) == 1 else None
-
-
-def _suggest(dotted: str) -> str:
-    near = suggest_key(dotted)
-    return f" (did you mean '{near}'?)" if near else ""
 
 
 def default_of(f: dataclasses.Field):
@@ -206,9 +198,10 @@ def build(cls, values: dict, prefix: str = ""):
     for key, value in values.items():
         dotted = f"{prefix}{key}"
         if key not in fields:
-            allowed = ", ".join(fields)
-            raise UserError(f"config error: unknown key '{show(dotted)[1:-1]}'{_suggest(str(dotted))}; "
-                            f"allowed here: {allowed}")
+            near = suggest_key(str(dotted))
+            meant = f" (did you mean '{near}'?)" if near else ""
+            raise UserError(f"config error: unknown key '{show(dotted)[1:-1]}'{meant}; allowed here: "
+                            f"{', '.join(fields)}")
         f = fields[key]
         default = default_of(f)
         if dataclasses.is_dataclass(default):
