@@ -10,6 +10,7 @@ from hybridtrain.cli.options import (
     bounded_int,
     engine_name,
 )
+from hybridtrain.config.sections import ARCHS
 from hybridtrain.outputs import check_output_dir, check_output_file, write_json_atomically
 
 BENCH_PRECISIONS = ("fp64", "fp32", "mixed-fp16", "mixed-bf16", "layered", "fp16_pure")
@@ -32,19 +33,15 @@ def cmd_bench(args) -> int:
     load_config(args.config, row_sets(sets, (args.precision or [None])[0], (args.batch_size or [None])[0]))
     from hybridtrain.cluster.netns import stopped_cleanly
     from hybridtrain.perf.step_bench import bench, format_table
+    engines = list(dict.fromkeys((["horovod"] if args.horovod else []) + (args.engine or [])))  # --horovod: horovod
     with stopped_cleanly("its ranks ended"):  # --engine launches the whole step's ranks
         rows = bench(args.config, sets, args.precision or [], args.batch_size or [], args.steps, args.warmup,
-                     args.baseline, args.profile, args.threads, launched_engines(args), args.phase)
+                     args.baseline, args.profile, args.threads, engines, args.phase)
     print(format_table(rows))
     if args.json is not None:
         write_json_atomically(args.json, rows)
         print(f"rows written to {args.json}")
     return 0
-
-
-def launched_engines(args) -> list[str]:
-    """bench's rows of the whole step as train runs it: --engine, and --horovod as --engine horovod."""
-    return list(dict.fromkeys((["horovod"] if args.horovod else []) + (args.engine or [])))
 
 
 def cmd_find_max_batch(args, sets: list[str]) -> int:
@@ -91,8 +88,7 @@ def add_commands(sub) -> None:
     step = sub.add_parser("bench", help="the trainer's training step on synthetic data: img/s, step time, memory; "
                                          "--baseline compares a plain PyTorch loop")
     add_recipe_options(step, "recipe (default: the built-in defaults, ResNet-50 at batch 256, 224 px)")
-    step.add_argument("--arch", choices=["resnet18", "resnet34", "resnet50", "resnet101", "resnet152"],
-                      help="model.arch")
+    step.add_argument("--arch", choices=ARCHS, help="model.arch")
     step.add_argument("--precision", action="append", metavar="MODE", choices=list(BENCH_PRECISIONS),
                       help=f"{', '.join(BENCH_PRECISIONS)} (repeatable; default: the recipe's)")
     step.add_argument("--batch-size", type=BATCH, action="append", help="per-device batch (repeatable)")
