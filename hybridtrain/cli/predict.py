@@ -57,7 +57,7 @@ def cluster_spec(args, template: predict.ClusterSpec, **fixed) -> predict.Cluste
                  **{name: getattr(args, name) * unit for name, unit in LINK_UNITS.items()
                     if getattr(args, name) is not None})
     try:
-        return replace(template, **{k: v for k, v in given.items() if v is not None}, **fixed)
+        return replace(template, **{**{k: v for k, v in given.items() if v is not None}, **fixed})
     except ValueError as exc:
         raise UserError(f"predict: {exc}") from None
 
