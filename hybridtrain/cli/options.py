@@ -60,7 +60,6 @@ def count_list(lo: int, hi: int, example: str = "1,2"):
                                              f"got {text[:40]!r}")
         return sorted({int(x) for x in parts})
     counts.bounds = (lo, hi, False, False)
-    counts.is_list = True
     return counts
 
 

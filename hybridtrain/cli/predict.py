@@ -46,19 +46,18 @@ GPUS_ONLY = {"target_top1": "--target-top1", "optimizer": "--optimizer", "throug
              "json": "--json"}
 
 
-def table_value(args, name: str):
-    value = getattr(args, name)
-    return TABLE_DEFAULTS[name] if value is None else value
+LINK_UNITS = {"intra_bandwidth": GB, "inter_bandwidth": GB, "intra_latency": 1e-6, "inter_latency": 1e-6}
 
 
-def spec_from(args, overlap: float) -> predict.ClusterSpec:
+def cluster_spec(args, template: predict.ClusterSpec, **fixed) -> predict.ClusterSpec:
+    """``template`` with every link option the command line gives (GB/s and microseconds as the model's bytes/s and
+    seconds), then ``fixed``."""
+    given = dict(gpus_per_node=args.gpus_per_node, bytes_per_element=args.bytes, algorithm=args.algorithm,
+                 overlap=args.overlap, parameter_count=args.params,
+                 **{name: getattr(args, name) * unit for name, unit in LINK_UNITS.items()
+                    if getattr(args, name) is not None})
     try:
-        return predict.ClusterSpec(
-            compute_time=predict.compute_time_from_speed(args.batch_per_gpu, args.single_gpu_speed),
-            batch_per_gpu=args.batch_per_gpu, parameter_count=args.params, bytes_per_element=args.bytes,
-            gpus_per_node=args.gpus_per_node, nodes=1, intra_bandwidth=args.intra_bandwidth * GB,
-            intra_latency=args.intra_latency * 1e-6, inter_bandwidth=args.inter_bandwidth * GB,
-            inter_latency=args.inter_latency * 1e-6, algorithm=args.algorithm, overlap=overlap)
+        return replace(template, **{**{k: v for k, v in given.items() if v is not None}, **fixed})
     except ValueError as exc:
         raise UserError(f"predict: {exc}") from None
 
@@ -84,8 +83,9 @@ def paper_table(check: predict.PaperCheck) -> str:
             f"\nmax error {100 * check.max_abs_error:.1f} points, RMS {100 * check.rms_error:.1f} points")
 
 
-def read_scale_rows(path: str) -> list[dict]:
-    """The rows of a ``hybridtrain scale`` result, or one line saying what to pass instead."""
+def read_scale_rows(path: str) -> list[tuple]:
+    """The (world_size, step_time_s, compression) rows of a ``hybridtrain scale`` result, or one line saying what to
+    pass instead."""
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, "scale.json")):
         raise UserError(f"--calibrate {path} is a folder: pass the file in it, --calibrate "
                         f"{os.path.join(path, 'scale.json')}")
@@ -97,13 +97,12 @@ def read_scale_rows(path: str) -> list[dict]:
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
         raise UserError(f"--calibrate {path} is not the scale.json of 'hybridtrain scale' ({type(exc).__name__}: "
                         f"{str(exc)[:80]}): run 'hybridtrain scale --out DIR' and pass DIR/scale.json") from None
-    return [{"world_size": n, "step_time_s": t, "compression": c} for n, t, c in points]
+    return points
 
 
 def calibration_text(path: str, gradient_bytes: float) -> str:
     rows = read_scale_rows(path)
-    points = [(r["world_size"], r["step_time_s"]) for r in rows if r["compression"] == "fp16"] or \
-             [(r["world_size"], r["step_time_s"]) for r in rows]
+    points = [(n, t) for n, t, c in rows if c == "fp16"] or [(n, t) for n, t, _ in rows]
     try:
         fit = predict.calibrate(points, gradient_bytes)
     except ValueError as exc:
@@ -114,20 +113,23 @@ def calibration_text(path: str, gradient_bytes: float) -> str:
             f"RMS {100 * fit.rms_relative_error:.1f}%, max {100 * fit.max_relative_error:.1f}%")
 
 
-def run_predict(args) -> None:
+def cmd_predict(args) -> int:
     check_output_file(args.out, "--out", "predict.png")
     check_image_format(args.out, "--out")
     if args.gpus is not None:
-        return run_time_to_target(args)
+        run_time_to_target(args)
+        return 0
     given = [option for name, option in GPUS_ONLY.items() if getattr(args, name) is not None]
     if given:
         raise UserError(f"{given[0]} needs --gpus: e.g. predict --gpus 8,64,512 {given[0]} ...")
-    args = argparse.Namespace(**{**vars(args), **{k: table_value(args, k) for k in TABLE_DEFAULTS}})
+    args = argparse.Namespace(**{**vars(args), **{k: d if getattr(args, k) is None else getattr(args, k)
+                                                  for k, d in TABLE_DEFAULTS.items()}})
     if args.calibrate is not None:
         read_scale_rows(args.calibrate)  # a bad --calibrate costs one line before the tables
     check = predict.paper_cluster_check()
     overlap = check.overlap if args.overlap is None else args.overlap
-    spec = spec_from(args, overlap)
+    spec = cluster_spec(args, ttt.h100_cluster(), overlap=overlap, batch_per_gpu=args.batch_per_gpu,
+                        compute_time=predict.compute_time_from_speed(args.batch_per_gpu, args.single_gpu_speed))
     nodes = args.nodes  # sorted, distinct counts (cli.options.count_list)
     table, curve = prediction_table(spec, nodes, args.convergence_epoch, args.images_per_epoch)
     print(f"{args.algorithm} all-reduce, {args.gpus_per_node} GPUs/node, S1 {args.single_gpu_speed:g} img/s, "
@@ -139,6 +141,7 @@ def run_predict(args) -> None:
     with atomic_path(args.out) as tmp:
         predict.plot_efficiency({f"{args.algorithm}, {args.gpus_per_node}/node": curve}, tmp)
     print(f"\nwrote {args.out}")
+    return 0
 
 
 # ---------------------------------------------------------------------------------------------- --gpus
@@ -177,21 +180,6 @@ def read_bench_curve(path: str) -> tuple[ttt.ThroughputCurve, str]:
         return ttt.fit_throughput_curve(points, f"{path} ({kinds[0]})"), arch
     except ValueError as exc:
         raise UserError(f"--throughput {path}: {exc}: {BENCH_FIX}") from None
-
-
-def gpus_template(args) -> predict.ClusterSpec:
-    """The DGX H100 template with every link option the command line gives."""
-    h = ttt.h100_cluster()
-    given = dict(gpus_per_node=args.gpus_per_node, bytes_per_element=args.bytes, algorithm=args.algorithm,
-                 overlap=args.overlap, parameter_count=args.params,
-                 intra_bandwidth=None if args.intra_bandwidth is None else args.intra_bandwidth * GB,
-                 inter_bandwidth=None if args.inter_bandwidth is None else args.inter_bandwidth * GB,
-                 intra_latency=None if args.intra_latency is None else args.intra_latency * 1e-6,
-                 inter_latency=None if args.inter_latency is None else args.inter_latency * 1e-6)
-    try:
-        return replace(h, **{k: v for k, v in given.items() if v is not None})
-    except ValueError as exc:
-        raise UserError(f"predict: {exc}") from None
 
 
 def minutes_text(value: float) -> str:
@@ -262,8 +250,6 @@ def run_time_to_target(args) -> None:
                         f"table")
     if args.json is not None:
         check_output_file(args.json, "--json", "predict.json")
-    if args.images_per_epoch < 1:
-        raise UserError("--images-per-epoch must be >= 1")
     target = 0.759 if args.target_top1 is None else args.target_top1
     optimizer = args.optimizer or "lars"
     try:
@@ -273,7 +259,7 @@ def run_time_to_target(args) -> None:
                         f"the published runs)") from None
     curve, arch = (ttt.default_throughput_curve(), "resnet50") if args.throughput is None else \
         read_bench_curve(args.throughput)
-    template = gpus_template(args)
+    template = cluster_spec(args, ttt.h100_cluster())  # the DGX H100 template
     g = template.gpus_per_node
     bad = [n for n in args.gpus if n > g and n % g]
     if bad:
@@ -338,13 +324,9 @@ GBPS = bounded_float(0, 10_000, lo_open=True)   # GB/s of a link; NVLink 5 is 18
 MICROSECONDS = bounded_float(0, 1e6)           # a link's latency; a second is no network
 
 
-def cmd_predict(args) -> int:
-    run_predict(args)
-    return 0
-
-
-def add_predict_options(p: argparse.ArgumentParser) -> None:
-    """predict's options, each with its bounds (their defaults: TABLE_DEFAULTS and the model's)."""
+def add_commands(sub) -> None:
+    """predict's parser: its options, each with its bounds (their defaults: TABLE_DEFAULTS and the model's)."""
+    p = sub.add_parser("predict", help="model step time, img/s and efficiency of large clusters")
     d = TABLE_DEFAULTS
     p.add_argument("--single-gpu-speed", type=bounded_float(0, 1e6, lo_open=True),  # an H100: ~3000 img/s
                    help=f"S1, img/s of one GPU (default {d['single_gpu_speed']:g}, the paper's V100 mixed precision)")
@@ -385,9 +367,4 @@ def add_predict_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="FILE", help="with --gpus: also write the rows and the checks to this JSON file")
     p.add_argument("--out", default="predict.png",
                    help="efficiency against GPU count (PNG); with --gpus, minutes to target against GPUs")
-
-
-def add_commands(sub) -> None:
-    """predict's parser."""
-    add_predict_options(sub.add_parser("predict", help="model step time, img/s and efficiency of large clusters"))
-    sub.choices["predict"].set_defaults(func=cmd_predict)
+    p.set_defaults(func=cmd_predict)

@@ -12,15 +12,12 @@ from hybridtrain.cli.options import (
     bounded_float,
     with_engine,
 )
-from hybridtrain.errors import UserError
 from hybridtrain.outputs import check_output_dir, check_output_file, write_text_atomically
 
 
 def cmd_experiment(args) -> int:
     from hybridtrain.reports.experiments import run_experiment
     check_output_dir(args.out, "--out")
-    if args.ranks < 1:
-        raise UserError(f"--ranks must be >= 1, got {args.ranks}")
     from hybridtrain.cluster.netns import stopped_cleanly
     with stopped_cleanly("its runs' ranks ended"):
         run_experiment(args.name, args.config, with_engine(args), args.out, args.ranks, args.target,
@@ -30,8 +27,6 @@ def cmd_experiment(args) -> int:
 
 def cmd_report(args) -> int:
     from hybridtrain.reports.report import comparison_markdown, report_run, summary_table
-    if args.single_gpu_speed is not None and args.single_gpu_speed <= 0:
-        raise UserError(f"--single-gpu-speed must be > 0 img/s, got {args.single_gpu_speed}")
     if args.out is not None:
         check_output_file(args.out, "--out", "comparison.md")
     reports = [report_run(d, args.top1_target, args.top5_target, args.single_gpu_speed) for d in args.run_dirs]

@@ -2,14 +2,11 @@
 from __future__ import annotations
 
 from hybridtrain.cli.options import RANKS, add_recipe_options, bounded_int
-from hybridtrain.errors import UserError
 from hybridtrain.outputs import atomic_path, check_image_format, check_output_file
 
 
 def cmd_plot_schedule(args) -> int:
     from hybridtrain.config import load_config
-    if args.ranks < 1 or args.iters_per_epoch < 1:
-        raise UserError("--ranks and --iters-per-epoch must be >= 1")
     check_output_file(args.out, "--out", "schedule.png")
     check_image_format(args.out, "--out")
     cfg = load_config(args.config, args.set + ["optim.name=hybrid"])

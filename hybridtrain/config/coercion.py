@@ -38,11 +38,6 @@ def edit_distance(a: str, b: str) -> int:
     return rows[-1][-1]
 
 
-def typo_limit(key: str) -> int:
-    """The edit distance within which ``key`` is a typo of another key: 1 below 5 letters, 2 below 10, else 3."""
-    return 1 if len(key) < 5 else 2 if len(key) < 10 else 3
-
-
 def all_keys(cls=None, prefix: str = "") -> list[str]:
     """Every dotted key of the config, sections included (``train``, ``train.epochs``, ...)."""
     keys = []
@@ -55,9 +50,11 @@ def all_keys(cls=None, prefix: str = "") -> list[str]:
 
 
 def _unique_nearest(key: str, names: list[str]) -> str | None:
-    """The one name within ``typo_limit`` of ``key`` and nearer than every other, else None."""
+    """The one name within typo distance of ``key`` (1 below 5 letters, 2 below 10, else 3) and nearer than every
+    other, else None."""
+    limit = 1 if len(key) < 5 else 2 if len(key) < 10 else 3
     ranked = sorted((edit_distance(key, n), n) for n in names)
-    if not ranked or ranked[0][0] > typo_limit(key) or (len(ranked) > 1 and ranked[1][0] == ranked[0][0]):
+    if not ranked or ranked[0][0] > limit or (len(ranked) > 1 and ranked[1][0] == ranked[0][0]):
         return None
     return ranked[0][1]
 
@@ -98,13 +95,12 @@ def suggest_key(dotted: str) -> str | None:
     return found[0] if not same and len(found) == 1 and edit_distance(key, near) == 1 else None
 
 
-def _suggest(dotted: str) -> str:
-    near = suggest_key(dotted)
-    return f" (did you mean '{near}'?)" if near else ""
-
-
 def default_of(f: dataclasses.Field):
     return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
+
+# a key's type -> what its error line says it must be (float: _as_float)
+KINDS = {bool: "true or false", int: "an integer", str: "a string", list: "a list", dict: "a mapping"}
 
 
 def _coerce(value: Any, f: dataclasses.Field, dotted: str):
@@ -112,31 +108,19 @@ def _coerce(value: Any, f: dataclasses.Field, dotted: str):
     default = default_of(f)
     meta = f.metadata
     expected = type(default)
-    if expected is bool:
-        if not isinstance(value, bool):
-            raise UserError(f"config error: {dotted} must be true or false, got {show(value)}")
-    elif expected is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise UserError(f"config error: {dotted} must be an integer, got {show(value)}")
-    elif expected is float:
+    if expected in KINDS and (not isinstance(value, expected) or isinstance(value, bool) != (expected is bool)):
+        unquoted = expected is str and (value is None or isinstance(value, (bool, int, float)))
+        hint = (f" (YAML reads that unquoted value as a {type(value).__name__}: to mean the text, quote it, e.g. "
+                f"{dotted.rpartition('.')[2]}: \"...\")" if unquoted else "")
+        raise UserError(f"config error: {dotted} must be {KINDS[expected]}, got {show(value)}{hint}")
+    if expected is float:
         value = _as_float(value, meta, dotted)
-    elif expected is str:
-        if not isinstance(value, str):
-            hint = (f" (YAML reads that unquoted value as a {type(value).__name__}: to mean the text, quote it, e.g. "
-                    f"{dotted.rpartition('.')[2]}: \"...\")" if value is None or isinstance(value, (bool, int, float))
-                    else "")
-            raise UserError(f"config error: {dotted} must be a string, got {show(value)}{hint}")
-        if "\0" in value:
-            raise UserError(f"config error: {dotted} holds a NUL character (\\0), which no path or name may hold: "
-                            f"remove it")
-    elif expected is list:
-        if not isinstance(value, list):
-            raise UserError(f"config error: {dotted} must be a list, got {show(value)}")
-        if "items" in meta:
-            value = _check_numbers(value, meta, dotted)
+    elif expected is str and "\0" in value:
+        raise UserError(f"config error: {dotted} holds a NUL character (\\0), which no path or name may hold: "
+                        f"remove it")
+    elif "items" in meta:  # a list of numbers
+        value = _check_numbers(value, meta, dotted)
     elif expected is dict:
-        if not isinstance(value, dict):
-            raise UserError(f"config error: {dotted} must be a mapping, got {show(value)}")
         value = {**default, **value}  # a partial mapping overrides only the keys it names
     if "choices" in meta and value not in meta["choices"]:
         allowed = ", ".join(str(c) for c in meta["choices"])
@@ -214,9 +198,10 @@ def build(cls, values: dict, prefix: str = ""):
     for key, value in values.items():
         dotted = f"{prefix}{key}"
         if key not in fields:
-            allowed = ", ".join(fields)
-            raise UserError(f"config error: unknown key '{show(dotted)[1:-1]}'{_suggest(str(dotted))}; "
-                            f"allowed here: {allowed}")
+            near = suggest_key(str(dotted))
+            meant = f" (did you mean '{near}'?)" if near else ""
+            raise UserError(f"config error: unknown key '{show(dotted)[1:-1]}'{meant}; allowed here: "
+                            f"{', '.join(fields)}")
         f = fields[key]
         default = default_of(f)
         if dataclasses.is_dataclass(default):

@@ -163,46 +163,34 @@ def _hashes(value) -> int:
     return 0
 
 
-def _field_at(path: list[str]) -> dataclasses.Field | None:
-    """The dataclass field a dotted key names, or None (a section, a key inside a mapping, an unknown key)."""
-    cls, found = Config, None
+def _default_at(path: list[str]) -> Any:
+    """The default of what a dotted key names (a section's is its dataclass), or None for an unknown key or a key
+    inside a mapping."""
+    default = Config()
     for part in path:
-        fields = {f.name: f for f in dataclasses.fields(cls)} if cls else {}
-        found = fields.get(part)
-        if found is None:
+        fields = {f.name: f for f in dataclasses.fields(default)} if dataclasses.is_dataclass(default) else {}
+        if part not in fields:
             return None
-        default = default_of(found)
-        cls = type(default) if dataclasses.is_dataclass(default) else None
-    return None if cls else found
+        default = default_of(fields[part])
+    return default
 
 
 def _as_written(path: list[str], value: Any, text: str) -> Any:
     """A --set value for a text key as the user typed it: ``run_dir=2024-01-02``, ``run_dir=010`` or ``run_dir=yes``
     name a folder, not a date, 8 or true."""
-    f = _field_at(path)
     raw = text.split("=", 1)[1].strip()
     plain_scalar = raw and raw[0] not in "\"'[{&*!|>"
-    if f is not None and isinstance(default_of(f), str) and not isinstance(value, (str, list, dict)) and plain_scalar:
+    if isinstance(_default_at(path), str) and not isinstance(value, (str, list, dict)) and plain_scalar:
         return raw
     return value
-
-
-def _is_section(path: list[str]) -> bool:
-    """True when a dotted key names a section of the config (``train``), not a key."""
-    cls = Config
-    for part in path:
-        found = {f.name: f for f in dataclasses.fields(cls)}.get(part)
-        if found is None or not dataclasses.is_dataclass(default_of(found)):
-            return False
-        cls = type(default_of(found))
-    return True
 
 
 def _leaves(path: list[str], value: Any) -> list[tuple[list[str], Any]]:
     """A mapping given for a section as the keys it sets (``--set train={batch_size: 32}`` is ``--set
     train.batch_size=32``), so that each is judged as a dotted key would be: a moved key's old name renamed and
     overriding the recipe's value, an old and a new name given both by --set refused."""
-    if isinstance(value, dict) and all(isinstance(k, str) for k in value) and _is_section(path):
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value) and \
+            dataclasses.is_dataclass(_default_at(path)):
         return [leaf for key, item in value.items() for leaf in _leaves([*path, key], item)]
     return [(path, value)]
 
@@ -226,12 +214,11 @@ def _apply_override(tree: dict, path: list[str], value: Any) -> None:
 
 def read_yaml(path: str) -> dict:
     shown = printable(path)
-    if "\0" not in path and os.path.isdir(path):
+    if os.path.isdir(path):  # os.path answers False for a path holding a NUL
         raise UserError(f"config file {shown} is a folder, not a file: name the recipe YAML in it, e.g. --config "
                         f"configs/demo.yaml")
-    if "\0" not in path:
-        not_dangling("--config", path)
-    if "\0" in path or not os.path.isfile(path):
+    not_dangling("--config", path)
+    if not os.path.isfile(path):
         raise UserError(f"config file not found: {shown} (pass an existing YAML, e.g. --config configs/demo.yaml)")
     try:
         with open(path, encoding="utf-8") as fh:
