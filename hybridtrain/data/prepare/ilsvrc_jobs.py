@@ -28,9 +28,10 @@ def done_path(out: str, job: Job) -> str:
     return os.path.join(out, STATE, "done", f"{job.name}.json")
 
 
-def read_done(out: str, job: Job) -> dict | None:
+def read_json(path: str):
+    """The JSON in ``path``, or None when it cannot be read (absent, cut short by a kill)."""
     try:
-        with open(done_path(out, job)) as fh:
+        with open(path) as fh:
             return json.load(fh)
     except (OSError, ValueError):
         return None
