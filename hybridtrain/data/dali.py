@@ -60,20 +60,13 @@ INSTALL_HINT = "pip install nvidia-dali-cuda130 in the venv (or run ./install.sh
 READER_NAME = "reader"
 
 
-def dali_available() -> bool:
-    """True when NVIDIA DALI imports."""
+def require_dali() -> None:
+    """Raise a one-line UserError telling how to install DALI when it is missing."""
     try:
         import nvidia.dali  # noqa: F401
     except ImportError:
-        return False
-    return True
-
-
-def require_dali() -> None:
-    """Raise a one-line UserError telling how to install DALI when it is missing."""
-    if not dali_available():
         raise UserError(f"data.backend dali_cpu/dali_gpu needs NVIDIA DALI, which is not installed: {INSTALL_HINT}, "
-                        f"or use data.backend=torchvision")
+                        f"or use data.backend=torchvision") from None
 
 
 def require_gpu_for_dali_gpu() -> None:
@@ -155,17 +148,6 @@ def decode_and_augment(jpegs, spec: GraphSpec):
 def pipeline_seed(seed: int, rank: int, start_epoch: int) -> int:
     """Augmentation seed: differs per rank and per epoch the pipeline is built for; fits DALI's int range."""
     return int(np.random.SeedSequence([seed, rank, start_epoch]).generate_state(1)[0] >> 1)
-
-
-def relative_paths(images: ImageList) -> list[str]:
-    """Each sample's path relative to the split folder, which is the reader's ``file_root``."""
-    prefix = images.root.rstrip(os.sep) + os.sep
-    return [p[len(prefix):] if p.startswith(prefix) else os.path.relpath(p, images.root) for p, _ in images.samples]
-
-
-def file_list_lines(images: ImageList) -> list[str]:
-    """Each sample's line of a DALI file list, labelled with its sample index: made once per run."""
-    return [f"{path} {index}\n" for index, path in enumerate(relative_paths(images))]
 
 
 @contextlib.contextmanager
@@ -277,7 +259,12 @@ class DaliLoader:
         self.in_flight = InFlight(stream_fence(torch.device("cuda", device_id))) if on_gpu else None
 
     def list_lines(self, images: ImageList) -> list[str] | None:
-        return file_list_lines(images)
+        """Each sample's line of the reader's file list, made once per run: its path relative to the split folder
+        (the reader's ``file_root``), labelled with its sample index."""
+        prefix = images.root.rstrip(os.sep) + os.sep
+        paths = (p[len(prefix):] if p.startswith(prefix) else os.path.relpath(p, images.root)
+                 for p, _ in images.samples)
+        return [f"{path} {index}\n" for index, path in enumerate(paths)]
 
     @property
     def batch_sampler(self):

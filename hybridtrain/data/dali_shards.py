@@ -28,13 +28,7 @@ import re
 import numpy as np
 import torch
 
-from hybridtrain.data.dali import (
-    DaliLoader,
-    GraphSpec,
-    create_dali_train_loader,
-    create_dali_val_loader,
-    decode_and_augment,
-)
+from hybridtrain.data.dali import DaliLoader, GraphSpec, decode_and_augment
 from hybridtrain.data.shards import ShardImages
 from hybridtrain.errors import UserError
 
@@ -105,11 +99,3 @@ class DaliShardLoader(DaliLoader):
                             f"tree they were packed from, fix or remove the bad image there, and pack the shards "
                             f"again", same_on_all_ranks=False) from None
 
-
-def create_shard_loader(images: ShardImages, cfg, rank: int, world_size: int, local_size: int, device: str,
-                        training: bool, dtype: torch.dtype = torch.float32, channels_last: bool = False,
-                        pin: bool = False) -> DaliShardLoader:
-    """This rank's training or validation loader over tar shards (the folder form's checks and arithmetic)."""
-    create = create_dali_train_loader if training else create_dali_val_loader
-    return create(images, cfg, rank, world_size, local_size, device, dtype, channels_last, pin,
-                  loader_class=DaliShardLoader)

@@ -174,14 +174,11 @@ def create_loaders(cfg, topo, model_dtype: torch.dtype = torch.float32) -> Loade
         device = "gpu" if backend == "dali_gpu" else "cpu"
         args = (topo.rank, topo.size, topo.local_size, device, delivered_dtype(model_dtype), cfg.data.channels_last)
         pin = device == "cpu" and topo.device.type == "cuda"  # dali_cpu on a GPU node: asynchronous copies
+        loader_class = dali.DaliLoader
         if isinstance(train_set, ShardImages):  # tar shards: fn.external_source, the folder order
-            from hybridtrain.data.dali_shards import create_shard_loader
-            rank, size, local_size, *rest = args
-            train = create_shard_loader(train_set, cfg, rank, size, local_size, rest[0], True, *rest[1:], pin=pin)
-            val = create_shard_loader(val_set, cfg, rank, size, local_size, rest[0], False, *rest[1:], pin=pin)
-        else:
-            train = dali.create_dali_train_loader(train_set, cfg, *args, pin=pin)
-            val = dali.create_dali_val_loader(val_set, cfg, *args, pin=pin)
+            from hybridtrain.data.dali_shards import DaliShardLoader as loader_class
+        train = dali.create_dali_train_loader(train_set, cfg, *args, pin=pin, loader_class=loader_class)
+        val = dali.create_dali_val_loader(val_set, cfg, *args, pin=pin, loader_class=loader_class)
         dropped = train.dropped_per_epoch
     return Loaders(train, val, num_classes, len(train_set), len(val_set), dropped, skipped)
 
