@@ -226,11 +226,6 @@ class InFlight:
         return ([self.latest] if self.latest is not None else []) + [batch for _, batch in self.fenced]
 
 
-def stream_fence(device: torch.device):
-    """An InFlight fence: an event recorded on torch's current stream of ``device``."""
-    return lambda: torch.cuda.current_stream(device).record_event()
-
-
 class DaliLoader:
     """One rank's batches ``(images, labels, indices)``, with the torchvision loader's interface.
 
@@ -256,7 +251,8 @@ class DaliLoader:
         self.builds = 0
         self.resolution = None  # training: the epoch's resolution (data.res_*, data/resolution.py), set by _create
         on_gpu = spec.device == "gpu" and not pin
-        self.in_flight = InFlight(stream_fence(torch.device("cuda", device_id))) if on_gpu else None
+        self.in_flight = (InFlight(lambda: torch.cuda.current_stream(torch.device("cuda", device_id)).record_event())
+                          if on_gpu else None)  # its fence: an event recorded on torch's current stream
 
     def list_lines(self, images: ImageList) -> list[str] | None:
         """Each sample's line of the reader's file list, made once per run: its path relative to the split folder
@@ -397,10 +393,7 @@ class DaliLoader:
 # ----------------------------------------------------------------------------- factories
 
 def graph_spec(cfg, training: bool, device: str, dtype: torch.dtype, channels_last: bool) -> GraphSpec:
-    if device not in ("cpu", "gpu"):
-        raise ValueError(f"device must be 'cpu' or 'gpu', got {device!r}")
-    if dtype not in (torch.float16, torch.float32):
-        raise ValueError(f"dtype must be torch.float16 or torch.float32, got {dtype}")
+    """``device`` "cpu" or "gpu"; ``dtype`` torch.float16 or torch.float32 (``loaders.delivered_dtype``)."""
     d = cfg.data
     # a CPU pipeline delivers pixels (a quarter of the bytes to copy and to send to a GPU: gpu-path-2 #15),
     # normalised on the model's device as the torchvision backend's are; a GPU pipeline normalises itself
@@ -409,7 +402,14 @@ def graph_spec(cfg, training: bool, device: str, dtype: torch.dtype, channels_la
 
 
 def _create(images: ImageList, cfg, rank: int, world_size: int, local_size: int, device: str, training: bool,
-            batch_size: int, dtype: torch.dtype, channels_last: bool, pin: bool, loader_class) -> DaliLoader:
+            dtype: torch.dtype, channels_last: bool, pin: bool, loader_class) -> DaliLoader:
+    batch_size = cfg.train.batch_size if training else cfg.data.val_batch_size or cfg.train.batch_size
+    if training and train_steps(len(images), world_size, batch_size) == 0:
+        raise UserError(f"the training set ({len(images)} images) cannot give every one of {world_size} rank(s) "
+                        f"a full batch of {batch_size}: lower train.batch_size or use fewer ranks")
+    if not training and len(images) < world_size:
+        raise UserError(f"the validation set ({len(images)} images) is smaller than the number of ranks "
+                        f"({world_size}): add images or use fewer ranks")
     require_dali()
     if device == "gpu":
         require_gpu_for_dali_gpu()
@@ -429,20 +429,11 @@ def create_dali_train_loader(images: ImageList, cfg, rank: int, world_size: int,
     """Training loader; ``device`` "gpu" decodes on the current CUDA device (set it to the local rank); ``pin``: a
     "cpu" pipeline's batches page-locked (for a GPU run; it needs CUDA); ``loader_class``: DaliLoader or the tar
     shards' (``dali_shards``)."""
-    b = cfg.train.batch_size
-    if train_steps(len(images), world_size, b) == 0:
-        raise UserError(f"the training set ({len(images)} images) cannot give every one of {world_size} rank(s) "
-                        f"a full batch of {b}: lower train.batch_size or use fewer ranks")
-    return _create(images, cfg, rank, world_size, local_size, device, True, b, dtype, channels_last, pin, loader_class)
+    return _create(images, cfg, rank, world_size, local_size, device, True, dtype, channels_last, pin, loader_class)
 
 
 def create_dali_val_loader(images: ImageList, cfg, rank: int, world_size: int, local_size: int, device: str,
                            dtype: torch.dtype = torch.float32, channels_last: bool = False,
                            pin: bool = False, loader_class=DaliLoader) -> DaliLoader:
     """Validation loader: each real image exactly once across ranks, padded duplicates cut off."""
-    if len(images) < world_size:
-        raise UserError(f"the validation set ({len(images)} images) is smaller than the number of ranks "
-                        f"({world_size}): add images or use fewer ranks")
-    b = cfg.data.val_batch_size or cfg.train.batch_size
-    return _create(images, cfg, rank, world_size, local_size, device, False, b, dtype, channels_last, pin,
-                   loader_class)
+    return _create(images, cfg, rank, world_size, local_size, device, False, dtype, channels_last, pin, loader_class)

@@ -14,7 +14,7 @@ import signal
 import stat
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hybridtrain.errors import UserError
 
@@ -178,8 +178,7 @@ def shm_space(path: str = SHM_DIR) -> tuple[int, int] | None:
 def fitting_prefetch(batches: WorkerBatches, limit: int) -> int:
     """The largest data.prefetch (>= 1) whose batches fit in ``limit`` bytes per rank, or 0."""
     fits = [p for p in range(batches.prefetch - 1, 0, -1)
-            if WorkerBatches(batches.batch, batches.val_batch, batches.crop, batches.workers, p).bytes_per_rank()
-            <= limit]
+            if replace(batches, prefetch=p).bytes_per_rank() <= limit]
     return fits[0] if fits else 0
 
 

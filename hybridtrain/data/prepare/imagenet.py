@@ -105,11 +105,6 @@ def file_md5(path: str, progress=None) -> str:
     return digest.hexdigest()
 
 
-def archive_stamp(path: str) -> list:
-    st = os.stat(path)
-    return [os.path.basename(path), st.st_size, int(st.st_mtime)]
-
-
 def verify_md5(archives: list[str], workers: int, expected: dict[str, str] = ARCHIVE_MD5) -> None:
     """Each archive's md5 against the published one, all at once in threads behind one progress bar (in bytes);
     one line naming the first that differs."""
@@ -170,19 +165,18 @@ def finish(source: Source, out: str, records: list[dict]) -> dict:
         raise UserError(f"{len(unreadable)} image(s) of {source.root} could not be decoded (first: {unreadable[0]}): "
                         f"the source is damaged: download or copy it again")
     tree = {split: count_tree(out, split) for split in ("train", "val")}
+    totals = {split: sum(counts.values()) for split, counts in tree.items()}
     for split in ("train", "val"):
         recorded = sum(r["count"] for r in records if r["split"] == split)
-        if recorded != sum(tree[split].values()):
-            raise UserError(f"{out}/{split} holds {sum(tree[split].values())} images but this run wrote {recorded}: "
+        if recorded != totals[split]:
+            raise UserError(f"{out}/{split} holds {totals[split]} images but this run wrote {recorded}: "
                             f"something else writes there: give a new folder as --out")
     classes = sorted(tree["train"])  # every validation class has training images: checked by ilsvrc at the start
     write_atomically(os.path.join(out, "classes.txt"), "".join(f"{c}\n" for c in classes).encode())
     rewritten = sorted(line for r in records for line in r["rewritten"])
     write_atomically(os.path.join(out, "rewritten.txt"), "".join(f"{line}\n" for line in rewritten).encode())
-    summary = {"layout": source.layout, "train": sum(tree["train"].values()), "val": sum(tree["val"].values()),
-               "classes": len(classes), "rewritten": rewritten,
-               "full": [sum(tree["train"].values()), sum(tree["val"].values()), len(classes)] ==
-               [FULL_COUNTS["train"], FULL_COUNTS["val"], FULL_COUNTS["classes"]]}
+    summary = {"layout": source.layout, **totals, "classes": len(classes), "rewritten": rewritten,
+               "full": totals | {"classes": len(classes)} == FULL_COUNTS}
     write_atomically(state_file(out, COMPLETE), json.dumps(summary).encode())
     return summary
 
@@ -211,7 +205,7 @@ def prepare_imagenet(source_dir: str, out: str, md5: bool = True, resize: int | 
 
 def start_state(out: str, params: dict, archives: list[str], workers: int) -> None:
     """Verify ``archives`` (unless an earlier run verified these very files), then record the run's settings."""
-    stamps = [archive_stamp(p) for p in archives]
+    stamps = [[os.path.basename(p), os.stat(p).st_size, int(os.stat(p).st_mtime)] for p in archives]
     if archives and (read_json(state_file(out, "md5.json")) or {}).get("stamps") != stamps:
         verify_md5(archives, workers)  # before anything is written: a refused archive leaves no --out
     makedirs_inside(out, os.path.join(out, STATE))

@@ -44,10 +44,6 @@ BLOCK = 512  # tar's block size; Python's tarfile ends an archive with two zero 
 RECORD = 20 * BLOCK
 
 
-def key_width(n: int) -> int:
-    return max(6, len(str(max(0, n - 1))))
-
-
 def shard_plan(n: int, shards: int, shuffle: bool) -> list[np.ndarray]:
     """The sample indices of each shard: a seeded permutation (training) or the order (validation), cut evenly."""
     order = np.random.default_rng(PACK_SEED).permutation(n) if shuffle else np.arange(n)
@@ -123,7 +119,7 @@ def pack_shards(tree: str, shards: int, workers: int = 0) -> dict:
     size_of = {path: os.path.getsize(path) for split in (train, val) for path, _ in split.samples}
     jobs, meta = [], {"classes": train.classes}
     for split, images, count, shuffle in (("train", train, shards, True), ("val", val, min(shards, len(val)), False)):
-        width = key_width(len(images))
+        width = max(6, len(str(max(0, len(images) - 1))))  # the digits of a key
         plan = shard_plan(len(images), count, shuffle)
         meta[split] = {"shards": [[f"{s:06d}.tar", len(p)] for s, p in enumerate(plan)],
                        "labels": [label for _, label in images.samples]}
