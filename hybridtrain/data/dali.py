@@ -161,17 +161,6 @@ def reader_file_list(lines: list[str], samples: np.ndarray):
         os.remove(fh.name)
 
 
-def describe_dali_error(message: str, culprit: str | None) -> str:
-    """The file DALI could not decode (found by ``culprit``), or the cause it reports, and what to do."""
-    decode = re.search(r"Failed to decode sample #\d+ : (\S.*)", message)
-    cause = re.search(r"encountered:\s*\n\s*(\S.*)", message)
-    if culprit or decode:
-        what = f"cannot decode {culprit or decode.group(1).strip()}"
-    else:
-        what = f"DALI failed ({(cause.group(1) if cause else message).strip()})"
-    return f"{what}: {CLEAN_LIST_HINT}"
-
-
 # ----------------------------------------------------------------------------- the loader
 
 class InFlight:
@@ -337,12 +326,22 @@ class DaliLoader:
 
     @contextlib.contextmanager
     def _errors(self, order: np.ndarray, run: int):
-        """A DALI failure becomes this rank's one-line UserError, naming the undecodable file."""
+        """A DALI failure becomes this rank's one-line UserError (``_failure``)."""
         try:
             yield
         except RuntimeError as exc:
-            culprit = self._find_culprit(order, run)
-            raise UserError(describe_dali_error(str(exc), culprit), same_on_all_ranks=False) from None
+            raise UserError(self._failure(str(exc), order, run), same_on_all_ranks=False) from None
+
+    def _failure(self, message: str, order: np.ndarray, run: int) -> str:
+        """The file DALI could not decode (found by ``_find_culprit``), or the cause it reports, and what to do."""
+        culprit = self._find_culprit(order, run)
+        decode = re.search(r"Failed to decode sample #\d+ : (\S.*)", message)
+        cause = re.search(r"encountered:\s*\n\s*(\S.*)", message)
+        if culprit or decode:
+            what = f"cannot decode {culprit or decode.group(1).strip()}"
+        else:
+            what = f"DALI failed ({(cause.group(1) if cause else message).strip()})"
+        return f"{what}: {CLEAN_LIST_HINT}"
 
     def _find_culprit(self, order: np.ndarray, run: int) -> str | None:
         """The first file PIL cannot decode among those DALI may have read by ``run``, in reading order.

@@ -64,12 +64,12 @@ class Source:
 
 def detect_source(root: str, val_labels: str | None = None) -> Source:
     """The source in ``root``, or one line naming what was found and what is expected."""
-    if all(os.path.isfile(os.path.join(root, name)) for name in (TRAIN_TAR, VAL_TAR, DEVKIT)):
+    present = [n for n in (TRAIN_TAR, VAL_TAR, DEVKIT) if os.path.isfile(os.path.join(root, n))]
+    if len(present) == 3:
         if val_labels:
             raise UserError(f"--val-labels {val_labels} does not apply to the official archives in {root}: their "
                             f"validation labels are the devkit's ({DEVKIT}): leave --val-labels out")
         return archive_source(root)
-    present = [n for n in (TRAIN_TAR, VAL_TAR, DEVKIT) if os.path.isfile(os.path.join(root, n))]
     if present:
         missing = [n for n in (TRAIN_TAR, VAL_TAR, DEVKIT) if n not in present]
         raise UserError(f"--source {root} holds {', '.join(present)} but not {', '.join(missing)}: put all three "
