@@ -57,20 +57,17 @@ def list_split(split_dir: str) -> tuple[list[str], list[tuple[str, int]], list[s
     return classes, candidates, non_images
 
 
-def decode_all(paths: list[str], workers: int, desc: str) -> list[str | None]:
-    """decode_error for every path, in order, over ``workers`` processes, with a progress bar."""
-    bar = dict(total=len(paths), desc=desc, unit="img", dynamic_ncols=True)
-    if workers <= 1 or len(paths) < 2:
-        return [decode_error(p) for p in tqdm(paths, **bar)]
-    with multiprocessing.get_context("forkserver").Pool(workers) as pool:
-        return list(tqdm(pool.imap(decode_error, paths, chunksize=32), **bar))
-
-
 def check_split(root: str, split: str, workers: int) -> dict:
     """One split's part of the report."""
     split_dir = os.path.join(root, split)
     classes, candidates, non_images = list_split(split_dir)
-    errors = decode_all([os.path.join(split_dir, rel) for rel, _ in candidates], workers, f"check {split}")
+    paths = [os.path.join(split_dir, rel) for rel, _ in candidates]  # decoded in order, over ``workers`` processes
+    bar = dict(total=len(paths), desc=f"check {split}", unit="img", dynamic_ncols=True)
+    if workers <= 1 or len(paths) < 2:
+        errors = [decode_error(p) for p in tqdm(paths, **bar)]
+    else:
+        with multiprocessing.get_context("forkserver").Pool(workers) as pool:
+            errors = list(tqdm(pool.imap(decode_error, paths, chunksize=32), **bar))
     samples = [[rel, label] for (rel, label), err in zip(candidates, errors) if err is None]
     counts = dict.fromkeys(classes, 0)
     for rel, label in samples:

@@ -60,20 +60,13 @@ INSTALL_HINT = "pip install nvidia-dali-cuda130 in the venv (or run ./install.sh
 READER_NAME = "reader"
 
 
-def dali_available() -> bool:
-    """True when NVIDIA DALI imports."""
+def require_dali() -> None:
+    """Raise a one-line UserError telling how to install DALI when it is missing."""
     try:
         import nvidia.dali  # noqa: F401
     except ImportError:
-        return False
-    return True
-
-
-def require_dali() -> None:
-    """Raise a one-line UserError telling how to install DALI when it is missing."""
-    if not dali_available():
         raise UserError(f"data.backend dali_cpu/dali_gpu needs NVIDIA DALI, which is not installed: {INSTALL_HINT}, "
-                        f"or use data.backend=torchvision")
+                        f"or use data.backend=torchvision") from None
 
 
 def require_gpu_for_dali_gpu() -> None:
@@ -157,17 +150,6 @@ def pipeline_seed(seed: int, rank: int, start_epoch: int) -> int:
     return int(np.random.SeedSequence([seed, rank, start_epoch]).generate_state(1)[0] >> 1)
 
 
-def relative_paths(images: ImageList) -> list[str]:
-    """Each sample's path relative to the split folder, which is the reader's ``file_root``."""
-    prefix = images.root.rstrip(os.sep) + os.sep
-    return [p[len(prefix):] if p.startswith(prefix) else os.path.relpath(p, images.root) for p, _ in images.samples]
-
-
-def file_list_lines(images: ImageList) -> list[str]:
-    """Each sample's line of a DALI file list, labelled with its sample index: made once per run."""
-    return [f"{path} {index}\n" for index, path in enumerate(relative_paths(images))]
-
-
 @contextlib.contextmanager
 def reader_file_list(lines: list[str], samples: np.ndarray):
     """A temporary DALI file list of ``samples`` (sample indices, in reading order)."""
@@ -177,17 +159,6 @@ def reader_file_list(lines: list[str], samples: np.ndarray):
         yield fh.name
     finally:
         os.remove(fh.name)
-
-
-def describe_dali_error(message: str, culprit: str | None) -> str:
-    """The file DALI could not decode (found by ``culprit``), or the cause it reports, and what to do."""
-    decode = re.search(r"Failed to decode sample #\d+ : (\S.*)", message)
-    cause = re.search(r"encountered:\s*\n\s*(\S.*)", message)
-    if culprit or decode:
-        what = f"cannot decode {culprit or decode.group(1).strip()}"
-    else:
-        what = f"DALI failed ({(cause.group(1) if cause else message).strip()})"
-    return f"{what}: {CLEAN_LIST_HINT}"
 
 
 # ----------------------------------------------------------------------------- the loader
@@ -244,11 +215,6 @@ class InFlight:
         return ([self.latest] if self.latest is not None else []) + [batch for _, batch in self.fenced]
 
 
-def stream_fence(device: torch.device):
-    """An InFlight fence: an event recorded on torch's current stream of ``device``."""
-    return lambda: torch.cuda.current_stream(device).record_event()
-
-
 class DaliLoader:
     """One rank's batches ``(images, labels, indices)``, with the torchvision loader's interface.
 
@@ -274,10 +240,16 @@ class DaliLoader:
         self.builds = 0
         self.resolution = None  # training: the epoch's resolution (data.res_*, data/resolution.py), set by _create
         on_gpu = spec.device == "gpu" and not pin
-        self.in_flight = InFlight(stream_fence(torch.device("cuda", device_id))) if on_gpu else None
+        self.in_flight = (InFlight(lambda: torch.cuda.current_stream(torch.device("cuda", device_id)).record_event())
+                          if on_gpu else None)  # its fence: an event recorded on torch's current stream
 
     def list_lines(self, images: ImageList) -> list[str] | None:
-        return file_list_lines(images)
+        """Each sample's line of the reader's file list, made once per run: its path relative to the split folder
+        (the reader's ``file_root``), labelled with its sample index."""
+        prefix = images.root.rstrip(os.sep) + os.sep
+        paths = (p[len(prefix):] if p.startswith(prefix) else os.path.relpath(p, images.root)
+                 for p, _ in images.samples)
+        return [f"{path} {index}\n" for index, path in enumerate(paths)]
 
     @property
     def batch_sampler(self):
@@ -354,12 +326,22 @@ class DaliLoader:
 
     @contextlib.contextmanager
     def _errors(self, order: np.ndarray, run: int):
-        """A DALI failure becomes this rank's one-line UserError, naming the undecodable file."""
+        """A DALI failure becomes this rank's one-line UserError (``_failure``)."""
         try:
             yield
         except RuntimeError as exc:
-            culprit = self._find_culprit(order, run)
-            raise UserError(describe_dali_error(str(exc), culprit), same_on_all_ranks=False) from None
+            raise UserError(self._failure(str(exc), order, run), same_on_all_ranks=False) from None
+
+    def _failure(self, message: str, order: np.ndarray, run: int) -> str:
+        """The file DALI could not decode (found by ``_find_culprit``), or the cause it reports, and what to do."""
+        culprit = self._find_culprit(order, run)
+        decode = re.search(r"Failed to decode sample #\d+ : (\S.*)", message)
+        cause = re.search(r"encountered:\s*\n\s*(\S.*)", message)
+        if culprit or decode:
+            what = f"cannot decode {culprit or decode.group(1).strip()}"
+        else:
+            what = f"DALI failed ({(cause.group(1) if cause else message).strip()})"
+        return f"{what}: {CLEAN_LIST_HINT}"
 
     def _find_culprit(self, order: np.ndarray, run: int) -> str | None:
         """The first file PIL cannot decode among those DALI may have read by ``run``, in reading order.
@@ -410,10 +392,7 @@ class DaliLoader:
 # ----------------------------------------------------------------------------- factories
 
 def graph_spec(cfg, training: bool, device: str, dtype: torch.dtype, channels_last: bool) -> GraphSpec:
-    if device not in ("cpu", "gpu"):
-        raise ValueError(f"device must be 'cpu' or 'gpu', got {device!r}")
-    if dtype not in (torch.float16, torch.float32):
-        raise ValueError(f"dtype must be torch.float16 or torch.float32, got {dtype}")
+    """``device`` "cpu" or "gpu"; ``dtype`` torch.float16 or torch.float32 (``loaders.delivered_dtype``)."""
     d = cfg.data
     # a CPU pipeline delivers pixels (a quarter of the bytes to copy and to send to a GPU: gpu-path-2 #15),
     # normalised on the model's device as the torchvision backend's are; a GPU pipeline normalises itself
@@ -422,7 +401,14 @@ def graph_spec(cfg, training: bool, device: str, dtype: torch.dtype, channels_la
 
 
 def _create(images: ImageList, cfg, rank: int, world_size: int, local_size: int, device: str, training: bool,
-            batch_size: int, dtype: torch.dtype, channels_last: bool, pin: bool, loader_class) -> DaliLoader:
+            dtype: torch.dtype, channels_last: bool, pin: bool, loader_class) -> DaliLoader:
+    batch_size = cfg.train.batch_size if training else cfg.data.val_batch_size or cfg.train.batch_size
+    if training and train_steps(len(images), world_size, batch_size) == 0:
+        raise UserError(f"the training set ({len(images)} images) cannot give every one of {world_size} rank(s) "
+                        f"a full batch of {batch_size}: lower train.batch_size or use fewer ranks")
+    if not training and len(images) < world_size:
+        raise UserError(f"the validation set ({len(images)} images) is smaller than the number of ranks "
+                        f"({world_size}): add images or use fewer ranks")
     require_dali()
     if device == "gpu":
         require_gpu_for_dali_gpu()
@@ -442,20 +428,11 @@ def create_dali_train_loader(images: ImageList, cfg, rank: int, world_size: int,
     """Training loader; ``device`` "gpu" decodes on the current CUDA device (set it to the local rank); ``pin``: a
     "cpu" pipeline's batches page-locked (for a GPU run; it needs CUDA); ``loader_class``: DaliLoader or the tar
     shards' (``dali_shards``)."""
-    b = cfg.train.batch_size
-    if train_steps(len(images), world_size, b) == 0:
-        raise UserError(f"the training set ({len(images)} images) cannot give every one of {world_size} rank(s) "
-                        f"a full batch of {b}: lower train.batch_size or use fewer ranks")
-    return _create(images, cfg, rank, world_size, local_size, device, True, b, dtype, channels_last, pin, loader_class)
+    return _create(images, cfg, rank, world_size, local_size, device, True, dtype, channels_last, pin, loader_class)
 
 
 def create_dali_val_loader(images: ImageList, cfg, rank: int, world_size: int, local_size: int, device: str,
                            dtype: torch.dtype = torch.float32, channels_last: bool = False,
                            pin: bool = False, loader_class=DaliLoader) -> DaliLoader:
     """Validation loader: each real image exactly once across ranks, padded duplicates cut off."""
-    if len(images) < world_size:
-        raise UserError(f"the validation set ({len(images)} images) is smaller than the number of ranks "
-                        f"({world_size}): add images or use fewer ranks")
-    b = cfg.data.val_batch_size or cfg.train.batch_size
-    return _create(images, cfg, rank, world_size, local_size, device, False, b, dtype, channels_last, pin,
-                   loader_class)
+    return _create(images, cfg, rank, world_size, local_size, device, False, dtype, channels_last, pin, loader_class)

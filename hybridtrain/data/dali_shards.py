@@ -21,20 +21,13 @@ fraction of the decoded pixels' size.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import re
 
 import numpy as np
 import torch
 
-from hybridtrain.data.dali import (
-    DaliLoader,
-    GraphSpec,
-    create_dali_train_loader,
-    create_dali_val_loader,
-    decode_and_augment,
-)
+from hybridtrain.data.dali import DaliLoader, GraphSpec, decode_and_augment
 from hybridtrain.data.shards import ShardImages
 from hybridtrain.errors import UserError
 
@@ -92,24 +85,10 @@ class DaliShardLoader(DaliLoader):
                                 same_on_all_ranks=False)
         return self._to_torch(pipe, images), keys
 
-    @contextlib.contextmanager
-    def _errors(self, order: np.ndarray, run: int):
-        """A DALI failure becomes this rank's one line: the shards cannot be filtered by check-data's lists, so
-        the fix is the source's."""
-        try:
-            yield
-        except RuntimeError as exc:
-            cause = re.search(r"encountered:\s*\n\s*(\S.*)", str(exc))
-            raise UserError(f"DALI failed reading the shards of {self.images.root} "
-                            f"({(cause.group(1) if cause else str(exc)).strip()[:300]}): run check-data on the folder "
-                            f"tree they were packed from, fix or remove the bad image there, and pack the shards "
-                            f"again", same_on_all_ranks=False) from None
+    def _failure(self, message: str, order: np.ndarray, run: int) -> str:
+        """A DALI failure's line: the shards cannot be filtered by check-data's lists, so the fix is the source's."""
+        cause = re.search(r"encountered:\s*\n\s*(\S.*)", message)
+        return (f"DALI failed reading the shards of {self.images.root} "
+                f"({(cause.group(1) if cause else message).strip()[:300]}): run check-data on the folder "
+                f"tree they were packed from, fix or remove the bad image there, and pack the shards again")
 
-
-def create_shard_loader(images: ShardImages, cfg, rank: int, world_size: int, local_size: int, device: str,
-                        training: bool, dtype: torch.dtype = torch.float32, channels_last: bool = False,
-                        pin: bool = False) -> DaliShardLoader:
-    """This rank's training or validation loader over tar shards (the folder form's checks and arithmetic)."""
-    create = create_dali_train_loader if training else create_dali_val_loader
-    return create(images, cfg, rank, world_size, local_size, device, dtype, channels_last, pin,
-                  loader_class=DaliShardLoader)

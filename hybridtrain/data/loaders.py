@@ -69,16 +69,10 @@ class Loaders:
         """Stop the loaders' persistent workers now rather than when the garbage collector finds them (elastic
         training replaces the loaders at every resize)."""
         for loader in (self.train, self.val):
-            close_loader(loader)
-
-
-def close_loader(loader) -> None:
-    """Stop a loader's persistent workers now rather than when the garbage collector finds it (elastic
-    training replaces the loaders at every resize)."""
-    iterator = getattr(loader, "_iterator", None)
-    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
-        iterator._shutdown_workers()
-        loader._iterator = None
+            iterator = getattr(loader, "_iterator", None)
+            if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+                iterator._shutdown_workers()
+                loader._iterator = None
 
 
 def device_images(images: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -135,13 +129,6 @@ def read_splits(cfg) -> tuple[ImageList, ImageList]:
     return splits[0], splits[1]
 
 
-def resolve_num_classes(cfg, classes: list[str]) -> int:
-    if cfg.model.num_classes and cfg.model.num_classes != len(classes):
-        raise UserError(f"model.num_classes={cfg.model.num_classes} but {cfg.data.path} has "
-                        f"{len(classes)} class folders: set model.num_classes: 0 to infer it")
-    return len(classes)
-
-
 def create_loaders(cfg, topo, model_dtype: torch.dtype = torch.float32) -> Loaders:
     """This rank's loaders; ``model_dtype``, the model's input dtype (precision.policy), picks what the DALI and
     synthetic pipelines deliver."""
@@ -156,7 +143,10 @@ def create_loaders(cfg, topo, model_dtype: torch.dtype = torch.float32) -> Loade
     if len(train_set) < topo.size * cfg.train.batch_size:
         raise UserError(f"the training set ({len(train_set)} images) cannot give each of {topo.size} rank(s) a full "
                         f"batch of {cfg.train.batch_size}: lower train.batch_size or use fewer ranks")
-    num_classes = resolve_num_classes(cfg, train_set.classes)
+    num_classes = len(train_set.classes)
+    if cfg.model.num_classes and cfg.model.num_classes != num_classes:
+        raise UserError(f"model.num_classes={cfg.model.num_classes} but {cfg.data.path} has "
+                        f"{num_classes} class folders: set model.num_classes: 0 to infer it")
     skipped = train_set.skipped_non_images + val_set.skipped_non_images
     if backend == "torchvision":
         from hybridtrain.data.torchvision_loader import create_train_loader, create_val_loader
@@ -174,14 +164,11 @@ def create_loaders(cfg, topo, model_dtype: torch.dtype = torch.float32) -> Loade
         device = "gpu" if backend == "dali_gpu" else "cpu"
         args = (topo.rank, topo.size, topo.local_size, device, delivered_dtype(model_dtype), cfg.data.channels_last)
         pin = device == "cpu" and topo.device.type == "cuda"  # dali_cpu on a GPU node: asynchronous copies
+        loader_class = dali.DaliLoader
         if isinstance(train_set, ShardImages):  # tar shards: fn.external_source, the folder order
-            from hybridtrain.data.dali_shards import create_shard_loader
-            rank, size, local_size, *rest = args
-            train = create_shard_loader(train_set, cfg, rank, size, local_size, rest[0], True, *rest[1:], pin=pin)
-            val = create_shard_loader(val_set, cfg, rank, size, local_size, rest[0], False, *rest[1:], pin=pin)
-        else:
-            train = dali.create_dali_train_loader(train_set, cfg, *args, pin=pin)
-            val = dali.create_dali_val_loader(val_set, cfg, *args, pin=pin)
+            from hybridtrain.data.dali_shards import DaliShardLoader as loader_class
+        train = dali.create_dali_train_loader(train_set, cfg, *args, pin=pin, loader_class=loader_class)
+        val = dali.create_dali_val_loader(val_set, cfg, *args, pin=pin, loader_class=loader_class)
         dropped = train.dropped_per_epoch
     return Loaders(train, val, num_classes, len(train_set), len(val_set), dropped, skipped)
 

@@ -42,11 +42,8 @@ def read_member(path: str, offset: int, size: int) -> bytes:
 @dataclass
 class ShardImages(ImageList):
     """A split of tar shards: ``samples[i]`` = ("TAR:KEY.jpg", label) and ``members[i]`` = (shard, offset, size of
-    the .jpg, offset, size of the .cls) of sample i; ``shard_paths``/``index_paths``/``shard_counts`` per shard, in
-    their file order."""
+    the .jpg, offset, size of the .cls) of sample i; ``shard_paths``: the shards' tars, in their file order."""
     shard_paths: list[str] = field(default_factory=list)
-    index_paths: list[str] = field(default_factory=list)
-    shard_counts: list[int] = field(default_factory=list)
     members: np.ndarray = None
 
     def open(self, index: int):
@@ -88,8 +85,8 @@ def scan_shard_split(root: str, split: str, meta: dict) -> ShardImages:
     folder = os.path.join(root, split)
     labels = meta[split]["labels"]
     members = np.full((len(labels), 5), -1, dtype=np.int64)
-    paths, indices, counts = [], [], []
-    for shard, (name, count) in enumerate(meta[split]["shards"]):
+    paths = []
+    for shard, (name, _) in enumerate(meta[split]["shards"]):
         tar, idx = os.path.join(folder, name), os.path.join(folder, name[:-4] + ".idx")
         if not (os.path.isfile(tar) and os.path.isfile(idx)):
             raise UserError(f"{root} lists {split}/{name} in {MANIFEST} but it or its .idx is missing: copy the whole "
@@ -97,13 +94,11 @@ def scan_shard_split(root: str, split: str, meta: dict) -> ShardImages:
         for key, *at in parse_index(idx):
             members[key] = (shard, *at)
         paths.append(tar)
-        indices.append(idx)
-        counts.append(count)
     if (members < 0).any():
         raise UserError(f"{root}/{split}: sample {int(np.argmax((members < 0).any(axis=1)))} is in no shard's index "
                         f"or lacks its .jpg or .cls: pack the shards again")
     samples = [(f"{paths[s]}:{i}.jpg", label) for i, (s, label) in enumerate(zip(members[:, 0].tolist(), labels))]
-    return ShardImages(folder, list(meta["classes"]), samples, [], paths, indices, counts, members)
+    return ShardImages(folder, list(meta["classes"]), samples, [], paths, members)
 
 
 def scan_shards(root: str) -> tuple[ShardImages, ShardImages]:

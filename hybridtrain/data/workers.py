@@ -14,7 +14,7 @@ import signal
 import stat
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hybridtrain.errors import UserError
 
@@ -53,20 +53,18 @@ def kill_workers_at_exit() -> None:
 
 
 @functools.cache
-def kill_workers_at_exit_once() -> None:
-    """Register kill_workers_at_exit when the first loader with workers is made, not at import (no side effect
-    for a process that only imports the package); still after multiprocessing's own handler, so it runs first."""
-    atexit.register(kill_workers_at_exit)
-
-
 def spawn_context() -> "SignalProofSpawn":
     """The spawn context, with each child started by a tiny /bin/sh wrapper that ignores SIGTERM and SIGINT and
     then execs this Python: an ignored signal stays ignored across exec.
 
     A spawned worker imports torch for seconds before ``die_with_the_rank`` runs; a scheduler's SIGTERM to the
     process group in that window would kill it and fail the rank. (A blocked signal mask would not do: Python
-    clears it in the child.) The rank's only spawned children are its loader workers."""
-    kill_workers_at_exit_once()
+    clears it in the child.) The rank's only spawned children are its loader workers.
+
+    Made once per process, when the first loader with workers is made, not at import (no side effect for a process
+    that only imports the package), which registers kill_workers_at_exit: still after multiprocessing's own
+    handler, so it runs first."""
+    atexit.register(kill_workers_at_exit)
     return SignalProofSpawn()
 
 
@@ -178,8 +176,7 @@ def shm_space(path: str = SHM_DIR) -> tuple[int, int] | None:
 def fitting_prefetch(batches: WorkerBatches, limit: int) -> int:
     """The largest data.prefetch (>= 1) whose batches fit in ``limit`` bytes per rank, or 0."""
     fits = [p for p in range(batches.prefetch - 1, 0, -1)
-            if WorkerBatches(batches.batch, batches.val_batch, batches.crop, batches.workers, p).bytes_per_rank()
-            <= limit]
+            if replace(batches, prefetch=p).bytes_per_rank() <= limit]
     return fits[0] if fits else 0
 
 

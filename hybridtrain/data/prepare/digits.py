@@ -11,6 +11,7 @@ import os
 import numpy as np
 from PIL import Image
 
+from hybridtrain.data.prepare.ilsvrc_jobs import read_json
 from hybridtrain.errors import UserError
 from hybridtrain.outputs import finish_partial, start_partial
 
@@ -47,11 +48,7 @@ def prepared_counts(out: str, params: dict) -> dict | None:
         raise UserError(f"{out} exists and is not a directory: choose another --out")
     marker = os.path.join(out, MARKER)
     if os.path.isfile(marker):
-        try:
-            with open(marker) as fh:
-                found = json.load(fh)
-        except (OSError, ValueError):
-            found = None
+        found = read_json(marker)
         if found == params:
             return _counts(out)
         what = found.get("dataset", "a dataset") if isinstance(found, dict) else "a dataset (damaged marker)"
@@ -70,13 +67,19 @@ def prepare_digits(out: str, val_fraction: float = 0.2, seed: int = 0) -> dict:
     if (done := prepared_counts(out, params)) is not None:
         return done
     digits = load_digits()
-    train_idx, val_idx = stratified_split(digits.target, val_fraction, seed)
+    return write_split_set(out, params, digits.target, lambda i: digit_to_image(digits.images[i]))
+
+
+def write_split_set(out: str, params: dict, labels: np.ndarray, image_of) -> dict:
+    """The seeded stratified split of ``labels`` as ``OUT/{train,val}/<label>/<index>.jpg`` (``image_of(i)``: sample
+    i's PIL image), published in one rename (``publish``); digits' and mnist5k's writer. Returns counts per split."""
+    train_idx, val_idx = stratified_split(labels, params["val_fraction"], params["seed"])
     tmp = start_partial(out)  # removes only an OUT.partial a previous run of ours left
     for split, indices in (("train", train_idx), ("val", val_idx)):
         for i in indices:
-            class_dir = os.path.join(tmp, split, str(digits.target[i]))
+            class_dir = os.path.join(tmp, split, str(labels[i]))
             os.makedirs(class_dir, exist_ok=True)
-            digit_to_image(digits.images[i]).save(os.path.join(class_dir, f"{i:04d}.jpg"), quality=95)
+            image_of(i).save(os.path.join(class_dir, f"{i:04d}.jpg"), quality=95)
     return publish(tmp, out, params)
 
 

@@ -26,7 +26,12 @@ def read_val_labels(labels_file: str, trained: tuple[set[str], str] | None = Non
     is_csv = bool(lines) and lines[0][1].replace(" ", "") == CSV_HEADER
     labels, line_of, spelling = {}, {}, {}
     for n, line in lines[1:] if is_csv else lines:
-        name, cls = parse_label_line(line, is_csv)
+        if is_csv:  # the class is the first word of the prediction string
+            name, _, prediction = line.partition(",")
+            name, cls = name.strip(), (prediction.split() or [""])[0]
+        else:
+            words = line.split()
+            name, cls = words if len(words) == 2 else ("", "")
         if not name or not cls:
             expected = "ImageId,<class> ..." if is_csv else "<filename> <class>"
             raise UserError(f"{labels_file} line {n} is not '{expected}': {line[:80]!r}")
@@ -51,16 +56,6 @@ def read_val_labels(labels_file: str, trained: tuple[set[str], str] | None = Non
     if not labels:
         raise UserError(f"{labels_file} holds no labels")
     return labels
-
-
-def parse_label_line(line: str, is_csv: bool) -> tuple[str, str]:
-    """(image name, class) or empty strings when the line does not fit the format."""
-    if is_csv:
-        name, _, prediction = line.partition(",")
-        words = prediction.split()
-        return name.strip(), words[0] if words else ""
-    words = line.split()
-    return (words[0], words[1]) if len(words) == 2 else ("", "")
 
 
 def match_images(flat_dir: str, labels: dict[str, str], labels_file: str) -> dict[str, str]:

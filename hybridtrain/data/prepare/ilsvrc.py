@@ -64,12 +64,12 @@ class Source:
 
 def detect_source(root: str, val_labels: str | None = None) -> Source:
     """The source in ``root``, or one line naming what was found and what is expected."""
-    if all(os.path.isfile(os.path.join(root, name)) for name in (TRAIN_TAR, VAL_TAR, DEVKIT)):
+    present = [n for n in (TRAIN_TAR, VAL_TAR, DEVKIT) if os.path.isfile(os.path.join(root, n))]
+    if len(present) == 3:
         if val_labels:
             raise UserError(f"--val-labels {val_labels} does not apply to the official archives in {root}: their "
                             f"validation labels are the devkit's ({DEVKIT}): leave --val-labels out")
         return archive_source(root)
-    present = [n for n in (TRAIN_TAR, VAL_TAR, DEVKIT) if os.path.isfile(os.path.join(root, n))]
     if present:
         missing = [n for n in (TRAIN_TAR, VAL_TAR, DEVKIT) if n not in present]
         raise UserError(f"--source {root} holds {', '.join(present)} but not {', '.join(missing)}: put all three "
@@ -190,18 +190,14 @@ def class_file_jobs(root: str, split: str) -> tuple[list[Job], int]:
     return jobs, sum(os.path.getsize(path) for path, _ in images.samples)
 
 
-def flat_val_items(val_dir: str, labels: dict[str, str], labels_file: str) -> tuple[list[tuple], int]:
-    files = match_images(val_dir, labels, labels_file)
-    items = [(os.path.join(val_dir, files[stem]), files[stem], labels[stem]) for stem in sorted(files)]
-    return items, sum(os.path.getsize(path) for path, _, _ in items)
-
-
 def labelled_val(data: str, labels_file: str, jobs: list[Job]) -> tuple[list[Job], int]:
     """The jobs of the flat ``data/val`` labelled by ``labels_file``; a label naming a class without training images
     (``jobs``) is refused at its line, before any work."""
     labels = read_val_labels(labels_file, ({job.wnid for job in jobs}, os.path.join(data, "train")))
-    items, val_bytes = flat_val_items(os.path.join(data, "val"), labels, labels_file)
-    return val_jobs(items, "files"), val_bytes
+    val_dir = os.path.join(data, "val")
+    files = match_images(val_dir, labels, labels_file)
+    items = [(os.path.join(val_dir, files[stem]), files[stem], labels[stem]) for stem in sorted(files)]
+    return val_jobs(items, "files"), sum(os.path.getsize(path) for path, _, _ in items)
 
 
 def kaggle_source(root: str, val_labels: str | None) -> Source:

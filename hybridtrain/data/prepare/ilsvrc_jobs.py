@@ -28,9 +28,10 @@ def done_path(out: str, job: Job) -> str:
     return os.path.join(out, STATE, "done", f"{job.name}.json")
 
 
-def read_done(out: str, job: Job) -> dict | None:
+def read_json(path: str):
+    """The JSON in ``path``, or None when it cannot be read (absent, cut short by a kill)."""
     try:
-        with open(done_path(out, job)) as fh:
+        with open(path) as fh:
             return json.load(fh)
     except (OSError, ValueError):
         return None
@@ -66,14 +67,10 @@ def shorter_side(img: Image.Image, short: int) -> Image.Image:
     return img.resize((max(1, round(w * scale)), max(1, round(h * scale))), Image.BICUBIC, reducing_gap=3.0)
 
 
-def partial_name(path: str) -> str:
-    return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.partial")
-
-
 def write_atomically(path: str, data: bytes) -> None:
     """``data`` at ``path`` through a hidden temporary name in the same folder, made new (never written through a
     link), then one rename. A failed write (a full disk) removes the temporary file and names ``path``."""
-    tmp = partial_name(path)
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.partial")
     try:
         if os.path.lexists(tmp):
             os.unlink(tmp)  # a killed run's (or a link planted there: removed, never followed)

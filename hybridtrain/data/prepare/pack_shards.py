@@ -20,17 +20,17 @@ plan starts again.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import shutil
 import tarfile
 
 import numpy as np
-from tqdm import tqdm
 
 from hybridtrain.data.folder import scan_dataset
 from hybridtrain.data.prepare.ilsvrc_jobs import write_atomically
-from hybridtrain.data.prepare.imagenet import check_free_space, pool
+from hybridtrain.data.prepare.imagenet import check_free_space, run_all
 from hybridtrain.data.prepare.names import inside
 from hybridtrain.data.sharding import split_sizes
 from hybridtrain.data.shards import parse_index
@@ -42,10 +42,6 @@ INDEX_VERSION = "v1.2"
 PLAN = "plan.json"  # in OUT/shards.partial/: the plan its finished shards belong to
 BLOCK = 512  # tar's block size; Python's tarfile ends an archive with two zero blocks and pads it to RECORD bytes
 RECORD = 20 * BLOCK
-
-
-def key_width(n: int) -> int:
-    return max(6, len(str(max(0, n - 1))))
 
 
 def shard_plan(n: int, shards: int, shuffle: bool) -> list[np.ndarray]:
@@ -65,7 +61,7 @@ def write_shard(job: tuple) -> int:
             for name, data in ((f"{key}.jpg", open(image, "rb").read()), (f"{key}.cls", str(label).encode())):
                 info = tarfile.TarInfo(name)
                 info.size, info.mode, info.mtime = len(data), 0o444, 0
-                tar.addfile(info, _Bytes(data))
+                tar.addfile(info, io.BytesIO(data))
     write_index(tmp, path[:-4] + ".idx")
     os.replace(tmp, path)
     return len(samples)
@@ -92,16 +88,6 @@ def shard_is_whole(job: tuple, size_of: dict[str, int]) -> bool:
     except (UserError, ValueError, IndexError):
         return False
     return listed == [(index, size) for (index, _, _), size in zip(samples, sizes)]
-
-
-class _Bytes:
-    def __init__(self, data: bytes):
-        self.data, self.pos = data, 0
-
-    def read(self, n: int = -1) -> bytes:
-        end = len(self.data) if n < 0 else self.pos + n
-        chunk, self.pos = self.data[self.pos:end], min(end, len(self.data))
-        return chunk
 
 
 def write_index(tar_path: str, idx_path: str) -> None:
@@ -133,7 +119,7 @@ def pack_shards(tree: str, shards: int, workers: int = 0) -> dict:
     size_of = {path: os.path.getsize(path) for split in (train, val) for path, _ in split.samples}
     jobs, meta = [], {"classes": train.classes}
     for split, images, count, shuffle in (("train", train, shards, True), ("val", val, min(shards, len(val)), False)):
-        width = key_width(len(images))
+        width = max(6, len(str(max(0, len(images) - 1))))  # the digits of a key
         plan = shard_plan(len(images), count, shuffle)
         meta[split] = {"shards": [[f"{s:06d}.tar", len(p)] for s, p in enumerate(plan)],
                        "labels": [label for _, label in images.samples]}
@@ -146,7 +132,7 @@ def pack_shards(tree: str, shards: int, workers: int = 0) -> dict:
         print(f"continuing a stopped pack: {len(jobs) - len(todo)} of {len(jobs)} shards were finished and are kept",
               flush=True)
     todo.sort(key=lambda job: -len(job[1]))
-    run_packing(todo, workers or os.cpu_count() or 1)
+    run_all(write_shard, todo, workers or os.cpu_count() or 1, "shards", "tar")
     shutil.copyfile(os.path.join(tree, "classes.txt"), os.path.join(tmp, "classes.txt"))
     write_atomically(os.path.join(tmp, "shards.json"), json.dumps(meta).encode())
     os.unlink(os.path.join(tmp, PLAN))
@@ -179,16 +165,3 @@ def resume_partial(out: str, digest: str, images_bytes: int) -> tuple[str, bool]
         os.makedirs(os.path.join(tmp, split))
     write_atomically(plan, json.dumps({"digest": digest}).encode())
     return tmp, False
-
-
-def run_packing(jobs: list, workers: int) -> None:
-    bar = tqdm(total=len(jobs), desc="shards", unit="tar", disable=None)
-    if min(workers, len(jobs)) <= 1:
-        for job in jobs:
-            write_shard(job)
-            bar.update()
-    else:
-        with pool(min(workers, len(jobs))) as p:
-            for _ in p.imap_unordered(write_shard, jobs, chunksize=1):
-                bar.update()
-    bar.close()

@@ -9,13 +9,13 @@ index), so the result does not depend on how work is spread over processes.
 from __future__ import annotations
 
 import math
-import multiprocessing
 import os
 
 import numpy as np
 from PIL import Image, ImageDraw
 
 from hybridtrain.data.prepare.digits import prepared_counts, publish
+from hybridtrain.data.prepare.imagenet import run_all
 from hybridtrain.errors import UserError
 from hybridtrain.outputs import start_partial
 
@@ -118,15 +118,5 @@ def prepare_synthetic_imagenet(out: str, num_classes: int = 100, train_per_class
     per_split = {"train": train_per_class, "val": val_per_class}
     jobs = [(tmp, split, c, per_split[split], num_classes, seed, tuple(typical_size))
             for split in SPLITS for c in range(num_classes)]
-    run_jobs(jobs, workers or os.cpu_count() or 1)
+    run_all(write_class, jobs, workers or os.cpu_count() or 1)
     return publish(tmp, out, params)
-
-
-def run_jobs(jobs: list, workers: int) -> None:
-    """write_class for every job, over ``workers`` processes."""
-    if workers == 1 or len(jobs) == 1:
-        for job in jobs:
-            write_class(job)
-        return
-    with multiprocessing.get_context("forkserver").Pool(min(workers, len(jobs))) as pool:
-        pool.map(write_class, jobs, chunksize=1)
