@@ -45,6 +45,7 @@ from hybridtrain.gpucheck.check import (
     stop_group,
 )
 from hybridtrain.gpucheck.check import build_row as horovod_build_row
+from hybridtrain.gpucheck.results import read_text
 from hybridtrain.gpucheck.rows import FAIL, GPU_TESTS, PASS, RECIPE, REPO, Pythons, Row, build_rows
 from hybridtrain.outputs import check_output_dir, markdown_table, write_text_atomically
 
@@ -164,12 +165,8 @@ def start_rows(rows: list[Row], out: str, env: dict) -> Row:
 def wants_the_gpu(log: str) -> bool:
     """The row's own one-line refusal (a launcher may prefix it with the rank, and print its own traceback after
     it) says it needs the CUDA GPU this machine lacks: it got as far as its first GPU step."""
-    try:
-        with open(log, errors="replace") as fh:
-            lines = fh.read().splitlines()
-    except OSError:
-        return False
-    return any("hybridtrain: error:" in line and ("CUDA" in line or "GPU" in line) for line in lines)
+    return any("hybridtrain: error:" in line and ("CUDA" in line or "GPU" in line)
+               for line in read_text(log).splitlines())
 
 
 def nccl_build_possible(python: str) -> bool:
