@@ -171,23 +171,17 @@ def xavier_std(conv: nn.Conv2d) -> float:
     return math.sqrt(2.0 / (fan_in + fan_out))  # Glorot normal: std = sqrt(2 / (fan_in + fan_out))
 
 
-CONV_INITS = ("kaiming", "xavier", "gaussian")
-
-
-def conv_init_std(conv: nn.Conv2d, conv_init: str, gaussian_std: float) -> float:
-    if conv_init == "kaiming":
-        return kaiming_fan_in_std(conv)
-    if conv_init == "xavier":
-        return xavier_std(conv)
-    return gaussian_std  # Table 3.5's "Gauss initialization": N(0, 1)
+# model.conv_init -> a conv's std; "gaussian" is Table 3.5's "Gauss initialization": N(0, 1), std gaussian_std
+CONV_INITS = {"kaiming": kaiming_fan_in_std, "xavier": xavier_std, "gaussian": None}
 
 
 @torch.no_grad()
 def initialise(model: ResNet, zero_init_last_bn: bool = True, conv_init: str = "kaiming",
                gaussian_std: float = 1.0) -> None:
+    conv_std = CONV_INITS[conv_init] or (lambda conv: gaussian_std)
     for m in model.modules():
         if isinstance(m, nn.Conv2d):
-            m.weight.normal_(0.0, conv_init_std(m, conv_init, gaussian_std))
+            m.weight.normal_(0.0, conv_std(m))
         elif isinstance(m, nn.BatchNorm2d):
             m.weight.fill_(1.0)
             m.bias.zero_()
