@@ -193,7 +193,17 @@ class Job:
                 return True
             stop_group(self.proc)
             rc, self.row.detail = None, f"timed out after {self.timeout:.0f} s"
-        finish_row(self.row, rc, self.out, time.monotonic() - self.start, self.say)
+        row = self.row
+        row.seconds = time.monotonic() - self.start
+        if rc is None:
+            row.status = FAIL
+        else:
+            problem = judge(row, rc, os.path.join(self.out, f"{row.name}.log"))
+            row.status, row.detail = (FAIL, problem) if problem else (PASS, row.detail)
+        if row.kind in ("train", "resume"):
+            drop_weights(row.output)
+        note = f": {row.detail}" if row.detail else ""
+        self.say(f"gpu-check: {row.name}: {row.status} in {row.seconds:.0f} s{note}")
         return True
 
     def stop(self, why: str) -> None:
@@ -257,19 +267,6 @@ def start_row(row: Row, out: str, base_env: dict, say: Callable[[str], None], re
             row.status, row.detail = FAIL, f"could not start: {exc}"
             log.write(row.detail + "\n")
             return None
-
-
-def finish_row(row: Row, rc: int | None, out: str, seconds: float, say: Callable[[str], None]) -> Row:
-    row.seconds = seconds
-    if rc is None:
-        row.status, row.detail = FAIL, row.detail or "timed out"
-    else:
-        problem = judge(row, rc, os.path.join(out, f"{row.name}.log"))
-        row.status, row.detail = (FAIL, problem) if problem else (PASS, row.detail)
-    if row.kind in ("train", "resume"):
-        drop_weights(row.output)
-    say(f"gpu-check: {row.name}: {row.status} in {seconds:.0f} s" + (f": {row.detail}" if row.detail else ""))
-    return row
 
 
 def run_row(row: Row, out: str, deadline: float, base_env: dict, say: Callable[[str], None] = print,

@@ -194,15 +194,6 @@ def check_command_lines(rows: list[Row], python: str, out: str, env: dict) -> Ro
     return step("command-line", [python, "-c", PARSE, json.dumps(argvs)], out, env)
 
 
-def launches(py: Pythons) -> dict:
-    """The rows' launchers, each starting ``python -m hybridtrain --help`` on its ranks."""
-    torch_run = [py.image, "-m", "torch.distributed.run", "--standalone"]
-    return {"launch-torch-1rank": [*torch_run, "--nproc-per-node=1", "-m", "hybridtrain", "--help"],
-            "launch-torch-2ranks": [*torch_run, "--nproc-per-node=2", "-m", "hybridtrain", "--help"],
-            "launch-horovod-1rank": [py.hvd("horovodrun"), "--gloo", "-np", "1", "-H", "localhost:1",
-                                     py.hvd("python"), "-m", "hybridtrain", "--help"]}
-
-
 def rehearse(out: str | None, bundle: str | None, venv_dir: str | None = None, say=print) -> int:
     out = os.path.abspath(check_output_dir(out or os.path.join(WORK, "rehearsal"), "--out"))
     bundle = check_bundle(bundle)
@@ -233,7 +224,12 @@ def rehearse(out: str | None, bundle: str | None, venv_dir: str | None = None, s
               step("imports-horovod", [py.hvd("python"), "-c", IMPORTS["horovod"]], out, env),
               step("imports-gpu-tests", [py.hvd("python"), "-m", "pytest", "--collect-only", "-q", "-p",
                                          "no:cacheprovider", *GPU_TESTS], out, env)]
-    steps += [step(name, argv, out, env) for name, argv in launches(py).items()]
+    # the rows' launchers, each starting python -m hybridtrain --help on its ranks
+    torch_run = [image, "-m", "torch.distributed.run", "--standalone"]
+    steps += [step("launch-torch-1rank", [*torch_run, "--nproc-per-node=1", "-m", "hybridtrain", "--help"], out, env),
+              step("launch-torch-2ranks", [*torch_run, "--nproc-per-node=2", "-m", "hybridtrain", "--help"], out, env),
+              step("launch-horovod-1rank", [py.hvd("horovodrun"), "--gloo", "-np", "1", "-H", "localhost:1",
+                                            py.hvd("python"), "-m", "hybridtrain", "--help"], out, env)]
     missing = sorted({r.argv[0] for r in rows if r.argv and not os.access(r.argv[0], os.X_OK)})
     steps.append(Row("row-programs", "step", status=FAIL if missing else PASS,
                      detail=f"missing: {', '.join(missing)}" if missing else "every row's program exists"))
