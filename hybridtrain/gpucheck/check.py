@@ -38,6 +38,7 @@ from hybridtrain.gpucheck.results import (
     read_junit,
     read_max_batch,
     read_resume,
+    read_tail,
     read_text,
     read_train,
     take_earlier,
@@ -216,9 +217,7 @@ class Job:
 
 def last_line(path: str, width: int = 120) -> str:
     try:
-        with open(path, "rb") as fh:
-            fh.seek(max(0, os.path.getsize(path) - 4096))
-            tail = fh.read().decode("utf-8", "replace")
+        tail = read_tail(path, 4096).decode("utf-8", "replace")
     except OSError:
         return ""
     lines = [s.strip() for s in tail.replace("\r", "\n").splitlines() if s.strip()]

@@ -211,14 +211,6 @@ def compiled(kernel):
 
 # ---------------------------------------------------------------- shared step helpers
 
-def _params_with_grad(group):
-    params = [p for p in group["params"] if p.grad is not None]
-    for p in params:
-        if p.grad.is_sparse:
-            raise RuntimeError("sparse gradients are not supported")
-    return params
-
-
 def _bucket(params, key_of):
     """Split params into lists sharing ``key_of(p)`` (one kernel call per device/dtype/step)."""
     buckets = {}
@@ -339,7 +331,9 @@ class _GroupValidatingOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            params = _params_with_grad(group)
+            params = [p for p in group["params"] if p.grad is not None]
+            if any(p.grad.is_sparse for p in params):
+                raise RuntimeError("sparse gradients are not supported")
             if params:
                 self._update(params, group)
         return loss
@@ -412,24 +406,16 @@ class HybridOptimizer(_GroupValidatingOptimizer):
                         phase=phase, lars=True, fused=fused)
         super().__init__(params, defaults)
 
-    def _enter_phase(self, params, stale):
-        """Drop the buffers of the other phase (``stale``), so the new phase starts from zero.
-
-        A group's params change phase together, so one look at the first param tells whether this
-        step is a switch; the per-param sweep runs only then, not on every step.
-        """
-        if not any(key in self.state[params[0]] for key in stale):
-            return
-        for p in params:
-            state = self.state[p]
-            for key in stale:
-                state.pop(key, None)
-
     def _update(self, params: list, group: dict) -> None:
         stale = _STALE_KEYS.get(group["phase"])
         if stale is None:  # a phase written into the group past `validate`: the same one line
             require_choice(group, "phase", PHASES)
-        self._enter_phase(params, stale)
+        # the other phase's buffers (``stale``) go, so the new phase starts from zero. A group's params change phase
+        # together, so one look at the first param tells whether this step is a switch; the sweep runs only then
+        if any(key in self.state[params[0]] for key in stale):
+            for p in params:
+                for key in stale:
+                    self.state[p].pop(key, None)
         if group["phase"] == "adabound":
             _adabound_update(self.state, self.scratch, params, group, group["alpha"], "adabound_step")
         else:
