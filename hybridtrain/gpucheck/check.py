@@ -296,13 +296,10 @@ def run_row(row: Row, out: str, deadline: float, base_env: dict, say: Callable[[
 def judge(row: Row, rc: int, log_path: str) -> str:
     """'' when the row passed (its figures filled in), else what went wrong, in a few words."""
     readers = {"train": read_train, "resume": read_resume, "bench": read_bench, "bench-optim": read_bench_optim,
-               "max-batch": lambda r: read_max_batch(r, log_path), "tests": read_junit}
-    if row.kind in readers:
-        problem = readers[row.kind](row)
-    elif row.kind == "step":  # a rehearsal step: its exit status says it all
-        problem = ""
-    else:  # build: install.sh's own one-line error says what is missing
-        problem = read_build(row, rc, log_path)
+               "max-batch": lambda r: read_max_batch(r, log_path), "tests": read_junit,
+               "step": lambda r: "",  # a rehearsal step: its exit status says it all
+               "build": lambda r: read_build(r, rc, log_path)}  # install.sh's own one-line error says what is missing
+    problem = readers[row.kind](row)
     if rc != 0:
         return problem or f"exit status {rc} (see {os.path.basename(log_path)})"
     return problem

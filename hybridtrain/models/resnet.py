@@ -130,10 +130,8 @@ class ResNet(nn.Module):
             self.maxpool = nn.MaxPool2d(3, stride=2, padding=1)
         self.bn1 = nn.BatchNorm2d(64)
         self.relu = nn.ReLU(inplace=True)
-        self.layer1 = self._stage(block, 64, layers[0], 1, stride_in_1x1)
-        self.layer2 = self._stage(block, 128, layers[1], 2, stride_in_1x1)
-        self.layer3 = self._stage(block, 256, layers[2], 2, stride_in_1x1)
-        self.layer4 = self._stage(block, 512, layers[3], 2, stride_in_1x1)
+        for i, (width, stride) in enumerate(((64, 1), (128, 2), (256, 2), (512, 2))):  # layer1..layer4
+            setattr(self, f"layer{i + 1}", self._stage(block, width, layers[i], stride, stride_in_1x1))
         self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
         self.fc = nn.Linear(512 * block.expansion, num_classes)
 
