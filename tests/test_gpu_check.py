@@ -396,13 +396,13 @@ def test_a_check_stopped_by_sigterm_keeps_the_rows_that_ended_and_stops_the_runn
 def test_horovod_rows_wait_for_the_background_build_and_the_others_run_meanwhile(tmp_path):
     out = str(tmp_path)
     stamp = "import time; open({!r}, 'w').write(str(time.time()))"
-    build = gc.Background(py_row("build", "import time; time.sleep(3)"), out, dict(os.environ), lambda line: None)
+    build = gc.Job(py_row("build", "import time; time.sleep(3)"), out, dict(os.environ), lambda line: None)
     rows = [py_row("horovod", stamp.format(str(tmp_path / "h")), horovod=True),
             py_row("plain", stamp.format(str(tmp_path / "p")))]
     gc.execute(rows, out, time.monotonic() + 120, dict(os.environ), build, lambda: "", lambda line: None)
     assert build.row.status == gr.PASS and [r.status for r in rows] == [gr.PASS, gr.PASS]
     assert float((tmp_path / "p").read_text()) < float((tmp_path / "h").read_text())
-    failed = gc.Background(py_row("build", "import sys; sys.exit(1)"), out, dict(os.environ), lambda line: None)
+    failed = gc.Job(py_row("build", "import sys; sys.exit(1)"), out, dict(os.environ), lambda line: None)
     waiting = [py_row("horovod2", "pass", horovod=True)]
     gc.execute(waiting, out, time.monotonic() + 60, dict(os.environ), failed, lambda: "", lambda line: None)
     assert failed.row.status == gr.FAIL and waiting[0].status == gr.NOT_RUN

@@ -18,7 +18,6 @@ the standard library is imported here: torch is asked in a child process.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shlex
@@ -39,6 +38,7 @@ from hybridtrain.gpucheck.results import (
     read_junit,
     read_max_batch,
     read_resume,
+    read_tail,
     read_text,
     read_train,
     take_earlier,
@@ -111,12 +111,9 @@ def probe(python: str = sys.executable) -> dict:
         raise UserError(f"gpu-check needs torch in this Python ({python}): {last}")
     found = json.loads(proc.stdout.strip().splitlines()[-1])
     if not found["gpus"]:
-        raise UserError(no_gpu_line(found["reason"]))
+        raise UserError(f"gpu-check needs a CUDA GPU and torch cannot use one here ({found['reason']}): run it on a "
+                        f"GPU node")
     return found
-
-
-def no_gpu_line(reason: str) -> str:
-    return f"gpu-check needs a CUDA GPU and torch cannot use one here ({reason}): run it on a GPU node"
 
 
 def node_row(checks: dict) -> Row:
@@ -154,18 +151,13 @@ def nccl_ready(bin_dir: str, nccl: bool = True) -> bool:
         return False
 
 
-def build_jobs(cores: int | None = None) -> int:
-    """The build's compile jobs: all cores but 4, so that a timed row beside it keeps cores of its own."""
-    return max(1, (cores or os.cpu_count() or 1) - 4)
-
-
 def build_row(venv: str, bundle: str | None, python: str = sys.executable, nccl: bool = True,
               cache: str = os.path.join(WORK, "cache"), cc_list: str = "", jobs: int | None = None) -> Row:
     """install.sh into ``venv`` with the image's torch (HYBRIDTRAIN_TORCH=system), from the bundle offline, at
-    nice 10 on ``jobs`` cores (default build_jobs(): it runs beside timed rows); ``cc_list``: the GPUs' compute
-    capabilities."""
+    nice 10 on ``jobs`` cores (default: all cores but 4, so that a timed row beside it keeps cores of its own);
+    ``cc_list``: the GPUs' compute capabilities."""
     env = {"HYBRIDTRAIN_TORCH": "system", "HYBRIDTRAIN_SKIP_DALI": "1", "HYBRIDTRAIN_VENV": venv, "PYTHON": python,
-           "HYBRIDTRAIN_CACHE": cache, "HYBRIDTRAIN_BUILD_JOBS": str(jobs or build_jobs())}
+           "HYBRIDTRAIN_CACHE": cache, "HYBRIDTRAIN_BUILD_JOBS": str(jobs or max(1, (os.cpu_count() or 1) - 4))}
     if nccl:
         env["HOROVOD_GPU_OPERATIONS"] = "NCCL"
     if cc_list:
@@ -176,38 +168,56 @@ def build_row(venv: str, bundle: str | None, python: str = sys.executable, nccl:
                env=env)
 
 
-class Background:
-    """One row's process started now and judged when it ends (the Horovod build, while other rows run)."""
+# ----------------------------------------------------------------------------- running one row
 
-    def __init__(self, row: Row, out: str, base_env: dict, say: Callable[[str], None]):
+class Job:
+    """One row's process, started now and judged when it ends, within ``timeout`` (default the row's): run_row
+    waits on it, and the Horovod build runs as one in the background while the other rows run."""
+
+    def __init__(self, row: Row, out: str, base_env: dict, say: Callable[[str], None], timeout: float | None = None):
         self.row, self.out, self.say = row, out, say
+        self.timeout = row.timeout_s if timeout is None else timeout
         self.proc, self.start = start_row(row, out, base_env, say), time.monotonic()
 
-    def poll(self) -> bool:
-        """True once the row has ended (and is judged)."""
+    def poll(self, wait: float = 0.0) -> bool:
+        """True once the row has ended (and is judged), waiting up to ``wait`` seconds for its end. Past a timeout
+        shorter than the row's (the budget's end, not the row's fault) it is left for the next call."""
         if self.proc is None or self.row.status != "pending":
             return True
-        rc = self.proc.poll()
-        if rc is not None:
-            finish_row(self.row, rc, self.out, time.monotonic() - self.start, self.say)
-        elif time.monotonic() - self.start > self.row.timeout_s:
-            self.stop(f"timed out after {self.row.timeout_s:.0f} s")
-        return self.row.status != "pending"
+        try:
+            rc = self.proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            if time.monotonic() - self.start <= self.timeout:
+                return False
+            if self.timeout < self.row.timeout_s:
+                self.stop(f"stopped at the end of the budget after {self.timeout:.0f} s")
+                return True
+            stop_group(self.proc)
+            rc, self.row.detail = None, f"timed out after {self.timeout:.0f} s"
+        row = self.row
+        row.seconds = time.monotonic() - self.start
+        if rc is None:
+            row.status = FAIL
+        else:
+            problem = judge(row, rc, os.path.join(self.out, f"{row.name}.log"))
+            row.status, row.detail = (FAIL, problem) if problem else (PASS, row.detail)
+        if row.kind in ("train", "resume"):
+            drop_weights(row.output)
+        note = f": {row.detail}" if row.detail else ""
+        self.say(f"gpu-check: {row.name}: {row.status} in {row.seconds:.0f} s{note}")
+        return True
 
-    def stop(self, why: str, status: str = FAIL) -> None:
+    def stop(self, why: str) -> None:
+        """Stop the row if it still runs: it is left for the next call, ``why`` says why."""
         if self.proc is not None and self.row.status == "pending":
             stop_group(self.proc)
-            self.row.status, self.row.detail = status, why
+            self.row.status, self.row.detail = NOT_RUN, f"{NEXT_CALL} ({why})"
             self.row.seconds = time.monotonic() - self.start
 
 
-# ----------------------------------------------------------------------------- running one row
-
 def last_line(path: str, width: int = 120) -> str:
     try:
-        with open(path, "rb") as fh:
-            fh.seek(max(0, os.path.getsize(path) - 4096))
-            tail = fh.read().decode("utf-8", "replace")
+        tail = read_tail(path, 4096).decode("utf-8", "replace")
     except OSError:
         return ""
     lines = [s.strip() for s in tail.replace("\r", "\n").splitlines() if s.strip()]
@@ -258,19 +268,6 @@ def start_row(row: Row, out: str, base_env: dict, say: Callable[[str], None], re
             return None
 
 
-def finish_row(row: Row, rc: int | None, out: str, seconds: float, say: Callable[[str], None]) -> Row:
-    row.seconds = seconds
-    if rc is None:
-        row.status, row.detail = FAIL, row.detail or "timed out"
-    else:
-        problem = judge(row, rc, os.path.join(out, f"{row.name}.log"))
-        row.status, row.detail = (FAIL, problem) if problem else (PASS, row.detail)
-    if row.kind in ("train", "resume"):
-        drop_weights(row.output)
-    say(f"gpu-check: {row.name}: {row.status} in {seconds:.0f} s" + (f": {row.detail}" if row.detail else ""))
-    return row
-
-
 def run_row(row: Row, out: str, deadline: float, base_env: dict, say: Callable[[str], None] = print,
             on_tick: Callable[[], None] = lambda: None) -> Row:
     """Run ``row`` within its timeout and what is left of the budget, then judge it; ``on_tick`` runs every
@@ -281,51 +278,28 @@ def run_row(row: Row, out: str, deadline: float, base_env: dict, say: Callable[[
     if left < max(MIN_ROW_S, row.estimate_s):
         row.status, row.detail = NOT_RUN, f"{NEXT_CALL} (estimated {row.estimate_s:.0f} s, {max(left, 0):.0f} s left)"
         return row
-    timeout = min(row.timeout_s, left)
-    start = time.monotonic()
-    proc = start_row(row, out, base_env, say)
-    if proc is None:
-        return finish_row(row, 1, out, time.monotonic() - start, say) if row.status == "pending" else row
-    rc, next_note = None, start + PROGRESS_EVERY_S
+    job = Job(row, out, base_env, say, min(row.timeout_s, left))
+    next_note = job.start + PROGRESS_EVERY_S
     try:
-        while rc is None:
-            try:
-                rc = proc.wait(timeout=1.0)
-            except subprocess.TimeoutExpired:
-                on_tick()
-                now = time.monotonic()
-                if now - start > timeout:
-                    stop_group(proc)
-                    if timeout < row.timeout_s:  # the budget's end, not the row's fault
-                        return left_for_next_call(row, f"stopped at the end of the budget after {timeout:.0f} s",
-                                                  time.monotonic() - start)
-                    row.detail = f"timed out after {timeout:.0f} s"
-                    break
-                if now >= next_note:
-                    say(f"  {row.name}: {now - start:.0f} s: {last_line(os.path.join(out, f'{row.name}.log'))}")
-                    next_note += PROGRESS_EVERY_S
+        while not job.poll(wait=1.0):
+            on_tick()
+            now = time.monotonic()
+            if now >= next_note:
+                say(f"  {row.name}: {now - job.start:.0f} s: {last_line(os.path.join(out, f'{row.name}.log'))}")
+                next_note += PROGRESS_EVERY_S
     except BaseException:  # the check itself is stopped (SIGTERM): no rank outlives it
-        stop_group(proc)
-        left_for_next_call(row, "stopped by SIGTERM", time.monotonic() - start)
+        job.stop("stopped by SIGTERM")
         raise
-    return finish_row(row, rc, out, time.monotonic() - start, say)
-
-
-def left_for_next_call(row: Row, why: str, seconds: float) -> Row:
-    row.status, row.detail, row.seconds = NOT_RUN, f"{NEXT_CALL} ({why})", seconds
     return row
 
 
 def judge(row: Row, rc: int, log_path: str) -> str:
     """'' when the row passed (its figures filled in), else what went wrong, in a few words."""
     readers = {"train": read_train, "resume": read_resume, "bench": read_bench, "bench-optim": read_bench_optim,
-               "max-batch": lambda r: read_max_batch(r, log_path), "tests": read_junit}
-    if row.kind in readers:
-        problem = readers[row.kind](row)
-    elif row.kind == "step":  # a rehearsal step: its exit status says it all
-        problem = ""
-    else:  # build: install.sh's own one-line error says what is missing
-        problem = read_build(row, rc, log_path)
+               "max-batch": lambda r: read_max_batch(r, log_path), "tests": read_junit,
+               "step": lambda r: "",  # a rehearsal step: its exit status says it all
+               "build": lambda r: read_build(r, rc, log_path)}  # install.sh's own one-line error says what is missing
+    problem = readers[row.kind](row)
     if rc != 0:
         return problem or f"exit status {rc} (see {os.path.basename(log_path)})"
     return problem
@@ -351,53 +325,40 @@ def raise_stopped(signum, frame):
     raise Stopped()
 
 
-@contextlib.contextmanager
-def stopped_by_sigterm(say: Callable[[str], None]):
-    """SIGTERM ends the rows (run_row stops the running row's process group) instead of the process: what follows
-    the block (the last table) still runs."""
-    previous = signal.signal(signal.SIGTERM, raise_stopped)
-    try:
-        yield
-    except Stopped:
-        say("gpu-check: stopped by SIGTERM; the table holds every row that ended")
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def run_rows(rows: list[Row], out: str, deadline: float, base_env: dict, build: Background | None,
-             write: Callable[[], None], say: Callable[[str], None]) -> None:
-    """Every pending row in plan order (Horovod rows once the build has passed), the table written after each."""
+def execute(rows: list[Row], out: str, deadline: float, base_env: dict, build: Job | None,
+            write: Callable[[], str], say: Callable[[str], None], gpus: int = 1) -> str:
+    """Every pending row in plan order (Horovod rows once the build has passed), the table written after each; the
+    build stopped if it outlives them, then the last table. SIGTERM ends the rows (run_row stops the running row's
+    process group) instead of the process: the last table is still written."""
     pending = [r for r in rows if r.status == "pending" and r.kind != "note"]
 
     def tick() -> None:  # while a row runs: the build's end goes into the table once
         if build is not None and build.row.status == "pending" and build.poll():
             write()
-    while pending:
-        done = build is None or build.poll()
-        ready = build is None or build.row.status == PASS
-        row = next_row(pending, ready)
-        if row is None and not done and deadline - time.monotonic() > MIN_ROW_S:
-            time.sleep(1.0)  # only Horovod rows left: wait for the build
-            continue
-        if row is None:
-            for r in pending:
-                r.status, r.detail = NOT_RUN, (f"not run: no Horovod build ({build.row.detail})" if done else
-                                               f"{NEXT_CALL} (the Horovod build had not finished)")
-            break
-        pending.remove(row)
-        run_row(row, out, deadline, base_env, say, on_tick=tick)
+    previous = signal.signal(signal.SIGTERM, raise_stopped)
+    try:
         write()
-
-
-def execute(rows: list[Row], out: str, deadline: float, base_env: dict, build: Background | None,
-            write: Callable[[], str], say: Callable[[str], None], gpus: int = 1) -> str:
-    """Run the rows (the table written after each), stop the build if it outlives them, write the last table."""
-    with stopped_by_sigterm(say):
-        write()
-        run_rows(rows, out, deadline, base_env, build, write, say)
+        while pending:
+            done = build is None or build.poll()
+            row = next_row(pending, build is None or build.row.status == PASS)
+            if row is None and not done and deadline - time.monotonic() > MIN_ROW_S:
+                time.sleep(1.0)  # only Horovod rows left: wait for the build
+                continue
+            if row is None:
+                for r in pending:
+                    r.status, r.detail = NOT_RUN, (f"not run: no Horovod build ({build.row.detail})" if done else
+                                                   f"{NEXT_CALL} (the Horovod build had not finished)")
+                break
+            pending.remove(row)
+            run_row(row, out, deadline, base_env, say, on_tick=tick)
+            write()
+    except Stopped:
+        say("gpu-check: stopped by SIGTERM; the table holds every row that ended")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     if build is not None:
         build.poll()
-        build.stop(f"{NEXT_CALL} (stopped at the end of the call: the next call builds again)", NOT_RUN)
+        build.stop("stopped at the end of the call: the next call builds again")
     fill_ratios(rows, gpus)
     return write()
 
@@ -434,10 +395,8 @@ def check_gpu(out: str, bundle: str | None, venv: str | None, budget_s: float, f
     first = node_row(found["checks"])
     os.makedirs(out, exist_ok=True)
     venv = os.path.abspath(venv or os.path.join(WORK, "venv"))
-    hvd_bin = os.path.join(venv, "bin")
     here = os.path.dirname(sys.executable)
-    if nccl_ready(here):
-        hvd_bin = here
+    hvd_bin = here if nccl_ready(here) else os.path.join(venv, "bin")
     rows = plan_calls(skip_refused(build_rows(found["gpus"], out, Pythons(sys.executable, hvd_bin), found["dali"]),
                                    found["checks"]))
     taken = take_earlier(rows, earlier)
@@ -453,7 +412,7 @@ def check_gpu(out: str, bundle: str | None, venv: str | None, budget_s: float, f
         build_line = Row("build", "build", status=PASS, detail=f"reused: {hvd_bin} has horovod.torch with NCCL"
                          if needs_horovod else "not needed: every Horovod row passed before")
     else:
-        build = Background(build_row(venv, bundle, cc_list=found.get("cc_list", "")), out, base_env, say)
+        build = Job(build_row(venv, bundle, cc_list=found.get("cc_list", "")), out, base_env, say)
         build_line = build.row
     table = [first, build_line, *rows]
     write = lambda: write_results(table, out, meta)

@@ -45,6 +45,7 @@ from hybridtrain.gpucheck.check import (
     stop_group,
 )
 from hybridtrain.gpucheck.check import build_row as horovod_build_row
+from hybridtrain.gpucheck.results import read_text
 from hybridtrain.gpucheck.rows import FAIL, GPU_TESTS, PASS, RECIPE, REPO, Pythons, Row, build_rows
 from hybridtrain.outputs import check_output_dir, markdown_table, write_text_atomically
 
@@ -164,12 +165,8 @@ def start_rows(rows: list[Row], out: str, env: dict) -> Row:
 def wants_the_gpu(log: str) -> bool:
     """The row's own one-line refusal (a launcher may prefix it with the rank, and print its own traceback after
     it) says it needs the CUDA GPU this machine lacks: it got as far as its first GPU step."""
-    try:
-        with open(log, errors="replace") as fh:
-            lines = fh.read().splitlines()
-    except OSError:
-        return False
-    return any("hybridtrain: error:" in line and ("CUDA" in line or "GPU" in line) for line in lines)
+    return any("hybridtrain: error:" in line and ("CUDA" in line or "GPU" in line)
+               for line in read_text(log).splitlines())
 
 
 def nccl_build_possible(python: str) -> bool:
@@ -195,15 +192,6 @@ def check_command_lines(rows: list[Row], python: str, out: str, env: dict) -> Ro
     argvs = {r.name: r.argv[r.argv.index("hybridtrain") + 1:] for r in rows
              if "hybridtrain" in r.argv and r.kind not in ("resume", "tests")}
     return step("command-line", [python, "-c", PARSE, json.dumps(argvs)], out, env)
-
-
-def launches(py: Pythons) -> dict:
-    """The rows' launchers, each starting ``python -m hybridtrain --help`` on its ranks."""
-    torch_run = [py.image, "-m", "torch.distributed.run", "--standalone"]
-    return {"launch-torch-1rank": [*torch_run, "--nproc-per-node=1", "-m", "hybridtrain", "--help"],
-            "launch-torch-2ranks": [*torch_run, "--nproc-per-node=2", "-m", "hybridtrain", "--help"],
-            "launch-horovod-1rank": [py.hvd("horovodrun"), "--gloo", "-np", "1", "-H", "localhost:1",
-                                     py.hvd("python"), "-m", "hybridtrain", "--help"]}
 
 
 def rehearse(out: str | None, bundle: str | None, venv_dir: str | None = None, say=print) -> int:
@@ -236,7 +224,12 @@ def rehearse(out: str | None, bundle: str | None, venv_dir: str | None = None, s
               step("imports-horovod", [py.hvd("python"), "-c", IMPORTS["horovod"]], out, env),
               step("imports-gpu-tests", [py.hvd("python"), "-m", "pytest", "--collect-only", "-q", "-p",
                                          "no:cacheprovider", *GPU_TESTS], out, env)]
-    steps += [step(name, argv, out, env) for name, argv in launches(py).items()]
+    # the rows' launchers, each starting python -m hybridtrain --help on its ranks
+    torch_run = [image, "-m", "torch.distributed.run", "--standalone"]
+    steps += [step("launch-torch-1rank", [*torch_run, "--nproc-per-node=1", "-m", "hybridtrain", "--help"], out, env),
+              step("launch-torch-2ranks", [*torch_run, "--nproc-per-node=2", "-m", "hybridtrain", "--help"], out, env),
+              step("launch-horovod-1rank", [py.hvd("horovodrun"), "--gloo", "-np", "1", "-H", "localhost:1",
+                                            py.hvd("python"), "-m", "hybridtrain", "--help"], out, env)]
     missing = sorted({r.argv[0] for r in rows if r.argv and not os.access(r.argv[0], os.X_OK)})
     steps.append(Row("row-programs", "step", status=FAIL if missing else PASS,
                      detail=f"missing: {', '.join(missing)}" if missing else "every row's program exists"))

@@ -18,6 +18,8 @@ from hybridtrain.outputs import atomic_path, markdown_table, write_json_atomical
 
 ARCHIVE = "gpu-check.tgz"  # --archive DIR: DIR/gpu-check.tgz
 ARCHIVE_LIMIT = 16 * 2**20
+MEMORY = {"peak_allocated_mb": "peak_memory_mb", "peak_reserved_mb": "peak_memory_reserved_mb",
+          "device_used_mb": "device_memory_used_mb"}  # a row's memory figure -> its key in metrics.jsonl and bench's
 
 
 # ----------------------------------------------------------------------------- each row's figures
@@ -42,9 +44,7 @@ def train_figures(records: list[dict]) -> dict:
     seconds = sum(r["train_time_s"] for r in steady)
     images = sum(r["images_per_sec"] * r["train_time_s"] for r in steady)
     return {"images_per_sec": images / seconds if seconds else None,
-            "peak_allocated_mb": max_of(records, "peak_memory_mb"),
-            "peak_reserved_mb": max_of(records, "peak_memory_reserved_mb"),
-            "device_used_mb": max_of(records, "device_memory_used_mb")}
+            **{figure: max_of(records, key) for figure, key in MEMORY.items()}}
 
 
 def read_train(row: Row) -> str:
@@ -55,8 +55,7 @@ def read_train(row: Row) -> str:
         records = read_metrics(path)
     except (OSError, UserError) as exc:  # the reason, not the path again: a long path would hide it
         return f"unreadable metrics.jsonl ({str(exc).replace(path, '').strip()[:120]})"
-    for key, value in train_figures(records).items():
-        setattr(row, key, value)
+    vars(row).update(train_figures(records))
     if len(records) < EPOCHS:
         return f"{len(records)} of {EPOCHS} epochs in metrics.jsonl"
     if not all(math.isfinite(r.get("train_loss", math.nan)) for r in records):
@@ -91,9 +90,7 @@ def read_bench(row: Row) -> str:
     if main is None or (row.mode in OWN_BASELINE and baseline is None):
         return "bench JSON lacks the trainer, the plain loop or the whole step's row"
     row.images_per_sec = main["images_per_sec"]
-    for key, name in (("peak_allocated_mb", "peak_memory_mb"), ("peak_reserved_mb", "peak_memory_reserved_mb"),
-                      ("device_used_mb", "device_memory_used_mb")):
-        setattr(row, key, main.get(name))
+    vars(row).update({figure: main.get(key) for figure, key in MEMORY.items()})
     notes = [f"host syncs/step {trainer.get('host_syncs_per_step')}"] if trainer else []
     if baseline is not None:
         row.baseline_images_per_sec, row.ratio = baseline["images_per_sec"], baseline.get("trainer_over_baseline")
@@ -130,8 +127,7 @@ def read_resume(row: Row) -> str:
         return f"no resume_check.json ({exc.__class__.__name__})"
     straight = os.path.join(row.output, "straight")
     try:
-        for key, value in train_figures(read_metrics(os.path.join(straight, "metrics.jsonl"))).items():
-            setattr(row, key, value)
+        vars(row).update(train_figures(read_metrics(os.path.join(straight, "metrics.jsonl"))))
     except (OSError, UserError, KeyError, ZeroDivisionError):
         pass  # the figures are a bonus here: the check is the comparison
     if not result.get("equal"):

@@ -135,13 +135,6 @@ def train_row(py: Pythons, out: str, precision: str, mode: str, ranks: int, engi
                estimate_s=estimate_s, env=dict(env or {}))
 
 
-def gloo_row(py: Pythons, out: str) -> Row:
-    """Two ranks of the torch engine on one GPU over Gloo (HYBRIDTRAIN_TORCH_BACKEND=gloo; NCCL refuses a shared
-    GPU): DDP's buckets, the FP16 communication hook, no_sync and the ranks' skip agreement on CUDA tensors."""
-    return train_row(py, out, "mixed-fp16", "eager", 2, engine="torch", estimate_s=70, label="gloo",
-                     env={"HYBRIDTRAIN_TORCH_BACKEND": "gloo"})
-
-
 def resume_row(py: Pythons, out: str, precision: str = "mixed-fp16") -> Row:
     """A real run of 2 epochs and the same run resumed from its epoch-1 checkpoint, deterministic, on the torch
     engine: the final checkpoints must be bitwise equal (hybridtrain.gpucheck.resume_check)."""
@@ -221,8 +214,11 @@ def build_rows(gpus: int, out: str, py: Pythons, dali: bool = False) -> list[Row
     """Every row in the order it runs: call 1's (plan_calls) answer the issue's questions in its order; Horovod rows
     wait for the build, and the rows after them go first meanwhile."""
     two = min(gpus, 2)
+    # one GPU: the torch engine's two ranks over Gloo (NCCL refuses a shared GPU): DDP's buckets, the FP16
+    # communication hook, no_sync and the ranks' skip agreement on CUDA tensors
     two_torch = (train_row(py, out, "mixed-fp16", "eager", 2, engine="torch", estimate_s=60) if gpus >= 2 else
-                 gloo_row(py, out))
+                 train_row(py, out, "mixed-fp16", "eager", 2, engine="torch", estimate_s=70, label="gloo",
+                           env={"HYBRIDTRAIN_TORCH_BACKEND": "gloo"}))
     two_horovod = (train_row(py, out, "mixed-bf16", "eager", 2, estimate_s=50) if gpus >= 2 else
                    note_row("train-2ranks-mixed-bf16-eager", ONE_GPU_NOTE, "mixed-bf16", 2))
     return [bench_row(py, out, "mixed-fp16"), bench_row(py, out, "mixed-bf16"), resume_row(py, out),

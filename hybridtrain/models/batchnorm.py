@@ -38,11 +38,6 @@ def running_buffers(model: nn.Module) -> list[torch.Tensor]:
     return [buf for bn in batch_norms(model) for buf in (bn.running_mean, bn.running_var)]
 
 
-def running_momentum(bn_cfg) -> float:
-    """PyTorch's convention, running = (1 - m) running + m batch: m = 1 keeps the last iteration's statistics."""
-    return 1.0 if bn_cfg.stats == "last_iteration" else bn_cfg.momentum
-
-
 def record_count(bn: nn.Module, inputs: tuple) -> None:
     """Forward pre-hook: values per channel of the latest training batch (m_r of the pooled variance)."""
     if bn.training:
@@ -55,7 +50,8 @@ def configure_batch_norm(model: nn.Module, bn_cfg, device: torch.device) -> nn.M
     if bn_cfg.sync:
         model = convert_to_cross_rank(model, device)
     for bn in batch_norms(model):
-        bn.momentum = running_momentum(bn_cfg)
+        # PyTorch's convention, running = (1 - m) running + m batch: m = 1 keeps the last iteration's statistics
+        bn.momentum = 1.0 if bn_cfg.stats == "last_iteration" else bn_cfg.momentum
         if bn_cfg.combine == "pooled" and not bn_cfg.sync:  # synced statistics are global: the mean keeps them
             bn.register_forward_pre_hook(record_count)
     return model
@@ -131,13 +127,9 @@ class CrossRankBatchNorm(nn.BatchNorm2d):
         self.num_batches_tracked += 1
 
 
-def cross_rank_class(device: torch.device) -> type:
-    return distributed.sync_batch_norm_class() if device.type == "cuda" else CrossRankBatchNorm
-
-
 def convert_to_cross_rank(module: nn.Module, device: torch.device) -> nn.Module:
     """Every BatchNorm2d replaced by the cross-rank class, with its parameters and buffers."""
-    cls = cross_rank_class(device)
+    cls = distributed.sync_batch_norm_class() if device.type == "cuda" else CrossRankBatchNorm
     for name, child in module.named_children():
         if isinstance(child, nn.BatchNorm2d) and not isinstance(child, cls):
             synced = cls(child.num_features, child.eps, child.momentum, child.affine, child.track_running_stats)

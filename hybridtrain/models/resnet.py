@@ -130,10 +130,8 @@ class ResNet(nn.Module):
             self.maxpool = nn.MaxPool2d(3, stride=2, padding=1)
         self.bn1 = nn.BatchNorm2d(64)
         self.relu = nn.ReLU(inplace=True)
-        self.layer1 = self._stage(block, 64, layers[0], 1, stride_in_1x1)
-        self.layer2 = self._stage(block, 128, layers[1], 2, stride_in_1x1)
-        self.layer3 = self._stage(block, 256, layers[2], 2, stride_in_1x1)
-        self.layer4 = self._stage(block, 512, layers[3], 2, stride_in_1x1)
+        for i, (width, stride) in enumerate(((64, 1), (128, 2), (256, 2), (512, 2))):  # layer1..layer4
+            setattr(self, f"layer{i + 1}", self._stage(block, width, layers[i], stride, stride_in_1x1))
         self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
         self.fc = nn.Linear(512 * block.expansion, num_classes)
 
@@ -171,23 +169,17 @@ def xavier_std(conv: nn.Conv2d) -> float:
     return math.sqrt(2.0 / (fan_in + fan_out))  # Glorot normal: std = sqrt(2 / (fan_in + fan_out))
 
 
-CONV_INITS = ("kaiming", "xavier", "gaussian")
-
-
-def conv_init_std(conv: nn.Conv2d, conv_init: str, gaussian_std: float) -> float:
-    if conv_init == "kaiming":
-        return kaiming_fan_in_std(conv)
-    if conv_init == "xavier":
-        return xavier_std(conv)
-    return gaussian_std  # Table 3.5's "Gauss initialization": N(0, 1)
+# model.conv_init -> a conv's std; "gaussian" is Table 3.5's "Gauss initialization": N(0, 1), std gaussian_std
+CONV_INITS = {"kaiming": kaiming_fan_in_std, "xavier": xavier_std, "gaussian": None}
 
 
 @torch.no_grad()
 def initialise(model: ResNet, zero_init_last_bn: bool = True, conv_init: str = "kaiming",
                gaussian_std: float = 1.0) -> None:
+    conv_std = CONV_INITS[conv_init] or (lambda conv: gaussian_std)
     for m in model.modules():
         if isinstance(m, nn.Conv2d):
-            m.weight.normal_(0.0, conv_init_std(m, conv_init, gaussian_std))
+            m.weight.normal_(0.0, conv_std(m))
         elif isinstance(m, nn.BatchNorm2d):
             m.weight.fill_(1.0)
             m.bias.zero_()

@@ -20,15 +20,10 @@ from hybridtrain.optim import schedules
 from hybridtrain.optim.optimizers import LARS, HybridOptimizer, LinearScalingAdaBound
 
 
-def is_bn_or_bias(name: str, param: torch.nn.Parameter) -> bool:
-    """BatchNorm gammas/betas and biases are 1-D; they get no weight decay (and no LARS)."""
-    return param.ndim <= 1
-
-
 def parameter_groups(model: torch.nn.Module, weight_decay: float, decay_bn_and_bias: bool) -> list[dict]:
     decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        (no_decay if is_bn_or_bias(name, p) and not decay_bn_and_bias else decay).append(p)
+    for p in model.parameters():  # BatchNorm gammas/betas and biases are 1-D: no weight decay (and no LARS)
+        (no_decay if p.ndim <= 1 and not decay_bn_and_bias else decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay, "lars": True}]
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0, "lars": False})

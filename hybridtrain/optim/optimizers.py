@@ -103,23 +103,21 @@ def adabound_step_(params, grads, exp_avgs, exp_avg_sqs, scratch, step, alpha, b
     torch._foreach_addcdiv_(params, exp_avgs, denominators, value=-size)  # p <- p - eta * m, in one pass
 
 
-def lars_trust_factors(params, grads, lr, weight_decay, trust_coefficient, eps, mode):
-    """Per-tensor factor multiplying (g + wd*w), as a list of 0-dim device tensors.
+def lars_trust_factors(w_norms, g_norms, lr, weight_decay, trust_coefficient, eps, mode):
+    """The factor multiplying (g + wd*w) of tensors with norms ``w_norms`` and ``g_norms`` (device tensors, one
+    tensor's 0-dim norms or many stacked).
 
     local_lr = eta * ||w|| / (||g|| + wd * ||w|| + eps) (You et al. 2017).
     mode "scale": factor = local_lr.
     mode "clip" (LARC): factor = min(local_lr / lr, 1), so the effective lr is min(local_lr, lr).
-    In both modes the factor is 1 when ||w|| == 0 or ||g|| == 0 (no adaptation). ``mode`` was checked by its one
-    caller, `lars_sgd_step_`.
+    In both modes the factor is 1 when ||w|| == 0 or ||g|| == 0 (no adaptation). ``mode`` was checked by the
+    caller.
     """
-    w_norms = torch.stack(torch._foreach_norm(params))
-    g_norms = torch.stack(torch._foreach_norm(grads))
     local_lr = trust_coefficient * w_norms / (g_norms + weight_decay * w_norms + eps)  # eta*||w||/(||g||+wd*||w||+eps)
     if mode == "clip":
         local_lr = torch.clamp(local_lr / lr, max=1.0)  # LARC: min(local_lr / lr, 1)
     adapt = (w_norms > 0) & (g_norms > 0)
-    factors = torch.where(adapt, local_lr, torch.ones_like(local_lr))  # factor = 1 if a norm is 0
-    return list(factors.unbind(0))
+    return torch.where(adapt, local_lr, torch.ones_like(local_lr))  # factor = 1 if a norm is 0
 
 
 def _momentum_sgd_(params, directions, momentum_bufs, lr, momentum):
@@ -156,7 +154,8 @@ def lars_sgd_step_(params, grads, momentum_bufs, scratch, lr, momentum, weight_d
     (lars_p, plain_p), (lars_g, plain_g), (lars_b, plain_b), (directions, _) = _split_by_flag(
         apply_lars, params, grads, momentum_bufs, scratch)
     if lars_p:
-        factors = lars_trust_factors(lars_p, lars_g, lr, weight_decay, trust_coefficient, eps, mode)
+        factors = lars_trust_factors(torch.stack(torch._foreach_norm(lars_p)), torch.stack(torch._foreach_norm(lars_g)),
+                                     lr, weight_decay, trust_coefficient, eps, mode).unbind(0)
         torch._foreach_copy_(directions, lars_g)
         if weight_decay != 0:
             torch._foreach_add_(directions, lars_p, alpha=weight_decay)  # g + wd*w
@@ -191,11 +190,8 @@ def lars_tensor_step_(params, grads, momentum_bufs, lr, momentum, weight_decay, 
     for p, g, buf, lars in zip(params, grads, momentum_bufs, apply_lars):
         direction = g
         if lars:
-            w_norm, g_norm = torch.linalg.vector_norm(p), torch.linalg.vector_norm(g)
-            local_lr = trust_coefficient * w_norm / (g_norm + weight_decay * w_norm + eps)  # eta||w||/(||g||+wd||w||+e)
-            if mode == "clip":
-                local_lr = torch.clamp(local_lr / lr, max=1.0)  # LARC: min(local_lr / lr, 1)
-            factor = torch.where((w_norm > 0) & (g_norm > 0), local_lr, torch.ones_like(local_lr))
+            factor = lars_trust_factors(torch.linalg.vector_norm(p), torch.linalg.vector_norm(g), lr, weight_decay,
+                                        trust_coefficient, eps, mode)
             direction = (g + weight_decay * p if weight_decay != 0 else g) * factor  # d = (g + wd*w) * factor
         buf.mul_(momentum).add_(direction)  # buf = mu*buf + d
         p.sub_(lr * buf)  # p <- p - lr*buf
@@ -214,14 +210,6 @@ def compiled(kernel):
 
 
 # ---------------------------------------------------------------- shared step helpers
-
-def _params_with_grad(group):
-    params = [p for p in group["params"] if p.grad is not None]
-    for p in params:
-        if p.grad.is_sparse:
-            raise RuntimeError("sparse gradients are not supported")
-    return params
-
 
 def _bucket(params, key_of):
     """Split params into lists sharing ``key_of(p)`` (one kernel call per device/dtype/step)."""
@@ -335,18 +323,17 @@ class _GroupValidatingOptimizer(Optimizer):
             group.update(choices)
             self.validate({**self.defaults, **group})
 
-    def _run_closure(self, closure):
-        if closure is None:
-            return None
-        with torch.enable_grad():
-            return closure()
-
     @torch.no_grad()
     def step(self, closure=None):
         """Each group's ``_update`` (defined by each optimizer below) of its parameters that have a gradient."""
-        loss = self._run_closure(closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         for group in self.param_groups:
-            params = _params_with_grad(group)
+            params = [p for p in group["params"] if p.grad is not None]
+            if any(p.grad.is_sparse for p in params):
+                raise RuntimeError("sparse gradients are not supported")
             if params:
                 self._update(params, group)
         return loss
@@ -419,24 +406,16 @@ class HybridOptimizer(_GroupValidatingOptimizer):
                         phase=phase, lars=True, fused=fused)
         super().__init__(params, defaults)
 
-    def _enter_phase(self, params, stale):
-        """Drop the buffers of the other phase (``stale``), so the new phase starts from zero.
-
-        A group's params change phase together, so one look at the first param tells whether this
-        step is a switch; the per-param sweep runs only then, not on every step.
-        """
-        if not any(key in self.state[params[0]] for key in stale):
-            return
-        for p in params:
-            state = self.state[p]
-            for key in stale:
-                state.pop(key, None)
-
     def _update(self, params: list, group: dict) -> None:
         stale = _STALE_KEYS.get(group["phase"])
         if stale is None:  # a phase written into the group past `validate`: the same one line
             require_choice(group, "phase", PHASES)
-        self._enter_phase(params, stale)
+        # the other phase's buffers (``stale``) go, so the new phase starts from zero. A group's params change phase
+        # together, so one look at the first param tells whether this step is a switch; the sweep runs only then
+        if any(key in self.state[params[0]] for key in stale):
+            for p in params:
+                for key in stale:
+                    self.state[p].pop(key, None)
         if group["phase"] == "adabound":
             _adabound_update(self.state, self.scratch, params, group, group["alpha"], "adabound_step")
         else:

@@ -8,22 +8,16 @@ import math
 LARS_MODES = ("scale", "clip")
 
 
-def require_at_least(group, key, minimum):
+def require_number(group, key, rule, ok):
+    """A number (not a bool) for which ``ok`` holds (NaN never does), else '{key} must be {rule}'."""
     value = group[key]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= minimum:
-        raise ValueError(f"{key} must be a number >= {minimum}, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+        raise ValueError(f"{key} must be {rule}, got {value!r}")
 
 
-def require_in_unit_interval(group, key):
-    value = group[key]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
-        raise ValueError(f"{key} must be in [0, 1), got {value!r}")
-
-
-def require_positive(group, key):
-    value = group[key]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{key} must be a number > 0, got {value!r}")
+AT_LEAST_0 = (require_number, "a number >= 0.0", lambda value: value >= 0.0)
+IN_UNIT_INTERVAL = (require_number, "in [0, 1)", lambda value: 0.0 <= value < 1.0)
+POSITIVE = (require_number, "a number > 0", lambda value: value > 0)
 
 
 def require_choice(group, key, choices):
@@ -41,8 +35,7 @@ def require_betas(group, key):
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ValueError(f"betas must be a pair (beta1, beta2) with each in [0, 1), got {betas!r}")
     for name, beta in zip(("betas[0]", "betas[1]"), betas):
-        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta < 1.0:
-            raise ValueError(f"{name} must be in [0, 1), got {beta!r}")
+        require_number({name: beta}, name, *IN_UNIT_INTERVAL[1:])
 
 
 def require_upper_bound(group, key):
@@ -55,13 +48,11 @@ def require_upper_bound(group, key):
 
 def adabound_rules(alpha_key):
     """The AdaBound update's keys -> (check, its arguments), in the order they are checked."""
-    return {alpha_key: (require_at_least, 0.0), "betas": (require_betas,), "eps": (require_at_least, 0.0),
-            "weight_decay": (require_at_least, 0.0), "lower_bound": (require_at_least, 0.0),
-            "upper_bound": (require_upper_bound,)}
+    return {alpha_key: AT_LEAST_0, "betas": (require_betas,), "eps": AT_LEAST_0, "weight_decay": AT_LEAST_0,
+            "lower_bound": AT_LEAST_0, "upper_bound": (require_upper_bound,)}
 
 
 def lars_rules(mode_key):
     """The LARS-SGD update's keys -> (check, its arguments)."""
-    return {"lr": (require_at_least, 0.0), "momentum": (require_in_unit_interval,),
-            "weight_decay": (require_at_least, 0.0), "trust_coefficient": (require_positive,),
-            "eps": (require_at_least, 0.0), mode_key: (require_choice, LARS_MODES), "lars": (require_bool,)}
+    return {"lr": AT_LEAST_0, "momentum": IN_UNIT_INTERVAL, "weight_decay": AT_LEAST_0, "trust_coefficient": POSITIVE,
+            "eps": AT_LEAST_0, mode_key: (require_choice, LARS_MODES), "lars": (require_bool,)}

@@ -142,14 +142,6 @@ def budgeted_factor(progress: float, start: float, total_epochs: int, shape: str
     return 0.5 * (1.0 + math.cos(math.pi * fraction))  # (1 + cos(pi (t - W) / (E - W))) / 2
 
 
-def decayed_lr(step: int, iters_per_epoch: int, peak: float, start: float, total_epochs: int, o) -> float:
-    """``peak`` decayed after the warmup's end ``start`` (epochs) as ``o.schedule`` says: step (the milestones,
-    per epoch), linear or cosine (per step, `budgeted_factor`)."""
-    if o.schedule == "step":
-        return peak * step_decay_factor(step // iters_per_epoch, total_epochs, o.milestones, o.decay_factor)
-    return peak * budgeted_factor(step / iters_per_epoch, start, total_epochs, o.schedule)
-
-
 def poly_warmup_lr(step: int, peak: float, end: float, warmup_steps: float, total_steps: int,
                    power: float) -> float:
     """MLPerf's PolynomialDecayWithWarmup (image_classification/tensorflow2/lars_util.py) at the 0-based step s:
@@ -190,19 +182,21 @@ def adabound_schedule(step: int, o, world_size: int, iters_per_epoch: int | None
 
 
 def goyal_schedule(step: int, o, world_size: int, iters_per_epoch: int, total_epochs: int) -> dict:
-    """`goyal_lr`: warmup to lr*N, then ``o.schedule``'s decay (`decayed_lr`: step, linear or cosine)."""
+    """`goyal_lr`: warmup to lr*N, then ``o.schedule``'s decay (step; linear or cosine per step from the warmup's
+    end, `budgeted_factor`)."""
     if getattr(o, "schedule", "step") == "step" or step / iters_per_epoch < o.warmup_epochs:
         return {"lr": goyal_lr(step, iters_per_epoch, o.lr, world_size, o.warmup_epochs, total_epochs, o.milestones,
                                o.decay_factor)}
-    return {"lr": decayed_lr(step, iters_per_epoch, linear_scaled_lr(o.lr, world_size), o.warmup_epochs,
-                             total_epochs, o)}
+    return {"lr": linear_scaled_lr(o.lr, world_size) * budgeted_factor(step / iters_per_epoch, o.warmup_epochs,
+                                                                       total_epochs, o.schedule)}
 
 
 def sgd_schedule(step: int, o, world_size: int, iters_per_epoch: int, total_epochs: int) -> dict:
     """lr*N from the first step, then ``o.schedule``'s decay (step: `sgd_lr`; linear or cosine from epoch 0)."""
     if getattr(o, "schedule", "step") == "step":
         return {"lr": sgd_lr(step, iters_per_epoch, o.lr, world_size, total_epochs, o.milestones, o.decay_factor)}
-    return {"lr": decayed_lr(step, iters_per_epoch, linear_scaled_lr(o.lr, world_size), 0.0, total_epochs, o)}
+    return {"lr": linear_scaled_lr(o.lr, world_size) * budgeted_factor(step / iters_per_epoch, 0.0, total_epochs,
+                                                                       o.schedule)}
 
 
 def mlperf_schedule(step: int, o, world_size: int, iters_per_epoch: int, total_epochs: int) -> dict:

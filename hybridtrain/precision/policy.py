@@ -40,12 +40,6 @@ class Policy:
     stage_dtypes: dict = field(default_factory=dict)  # layered: stage -> dtype
     loss_scaling: str = "none"
 
-    @property
-    def reduced(self) -> bool:
-        """True when any computation runs in FP16 or BF16."""
-        lower = {self.autocast_dtype, self.param_dtype, *self.stage_dtypes.values()}
-        return bool(lower & {torch.float16, torch.bfloat16})
-
 
 def resolve_policy(p) -> Policy:
     """The Policy for a ``precision`` config section (already validated key by key)."""

@@ -13,6 +13,7 @@ from hybridtrain.precision.policy import Policy, resolve_policy
 
 # the precision modes with more range that a run diverging in each mode can move to (none from fp32 or fp64)
 WIDER_MODES = {"mixed": "fp32", "layered": "mixed or fp32", "fp16_pure": "mixed or fp32"}
+COUNTERS = ("clean_steps", "consecutive_overflows", "skipped_steps")  # a LossScaler's state besides its scale
 
 
 class LossScaler:
@@ -93,14 +94,12 @@ class LossScaler:
                             f"raise precision.max_consecutive_overflows; the last checkpoint is intact")
 
     def state_dict(self) -> dict:
-        return {"scale": self.scale, "clean_steps": self.clean_steps,
-                "consecutive_overflows": self.consecutive_overflows, "skipped_steps": self.skipped_steps}
+        return {key: getattr(self, key) for key in ("scale", *COUNTERS)}
 
     def load_state_dict(self, state: dict) -> None:
         self.set_scale(float(state["scale"]))
-        self.clean_steps = int(state["clean_steps"])
-        self.consecutive_overflows = int(state["consecutive_overflows"])
-        self.skipped_steps = int(state["skipped_steps"])
+        for key in COUNTERS:
+            setattr(self, key, int(state[key]))
 
 
 def create_scaler(p, policy: Policy) -> LossScaler:
