@@ -34,8 +34,7 @@ MARKER = "run.json"
 LOCK = ".lock"
 PATTERN = "checkpoint-epoch{epoch:04d}.pt"
 STOPPED_PATTERN = "checkpoint-epoch{epoch:04d}-step{step:06d}.pt"  # a preempted epoch, after ``step`` steps
-EPOCH_RE = re.compile(r"checkpoint-epoch(\d+)(?:-step(\d+))?\.pt$")
-NAME_RE = re.compile(r"checkpoint-epoch\d+(?:-step\d+)?\.pt")  # the whole name of a checkpoint this code writes
+NAME_RE = re.compile(r"checkpoint-epoch(\d+)(?:-step(\d+))?\.pt")  # the whole name of a checkpoint this code writes
 # a save's temp file: a checkpoint's or its sidecar's (atomic_save), run.json's and metrics.jsonl's
 # (outputs.atomic_path; older versions named them run.json.tmp-PID and metrics.jsonl.tmp-PID)
 TEMP_RE = re.compile(r"(?:checkpoint-epoch\d+(?:-step\d+)?\.pt(?:\.sha256)?|run\.json|metrics\.jsonl)\.tmp-\d+"
@@ -59,14 +58,16 @@ def is_run_file_name(name: str) -> bool:
     return is_own_name(base) or TEMP_RE.fullmatch(name) is not None
 
 
+def _order(name: str) -> tuple[int, int]:
+    """(epoch, step) of a checkpoint name this code writes; a finished epoch's step is WHOLE_EPOCH."""
+    m = NAME_RE.fullmatch(name)
+    return int(m.group(1)), int(m.group(2)) if m.group(2) else WHOLE_EPOCH
+
+
 def list_checkpoints(directory: str) -> list[tuple[tuple[int, int], str]]:
-    """((epoch, step), path), oldest first; a finished epoch's step is WHOLE_EPOCH."""
-    found = []
-    for path in glob.glob(os.path.join(glob.escape(directory), "checkpoint-epoch*.pt")):
-        m = EPOCH_RE.search(path)
-        if m and is_own_name(os.path.basename(path)):
-            found.append(((int(m.group(1)), int(m.group(2)) if m.group(2) else WHOLE_EPOCH), path))
-    return sorted(found)
+    """((epoch, step), path), oldest first."""
+    names = (os.path.basename(path) for path in glob.glob(os.path.join(glob.escape(directory), "checkpoint-epoch*.pt")))
+    return sorted((_order(name), os.path.join(directory, name)) for name in names if is_own_name(name))
 
 
 def _prune(directory: str, keep: int) -> None:
@@ -87,7 +88,7 @@ def _prune_owned(owner, keep: int) -> None:
     """Remove all but the newest ``keep`` of the checkpoints this run wrote (``owner``: its RunDir); files
     of other runs or of the user are never considered. The names come from run.json, so they are data: only a bare
     checkpoint name (no folder) is ever joined to run_dir, and only a plain file (no link, no folder) removed."""
-    ordered = sorted((n for n in owner.checkpoints() if is_own_name(n)), key=lambda n: _order(EPOCH_RE.search(n)))
+    ordered = sorted((n for n in owner.checkpoints() if is_own_name(n)), key=_order)
     for name in [n for n in owner.checkpoints() if not is_own_name(n)]:
         print(f"hybridtrain: warning: {os.path.join(owner.path, MARKER)} lists {name!r}, which is not a "
               f"checkpoint name of this run: ignored (nothing outside the run's own files is removed)",
@@ -98,20 +99,6 @@ def _prune_owned(owner, keep: int) -> None:
             if is_plain_file(path):
                 os.remove(path)
         owner.forget_checkpoint(name)
-
-
-def _order(match) -> tuple[int, int]:
-    return (int(match.group(1)), int(match.group(2)) if match.group(2) else WHOLE_EPOCH) if match else (0, 0)
-
-
-def keep_newest(directory: str, saved: str, keep: int, owner: RunDir | None) -> None:
-    """After the checkpoint ``saved`` is durable: list it in run.json and remove all but the newest ``keep`` of those
-    the run wrote (``owner``), or, without one, of every checkpoint in ``directory``."""
-    if owner is None:
-        _prune(directory, keep)
-    else:
-        owner.add_checkpoint(saved)
-        _prune_owned(owner, keep)
 
 
 def remove_stale_temp_files(directory: str) -> list[str]:
@@ -152,10 +139,6 @@ class RunDir:
 
     def __init__(self, path: str, fd: int, marker: dict, created: list[str] | None = None):
         self.path, self.fd, self.marker, self.created = path, fd, marker, created or []
-
-    @property
-    def run_id(self) -> str:
-        return self.marker["run_id"]
 
     def add_checkpoint(self, name: str) -> None:
         if name not in self.marker["checkpoints"]:
@@ -324,14 +307,18 @@ def claim_run_dir(run_dir: str, resume: str | None, move: bool = False) -> tuple
 
 def save_checkpoint(state: dict, directory: str, epoch: int, keep: int, step: int | None = None,
                     owner: RunDir | None = None) -> str:
-    """Write the epoch's checkpoint (a stopped one when ``step`` is given), then prune old ones (only after
-    the new one is durable): those ``owner`` (the run's RunDir) wrote, or without one every checkpoint
-    in ``directory`` (keep_newest)."""
+    """Write the epoch's checkpoint (a stopped one when ``step`` is given), then, only after it is durable, list it
+    in run.json and remove all but the newest ``keep`` of those the run wrote (``owner``: its RunDir), or, without
+    one, of every checkpoint in ``directory``."""
     os.makedirs(directory, exist_ok=True)
     name = checkpoint_name(epoch, step)
     path = os.path.join(directory, name)
     checkpoint.atomic_save(state, path)
-    keep_newest(directory, name, keep, owner)
+    if owner is None:
+        _prune(directory, keep)
+    else:
+        owner.add_checkpoint(name)
+        _prune_owned(owner, keep)
     return path
 
 
