@@ -85,13 +85,6 @@ def _save_hashed(obj, path: str) -> str:
     return writer.sha256.hexdigest()
 
 
-def _write_checksum(path: str, digest: str, tmp: str) -> None:
-    """``path``'s sha256sum line in ``tmp``, fsynced."""
-    with _create_new(tmp, "w") as fh:
-        fh.write(f"{digest}  {os.path.basename(path)}\n")
-        _fsync(fh)
-
-
 def atomic_save(obj, path: str) -> None:
     """Write ``obj`` to ``path`` and its SHA-256 to ``path.sha256``, both durable in temp files before either is
     renamed. Over an older pair, its ``.sha256`` goes first, then the new ``path``, then the new sum: a kill between
@@ -108,7 +101,9 @@ def atomic_save(obj, path: str) -> None:
             os.remove(leftover)
     try:
         digest = _save_hashed(obj, tmp)
-        _write_checksum(path, digest, tmp_sum)
+        with _create_new(tmp_sum, "w") as fh:  # path's sha256sum line, fsynced
+            fh.write(f"{digest}  {os.path.basename(path)}\n")
+            _fsync(fh)
         if os.path.lexists(checksum_path(path)):
             os.remove(checksum_path(path))
         os.replace(tmp, path)

@@ -218,25 +218,22 @@ def train_segment(cfg: Config, t: Trainer, segment: EpochPosition, first_of_proc
 def train_elastic(state: ElasticState, cfg: Config) -> dict | None:
     """The body that Horovod's elastic loop runs (again after every reset) until training is done. Its stall
     watchdog lives as long as one run of it: not through a reset, where the ranks re-form the job."""
-    watchdog = stall_watchdog(cfg, state.trainer.topo)
+    t = state.trainer
+    watchdog = stall_watchdog(cfg, t.topo)
     try:
-        return train_epochs_elastic(state, cfg, watchdog)
+        continued = state.position.started  # re-formed after a reset: the run's records exist
+        if not continued:
+            continued = start_run(cfg, state)
+            state.commit()
+        log_setup(cfg, t)
+        # after a reset too: metrics.jsonl is cut to the committed epochs (a rolled-back epoch's end may have
+        # written), and the sinks continue their tracked runs; a reset's exception ends them (the next body
+        # continues them)
+        run = RunRecord(cfg, t.topo, state.owner, state.position.epoch, state.position.elapsed_s, resumed=continued)
+        with run:
+            return train_recorded_epochs(state, cfg, run, watchdog)
     finally:
         watchdog.close()
-
-
-def train_epochs_elastic(state: ElasticState, cfg: Config, watchdog) -> dict | None:
-    t = state.trainer
-    continued = state.position.started  # re-formed after a reset: the run's records exist
-    if not continued:
-        continued = start_run(cfg, state)
-        state.commit()
-    log_setup(cfg, t)
-    # after a reset too: metrics.jsonl is cut to the committed epochs (a rolled-back epoch's end may have written),
-    # and the sinks continue their tracked runs; a reset's exception ends them (the next body continues them)
-    run = RunRecord(cfg, t.topo, state.owner, state.position.epoch, state.position.elapsed_s, resumed=continued)
-    with run:
-        return train_recorded_epochs(state, cfg, run, watchdog)
 
 
 def train_recorded_epochs(state: ElasticState, cfg: Config, run: RunRecord, watchdog) -> dict | None:

@@ -37,13 +37,14 @@ from hybridtrain.engine.records import (
 from hybridtrain.engine.resume import checkpoint_state, restore, resume_state, save_stopped_epoch
 from hybridtrain.engine.step import compile_steps, compiles_in_epoch, recompiles_in_epoch, warmup_steps
 from hybridtrain.engine.trainer import Trainer, build_trainer
-from hybridtrain.errors import PeerFailure, UserError, is_peer_failure
+from hybridtrain.errors import PeerFailure, UserError, environment_fault, is_peer_failure
 from hybridtrain.models.batchnorm import average_running_statistics
 from hybridtrain.optim import optimizer_spec
 
 
 def claim_run_dir(cfg: Config, topo, resume: str | None, move_aside: bool) -> rundir.RunDir | None:
-    """Rank 0 locks run_dir and names the run (rundir.claim); its refusal reaches every rank as the same line."""
+    """Rank 0 locks run_dir and names the run (rundir.claim); its refusal, or a fault of the machine (read-only
+    folder, full disk, dangling link) as the one line that names its path and the fix, reaches every rank."""
     held, outcome = None, None
     if topo.is_root:
         try:
@@ -51,6 +52,10 @@ def claim_run_dir(cfg: Config, topo, resume: str | None, move_aside: bool) -> ru
             outcome = {"note": note}
         except UserError as exc:
             outcome = {"error": str(exc)}
+        except OSError as exc:
+            if environment_fault(exc) is None:
+                raise
+            outcome = {"error": environment_fault(exc)}
     outcome = distributed.broadcast_object(outcome, "run_dir_claim")
     if "error" in outcome:
         raise UserError(outcome["error"])

@@ -44,7 +44,9 @@ def resume_state(cfg: Config, topo, required: bool = True) -> dict | None:
 def restore(t: Trainer, state: dict, backend: str) -> EpochPosition | None:
     """Load a checkpoint into the trainer; a mid-epoch one also gives where its epoch continues. On the layout it
     stopped on (ranks, train.batch_size) every rank continues its own batches with its own BN buffers (bitwise);
-    on another layout the epoch continues by samples, as an elastic resize does (``position_by_samples``)."""
+    on another layout the epoch continues by samples, as an elastic resize does: the rest of the epoch's permutation
+    is cut into this job's global batches (``sharding.train_batches(start=...)``), so no sample is trained twice or
+    skipped; only the final remainder (less than one global batch) is left out, as always."""
     t.load_state_dict(state)
     partial = state.get("partial")
     if not partial:
@@ -59,7 +61,8 @@ def restore(t: Trainer, state: dict, backend: str) -> EpochPosition | None:
                              partial.get("first_step", 0))
     consumed, totals, train_time_s, skipped_steps = stopped_by_samples(state)
     check_continuable_by_samples(backend, partial["epoch"], consumed, (ranks, batch_size), (t.topo.size, t.batch_size))
-    return position_by_samples(partial["epoch"], consumed, totals, train_time_s, skipped_steps, t)
+    return EpochPosition(partial["epoch"], carried_progress(totals, train_time_s, skipped_steps, t.topo.is_root),
+                         consumed, step_in_epoch(consumed, t.topo.size, t.batch_size, t.k))
 
 
 def check_continuable_by_samples(backend: str, epoch: int, consumed: int, stopped: tuple[int, int],
@@ -109,15 +112,6 @@ def carried_progress(totals: list[float], train_time_s: float, skipped_steps: in
     all-reduced), every rank the time and the skipped steps."""
     sums = totals if is_root else [0.0, 0.0, 0.0]
     return EpochProgress(0, *sums, train_time_s, skipped_steps)
-
-
-def position_by_samples(epoch: int, consumed: int, totals: list[float], train_time_s: float, skipped_steps: int,
-                        t: Trainer) -> EpochPosition:
-    """Epoch ``epoch`` continued at sample ``consumed`` of its permutation on this job's layout: the rest of the
-    permutation is cut into this job's global batches (``sharding.train_batches(start=...)``), so no sample is
-    trained twice or skipped; only the final remainder (less than one global batch) is left out, as always."""
-    return EpochPosition(epoch, carried_progress(totals, train_time_s, skipped_steps, t.topo.is_root), consumed,
-                         step_in_epoch(consumed, t.topo.size, t.batch_size, t.k))
 
 
 @torch.no_grad()

@@ -27,7 +27,7 @@ import uuid
 from hybridtrain.config import check_run_dir
 from hybridtrain.engine import checkpoint
 from hybridtrain.engine.checkpoint import CHECKSUM_SUFFIX, checksum_path
-from hybridtrain.errors import UserError, environment_fault
+from hybridtrain.errors import UserError
 from hybridtrain.outputs import is_plain_file, refuse_unless_plain, write_json_atomically
 
 MARKER = "run.json"
@@ -101,16 +101,13 @@ def _prune_owned(owner, keep: int) -> None:
         owner.forget_checkpoint(name)
 
 
-def remove_stale_temp_files(directory: str) -> list[str]:
+def remove_stale_temp_files(directory: str) -> None:
     """Remove the temp files of saves that were killed mid-write (plain files named as a save names them); only
-    the holder of the run_dir's lock calls this, so no save of this run is under way. Returns their names."""
-    removed = []
-    for name in sorted(os.listdir(directory)):
+    the holder of the run_dir's lock calls this, so no save of this run is under way."""
+    for name in os.listdir(directory):
         path = os.path.join(directory, name)
         if TEMP_RE.fullmatch(name) and is_plain_file(path):
             os.remove(path)
-            removed.append(name)
-    return removed
 
 
 RUN_FILES = ("run.json", "metrics.jsonl", "config.yaml", "final_model.pt*", "report.json", "report.md",
@@ -249,18 +246,6 @@ def move_aside(run_dir: str, names: list[str]) -> str:
     return target
 
 
-def claim(run_dir: str, resume: str | None, move: bool = False) -> tuple[RunDir, str]:
-    """:func:`claim_run_dir`, with a fault of the machine (read-only folder, full disk, dangling link) as the one
-    line that names its path and the fix, which every rank then raises."""
-    try:
-        return claim_run_dir(run_dir, resume, move)
-    except OSError as exc:
-        line = environment_fault(exc)
-        if line is None:
-            raise
-        raise UserError(line) from None
-
-
 def made_folders(path: str) -> list[str]:
     """``os.makedirs(path)``; the folders it made, deepest first."""
     missing, current = [], os.path.abspath(path)
@@ -271,7 +256,7 @@ def made_folders(path: str) -> list[str]:
     return missing
 
 
-def claim_run_dir(run_dir: str, resume: str | None, move: bool = False) -> tuple[RunDir, str]:
+def claim(run_dir: str, resume: str | None, move: bool = False) -> tuple[RunDir, str]:
     """Lock ``run_dir`` for this run and name the run; (the hold, a line for the log or '').
 
     Fresh (``resume`` None, or "auto" with no checkpoint): refused when the folder holds a run's files, unless
