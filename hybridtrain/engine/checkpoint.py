@@ -157,11 +157,9 @@ def load_checkpoint(path: str) -> dict:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # e.g. "Detected pickle protocol 4": the refusal below says enough
             state = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        if "weights only" in str(exc).lower():
-            raise ValueError(_refusal(exc)) from None
-        raise ValueError(f"UnpicklingError: {str(exc).splitlines()[0][:160]}") from None
     except Exception as exc:  # corrupt or truncated without a sidecar: never executed
+        if isinstance(exc, pickle.UnpicklingError) and "weights only" in str(exc).lower():
+            raise ValueError(_refusal(exc)) from None
         raise ValueError(f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}") from None
     if not isinstance(state, dict) or "model" not in state or "epoch" not in state:
         raise ValueError("not a hybridtrain checkpoint (missing 'model' or 'epoch')")

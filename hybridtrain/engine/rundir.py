@@ -70,35 +70,33 @@ def list_checkpoints(directory: str) -> list[tuple[tuple[int, int], str]]:
     return sorted((_order(name), os.path.join(directory, name)) for name in names if is_own_name(name))
 
 
-def _prune(directory: str, keep: int) -> None:
-    """Remove all but the newest ``keep`` checkpoints, their sidecars, orphaned sidecars and the temp files
-    a killed save left behind."""
-    for _, old in list_checkpoints(directory)[:-keep]:
-        for path in (old, checksum_path(old)):
+def _prune(directory: str, keep: int, owner=None) -> None:
+    """Remove all but the newest ``keep`` of the checkpoints this run wrote (``owner``: its RunDir), with their
+    sidecars; files of other runs or of the user are never considered. The names come from run.json, so they are
+    data: only a bare checkpoint name (no folder) is ever joined to run_dir, and only a plain file (no link, no
+    folder) removed. Without an owner: of every checkpoint in ``directory``, and then orphaned sidecars and the temp
+    files a killed save left behind."""
+    if owner is None:
+        names = [os.path.basename(path) for _, path in list_checkpoints(directory)]
+    else:
+        for name in [n for n in owner.checkpoints() if not is_own_name(n)]:
+            print(f"hybridtrain: warning: {os.path.join(owner.path, MARKER)} lists {name!r}, which is not a "
+                  f"checkpoint name of this run: ignored (nothing outside the run's own files is removed)",
+                  file=sys.stderr)
+            owner.forget_checkpoint(name)
+        names = sorted(owner.checkpoints(), key=_order)
+    for name in names[:-keep]:
+        for path in (os.path.join(directory, name), checksum_path(os.path.join(directory, name))):
             if is_plain_file(path):
                 os.remove(path)
-    remove_stale_temp_files(directory)
-    for sidecar in glob.glob(os.path.join(glob.escape(directory), f"checkpoint-epoch*.pt{CHECKSUM_SUFFIX}")):
-        if (is_own_name(os.path.basename(sidecar)[:-len(CHECKSUM_SUFFIX)]) and is_plain_file(sidecar)
-                and not os.path.lexists(sidecar[:-len(CHECKSUM_SUFFIX)])):
-            os.remove(sidecar)
-
-
-def _prune_owned(owner, keep: int) -> None:
-    """Remove all but the newest ``keep`` of the checkpoints this run wrote (``owner``: its RunDir); files
-    of other runs or of the user are never considered. The names come from run.json, so they are data: only a bare
-    checkpoint name (no folder) is ever joined to run_dir, and only a plain file (no link, no folder) removed."""
-    ordered = sorted((n for n in owner.checkpoints() if is_own_name(n)), key=_order)
-    for name in [n for n in owner.checkpoints() if not is_own_name(n)]:
-        print(f"hybridtrain: warning: {os.path.join(owner.path, MARKER)} lists {name!r}, which is not a "
-              f"checkpoint name of this run: ignored (nothing outside the run's own files is removed)",
-              file=sys.stderr)
-        owner.forget_checkpoint(name)
-    for name in ordered[:-keep]:
-        for path in (os.path.join(owner.path, name), checksum_path(os.path.join(owner.path, name))):
-            if is_plain_file(path):
-                os.remove(path)
-        owner.forget_checkpoint(name)
+        if owner is not None:
+            owner.forget_checkpoint(name)
+    if owner is None:
+        remove_stale_temp_files(directory)
+        for sidecar in glob.glob(os.path.join(glob.escape(directory), f"checkpoint-epoch*.pt{CHECKSUM_SUFFIX}")):
+            if (is_own_name(os.path.basename(sidecar)[:-len(CHECKSUM_SUFFIX)]) and is_plain_file(sidecar)
+                    and not os.path.lexists(sidecar[:-len(CHECKSUM_SUFFIX)])):
+                os.remove(sidecar)
 
 
 def remove_stale_temp_files(directory: str) -> None:
@@ -299,11 +297,9 @@ def save_checkpoint(state: dict, directory: str, epoch: int, keep: int, step: in
     name = checkpoint_name(epoch, step)
     path = os.path.join(directory, name)
     checkpoint.atomic_save(state, path)
-    if owner is None:
-        _prune(directory, keep)
-    else:
+    if owner is not None:
         owner.add_checkpoint(name)
-        _prune_owned(owner, keep)
+    _prune(directory, keep, owner)
     return path
 
 
