@@ -30,8 +30,8 @@ from hybridtrain.config import Config
 from hybridtrain.data.loaders import create_loaders
 from hybridtrain.distributed import collectives as distributed
 from hybridtrain.distributed import horovod
-from hybridtrain.engine.epoch import EpochPosition, EpochProgress, EpochResult
-from hybridtrain.engine.loop import claim_run_dir, end_epoch, epoch_steps, finish, log_setup, stall_watchdog
+from hybridtrain.engine.epoch import EpochPosition, EpochProgress
+from hybridtrain.engine.loop import claim_run_dir, end_epoch, finish, log_setup, stall_watchdog, train_epoch
 from hybridtrain.engine.records import RunRecord, SampleAudit, audit_path, log
 from hybridtrain.engine.resume import (
     carried_progress,
@@ -204,17 +204,6 @@ class Committer:
         state.commit()
 
 
-def train_segment(cfg: Config, t: Trainer, segment: EpochPosition, first_of_process: bool, watchdog,
-                  committer: Committer) -> EpochResult:
-    """An epoch, or its rest, in the elastic loop. After every step but the last, the stall watchdog's beat and
-    the committer's count (a commit every elastic.commit_steps); elastic training never stops an epoch early."""
-    with epoch_steps(cfg, t, segment, first_of_process, watchdog) as (steps, walk):
-        for snap in walk:
-            if not snap.last:
-                committer.after_step(steps.progress)
-        return steps.result()
-
-
 def train_elastic(state: ElasticState, cfg: Config) -> dict | None:
     """The body that Horovod's elastic loop runs (again after every reset) until training is done. Its stall
     watchdog lives as long as one run of it: not through a reset, where the ranks re-form the job."""
@@ -244,7 +233,8 @@ def train_recorded_epochs(state: ElasticState, cfg: Config, run: RunRecord, watc
         base = carried_progress(pos.totals, pos.train_time_s, pos.skipped_steps, t.topo.is_root)  # the epoch so far
         segment = EpochPosition(pos.epoch, resume=base, start=pos.consumed,
                                 first_step=step_in_epoch(pos.consumed, t.topo.size, b, t.k))
-        result = train_segment(cfg, t, segment, first_epoch_of_process, watchdog, committer)
+        result = train_epoch(cfg, t, segment, first_epoch_of_process, watchdog,
+                             lambda steps: committer.after_step(steps.progress))
         first_epoch_of_process = False
         watchdog.beat()
         end_epoch(cfg, t, pos.epoch, result, epoch_start, run)
