@@ -40,7 +40,6 @@ LABELS = {"input": "waiting for input", "compute": "forward + backward", "commun
 # the step's marks, in order: begin (the step starts), drawn (its batches on the device), sync_begin (the passes
 # done: the scaler's step calls synchronize() first), sync_end (synchronize() returned), end (the update done);
 # grad_ready: the first parameter's gradient (DDP)
-MARKS = ("begin", "drawn", "sync_begin", "sync_end", "end")
 
 
 class StepClock:

@@ -85,13 +85,6 @@ def _save_hashed(obj, path: str) -> str:
     return writer.sha256.hexdigest()
 
 
-def _write_checksum(path: str, digest: str, tmp: str) -> None:
-    """``path``'s sha256sum line in ``tmp``, fsynced."""
-    with _create_new(tmp, "w") as fh:
-        fh.write(f"{digest}  {os.path.basename(path)}\n")
-        _fsync(fh)
-
-
 def atomic_save(obj, path: str) -> None:
     """Write ``obj`` to ``path`` and its SHA-256 to ``path.sha256``, both durable in temp files before either is
     renamed. Over an older pair, its ``.sha256`` goes first, then the new ``path``, then the new sum: a kill between
@@ -108,7 +101,9 @@ def atomic_save(obj, path: str) -> None:
             os.remove(leftover)
     try:
         digest = _save_hashed(obj, tmp)
-        _write_checksum(path, digest, tmp_sum)
+        with _create_new(tmp_sum, "w") as fh:  # path's sha256sum line, fsynced
+            fh.write(f"{digest}  {os.path.basename(path)}\n")
+            _fsync(fh)
         if os.path.lexists(checksum_path(path)):
             os.remove(checksum_path(path))
         os.replace(tmp, path)
@@ -162,11 +157,9 @@ def load_checkpoint(path: str) -> dict:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # e.g. "Detected pickle protocol 4": the refusal below says enough
             state = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        if "weights only" in str(exc).lower():
-            raise ValueError(_refusal(exc)) from None
-        raise ValueError(f"UnpicklingError: {str(exc).splitlines()[0][:160]}") from None
     except Exception as exc:  # corrupt or truncated without a sidecar: never executed
+        if isinstance(exc, pickle.UnpicklingError) and "weights only" in str(exc).lower():
+            raise ValueError(_refusal(exc)) from None
         raise ValueError(f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}") from None
     if not isinstance(state, dict) or "model" not in state or "epoch" not in state:
         raise ValueError("not a hybridtrain checkpoint (missing 'model' or 'epoch')")

@@ -30,15 +30,15 @@ from hybridtrain.config import Config
 from hybridtrain.data.loaders import create_loaders
 from hybridtrain.distributed import collectives as distributed
 from hybridtrain.distributed import horovod
-from hybridtrain.engine.epoch import EpochPosition, EpochProgress, EpochResult
-from hybridtrain.engine.loop import claim_run_dir, end_epoch, epoch_steps, finish, log_setup, stall_watchdog
+from hybridtrain.engine.epoch import EpochPosition, EpochProgress
+from hybridtrain.engine.loop import claim_run_dir, end_epoch, finish, log_setup, stall_watchdog, train_epoch
 from hybridtrain.engine.records import RunRecord, SampleAudit, audit_path, log
 from hybridtrain.engine.resume import (
     carried_progress,
     consumed_samples,
     resume_state,
     step_in_epoch,
-    stopped_layout,
+    stopped_by_samples,
 )
 from hybridtrain.engine.trainer import Trainer, build_trainer
 from hybridtrain.errors import UserError
@@ -89,13 +89,9 @@ def horovod_elastic_state() -> type:
     return type("HorovodElasticState", (ElasticState, State), {})
 
 
-def new_elastic_state(trainer: Trainer, position: Position) -> ElasticState:
-    return horovod_elastic_state()(trainer, position)
-
-
 class ElasticState:
     """The elastic state of one trainer: ``save`` (commit), ``restore`` (roll back), ``sync`` (rank 0's). Usable only
-    with Horovod's ``State`` behind it (:func:`new_elastic_state`)."""
+    with Horovod's ``State`` behind it (:func:`horovod_elastic_state`)."""
 
     def __init__(self, trainer: Trainer, position: Position):
         hvd = horovod.import_horovod()
@@ -172,17 +168,11 @@ def start_run(cfg: Config, state: ElasticState) -> bool:
 def restore_position(cfg: Config, t: Trainer, loaded: dict, pos: Position) -> None:
     """A checkpoint into the trainer and the position. A preempted static run's mid-epoch checkpoint resumes
     on any number of ranks and any batch: its samples consumed (resume.consumed_samples, with the layout it
-    stopped on) are the position."""
+    stopped on) are the position (resume.stopped_by_samples)."""
     t.load_state_dict(loaded)
     pos.epoch, pos.elapsed_s = loaded["epoch"] + 1, loaded.get("elapsed_s", 0.0)
-    partial = loaded.get("partial")
-    if partial:
-        ranks = [r["progress"] for r in partial["ranks"]]
-        pos.consumed = partial.get("samples", consumed_samples(partial.get("start", 0), ranks[0]["passes"],
-                                                               *stopped_layout(loaded)))
-        pos.totals = [sum(r[key] for r in ranks) for key in ("loss_sum", "correct", "seen")]
-        pos.train_time_s = max(r["train_time_s"] for r in ranks)
-        pos.skipped_steps = ranks[0]["skipped_steps"]
+    if loaded.get("partial"):
+        pos.consumed, pos.totals, pos.train_time_s, pos.skipped_steps = stopped_by_samples(loaded)
 
 
 class Committer:
@@ -214,44 +204,25 @@ class Committer:
         state.commit()
 
 
-def segment_base(pos: Position, topo) -> EpochProgress:
-    """The epoch's totals so far as this rank's starting point (resume.carried_progress)."""
-    return carried_progress(pos.totals, pos.train_time_s, pos.skipped_steps, topo.is_root)
-
-
-def train_segment(cfg: Config, t: Trainer, segment: EpochPosition, first_of_process: bool, watchdog,
-                  committer: Committer) -> EpochResult:
-    """An epoch, or its rest, in the elastic loop. After every step but the last, the stall watchdog's beat and
-    the committer's count (a commit every elastic.commit_steps); elastic training never stops an epoch early."""
-    with epoch_steps(cfg, t, segment, first_of_process, watchdog) as (steps, walk):
-        for snap in walk:
-            if not snap.last:
-                committer.after_step(steps.progress)
-        return steps.result()
-
-
 def train_elastic(state: ElasticState, cfg: Config) -> dict | None:
     """The body that Horovod's elastic loop runs (again after every reset) until training is done. Its stall
     watchdog lives as long as one run of it: not through a reset, where the ranks re-form the job."""
-    watchdog = stall_watchdog(cfg, state.trainer.topo)
+    t = state.trainer
+    watchdog = stall_watchdog(cfg, t.topo)
     try:
-        return train_epochs_elastic(state, cfg, watchdog)
+        continued = state.position.started  # re-formed after a reset: the run's records exist
+        if not continued:
+            continued = start_run(cfg, state)
+            state.commit()
+        log_setup(cfg, t)
+        # after a reset too: metrics.jsonl is cut to the committed epochs (a rolled-back epoch's end may have
+        # written), and the sinks continue their tracked runs; a reset's exception ends them (the next body
+        # continues them)
+        run = RunRecord(cfg, t.topo, state.owner, state.position.epoch, state.position.elapsed_s, resumed=continued)
+        with run:
+            return train_recorded_epochs(state, cfg, run, watchdog)
     finally:
         watchdog.close()
-
-
-def train_epochs_elastic(state: ElasticState, cfg: Config, watchdog) -> dict | None:
-    t = state.trainer
-    continued = state.position.started  # re-formed after a reset: the run's records exist
-    if not continued:
-        continued = start_run(cfg, state)
-        state.commit()
-    log_setup(cfg, t)
-    # after a reset too: metrics.jsonl is cut to the committed epochs (a rolled-back epoch's end may have written),
-    # and the sinks continue their tracked runs; a reset's exception ends them (the next body continues them)
-    run = RunRecord(cfg, t.topo, state.owner, state.position.epoch, state.position.elapsed_s, resumed=continued)
-    with run:
-        return train_recorded_epochs(state, cfg, run, watchdog)
 
 
 def train_recorded_epochs(state: ElasticState, cfg: Config, run: RunRecord, watchdog) -> dict | None:
@@ -259,9 +230,11 @@ def train_recorded_epochs(state: ElasticState, cfg: Config, run: RunRecord, watc
     while state.position.epoch < cfg.train.epochs:
         pos, b, epoch_start = state.position, cfg.train.batch_size, time.perf_counter()
         committer = Committer(state, cfg.elastic.commit_steps, b, run.start)
-        segment = EpochPosition(pos.epoch, resume=segment_base(pos, t.topo), start=pos.consumed,
+        base = carried_progress(pos.totals, pos.train_time_s, pos.skipped_steps, t.topo.is_root)  # the epoch so far
+        segment = EpochPosition(pos.epoch, resume=base, start=pos.consumed,
                                 first_step=step_in_epoch(pos.consumed, t.topo.size, b, t.k))
-        result = train_segment(cfg, t, segment, first_epoch_of_process, watchdog, committer)
+        result = train_epoch(cfg, t, segment, first_epoch_of_process, watchdog,
+                             lambda steps: committer.after_step(steps.progress))
         first_epoch_of_process = False
         watchdog.beat()
         end_epoch(cfg, t, pos.epoch, result, epoch_start, run)
@@ -280,7 +253,7 @@ def run_elastic(cfg: Config, resume: str | None = None, move_aside: bool = False
     t = build_trainer(cfg, distributed.init(cfg.train.threads, cfg, elastic=True,
                                           device=cfg.train.device, engine="horovod"))
     t.audit = SampleAudit(audit_path(cfg))
-    state = new_elastic_state(t, Position())
+    state = horovod_elastic_state()(t, Position())
     state.resume, state.move_aside = resume, move_aside
     state.register_reset_callbacks([lambda: on_reset(cfg, state)])
     return hvd.elastic.run(train_elastic)(state, cfg)

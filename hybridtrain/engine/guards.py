@@ -69,11 +69,10 @@ class PreemptionWatch:
         self.topo = None  # the job's (join): a SIGTERM first looks for a dead peer in it
         self.engine = None  # the engine that formed the job (join), whose all-reduces carry the flag
         self.previous = signal.signal(signal.SIGTERM, self._on_sigterm)
-        self._wake_read, wake_write = os.pipe()
-        for fd in (self._wake_read, wake_write):
+        self._wake_read, self._wake_write = os.pipe()
+        for fd in (self._wake_read, self._wake_write):
             os.set_blocking(fd, False)
-        self._wake_write = wake_write
-        self._previous_fd = signal.set_wakeup_fd(wake_write, warn_on_full_buffer=False)
+        self._previous_fd = signal.set_wakeup_fd(self._wake_write, warn_on_full_buffer=False)
         threading.Thread(target=self._watch_signals, name="hybridtrain-sigterm", daemon=True).start()
 
     def join(self, topo) -> None:

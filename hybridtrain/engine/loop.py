@@ -18,7 +18,6 @@ from hybridtrain.engine.epoch import (
     EpochPosition,
     EpochResult,
     EpochSteps,
-    StepSnapshot,
     evaluate,
 )
 from hybridtrain.engine.guards import PreemptionWatch, StallWatchdog, root_writes, steps_between_checks
@@ -37,13 +36,14 @@ from hybridtrain.engine.records import (
 from hybridtrain.engine.resume import checkpoint_state, restore, resume_state, save_stopped_epoch
 from hybridtrain.engine.step import compile_steps, compiles_in_epoch, recompiles_in_epoch, warmup_steps
 from hybridtrain.engine.trainer import Trainer, build_trainer
-from hybridtrain.errors import PeerFailure, UserError, is_peer_failure
+from hybridtrain.errors import PeerFailure, UserError, environment_fault, is_peer_failure
 from hybridtrain.models.batchnorm import average_running_statistics
 from hybridtrain.optim import optimizer_spec
 
 
 def claim_run_dir(cfg: Config, topo, resume: str | None, move_aside: bool) -> rundir.RunDir | None:
-    """Rank 0 locks run_dir and names the run (rundir.claim); its refusal reaches every rank as the same line."""
+    """Rank 0 locks run_dir and names the run (rundir.claim); its refusal, or a fault of the machine (read-only
+    folder, full disk, dangling link) as the one line that names its path and the fix, reaches every rank."""
     held, outcome = None, None
     if topo.is_root:
         try:
@@ -51,6 +51,10 @@ def claim_run_dir(cfg: Config, topo, resume: str | None, move_aside: bool) -> ru
             outcome = {"note": note}
         except UserError as exc:
             outcome = {"error": str(exc)}
+        except OSError as exc:
+            if environment_fault(exc) is None:
+                raise
+            outcome = {"error": environment_fault(exc)}
     outcome = distributed.broadcast_object(outcome, "run_dir_claim")
     if "error" in outcome:
         raise UserError(outcome["error"])
@@ -268,12 +272,13 @@ def resumed_at(position: EpochPosition | None, t: Trainer, start_epoch: int) -> 
             f"batches of {t.topo.size} x {t.batch_size})")
 
 
-@contextlib.contextmanager
-def epoch_steps(cfg: Config, t: Trainer, position: EpochPosition, first_of_process: bool, watchdog: StallWatchdog):
-    """One epoch's steps as the static and the elastic loop both walk them: ``(steps, walk)``, the ``EpochSteps``
-    (after the peak-memory reset, the compiling epoch's first steps timed apart as warmup) and the walk through
-    them, which notes each step (note_step: audit, rank 0's progress bar, a phase change's line) and beats the
-    stall watchdog after every step but the last; the caller's loop body decides what else follows a step."""
+def train_epoch(cfg: Config, t: Trainer, position: EpochPosition, first_of_process: bool, watchdog: StallWatchdog,
+                after_step) -> EpochResult:
+    """One epoch of the static or the elastic loop: the ``EpochSteps`` (after the peak-memory reset, the compiling
+    epoch's first steps timed apart as warmup), each step noted (its samples into the audit, rank 0's progress bar,
+    a phase change's line: the switch to SGD), and after every step but the last the stall watchdog's beat and
+    ``after_step(steps)``: the static loop's preemption check, True on every rank after the same step, stops the
+    epoch there; the elastic loop's commit count (a commit every elastic.commit_steps) never does."""
     bar = ProgressBar(t.updates * t.k, position.epoch, cfg.train.epochs, t.topo.size) \
         if t.topo.is_root and cfg.train.progress else None
     reset_peak_memory(t.topo.device)
@@ -281,43 +286,25 @@ def epoch_steps(cfg: Config, t: Trainer, position: EpochPosition, first_of_proce
                 or recompiles_in_epoch(cfg, position.epoch))  # progressive resizing's next resolution, compiled
     warmup = warmup_steps(compiles, t.updates)
     steps = EpochSteps(t, position, warmup, compile_steps(compiles, warmup))
-
-    def walk():
+    try:
         for snap in steps:
-            note_step(t, bar, snap)
+            if t.audit.path:
+                t.audit.record(snap.samples)
+            if bar:
+                bar.update(snap.loss_sum, snap.seen, snap.passes)
+            if snap.phase_change:
+                s, step = snap.phase_change, snap.global_step
+                log(t.topo, f"hybridtrain: switching to {s['phase']} at step {step} (epoch {step // t.updates + 1}), "
+                            f"lr {s['lr']:.4g}")
             if not snap.last:
                 watchdog.beat()
-            yield snap
-    try:
-        yield steps, walk()
+                if after_step(steps):
+                    return steps.stopped()
+        return steps.result()
     finally:
         steps.clock.detach()  # a step that raised leaves synchronize() wrapped (breakdown.StepClock)
         if bar:
             bar.close()
-
-
-def note_step(t: Trainer, bar: ProgressBar | None, snap: StepSnapshot) -> None:
-    """What both loops do after every step: the samples into the audit (elastic.audit_samples), rank 0's
-    progress bar, and the line of a phase change (the switch to SGD)."""
-    if t.audit.path:
-        t.audit.record(snap.samples)
-    if bar:
-        bar.update(snap.loss_sum, snap.seen, snap.passes)
-    if snap.phase_change:
-        s, step = snap.phase_change, snap.global_step
-        log(t.topo, f"hybridtrain: switching to {s['phase']} at step {step} (epoch {step // t.updates + 1}), "
-                    f"lr {s['lr']:.4g}")
-
-
-def train_epoch(cfg: Config, t: Trainer, position: EpochPosition, first_of_process: bool,
-                watchdog: StallWatchdog, watch: PreemptionWatch) -> EpochResult:
-    """One epoch of the static loop. After every step but the last, the preemption check: every rank stops after
-    the same step."""
-    with epoch_steps(cfg, t, position, first_of_process, watchdog) as (steps, walk):
-        for snap in walk:
-            if not snap.last and watch.after_step():
-                return steps.stopped()
-        return steps.result()
 
 
 def stall_watchdog(cfg: Config, topo) -> StallWatchdog:
@@ -332,7 +319,7 @@ def train_epoch_range(cfg: Config, t: Trainer, watch: PreemptionWatch, watchdog:
     for epoch in range(start_epoch, cfg.train.epochs):
         epoch_start = time.perf_counter()
         position = resumed if resumed and epoch == start_epoch else EpochPosition(epoch)
-        result = train_epoch(cfg, t, position, epoch == start_epoch, watchdog, watch)
+        result = train_epoch(cfg, t, position, epoch == start_epoch, watchdog, lambda steps: watch.after_step())
         if result.stopped:
             watch.close()
             t.audit.write(epoch, topo)

@@ -17,6 +17,7 @@ import torch
 from hybridtrain.config import Config, save_config
 from hybridtrain.engine.metrics_file import append_metrics, truncate_metrics
 from hybridtrain.engine.rundir import RunDir, save_checkpoint
+from hybridtrain.engine.sinks import Board, open_sinks
 
 
 class ProgressBar:
@@ -63,31 +64,10 @@ def log(topo, message: str) -> None:
         print(message, flush=True)
 
 
-def tensorboard_writer(cfg: Config, resumed: bool = False):
-    """A ``sinks.Board`` for rank 0 that gives TensorBoard (unless report.tensorboard is off) and the sinks the config
-    names (sinks.mlflow, sinks.wandb) the same scalars, each sink continuing its tracked run when ``resumed``; None
-    when neither is on."""
-    writer = None
-    if cfg.report.tensorboard:
-        from torch.utils.tensorboard import SummaryWriter
-        writer = SummaryWriter(os.path.join(cfg.run_dir, "tensorboard"))
-    from hybridtrain.engine.sinks import Board, open_sinks
-    sinks = open_sinks(cfg, resumed)
-    return Board(writer, sinks) if sinks or writer is not None else None
-
-
 TENSORBOARD_SCALARS = {"loss/train": "train_loss", "loss/val": "val_loss", "top1/train": "train_top1",
                        "top1/val": "val_top1", "top5/val": "val_top5", "lr": "lr", "images_per_sec": "images_per_sec",
                        "precision/loss_scale": "loss_scale", "precision/skipped_steps": "skipped_steps",
                        "memory/peak_mb": "peak_memory_mb"}
-
-
-def write_scalars(board, record: dict) -> None:
-    for tag, key in TENSORBOARD_SCALARS.items():
-        board.add_scalar(tag, record[key], record["epoch"])
-    for part, seconds in (record.get("breakdown_s") or {}).items():  # where the epoch's time went (breakdown.py)
-        board.add_scalar(f"time/{part}_s", seconds, record["epoch"])
-    board.flush()
 
 
 def device_name(device: torch.device) -> str:
@@ -161,7 +141,14 @@ class RunRecord:
             os.makedirs(cfg.run_dir, exist_ok=True)
             save_config(cfg, os.path.join(cfg.run_dir, "config.yaml"))
             self.history = truncate_metrics(self.metrics_path, completed_epochs)
-            self.board = tensorboard_writer(cfg, resumed)
+            # one sinks.Board gives TensorBoard (unless report.tensorboard is off) and the sinks the config names
+            # (sinks.mlflow, sinks.wandb, each continuing its tracked run when ``resumed``) the same scalars
+            writer = None
+            if cfg.report.tensorboard:
+                from torch.utils.tensorboard import SummaryWriter
+                writer = SummaryWriter(os.path.join(cfg.run_dir, "tensorboard"))
+            sinks = open_sinks(cfg, resumed)
+            self.board = Board(writer, sinks) if sinks or writer is not None else None
         self.start = time.perf_counter() - elapsed_s
 
     def elapsed(self) -> float:
@@ -180,7 +167,11 @@ class RunRecord:
             append_metrics(self.metrics_path, record)
             self.history.append(record)
             if self.board:
-                write_scalars(self.board, record)
+                for tag, key in TENSORBOARD_SCALARS.items():
+                    self.board.add_scalar(tag, record[key], record["epoch"])
+                for part, seconds in (record.get("breakdown_s") or {}).items():  # where the time went (breakdown.py)
+                    self.board.add_scalar(f"time/{part}_s", seconds, record["epoch"])
+                self.board.flush()
             log(self.topo, epoch_line(record, self.cfg.train.epochs))
         return record
 

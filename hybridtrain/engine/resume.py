@@ -44,24 +44,25 @@ def resume_state(cfg: Config, topo, required: bool = True) -> dict | None:
 def restore(t: Trainer, state: dict, backend: str) -> EpochPosition | None:
     """Load a checkpoint into the trainer; a mid-epoch one also gives where its epoch continues. On the layout it
     stopped on (ranks, train.batch_size) every rank continues its own batches with its own BN buffers (bitwise);
-    on another layout the epoch continues by samples, as an elastic resize does (``position_by_samples``)."""
+    on another layout the epoch continues by samples, as an elastic resize does: the rest of the epoch's permutation
+    is cut into this job's global batches (``sharding.train_batches(start=...)``), so no sample is trained twice or
+    skipped; only the final remainder (less than one global batch) is left out, as always."""
     t.load_state_dict(state)
     partial = state.get("partial")
     if not partial:
         return None
     ranks, batch_size = stopped_layout(state)
-    start, first_step = partial.get("start", 0), partial.get("first_step", 0)
-    progress = [EpochProgress(**r["progress"]) for r in partial["ranks"]]
     if (ranks, batch_size) == (t.topo.size, t.batch_size):
-        load_bn_buffers(t.model, partial["ranks"][t.topo.rank]["bn_buffers"])  # its own, not the average
-        if t.ema is not None and "ema_bn_buffers" in partial["ranks"][t.topo.rank]:
-            t.ema.load_bn_buffers(partial["ranks"][t.topo.rank]["ema_bn_buffers"])  # the EMA's of them too
-        return EpochPosition(partial["epoch"], progress[t.topo.rank], start, first_step)
-    consumed = partial.get("samples", consumed_samples(start, progress[0].passes, ranks, batch_size))
+        mine = partial["ranks"][t.topo.rank]
+        load_bn_buffers(t.model, mine["bn_buffers"])  # its own, not the average
+        if t.ema is not None and "ema_bn_buffers" in mine:
+            t.ema.load_bn_buffers(mine["ema_bn_buffers"])  # the EMA's of them too
+        return EpochPosition(partial["epoch"], EpochProgress(**mine["progress"]), partial.get("start", 0),
+                             partial.get("first_step", 0))
+    consumed, totals, train_time_s, skipped_steps = stopped_by_samples(state)
     check_continuable_by_samples(backend, partial["epoch"], consumed, (ranks, batch_size), (t.topo.size, t.batch_size))
-    totals = [sum(getattr(p, key) for p in progress) for key in ("loss_sum", "correct", "seen")]
-    return position_by_samples(partial["epoch"], consumed, totals, max(p.train_time_s for p in progress),
-                               progress[0].skipped_steps, t)
+    return EpochPosition(partial["epoch"], carried_progress(totals, train_time_s, skipped_steps, t.topo.is_root),
+                         consumed, step_in_epoch(consumed, t.topo.size, t.batch_size, t.k))
 
 
 def check_continuable_by_samples(backend: str, epoch: int, consumed: int, stopped: tuple[int, int],
@@ -82,6 +83,18 @@ def stopped_layout(state: dict) -> tuple[int, int]:
     return len(partial["ranks"]), partial.get("batch_size", state["config"]["train"]["batch_size"])
 
 
+def stopped_by_samples(state: dict) -> tuple[int, list[float], float, int]:
+    """A mid-epoch checkpoint's epoch as it continues by samples, on any layout (a static resume on another one, an
+    elastic start): the samples its permutation consumed, the epoch's (loss sum, correct, seen) over all ranks, its
+    training time so far and its skipped steps."""
+    partial = state["partial"]
+    progress = [r["progress"] for r in partial["ranks"]]
+    consumed = partial.get("samples", consumed_samples(partial.get("start", 0), progress[0]["passes"],
+                                                       *stopped_layout(state)))
+    totals = [sum(p[key] for p in progress) for key in ("loss_sum", "correct", "seen")]
+    return consumed, totals, max(p["train_time_s"] for p in progress), progress[0]["skipped_steps"]
+
+
 def consumed_samples(start: int, passes: int, world_size: int, batch_size: int) -> int:
     """Samples of an epoch's permutation consumed after ``passes`` passes from sample ``start``: every pass takes
     the next global batch, ``world_size * batch_size`` samples, however it is split between the ranks."""
@@ -99,15 +112,6 @@ def carried_progress(totals: list[float], train_time_s: float, skipped_steps: in
     all-reduced), every rank the time and the skipped steps."""
     sums = totals if is_root else [0.0, 0.0, 0.0]
     return EpochProgress(0, *sums, train_time_s, skipped_steps)
-
-
-def position_by_samples(epoch: int, consumed: int, totals: list[float], train_time_s: float, skipped_steps: int,
-                        t: Trainer) -> EpochPosition:
-    """Epoch ``epoch`` continued at sample ``consumed`` of its permutation on this job's layout: the rest of the
-    permutation is cut into this job's global batches (``sharding.train_batches(start=...)``), so no sample is
-    trained twice or skipped; only the final remainder (less than one global batch) is left out, as always."""
-    return EpochPosition(epoch, carried_progress(totals, train_time_s, skipped_steps, t.topo.is_root), consumed,
-                         step_in_epoch(consumed, t.topo.size, t.batch_size, t.k))
 
 
 @torch.no_grad()

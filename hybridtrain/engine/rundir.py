@@ -27,15 +27,14 @@ import uuid
 from hybridtrain.config import check_run_dir
 from hybridtrain.engine import checkpoint
 from hybridtrain.engine.checkpoint import CHECKSUM_SUFFIX, checksum_path
-from hybridtrain.errors import UserError, environment_fault
+from hybridtrain.errors import UserError
 from hybridtrain.outputs import is_plain_file, refuse_unless_plain, write_json_atomically
 
 MARKER = "run.json"
 LOCK = ".lock"
 PATTERN = "checkpoint-epoch{epoch:04d}.pt"
 STOPPED_PATTERN = "checkpoint-epoch{epoch:04d}-step{step:06d}.pt"  # a preempted epoch, after ``step`` steps
-EPOCH_RE = re.compile(r"checkpoint-epoch(\d+)(?:-step(\d+))?\.pt$")
-NAME_RE = re.compile(r"checkpoint-epoch\d+(?:-step\d+)?\.pt")  # the whole name of a checkpoint this code writes
+NAME_RE = re.compile(r"checkpoint-epoch(\d+)(?:-step(\d+))?\.pt")  # the whole name of a checkpoint this code writes
 # a save's temp file: a checkpoint's or its sidecar's (atomic_save), run.json's and metrics.jsonl's
 # (outputs.atomic_path; older versions named them run.json.tmp-PID and metrics.jsonl.tmp-PID)
 TEMP_RE = re.compile(r"(?:checkpoint-epoch\d+(?:-step\d+)?\.pt(?:\.sha256)?|run\.json|metrics\.jsonl)\.tmp-\d+"
@@ -59,71 +58,54 @@ def is_run_file_name(name: str) -> bool:
     return is_own_name(base) or TEMP_RE.fullmatch(name) is not None
 
 
+def _order(name: str) -> tuple[int, int]:
+    """(epoch, step) of a checkpoint name this code writes; a finished epoch's step is WHOLE_EPOCH."""
+    m = NAME_RE.fullmatch(name)
+    return int(m.group(1)), int(m.group(2)) if m.group(2) else WHOLE_EPOCH
+
+
 def list_checkpoints(directory: str) -> list[tuple[tuple[int, int], str]]:
-    """((epoch, step), path), oldest first; a finished epoch's step is WHOLE_EPOCH."""
-    found = []
-    for path in glob.glob(os.path.join(glob.escape(directory), "checkpoint-epoch*.pt")):
-        m = EPOCH_RE.search(path)
-        if m and is_own_name(os.path.basename(path)):
-            found.append(((int(m.group(1)), int(m.group(2)) if m.group(2) else WHOLE_EPOCH), path))
-    return sorted(found)
+    """((epoch, step), path), oldest first."""
+    names = (os.path.basename(path) for path in glob.glob(os.path.join(glob.escape(directory), "checkpoint-epoch*.pt")))
+    return sorted((_order(name), os.path.join(directory, name)) for name in names if is_own_name(name))
 
 
-def _prune(directory: str, keep: int) -> None:
-    """Remove all but the newest ``keep`` checkpoints, their sidecars, orphaned sidecars and the temp files
-    a killed save left behind."""
-    for _, old in list_checkpoints(directory)[:-keep]:
-        for path in (old, checksum_path(old)):
-            if is_plain_file(path):
-                os.remove(path)
-    remove_stale_temp_files(directory)
-    for sidecar in glob.glob(os.path.join(glob.escape(directory), f"checkpoint-epoch*.pt{CHECKSUM_SUFFIX}")):
-        if (is_own_name(os.path.basename(sidecar)[:-len(CHECKSUM_SUFFIX)]) and is_plain_file(sidecar)
-                and not os.path.lexists(sidecar[:-len(CHECKSUM_SUFFIX)])):
-            os.remove(sidecar)
-
-
-def _prune_owned(owner, keep: int) -> None:
-    """Remove all but the newest ``keep`` of the checkpoints this run wrote (``owner``: its RunDir); files
-    of other runs or of the user are never considered. The names come from run.json, so they are data: only a bare
-    checkpoint name (no folder) is ever joined to run_dir, and only a plain file (no link, no folder) removed."""
-    ordered = sorted((n for n in owner.checkpoints() if is_own_name(n)), key=lambda n: _order(EPOCH_RE.search(n)))
-    for name in [n for n in owner.checkpoints() if not is_own_name(n)]:
-        print(f"hybridtrain: warning: {os.path.join(owner.path, MARKER)} lists {name!r}, which is not a "
-              f"checkpoint name of this run: ignored (nothing outside the run's own files is removed)",
-              file=sys.stderr)
-        owner.forget_checkpoint(name)
-    for name in ordered[:-keep]:
-        for path in (os.path.join(owner.path, name), checksum_path(os.path.join(owner.path, name))):
-            if is_plain_file(path):
-                os.remove(path)
-        owner.forget_checkpoint(name)
-
-
-def _order(match) -> tuple[int, int]:
-    return (int(match.group(1)), int(match.group(2)) if match.group(2) else WHOLE_EPOCH) if match else (0, 0)
-
-
-def keep_newest(directory: str, saved: str, keep: int, owner: RunDir | None) -> None:
-    """After the checkpoint ``saved`` is durable: list it in run.json and remove all but the newest ``keep`` of those
-    the run wrote (``owner``), or, without one, of every checkpoint in ``directory``."""
+def _prune(directory: str, keep: int, owner=None) -> None:
+    """Remove all but the newest ``keep`` of the checkpoints this run wrote (``owner``: its RunDir), with their
+    sidecars; files of other runs or of the user are never considered. The names come from run.json, so they are
+    data: only a bare checkpoint name (no folder) is ever joined to run_dir, and only a plain file (no link, no
+    folder) removed. Without an owner: of every checkpoint in ``directory``, and then orphaned sidecars and the temp
+    files a killed save left behind."""
     if owner is None:
-        _prune(directory, keep)
+        names = [os.path.basename(path) for _, path in list_checkpoints(directory)]
     else:
-        owner.add_checkpoint(saved)
-        _prune_owned(owner, keep)
+        for name in [n for n in owner.checkpoints() if not is_own_name(n)]:
+            print(f"hybridtrain: warning: {os.path.join(owner.path, MARKER)} lists {name!r}, which is not a "
+                  f"checkpoint name of this run: ignored (nothing outside the run's own files is removed)",
+                  file=sys.stderr)
+            owner.forget_checkpoint(name)
+        names = sorted(owner.checkpoints(), key=_order)
+    for name in names[:-keep]:
+        for path in (os.path.join(directory, name), checksum_path(os.path.join(directory, name))):
+            if is_plain_file(path):
+                os.remove(path)
+        if owner is not None:
+            owner.forget_checkpoint(name)
+    if owner is None:
+        remove_stale_temp_files(directory)
+        for sidecar in glob.glob(os.path.join(glob.escape(directory), f"checkpoint-epoch*.pt{CHECKSUM_SUFFIX}")):
+            if (is_own_name(os.path.basename(sidecar)[:-len(CHECKSUM_SUFFIX)]) and is_plain_file(sidecar)
+                    and not os.path.lexists(sidecar[:-len(CHECKSUM_SUFFIX)])):
+                os.remove(sidecar)
 
 
-def remove_stale_temp_files(directory: str) -> list[str]:
+def remove_stale_temp_files(directory: str) -> None:
     """Remove the temp files of saves that were killed mid-write (plain files named as a save names them); only
-    the holder of the run_dir's lock calls this, so no save of this run is under way. Returns their names."""
-    removed = []
-    for name in sorted(os.listdir(directory)):
+    the holder of the run_dir's lock calls this, so no save of this run is under way."""
+    for name in os.listdir(directory):
         path = os.path.join(directory, name)
         if TEMP_RE.fullmatch(name) and is_plain_file(path):
             os.remove(path)
-            removed.append(name)
-    return removed
 
 
 RUN_FILES = ("run.json", "metrics.jsonl", "config.yaml", "final_model.pt*", "report.json", "report.md",
@@ -152,10 +134,6 @@ class RunDir:
 
     def __init__(self, path: str, fd: int, marker: dict, created: list[str] | None = None):
         self.path, self.fd, self.marker, self.created = path, fd, marker, created or []
-
-    @property
-    def run_id(self) -> str:
-        return self.marker["run_id"]
 
     def add_checkpoint(self, name: str) -> None:
         if name not in self.marker["checkpoints"]:
@@ -266,18 +244,6 @@ def move_aside(run_dir: str, names: list[str]) -> str:
     return target
 
 
-def claim(run_dir: str, resume: str | None, move: bool = False) -> tuple[RunDir, str]:
-    """:func:`claim_run_dir`, with a fault of the machine (read-only folder, full disk, dangling link) as the one
-    line that names its path and the fix, which every rank then raises."""
-    try:
-        return claim_run_dir(run_dir, resume, move)
-    except OSError as exc:
-        line = environment_fault(exc)
-        if line is None:
-            raise
-        raise UserError(line) from None
-
-
 def made_folders(path: str) -> list[str]:
     """``os.makedirs(path)``; the folders it made, deepest first."""
     missing, current = [], os.path.abspath(path)
@@ -288,7 +254,7 @@ def made_folders(path: str) -> list[str]:
     return missing
 
 
-def claim_run_dir(run_dir: str, resume: str | None, move: bool = False) -> tuple[RunDir, str]:
+def claim(run_dir: str, resume: str | None, move: bool = False) -> tuple[RunDir, str]:
     """Lock ``run_dir`` for this run and name the run; (the hold, a line for the log or '').
 
     Fresh (``resume`` None, or "auto" with no checkpoint): refused when the folder holds a run's files, unless
@@ -324,14 +290,16 @@ def claim_run_dir(run_dir: str, resume: str | None, move: bool = False) -> tuple
 
 def save_checkpoint(state: dict, directory: str, epoch: int, keep: int, step: int | None = None,
                     owner: RunDir | None = None) -> str:
-    """Write the epoch's checkpoint (a stopped one when ``step`` is given), then prune old ones (only after
-    the new one is durable): those ``owner`` (the run's RunDir) wrote, or without one every checkpoint
-    in ``directory`` (keep_newest)."""
+    """Write the epoch's checkpoint (a stopped one when ``step`` is given), then, only after it is durable, list it
+    in run.json and remove all but the newest ``keep`` of those the run wrote (``owner``: its RunDir), or, without
+    one, of every checkpoint in ``directory``."""
     os.makedirs(directory, exist_ok=True)
     name = checkpoint_name(epoch, step)
     path = os.path.join(directory, name)
     checkpoint.atomic_save(state, path)
-    keep_newest(directory, name, keep, owner)
+    if owner is not None:
+        owner.add_checkpoint(name)
+    _prune(directory, keep, owner)
     return path
 
 

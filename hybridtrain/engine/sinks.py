@@ -1,7 +1,7 @@
 """The experiment trackers a run logs to besides metrics.jsonl: MLflow (``sinks.mlflow``: a local file store or a
 tracking URI) and Weights & Biases (``sinks.wandb``: offline, synced later with ``wandb sync``, or online). Optional
 and imported only when asked for (``pip install 'hybridtrain[sinks]'``), on rank 0 only, and fed from the same
-records as TensorBoard: ``Board`` stands where TensorBoard's writer stands (``records.tensorboard_writer``), so
+records as TensorBoard: ``Board`` stands where TensorBoard's writer stands (``records.RunRecord``), so
 every scalar TensorBoard gets (per epoch: losses, accuracies, lr, img/s, the time breakdown, ...) reaches each sink
 at the same step; the resolved config goes in as parameters when the run starts, and the report's files (report.md,
 report.json, the PNGs) as artifacts when it ends (``log_report``). The trackers' run ids are kept in

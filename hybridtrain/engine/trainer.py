@@ -64,8 +64,10 @@ class Trainer:
 
 def build_trainer(cfg: Config, topo) -> Trainer:
     """Everything a rank trains with, on the device ``topo`` (distributed.init) bound it to."""
-    if cfg.train.deterministic:
-        use_deterministic_algorithms()
+    if cfg.train.deterministic:  # bitwise-repeatable runs (and exact resumes) at some cost in speed
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
     elif cfg.bn.per_rank_batch == "fixed":
         torch.backends.cudnn.benchmark = True  # fixed shapes: cuDNN picks the fastest kernels once
     else:  # a new batch size almost every step would be autotuned anew every time (gpu-path-2 #8)
@@ -103,10 +105,3 @@ def build_trainer(cfg: Config, topo) -> Trainer:
     bundle.optimizer = distributed.wrap_optimizer(bundle.optimizer, model, cfg, k, compression)
     return Trainer(topo, data, model, precision, bundle, updates, k, cfg.train.batch_size, step, compression,
                    fp32_math, ema=create_ema(model, cfg.train))
-
-
-def use_deterministic_algorithms() -> None:
-    """train.deterministic: bitwise-repeatable runs (and exact resumes) at some cost in speed."""
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True)
-    torch.backends.cudnn.benchmark = False
