@@ -10,7 +10,6 @@ from hybridtrain.cli.options import (
     bounded_int,
     engine_name,
 )
-from hybridtrain.config.sections import ARCHS
 from hybridtrain.outputs import check_output_dir, check_output_file, write_json_atomically
 
 BENCH_PRECISIONS = ("fp64", "fp32", "mixed-fp16", "mixed-bf16", "layered", "fp16_pure")
@@ -88,7 +87,9 @@ def add_commands(sub) -> None:
     step = sub.add_parser("bench", help="the trainer's training step on synthetic data: img/s, step time, memory; "
                                          "--baseline compares a plain PyTorch loop")
     add_recipe_options(step, "recipe (default: the built-in defaults, ResNet-50 at batch 256, 224 px)")
-    step.add_argument("--arch", choices=ARCHS, help="model.arch")
+    # config.sections.ARCHS, written out: the parser imports no config (PyYAML may be missing: gpu-check's start)
+    step.add_argument("--arch", choices=["resnet18", "resnet34", "resnet50", "resnet101", "resnet152"],
+                      help="model.arch")
     step.add_argument("--precision", action="append", metavar="MODE", choices=list(BENCH_PRECISIONS),
                       help=f"{', '.join(BENCH_PRECISIONS)} (repeatable; default: the recipe's)")
     step.add_argument("--batch-size", type=BATCH, action="append", help="per-device batch (repeatable)")

@@ -1,9 +1,17 @@
 """The config overrides of one ``hybridtrain bench`` row, torch-free: the command checks its recipe with them
-before it imports torch (a typo is refused at once), and ``step_bench`` loads each row's config with them. A precision
-mode's are the ``precision`` experiment's (``precision_sets``)."""
+before it imports torch (a typo is refused at once), and ``step_bench`` loads each row's config with them."""
 from __future__ import annotations
 
-from hybridtrain.reports.experiments import precision_sets
+
+def precision_sets(spec: str) -> list[str]:
+    """``mixed-bf16`` -> the config overrides it stands for."""
+    mode, _, dtype = spec.partition("-")
+    # each mode with its own loss scaling and all-reduce compression (auto), whatever the recipe's mode had
+    sets = [f"precision.mode={mode}", "precision.loss_scaling=auto", "distributed.compression=auto"]
+    sets += [f"precision.compute_dtype={dtype}"] if dtype else []
+    if mode == "fp16_pure":
+        sets += ["optim.name=goyal", "model.residual_bn_scale=0.25"]  # FP16 state: no AdaBound (docs/precision.md)
+    return sets
 
 
 def row_sets(overrides: list[str], spec: str | None, batch: int | None) -> list[str]:

@@ -46,26 +46,21 @@ def lars_rows(cfg) -> list[tuple[str, list[str]]]:
     return rows
 
 
-# each precision row with its mode's own loss scaling and all-reduce compression, whatever the recipe set
-OWN_SCALING = ["precision.loss_scaling=auto", "distributed.compression=auto"]
-
-
-def precision_sets(spec: str) -> list[str]:
-    """``mixed-bf16`` -> the config overrides it stands for (a ``precision`` row's, and ``bench --precision``'s)."""
-    mode, _, dtype = spec.partition("-")
-    sets = [f"precision.mode={mode}", *OWN_SCALING]
-    sets += [f"precision.compute_dtype={dtype}"] if dtype else []
-    if mode == "fp16_pure":
-        sets += ["optim.name=goyal", "model.residual_bn_scale=0.25"]  # FP16 state: no AdaBound (docs/precision.md)
-    return sets
-
-
 def precision_rows(cfg) -> list[tuple[str, list[str]]]:
     """Seed 003's schemes and seed 001's Fig 3.3: the recipe under every precision mode. fp16_pure keeps its
     optimizer state in FP16, which AdaBound cannot use, so that row trains with goyal and seed 002's 0.25."""
-    rows = [(spec, precision_sets(spec)) for spec in ("fp64", "fp32", "mixed-fp16", "mixed-bf16", "layered")]
-    return rows + [("fp16_pure (goyal)", [*precision_sets("fp16_pure"),
-                                          f"optim.warmup_epochs={min(5, cfg.train.epochs // 3)}"])]
+    rows = [("fp64", ["precision.mode=fp64"]), ("fp32", ["precision.mode=fp32"]),
+            ("mixed-fp16", ["precision.mode=mixed", "precision.compute_dtype=fp16"]),
+            ("mixed-bf16", ["precision.mode=mixed", "precision.compute_dtype=bf16"]),
+            ("layered", ["precision.mode=layered"])]
+    rows += [("fp16_pure (goyal)", ["precision.mode=fp16_pure", "optim.name=goyal",
+                                    f"optim.warmup_epochs={min(5, cfg.train.epochs // 3)}",
+                                    "model.residual_bn_scale=0.25"])]
+    return [(name, sets + OWN_SCALING) for name, sets in rows]
+
+
+# each precision row with its mode's own loss scaling and all-reduce compression, whatever the recipe set
+OWN_SCALING = ["precision.loss_scaling=auto", "distributed.compression=auto"]
 
 
 def layered_rows(cfg) -> list[tuple[str, list[str]]]:
