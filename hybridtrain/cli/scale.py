@@ -19,35 +19,26 @@ def cmd_scale(args) -> int:
         raise UserError("--np counts ranks on this machine; --cluster N runs one rank on each of N hosts: drop one")
     if not args.cluster and args.link != "none":  # the default
         raise UserError(f"--link {args.link} limits the links of a --cluster: add --cluster N, or drop --link")
+    from hybridtrain.perf.scaling import format_table, parse_compressions, run_scale
     if args.cluster:
+        from hybridtrain.cluster.scale import format_cluster_table, parse_links, run_cluster_scale
         with cluster.in_use("scale --cluster", alone=True), cluster.stopped_cleanly(
                 "the rows' ranks ended and the cluster is removed (its namespaces, sshds and ranks)", cluster.down):
-            rows, table, written = scale_across_hosts(args)
+            rows = run_cluster_scale(args.config, args.set, args.cluster, parse_links(args.link),
+                                     parse_compressions(args.compression), parse_engines(args.engine), args.steps,
+                                     args.warmup, args.out, args.oversubscribe)
+        table, written = format_cluster_table(rows), "scale_cluster.json and scale_cluster.png"
     else:
         with cluster.stopped_cleanly("its ranks ended"):
-            rows, table, written = scale_here(args)
+            rows = run_scale(args.config, args.set, args.np or [1, 2], parse_compressions(args.compression),
+                             args.steps, args.warmup, args.out, args.oversubscribe, parse_engines(args.engine))
+        table, written = format_table(rows), "scale.json and scale.png"
     print(table)
     print(f"{written} written to {args.out}")
     if args.json:
         write_json_atomically(args.json, {"config": args.config, "overrides": args.set, "rows": rows})
         print(f"rows written to {args.json}")
     return 0
-
-
-def scale_across_hosts(args) -> tuple[list[dict], str, str]:
-    from hybridtrain.cluster.scale import format_cluster_table, parse_links, run_cluster_scale
-    from hybridtrain.perf.scaling import parse_compressions
-    rows = run_cluster_scale(args.config, args.set, args.cluster, parse_links(args.link),
-                             parse_compressions(args.compression), parse_engines(args.engine), args.steps,
-                             args.warmup, args.out, args.oversubscribe)
-    return rows, format_cluster_table(rows), "scale_cluster.json and scale_cluster.png"
-
-
-def scale_here(args) -> tuple[list[dict], str, str]:
-    from hybridtrain.perf.scaling import format_table, parse_compressions, run_scale
-    rows = run_scale(args.config, args.set, args.np or [1, 2], parse_compressions(args.compression), args.steps,
-                     args.warmup, args.out, args.oversubscribe, parse_engines(args.engine))
-    return rows, format_table(rows), "scale.json and scale.png"
 
 
 def parse_engines(text: str) -> tuple[str, ...]:

@@ -181,8 +181,6 @@ def _check_numbers(values: list, meta, dotted) -> list:
 
 def _check_range(value, meta, dotted):
     lo, hi = meta.get("lo"), meta.get("hi")
-    if lo is None and hi is None:
-        return
     too_low = lo is not None and (value <= lo if meta.get("lo_open") else value < lo)
     too_high = hi is not None and (value >= hi if meta.get("hi_open") else value > hi)
     if too_low or too_high:

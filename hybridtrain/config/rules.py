@@ -22,8 +22,15 @@ def validate(cfg: Config) -> Config:
     validate_recipe(cfg)
     validate_precision(cfg)
     validate_data(cfg)
-    validate_bn(cfg)
-    validate_compile(cfg)
+    if cfg.bn.sync and cfg.model.bn_swap:
+        raise UserError("config error: bn.sync cannot be combined with model.bn_swap (the swapped BN computes its "
+                        "statistics itself): switch one of them off")
+    if cfg.bn.per_rank_batch == "random" and cfg.data.backend != "torchvision":
+        raise UserError(f"config error: bn.per_rank_batch=random needs data.backend=torchvision (data.backend="
+                        f"{cfg.data.backend} delivers fixed batches): switch the backend or use per_rank_batch=fixed")
+    if cfg.train.compile_scope != "blocks" and not cfg.train.compile:
+        raise UserError(f"config error: train.compile_scope={cfg.train.compile_scope} only applies with "
+                        f"train.compile=true: set train.compile=true or drop train.compile_scope")
     validate_cuda_graphs(cfg)
     d = cfg.distributed
     if 0 < d.stall_shutdown_s < d.stall_warning_s:
@@ -83,12 +90,6 @@ def validate_precision(cfg: Config) -> None:
     gradient_compression(cfg.distributed.compression, p)
 
 
-def validate_compile(cfg: Config) -> None:
-    if cfg.train.compile_scope != "blocks" and not cfg.train.compile:
-        raise UserError(f"config error: train.compile_scope={cfg.train.compile_scope} only applies with "
-                        f"train.compile=true: set train.compile=true or drop train.compile_scope")
-
-
 def validate_cuda_graphs(cfg: Config) -> None:
     """A graph replays one batch shape with no collective inside the forward pass and one pass per step."""
     if not cfg.train.cuda_graphs:
@@ -139,15 +140,6 @@ def validate_progressive(cfg: Config) -> None:
         raise UserError(f"config error: progressive resizing needs data.res_start_epoch < data.res_end_epoch < "
                         f"train.epochs, got {d.res_start_epoch}, {d.res_end_epoch}, {epochs} (0-based epochs; the "
                         f"last epoch trains at data.res_end, where BN's last-iteration statistics are taken)")
-
-
-def validate_bn(cfg: Config) -> None:
-    if cfg.bn.sync and cfg.model.bn_swap:
-        raise UserError("config error: bn.sync cannot be combined with model.bn_swap (the swapped BN computes its "
-                        "statistics itself): switch one of them off")
-    if cfg.bn.per_rank_batch == "random" and cfg.data.backend != "torchvision":
-        raise UserError(f"config error: bn.per_rank_batch=random needs data.backend=torchvision (data.backend="
-                        f"{cfg.data.backend} delivers fixed batches): switch the backend or use per_rank_batch=fixed")
 
 
 def validate_recipe(cfg: Config) -> None:
