@@ -41,8 +41,7 @@ def parse_size(text: str) -> tuple[int, int]:
 
 def cmd_prepare_imagenet(args) -> int:
     from hybridtrain.data.prepare.imagenet import prepare_imagenet, summary_lines
-    if args.source:
-        refuse_dangling(args.source, "--source")
+    refuse_dangling(args.source, "--source")  # required, as are flat_dir and --labels: '' is this folder
     if args.val_labels:
         refuse_dangling(args.val_labels, "--val-labels")
     check_output_dir(args.out, "--out")
@@ -59,10 +58,8 @@ def cmd_prepare_imagenet(args) -> int:
 
 def cmd_reorganise_val(args) -> int:
     from hybridtrain.data.prepare.flat_val import reorganise_flat_val
-    if args.flat_dir:
-        refuse_dangling(args.flat_dir, "flat_dir")
-    if args.labels:
-        refuse_dangling(args.labels, "--labels")
+    refuse_dangling(args.flat_dir, "flat_dir")
+    refuse_dangling(args.labels, "--labels")
     check_output_dir(args.out, "--out")
     counts = reorganise_flat_val(args.flat_dir, args.labels, args.out, link=not args.copy)
     print(f"{counts['images']} validation images in {counts['classes']} class folders under {args.out}")
