@@ -262,17 +262,15 @@ def load_config(path: str | None = None, overrides: list[str] | None = None, for
         for leaf, item in _leaves(key_path, value):
             leaf = _current_name(leaf, moved, by_name)
             _apply_override(tree, leaf, _as_written(leaf, item, text) if item is value else item)
-    tree = move_renamed_keys(tree, "by --set", moved)
-    warn_moved(moved)
-    cfg = validate(build(Config, tree))
+    cfg = config_from_dict(tree, "by --set", moved)
     if for_command:
         check_paths(cfg, for_command)
     return cfg
 
 
-def config_from_dict(tree: dict) -> Config:
-    moved: list[tuple[str, str]] = []
-    tree = move_renamed_keys(tree, "in the mapping", moved)
+def config_from_dict(tree: dict, where: str = "in the mapping", moved: list[tuple[str, str]] | None = None) -> Config:
+    moved = [] if moved is None else moved  # load_config's: the keys its recipe file gave by their old names
+    tree = move_renamed_keys(tree, where, moved)
     warn_moved(moved)
     return validate(build(Config, tree))
 
