@@ -24,10 +24,22 @@ def cmd_bench(args) -> int:
     sets += [f"model.arch={args.arch}"] if args.arch else []
     sets += [f"data.crop_size={args.image_size}"] if args.image_size is not None else []
     sets += ["data.channels_last=true"] if args.channels_last else []
-    if args.find_max_batch:
-        return cmd_find_max_batch(args, sets)
     from hybridtrain.config import load_config
-    from hybridtrain.perf.bench_sets import row_sets
+    from hybridtrain.perf.bench_sets import precision_sets, row_sets
+    if args.find_max_batch:
+        import torch
+
+        from hybridtrain.perf.max_batch import explain_cpu, find_max_batch, format_trials
+        if not torch.cuda.is_available():
+            return explain_cpu()
+        torch.backends.cudnn.benchmark = True  # the kernels training will use
+        for spec in args.precision or [None]:
+            precision = precision_sets(spec) if spec else []
+            start = args.start_batch or load_config(args.config, sets + precision).train.batch_size
+            trials = find_max_batch(lambda b: load_config(args.config, sets + precision + [f"train.batch_size={b}"]),
+                                    start, args.memory_margin, args.batch_granularity, args.steps, args.warmup)
+            print(f"\nprecision {spec or 'of the recipe'}: " + format_trials(trials, torch.cuda.get_device_name()))
+        return 0
     # the first row's config, as bench loads it, before torch is imported: a typo is refused at once
     load_config(args.config, row_sets(sets, (args.precision or [None])[0], (args.batch_size or [None])[0]))
     from hybridtrain.cluster.netns import stopped_cleanly
@@ -40,24 +52,6 @@ def cmd_bench(args) -> int:
     if args.json is not None:
         write_json_atomically(args.json, rows)
         print(f"rows written to {args.json}")
-    return 0
-
-
-def cmd_find_max_batch(args, sets: list[str]) -> int:
-    import torch
-
-    from hybridtrain.config import load_config
-    from hybridtrain.perf.bench_sets import precision_sets
-    from hybridtrain.perf.max_batch import explain_cpu, find_max_batch, format_trials
-    if not torch.cuda.is_available():
-        return explain_cpu()
-    torch.backends.cudnn.benchmark = True  # the kernels training will use
-    for spec in args.precision or [None]:
-        precision = precision_sets(spec) if spec else []
-        start = args.start_batch or load_config(args.config, sets + precision).train.batch_size
-        trials = find_max_batch(lambda b: load_config(args.config, sets + precision + [f"train.batch_size={b}"]),
-                                start, args.memory_margin, args.batch_granularity, args.steps, args.warmup)
-        print(f"\nprecision {spec or 'of the recipe'}: " + format_trials(trials, torch.cuda.get_device_name()))
     return 0
 
 
