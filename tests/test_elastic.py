@@ -121,6 +121,9 @@ def test_elastic_run_survives_3_to_2_to_3_ranks_and_covers_every_sample(small_di
                                    elastic={"commit_steps": 2, "audit_samples": True},
                                    sinks={"mlflow": "local", "project": "elastic"} if MLFLOW else {}))
     script, hosts = discovery_script(tmp_path, 3)
+    # two names of this machine, so that the process that leaves is rank 0's (the first host's only slot): the
+    # re-formed job's rank 0 is another process, which must take the run_dir over (its lock, run.json)
+    open(hosts, "w").write("127.0.0.1:1\nlocalhost:2\n")
     cmd = [HOROVODRUN, "--network-interface", "lo", "-np", "3", "--min-np", "2", "--max-np", "3",
            "--host-discovery-script", script, HYBRIDTRAIN, "train", "--elastic", "--config", cfg]
     proc = subprocess.Popen(cmd, env=env_with_venv(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -131,10 +134,10 @@ def test_elastic_run_survives_3_to_2_to_3_ranks_and_covers_every_sample(small_di
         for line in proc.stdout:
             lines.append(line)
             if "epoch   1/4" in line:
-                open(hosts, "w").write("localhost:2\n")  # a rank leaves (mid-epoch 2, at a commit) ...
+                open(hosts, "w").write("localhost:2\n")  # rank 0 leaves (mid-epoch 2, at a commit) ...
             shrunk = shrunk or "elastic: 3 -> 2 ranks" in line
             if shrunk and "epoch   2/4" in line:
-                open(hosts, "w").write("localhost:3\n")  # ... and, once an epoch ended on 2, one comes back
+                open(hosts, "w").write("localhost:3\n")  # ... and, once an epoch ended on 2, a rank comes back
         proc.wait(timeout=600)
     finally:
         if proc.poll() is None:
@@ -159,6 +162,10 @@ def test_elastic_run_survives_3_to_2_to_3_ranks_and_covers_every_sample(small_di
         assert set(seen) <= set(range(240)) and 240 - len(seen) < 24, f"epoch {epoch} skipped a sample"
     assert len(samples[1]) == 240 and len(samples[4]) == 240
     assert os.path.exists(os.path.join(run_dir, "final_model.pt"))
+    # the later rank 0 held the folder: run.json lists its checkpoints, the older ones pruned by that list
+    kept = [f"checkpoint-epoch000{epoch}.pt" for epoch in (2, 3, 4)]  # train.keep_checkpoints: 3
+    assert json.load(open(os.path.join(run_dir, "run.json")))["checkpoints"] == kept
+    assert sorted(os.path.basename(p) for p in glob.glob(os.path.join(run_dir, "checkpoint-epoch*.pt"))) == kept
     if MLFLOW:  # each reset ends the tracked run and the re-formed job continues it: one run, every epoch, FINISHED
         from mlflow.tracking import MlflowClient
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")

@@ -97,9 +97,24 @@ class ElasticState:
         hvd = horovod.import_horovod()
         super().__init__(bcast_object=hvd.broadcast_object, get_rank=hvd.rank)
         self.trainer, self.position = trainer, position
-        self.owner = None  # rank 0's hold on run_dir (rundir.RunDir), taken by the process that started the run
+        self.owner = None  # rank 0's hold on run_dir (rundir.RunDir): the job's, taken again after every reset
         self.resume, self.move_aside = None, False  # how the run starts: train's --resume and --move-aside
         self.save()
+
+    def check_host_updates(self) -> None:
+        """Horovod's check at a commit. When the hosts changed it raises on every rank, and rank 0 first lets go of
+        run_dir: its process may be the one that leaves, and the re-formed job's rank 0 takes the folder over
+        (train_elastic) once the job has re-formed."""
+        try:
+            super().check_host_updates()
+        except BaseException:
+            self.hand_over()
+            raise
+
+    def hand_over(self) -> None:
+        if self.owner is not None:
+            self.owner.hand_over()
+            self.owner = None
 
     def run_state(self) -> dict:
         """The trainer's run state (Trainer.state_dict, as a checkpoint holds it) with the position on top."""
@@ -143,6 +158,7 @@ def fit_to_ranks(cfg: Config, t: Trainer) -> None:
 
 def on_reset(cfg: Config, state: ElasticState) -> None:
     t, before = state.trainer, state.trainer.topo.size
+    state.hand_over()  # after a peer's failure: the re-formed job's rank 0 takes run_dir over (train_elastic)
     fit_to_ranks(cfg, t)
     pos = state.position
     log(t.topo, f"hybridtrain: elastic: {before} -> {t.topo.size} ranks in epoch {pos.epoch + 1} after "
@@ -211,7 +227,9 @@ def train_elastic(state: ElasticState, cfg: Config) -> dict | None:
     watchdog = stall_watchdog(cfg, t.topo)
     try:
         continued = state.position.started  # re-formed after a reset: the run's records exist
-        if not continued:
+        if continued:  # the run's folder, held by this job's rank 0: the lock, run.json's checkpoints
+            state.owner = claim_run_dir(cfg, t.topo, "required", False)
+        else:
             continued = start_run(cfg, state)
             state.commit()
         log_setup(cfg, t)

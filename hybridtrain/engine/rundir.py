@@ -152,6 +152,12 @@ class RunDir:
         refuse_unless_plain(path)
         write_json_atomically(path, self.marker)
 
+    def hand_over(self) -> None:
+        """Let go of the lock for the same run's next holder (an elastic job's re-formed rank 0); the folder stays
+        whatever it holds."""
+        self.created = []
+        self.release()
+
     def release(self) -> None:
         """Let the next run in. A run that never started (refused after the claim, before its first epoch ended: bad
         data, a wrong flag) leaves no trace: when the claim made the folder and it holds only what the set-up wrote
