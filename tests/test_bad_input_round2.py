@@ -95,11 +95,11 @@ def test_names_in_run_json_are_data_never_paths_outside_the_run_dir(small_digits
     fresh = tmp_path / "fresh"
     owner, _ = rundir.claim(str(fresh), None)
     state = {"model": {}, "epoch": 0}
-    rundir.save_checkpoint(state, str(fresh), 1, keep=1, owner=owner)
+    owner.save_checkpoint(state, 1, keep=1)
     os.remove(fresh / "checkpoint-epoch0001.pt")
     (fresh / "checkpoint-epoch0001.pt").symlink_to(target)
     owner.marker["checkpoints"].insert(0, "../victim.txt")
-    rundir.save_checkpoint(state, str(fresh), 2, keep=1, owner=owner)
+    owner.save_checkpoint(state, 2, keep=1)
     owner.release()
     assert target.read_text() == VICTIM_TEXT and os.path.islink(fresh / "checkpoint-epoch0001.pt")
     assert owner.checkpoints() == ["checkpoint-epoch0002.pt"]

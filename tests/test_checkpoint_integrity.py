@@ -17,8 +17,8 @@ import torch
 import yaml
 from conftest import HYBRIDTRAIN, REPO, assert_one_error_line, env_with_venv, read_metrics, tiny_config
 
+from hybridtrain.engine import rundir
 from hybridtrain.engine.checkpoint import checksum_path, file_sha256, load_checkpoint, verify_checksum
-from hybridtrain.engine.rundir import save_checkpoint
 
 FILE_SIZE_LIMIT = 32 << 20  # below a resnet18 checkpoint (~90 MB), above what MPI's startup writes
 
@@ -182,18 +182,21 @@ def test_full_disk_while_saving_keeps_the_previous_checkpoint_and_is_one_error_l
 
 SAVE_UNDER_A_FILE_SIZE_LIMIT = """
 import resource, signal, sys, torch
-from hybridtrain.engine.rundir import save_checkpoint
+from hybridtrain.engine import rundir
 from hybridtrain.cli import run_guarded
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
-sys.exit(run_guarded(lambda: save_checkpoint({"model": {"w": torch.zeros(1 << 20)}, "epoch": 2}, sys.argv[1], 3, 1)))
+owner, _ = rundir.claim(sys.argv[1], "required")
+sys.exit(run_guarded(lambda: owner.save_checkpoint({"model": {"w": torch.zeros(1 << 20)}, "epoch": 2}, 3, 1)))
 """
 
 
 def test_old_checkpoints_are_pruned_only_after_the_new_one_is_durable(tmp_path):
     run_dir = str(tmp_path)
+    owner, _ = rundir.claim(run_dir, None)
     for epoch in (1, 2):
-        save_checkpoint({"model": {"w": torch.full((4,), float(epoch))}, "epoch": epoch - 1}, run_dir, epoch, keep=3)
+        owner.save_checkpoint({"model": {"w": torch.full((4,), float(epoch))}, "epoch": epoch - 1}, epoch, keep=3)
+    owner.release()
     killed_save = checkpoint(run_dir, 3) + ".tmp-999999"
     open(killed_save, "wb").close()
     before = sorted(os.listdir(run_dir))
@@ -201,10 +204,14 @@ def test_old_checkpoints_are_pruned_only_after_the_new_one_is_durable(tmp_path):
     proc = subprocess.run([sys.executable, "-c", SAVE_UNDER_A_FILE_SIZE_LIMIT, run_dir], capture_output=True,
                           text=True, env=env_with_venv(), cwd=REPO)
     assert_one_error_line(proc, "could not write checkpoint", "File too large")
-    assert sorted(os.listdir(run_dir)) == before, "a failed save removed or left files"
+    # the claim removed the killed save's temp file; the failed save removed nothing and left nothing
+    assert sorted(os.listdir(run_dir)) == [n for n in before if n != os.path.basename(killed_save)]
 
-    save_checkpoint({"model": {"w": torch.zeros(1 << 20)}, "epoch": 2}, run_dir, 3, keep=1)
-    assert sorted(os.listdir(run_dir)) == ["checkpoint-epoch0003.pt", "checkpoint-epoch0003.pt.sha256"]
+    owner, _ = rundir.claim(run_dir, "required")
+    owner.save_checkpoint({"model": {"w": torch.zeros(1 << 20)}, "epoch": 2}, 3, keep=1)
+    owner.release()
+    assert sorted(os.listdir(run_dir)) == [".lock", "checkpoint-epoch0003.pt", "checkpoint-epoch0003.pt.sha256",
+                                           "run.json"]
     assert verify_checksum(checkpoint(run_dir, 3))
 
 

@@ -74,7 +74,7 @@ def test_pruning_removes_only_the_runs_own_checkpoints(tmp_path):
     foreign.write_bytes(b"someone else's")
     state = {"model": {"w": torch.ones(2)}, "epoch": 0}
     for epoch in (1, 2, 3):
-        rundir.save_checkpoint(state, run_dir, epoch, keep=2, owner=owner)
+        owner.save_checkpoint(state, epoch, keep=2)
     names = sorted(p.name for p in tmp_path.glob("checkpoint-epoch*.pt"))
     assert names == ["checkpoint-epoch0002.pt", "checkpoint-epoch0003.pt", "checkpoint-epoch0009.pt"]
     assert owner.checkpoints() == ["checkpoint-epoch0002.pt", "checkpoint-epoch0003.pt"]

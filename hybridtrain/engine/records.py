@@ -16,7 +16,7 @@ import torch
 
 from hybridtrain.config import Config, save_config
 from hybridtrain.engine.metrics_file import append_metrics, truncate_metrics
-from hybridtrain.engine.rundir import RunDir, save_checkpoint
+from hybridtrain.engine.rundir import RunDir
 from hybridtrain.engine.sinks import Board, open_sinks
 
 
@@ -157,9 +157,8 @@ class RunRecord:
 
     def save_checkpoint(self, state: dict, epoch: int, step: int | None = None) -> str:
         """Epoch ``epoch``'s checkpoint (a stopped one after ``step`` steps), listed in run.json; the oldest beyond
-        train.keep_checkpoints pruned (rundir.save_checkpoint)."""
-        return save_checkpoint(state, self.cfg.run_dir, epoch, self.cfg.train.keep_checkpoints, step,
-                                          self.owner)
+        train.keep_checkpoints pruned (RunDir.save_checkpoint). Rank 0's: it holds the run_dir."""
+        return self.owner.save_checkpoint(state, epoch, self.cfg.train.keep_checkpoints, step)
 
     def write(self, record: dict) -> dict:
         """An epoch's record into metrics.jsonl, the board and the log."""

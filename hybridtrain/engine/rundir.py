@@ -1,8 +1,8 @@
 """What a run's folder holds, in one module: which names are the run's (``RUN_FILES``, the checkpoint names), which
-are checkpoints (``list_checkpoints``), a checkpoint's save into the folder and the pruning after it
-(``save_checkpoint``), the newest one that loads (``load_latest``), which temp files are stale, and the run's hold on
-the folder. A run owns its ``run_dir``: an exclusive lock while it trains, a marker naming the run, and a refusal to
-start fresh over another run's files. (checkpoint.py is what a checkpoint file holds: its bytes, checksum and loading.)
+are checkpoints (``list_checkpoints``), the newest one that loads (``load_latest``), which temp files are stale, and
+the run's hold on the folder (``RunDir``), through which every checkpoint is saved and the older ones pruned. A run
+owns its ``run_dir``: an exclusive lock while it trains, a marker naming the run, and a refusal to start fresh over
+another run's files. (checkpoint.py is what a checkpoint file holds: its bytes, checksum and loading.)
 
 - ``run.json`` names the run (``run_id``) and lists the checkpoints it wrote; pruning removes only those.
 - ``.lock`` is held with ``flock`` by rank 0 for the whole run. The kernel drops it when the process dies, so
@@ -70,35 +70,6 @@ def list_checkpoints(directory: str) -> list[tuple[tuple[int, int], str]]:
     return sorted((_order(name), os.path.join(directory, name)) for name in names if is_own_name(name))
 
 
-def _prune(directory: str, keep: int, owner=None) -> None:
-    """Remove all but the newest ``keep`` of the checkpoints this run wrote (``owner``: its RunDir), with their
-    sidecars; files of other runs or of the user are never considered. The names come from run.json, so they are
-    data: only a bare checkpoint name (no folder) is ever joined to run_dir, and only a plain file (no link, no
-    folder) removed. Without an owner: of every checkpoint in ``directory``, and then orphaned sidecars and the temp
-    files a killed save left behind."""
-    if owner is None:
-        names = [os.path.basename(path) for _, path in list_checkpoints(directory)]
-    else:
-        for name in [n for n in owner.checkpoints() if not is_own_name(n)]:
-            print(f"hybridtrain: warning: {os.path.join(owner.path, MARKER)} lists {name!r}, which is not a "
-                  f"checkpoint name of this run: ignored (nothing outside the run's own files is removed)",
-                  file=sys.stderr)
-            owner.forget_checkpoint(name)
-        names = sorted(owner.checkpoints(), key=_order)
-    for name in names[:-keep]:
-        for path in (os.path.join(directory, name), checksum_path(os.path.join(directory, name))):
-            if is_plain_file(path):
-                os.remove(path)
-        if owner is not None:
-            owner.forget_checkpoint(name)
-    if owner is None:
-        remove_stale_temp_files(directory)
-        for sidecar in glob.glob(os.path.join(glob.escape(directory), f"checkpoint-epoch*.pt{CHECKSUM_SUFFIX}")):
-            if (is_own_name(os.path.basename(sidecar)[:-len(CHECKSUM_SUFFIX)]) and is_plain_file(sidecar)
-                    and not os.path.lexists(sidecar[:-len(CHECKSUM_SUFFIX)])):
-                os.remove(sidecar)
-
-
 def remove_stale_temp_files(directory: str) -> None:
     """Remove the temp files of saves that were killed mid-write (plain files named as a save names them); only
     the holder of the run_dir's lock calls this, so no save of this run is under way."""
@@ -135,10 +106,28 @@ class RunDir:
     def __init__(self, path: str, fd: int, marker: dict, created: list[str] | None = None):
         self.path, self.fd, self.marker, self.created = path, fd, marker, created or []
 
-    def add_checkpoint(self, name: str) -> None:
+    def save_checkpoint(self, state: dict, epoch: int, keep: int, step: int | None = None) -> str:
+        """Write the epoch's checkpoint (a stopped one when ``step`` is given), then, only after it is durable, list it
+        in run.json and remove all but the newest ``keep`` of those the run wrote, with their sidecars; files of
+        other runs or of the user are never considered. The names come from run.json, so they are data: only a bare
+        checkpoint name (no folder) is ever joined to run_dir, and only a plain file (no link, no folder) removed."""
+        name = checkpoint_name(epoch, step)
+        path = os.path.join(self.path, name)
+        checkpoint.atomic_save(state, path)
         if name not in self.marker["checkpoints"]:
             self.marker["checkpoints"].append(name)
         self._write_marker()
+        for strange in [n for n in self.checkpoints() if not is_own_name(n)]:
+            print(f"hybridtrain: warning: {os.path.join(self.path, MARKER)} lists {strange!r}, which is not a "
+                  f"checkpoint name of this run: ignored (nothing outside the run's own files is removed)",
+                  file=sys.stderr)
+            self.forget_checkpoint(strange)
+        for old in sorted(self.checkpoints(), key=_order)[:-keep]:
+            for own in (os.path.join(self.path, old), checksum_path(os.path.join(self.path, old))):
+                if is_plain_file(own):
+                    os.remove(own)
+            self.forget_checkpoint(old)
+        return path
 
     def forget_checkpoint(self, name: str) -> None:
         self.marker["checkpoints"] = [n for n in self.marker["checkpoints"] if n != name]
@@ -292,21 +281,6 @@ def claim(run_dir: str, resume: str | None, move: bool = False) -> tuple[RunDir,
     except BaseException:
         RunDir(run_dir, fd, {}, created).release()
         raise
-
-
-def save_checkpoint(state: dict, directory: str, epoch: int, keep: int, step: int | None = None,
-                    owner: RunDir | None = None) -> str:
-    """Write the epoch's checkpoint (a stopped one when ``step`` is given), then, only after it is durable, list it
-    in run.json and remove all but the newest ``keep`` of those the run wrote (``owner``: its RunDir), or, without
-    one, of every checkpoint in ``directory``."""
-    os.makedirs(directory, exist_ok=True)
-    name = checkpoint_name(epoch, step)
-    path = os.path.join(directory, name)
-    checkpoint.atomic_save(state, path)
-    if owner is not None:
-        owner.add_checkpoint(name)
-    _prune(directory, keep, owner)
-    return path
 
 
 def load_latest(directory: str) -> dict:
