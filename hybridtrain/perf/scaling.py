@@ -190,8 +190,6 @@ def run_scale(config: str, overrides: list[str], counts: list[int], compressions
               engines: tuple[str, ...] = ("horovod",)) -> list[dict]:
     for compression in compressions:  # a bad recipe, or one the synthetic step cannot honour, fails before any launch
         measured_config(config, overrides, compression)
-    if steps < 1 or warmup < 0:
-        raise UserError("--steps must be >= 1 and --warmup >= 0")
     device = measured_config(config, overrides).train.device
     slots, unit = available_slots(device, visible_gpus() if device != "cpu" else 0)
     if counts[-1] > slots and not (oversubscribe and unit == "core"):
