@@ -224,11 +224,8 @@ def epoch_curve(optimizer: str, target: float, points: Sequence[ConvergencePoint
         best = max((p.top1 for p in points if p.optimizer == optimizer), default=None)
         known = "no published runs" if best is None else f"the best published top-1 is {best:.4f}"
         raise ValueError(f"no published {optimizer} run reached top-1 {target:g} ({known})")
-    by_batch: dict[int, ConvergencePoint] = {}
-    for p in usable:
-        if p.global_batch not in by_batch or p.epochs < by_batch[p.global_batch].epochs:
-            by_batch[p.global_batch] = p
-    ordered = [by_batch[b] for b in sorted(by_batch)]
+    batches = sorted({p.global_batch for p in usable})
+    ordered = [min((p for p in usable if p.global_batch == b), key=lambda p: p.epochs) for b in batches]
     return EpochCurve(optimizer, target, tuple(p.global_batch for p in ordered), tuple(p.epochs for p in ordered),
                       tuple(p.source for p in ordered))
 
