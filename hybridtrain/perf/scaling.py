@@ -215,16 +215,20 @@ def run_scale(config: str, overrides: list[str], counts: list[int], compressions
     return rows
 
 
+def measured(value: float | None, digits: int, scale: float = 1.0) -> str:
+    """``scale`` x a figure, with ``digits`` decimals; '-' where the row has none (scale's torch-engine rows have no
+    timeline; bench's engine rows no median, its trainer rows no mean)."""
+    return "-" if value is None else f"{scale * value:.{digits}f}"
+
+
 def format_table(rows: list[dict]) -> str:
-    def measured(value, scale: float, digits: int) -> str:  # the torch engine's rows have no timeline
-        return "-" if value is None else f"{scale * value:.{digits}f}"
     header = ["engine", "N", "compression", "img/s", "ideal img/s", "efficiency", "step ms", "all-reduce ms/step",
               "MB all-reduced/step"]
     return markdown_table(header, [[r.get("engine", "horovod"), r["world_size"], r["compression"],
                                     f"{r['images_per_sec']:.1f}", f"{r['ideal_images_per_sec']:.1f}",
                                     f"{100 * r['efficiency']:.1f}%", f"{1000 * r['step_time_s']:.1f}",
-                                    measured(r["allreduce_time_per_step_s"], 1000, 1),
-                                    measured(r["allreduce_bytes_per_step"], 1e-6, 2)] for r in rows])
+                                    measured(r["allreduce_time_per_step_s"], 1, 1000),
+                                    measured(r["allreduce_bytes_per_step"], 2, 1e-6)] for r in rows])
 
 
 def plot_scale(rows: list[dict], path: str) -> str:

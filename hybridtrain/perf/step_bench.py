@@ -27,6 +27,7 @@ import gc
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -47,6 +48,7 @@ from hybridtrain.optim.schedules import HYBRID_PHASES, hybrid_phase_start
 from hybridtrain.outputs import markdown_table
 from hybridtrain.perf.bench_sets import row_sets
 from hybridtrain.perf.host_syncs import count_host_syncs
+from hybridtrain.perf.scaling import launch, measured
 from hybridtrain.precision.policy import prepare_model, resolve_policy, set_fp32_math
 from hybridtrain.precision.scaler import create_precision
 
@@ -238,9 +240,6 @@ def engine_row(config: str | None, sets: list[str], cfg, steps: int, warmup: int
     built by ``build_trainer`` with the engine's step contract (Horovod's DistributedOptimizer, or DDP), the
     all-reduce compression, the loss scaler and the schedule (``scale``'s worker). Its steps run back to back, so
     it gives the mean step time, not the median. The row's loop is ``train/ENGINE``."""
-    import tempfile
-
-    from hybridtrain.perf.scaling import launch
     with tempfile.TemporaryDirectory(prefix="hybridtrain-bench-") as out:
         record = launch(config, [*sets, f"train.threads={threads}"], 1, cfg.distributed.compression, steps, warmup, out,
                         phase, timeline=False, engine=engine)  # Horovod's timeline would cost the step time
@@ -324,11 +323,6 @@ def bench(config: str | None, overrides: list[str], precisions: list[str], batch
                         row["over_baseline"] = row["images_per_sec"] / rows[-1]["images_per_sec"]
                     rows[-1]["trainer_over_baseline"] = timed[0]["over_baseline"]
     return rows
-
-
-def measured(value: float | None, digits: int) -> str:
-    """A figure with ``digits`` decimals; '-' where the row has none (the engine rows' median, the trainer's mean)."""
-    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def format_table(rows: list[dict]) -> str:
