@@ -277,7 +277,7 @@ def baseline_loop(cfg):
     return step
 
 
-def write_profile(step, device: torch.device, out_dir: str, steps: int = 3) -> str:
+def write_profile(step, device: torch.device, out_dir: str, steps: int = 3) -> None:
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     os.makedirs(out_dir, exist_ok=True)
@@ -285,9 +285,7 @@ def write_profile(step, device: torch.device, out_dir: str, steps: int = 3) -> s
         for _ in range(steps):
             step()
         synchronize(device)
-    path = os.path.join(out_dir, "trace.json")
-    prof.export_chrome_trace(path)
-    return path
+    prof.export_chrome_trace(os.path.join(out_dir, "trace.json"))
 
 
 def bench(config: str | None, overrides: list[str], precisions: list[str], batch_sizes: list[int], steps: int,
