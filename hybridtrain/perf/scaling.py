@@ -42,7 +42,7 @@ def measured_config(config: str, overrides: list[str], compression: str | None =
 
 
 def worker(config: str, overrides: list[str], compression: str, steps: int, warmup: int, out: str,
-           phase: str = "adabound") -> None:
+           phase: str) -> None:
     from hybridtrain.distributed import collectives as distributed
     from hybridtrain.engine.step import train_step
     from hybridtrain.engine.trainer import build_trainer
@@ -186,8 +186,7 @@ def launch(config: str | None, overrides: list[str], n: int, compression: str, s
 
 
 def run_scale(config: str, overrides: list[str], counts: list[int], compressions: list[str], steps: int,
-              warmup: int, out: str, oversubscribe: bool = False,
-              engines: tuple[str, ...] = ("horovod",)) -> list[dict]:
+              warmup: int, out: str, oversubscribe: bool, engines: tuple[str, ...]) -> list[dict]:
     for compression in compressions:  # a bad recipe, or one the synthetic step cannot honour, fails before any launch
         measured_config(config, overrides, compression)
     device = measured_config(config, overrides).train.device

@@ -208,8 +208,7 @@ def trainer_row(cfg, steps: int, warmup: int, profile_dir: str | None, phase: st
     return trainer_summary(cfg, loop, times, profile_dir)
 
 
-def trainer_and_baseline_rows(cfg, steps: int, warmup: int, profile_dir: str | None,
-                              phase: str = "adabound") -> tuple[dict, dict]:
+def trainer_and_baseline_rows(cfg, steps: int, warmup: int, profile_dir: str | None, phase: str) -> tuple[dict, dict]:
     """The trainer's row and the plain loop's, their timed steps alternated (see the module notes)."""
     loop = trainer_loop(cfg, phase)
     trainer_step, device, _, _ = loop
@@ -235,7 +234,7 @@ def release_device_memory() -> None:
 
 
 def engine_row(config: str | None, sets: list[str], cfg, steps: int, warmup: int, threads: int,
-               phase: str = "adabound", engine: str = "horovod") -> dict:
+               phase: str, engine: str) -> dict:
     """The whole step as ``train`` runs it, on one rank of ``engine`` (under horovodrun or torchrun): the trainer
     built by ``build_trainer`` with the engine's step contract (Horovod's DistributedOptimizer, or DDP), the
     all-reduce compression, the loss scaler and the schedule (``scale``'s worker). Its steps run back to back, so
