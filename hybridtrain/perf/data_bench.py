@@ -50,8 +50,6 @@ def bench_data(backends: list[str], data: str, threads: list[int], batch_size: i
     if not os.path.isdir(data):
         raise UserError(f"--data {data} is not a folder: make one with 'hybridtrain prepare-data synthetic-imagenet "
                         f"--out {data}'")
-    if min(batch_size, crop, steps) < 1 or warmup < 0 or any(t < 1 for t in threads):
-        raise UserError("--batch-size, --crop, --steps and --threads must be >= 1 and --warmup >= 0")
     threads = threads or sorted({1, cores_per_rank(1)})  # none asked: 1 and all of this process's cores
     return [measure(b, data, t, batch_size, crop, steps, warmup) for b in backends for t in threads]
 

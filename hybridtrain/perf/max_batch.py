@@ -90,10 +90,6 @@ def run_trial(cfg_for, batch: int, margin: float, steps: int, warmup: int) -> Tr
 
 def find_max_batch(cfg_for, start: int, margin: float, granularity: int, steps: int, warmup: int) -> list[Trial]:
     """Every trial of the search, in batch order; the last fitting one is the answer."""
-    if not torch.cuda.is_available():
-        return []
-    if not 0 <= margin < 1 or start < 1 or granularity < 1:
-        raise UserError("--memory-margin must be in [0, 1), --start-batch and --batch-granularity >= 1")
     trials: dict[int, Trial] = {}
 
     def fits(batch: int) -> bool:

@@ -42,7 +42,7 @@ def measured_config(config: str, overrides: list[str], compression: str | None =
 
 
 def worker(config: str, overrides: list[str], compression: str, steps: int, warmup: int, out: str,
-           phase: str = "adabound") -> None:
+           phase: str) -> None:
     from hybridtrain.distributed import collectives as distributed
     from hybridtrain.engine.step import train_step
     from hybridtrain.engine.trainer import build_trainer
@@ -186,12 +186,9 @@ def launch(config: str | None, overrides: list[str], n: int, compression: str, s
 
 
 def run_scale(config: str, overrides: list[str], counts: list[int], compressions: list[str], steps: int,
-              warmup: int, out: str, oversubscribe: bool = False,
-              engines: tuple[str, ...] = ("horovod",)) -> list[dict]:
+              warmup: int, out: str, oversubscribe: bool, engines: tuple[str, ...]) -> list[dict]:
     for compression in compressions:  # a bad recipe, or one the synthetic step cannot honour, fails before any launch
         measured_config(config, overrides, compression)
-    if steps < 1 or warmup < 0:
-        raise UserError("--steps must be >= 1 and --warmup >= 0")
     device = measured_config(config, overrides).train.device
     slots, unit = available_slots(device, visible_gpus() if device != "cpu" else 0)
     if counts[-1] > slots and not (oversubscribe and unit == "core"):
@@ -217,16 +214,20 @@ def run_scale(config: str, overrides: list[str], counts: list[int], compressions
     return rows
 
 
+def measured(value: float | None, digits: int, scale: float = 1.0) -> str:
+    """``scale`` x a figure, with ``digits`` decimals; '-' where the row has none (scale's torch-engine rows have no
+    timeline; bench's engine rows no median, its trainer rows no mean)."""
+    return "-" if value is None else f"{scale * value:.{digits}f}"
+
+
 def format_table(rows: list[dict]) -> str:
-    def measured(value, scale: float, digits: int) -> str:  # the torch engine's rows have no timeline
-        return "-" if value is None else f"{scale * value:.{digits}f}"
     header = ["engine", "N", "compression", "img/s", "ideal img/s", "efficiency", "step ms", "all-reduce ms/step",
               "MB all-reduced/step"]
     return markdown_table(header, [[r.get("engine", "horovod"), r["world_size"], r["compression"],
                                     f"{r['images_per_sec']:.1f}", f"{r['ideal_images_per_sec']:.1f}",
                                     f"{100 * r['efficiency']:.1f}%", f"{1000 * r['step_time_s']:.1f}",
-                                    measured(r["allreduce_time_per_step_s"], 1000, 1),
-                                    measured(r["allreduce_bytes_per_step"], 1e-6, 2)] for r in rows])
+                                    measured(r["allreduce_time_per_step_s"], 1, 1000),
+                                    measured(r["allreduce_bytes_per_step"], 2, 1e-6)] for r in rows])
 
 
 def plot_scale(rows: list[dict], path: str) -> str:

@@ -78,14 +78,13 @@ NDR_NODE = 8 * 400e9 / 8  # bytes/s per node: 8 ConnectX-7 NICs at 400 Gb/s each
 H100_OVERLAP = 0.0  # MLPerf v4.0 NVIDIA ResNet configs: "Default is no NCCL and BWD overlap"
 
 
-def h100_cluster(algorithm: str = "hierarchical-tree", overlap: float = H100_OVERLAP,
-                 bytes_per_element: int = 2) -> cm.ClusterSpec:
+def h100_cluster() -> cm.ClusterSpec:
     """A DGX H100 node (8 GPUs, NVLink 4, 8 x 400 Gb/s) as a template; compute time and size are set per row."""
     return cm.ClusterSpec(
         compute_time=1.0, batch_per_gpu=1, parameter_count=cm.RESNET50_PARAMETERS,
-        bytes_per_element=bytes_per_element, gpus_per_node=H100_GPUS_PER_NODE, nodes=1,
+        bytes_per_element=2, gpus_per_node=H100_GPUS_PER_NODE, nodes=1,
         intra_bandwidth=NVLINK4, intra_latency=cm.INTRA_LATENCY, inter_bandwidth=NDR_NODE,
-        inter_latency=cm.NIC_LATENCY, algorithm=algorithm, overlap=overlap)
+        inter_latency=cm.NIC_LATENCY, algorithm="hierarchical-tree", overlap=H100_OVERLAP)
 
 
 sized = cm.sized  # the template at a row's GPUs, batch and compute time
@@ -225,11 +224,8 @@ def epoch_curve(optimizer: str, target: float, points: Sequence[ConvergencePoint
         best = max((p.top1 for p in points if p.optimizer == optimizer), default=None)
         known = "no published runs" if best is None else f"the best published top-1 is {best:.4f}"
         raise ValueError(f"no published {optimizer} run reached top-1 {target:g} ({known})")
-    by_batch: dict[int, ConvergencePoint] = {}
-    for p in usable:
-        if p.global_batch not in by_batch or p.epochs < by_batch[p.global_batch].epochs:
-            by_batch[p.global_batch] = p
-    ordered = [by_batch[b] for b in sorted(by_batch)]
+    batches = sorted({p.global_batch for p in usable})
+    ordered = [min((p for p in usable if p.global_batch == b), key=lambda p: p.epochs) for b in batches]
     return EpochCurve(optimizer, target, tuple(p.global_batch for p in ordered), tuple(p.epochs for p in ordered),
                       tuple(p.source for p in ordered))
 
@@ -297,16 +293,12 @@ class RunCheck:
         return self.model.minutes / self.run.minutes - 1.0
 
 
-def mlperf_check(template: Optional[cm.ClusterSpec] = None, target: float = 0.759) -> list[RunCheck]:
+def mlperf_check() -> list[RunCheck]:
     """The model against each MLPerf v4.0 run at the run's own size and batch; the throughput curve of each row is
     fitted to the other two runs only (leave-one-out), the epochs come from the reference convergence points."""
-    template = template or h100_cluster()
-    epochs = epoch_curve("lars", target)
-    checks = []
-    for run in MLPERF_V40_RUNS:
-        curve = default_throughput_curve(exclude=run.gpus)
-        checks.append(RunCheck(run, evaluate(run.gpus, run.batch_per_gpu, curve, epochs, template)))
-    return checks
+    epochs = epoch_curve("lars", 0.759)  # MLPerf's target
+    return [RunCheck(run, evaluate(run.gpus, run.batch_per_gpu, default_throughput_curve(exclude=run.gpus), epochs,
+                                   h100_cluster())) for run in MLPERF_V40_RUNS]
 
 
 @dataclass(frozen=True)
@@ -326,11 +318,10 @@ class PaperTimeRow:
 V100_TABLE_3_2 = ((128, 1377.0), (256, 1542.0))  # the paper's Table 3.2, mixed precision
 
 
-def paper_time_check(check: Optional[cm.PaperCheck] = None) -> list[PaperTimeRow]:
+def paper_time_check(check: cm.PaperCheck) -> list[PaperTimeRow]:
     """Tables 3.7-3.9 from the time model: 24 GPUs, the paper's per-GPU speed and the efficiency the all-reduce
     model gives each cluster (cluster 1: the V100 line through Table 3.2 at batch 256; cluster 2: 295 img/s at
     128, FP16 communication)."""
-    check = check or cm.paper_cluster_check()
     v100 = fit_throughput_curve(V100_TABLE_3_2, "Table 3.2")
     c1, c2 = check.rows[0], check.rows[2]
     rows = []

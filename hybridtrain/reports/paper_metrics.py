@@ -38,11 +38,6 @@ def require_count(name: str, value: int, what: str = "an integer >= 1") -> None:
         raise ValueError(f"{name} must be {what}, got {value!r}")
 
 
-def _require_fraction(name: str, value: float) -> None:
-    if not (isinstance(value, numbers.Real) and 0 < value <= 1):
-        raise ValueError(f"{name} must lie in (0, 1], got {value!r}")
-
-
 def ideal_speed(single_gpu_speed: float, world_size: int) -> float:
     """Speed of N GPUs under perfect linear scaling, images/s."""
     require_positive("single_gpu_speed", single_gpu_speed)
@@ -66,7 +61,8 @@ def scaling_efficiency_from_times(comm_time: float, compute_time: float) -> floa
 
 def convergence_epoch(values_per_epoch: Sequence[float], target: float) -> Optional[int]:
     """First 1-based epoch whose value (e.g. top-1 validation accuracy) is >= ``target``; None if never reached."""
-    _require_fraction("target", target)
+    if not (isinstance(target, numbers.Real) and 0 < target <= 1):
+        raise ValueError(f"target must lie in (0, 1], got {target!r}")
     for epoch, value in enumerate(values_per_epoch, start=1):
         if value >= target:
             return epoch  # convergence epoch = min{e : value_e >= target}

@@ -293,14 +293,9 @@ def comparison_markdown(names: list[str], reports: list[dict]) -> str:
 
 # ----------------------------------------------------------------------------- plots
 
-def plot_run(history: list[dict], out_dir: str) -> list[str]:
+def plot_run(history: list[dict], out_dir: str) -> None:
     epochs = [r["epoch"] for r in history]
     wall = [r["wall_time_s"] / 60 for r in history]
-    paths = []
-
-    def save(fig, name):
-        paths.append(save_figure(fig, os.path.join(out_dir, name)))
-
     fig = figure(10, 4)
     panels = ((fig.add_subplot(1, 2, 1), epochs, "epoch"), (fig.add_subplot(1, 2, 2), wall, "wall time (min)"))
     for ax, x, label in panels:
@@ -308,15 +303,12 @@ def plot_run(history: list[dict], out_dir: str) -> list[str]:
         ax.plot(x, [r["val_top5"] for r in history], marker="s", label="val top-5")
         ax.set(xlabel=label, ylabel="accuracy")
         ax.legend()
-    save(fig, "accuracy.png")
+    save_figure(fig, os.path.join(out_dir, "accuracy.png"))
     plots = (("throughput.png", "images_per_sec", "images/s (global)"), ("lr.png", "lr", "learning rate"))
     for name, key, ylabel in plots:
         fig = figure(5, 3.5)
         ax = fig.add_subplot(1, 1, 1)
         ax.plot(epochs, [r[key] for r in history], marker="o")
         ax.set(xlabel="epoch", ylabel=ylabel)
-        save(fig, name)
-    breakdown = plot_breakdown(history, out_dir)
-    if breakdown:
-        paths.append(breakdown)
-    return paths
+        save_figure(fig, os.path.join(out_dir, name))
+    plot_breakdown(history, out_dir)
