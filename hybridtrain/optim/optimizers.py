@@ -149,8 +149,7 @@ def lars_sgd_step_(params, grads, momentum_bufs, scratch, lr, momentum, weight_d
         apply_lars = [apply_lars] * len(params)
     _check_same_length(params=params, grads=grads, momentum_bufs=momentum_bufs, scratch=scratch,
                        apply_lars=apply_lars)
-    if mode not in LARS_MODES:
-        raise ValueError(f"mode must be one of {LARS_MODES}, got {mode!r}")
+    require_choice({"mode": mode}, "mode", LARS_MODES)
     (lars_p, plain_p), (lars_g, plain_g), (lars_b, plain_b), (directions, _) = _split_by_flag(
         apply_lars, params, grads, momentum_bufs, scratch)
     if lars_p:
