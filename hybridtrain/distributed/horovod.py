@@ -29,13 +29,6 @@ def import_horovod():
     return hvd
 
 
-def check_nccl(device: torch.device) -> None:
-    if device.type == "cuda" and not import_horovod().nccl_built():
-        raise UserError("this Horovod was built without NCCL, so GPU all-reduces would be staged through host "
-                        "memory (or refused): rebuild with HOROVOD_GPU_OPERATIONS=NCCL ./install.sh, use "
-                        "--engine torch under torchrun, or set train.device=cpu")
-
-
 def check_controller(hvd) -> None:
     """Refuse a HOROVOD_CONTROLLER that hvd.init() would abort the process on, without a message."""
     wanted = os.environ.get("HOROVOD_CONTROLLER", "")
@@ -122,7 +115,10 @@ def init(threads: int = 0, cfg=None, elastic: bool = False, device: str = "auto"
     chosen = select_device(device, hvd.local_rank())
     peers = tuple(hvd.allgather_object((socket.gethostname(), os.getpid(), gpu_id(chosen)), name="peers"))
     check_gpu_binding(peers)
-    check_nccl(chosen)
+    if chosen.type == "cuda" and not hvd.nccl_built():
+        raise UserError("this Horovod was built without NCCL, so GPU all-reduces would be staged through host "
+                        "memory (or refused): rebuild with HOROVOD_GPU_OPERATIONS=NCCL ./install.sh, use "
+                        "--engine torch under torchrun, or set train.device=cpu")
     return current_topology(threads, peers, device)
 
 

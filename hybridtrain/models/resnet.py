@@ -194,10 +194,6 @@ def initialise(model: ResNet, zero_init_last_bn: bool = True, conv_init: str = "
 def create_model(arch: str, num_classes: int, variant: str = "v1.5", small_input_stem: bool = False,
                  zero_init_last_bn: bool = True, seed: int | None = None, residual_bn_scale: float = 1.0,
                  bn_swap: bool = False, conv_init: str = "kaiming", gaussian_std: float = 1.0) -> ResNet:
-    if arch not in LAYOUTS:
-        raise UserError(f"unknown model.arch '{arch}': choose one of {', '.join(LAYOUTS)}")
-    if conv_init not in CONV_INITS:
-        raise UserError(f"unknown model.conv_init '{conv_init}': choose one of {', '.join(CONV_INITS)}")
     if bn_swap and zero_init_last_bn:
         raise UserError("model.bn_swap multiplies the shortcut by the last BN's gamma, which zero_init_last_bn sets "
                         "to 0: set model.zero_init_last_bn: false")

@@ -127,13 +127,6 @@ def _momentum_sgd_(params, directions, momentum_bufs, lr, momentum):
     torch._foreach_add_(params, momentum_bufs, alpha=-lr)  # p <- p - lr*buf
 
 
-def _split_by_flag(flags, *lists):
-    """Split each list into (flagged, unflagged) sublists by the boolean ``flags``."""
-    on = [i for i, flag in enumerate(flags) if flag]
-    off = [i for i, flag in enumerate(flags) if not flag]
-    return [([values[i] for i in on], [values[i] for i in off]) for values in lists]
-
-
 def lars_sgd_step_(params, grads, momentum_bufs, scratch, lr, momentum, weight_decay, trust_coefficient,
                    eps, mode, apply_lars):
     """One LARS-SGD update with momentum of every tensor in ``params``.
@@ -149,10 +142,11 @@ def lars_sgd_step_(params, grads, momentum_bufs, scratch, lr, momentum, weight_d
         apply_lars = [apply_lars] * len(params)
     _check_same_length(params=params, grads=grads, momentum_bufs=momentum_bufs, scratch=scratch,
                        apply_lars=apply_lars)
-    if mode not in LARS_MODES:
-        raise ValueError(f"mode must be one of {LARS_MODES}, got {mode!r}")
-    (lars_p, plain_p), (lars_g, plain_g), (lars_b, plain_b), (directions, _) = _split_by_flag(
-        apply_lars, params, grads, momentum_bufs, scratch)
+    require_choice({"mode": mode}, "mode", LARS_MODES)
+    on = [i for i, lars in enumerate(apply_lars) if lars]
+    off = [i for i, lars in enumerate(apply_lars) if not lars]
+    lars_p, lars_g, lars_b, directions = ([values[i] for i in on] for values in (params, grads, momentum_bufs, scratch))
+    plain_p, plain_g, plain_b = ([values[i] for i in off] for values in (params, grads, momentum_bufs))
     if lars_p:
         factors = lars_trust_factors(torch.stack(torch._foreach_norm(lars_p)), torch.stack(torch._foreach_norm(lars_g)),
                                      lr, weight_decay, trust_coefficient, eps, mode).unbind(0)

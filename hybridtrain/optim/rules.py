@@ -39,11 +39,9 @@ def require_betas(group, key):
 
 
 def require_upper_bound(group, key):
-    upper = group[key]
-    if isinstance(upper, bool) or not isinstance(upper, (int, float)) or math.isnan(upper):
-        raise ValueError(f"{key} must be a number (inf allowed), got {upper!r}")
-    if upper < group["lower_bound"]:
-        raise ValueError(f"{key} ({upper!r}) must be >= lower_bound ({group['lower_bound']!r})")
+    require_number(group, key, "a number (inf allowed)", lambda value: not math.isnan(value))
+    if group[key] < group["lower_bound"]:
+        raise ValueError(f"{key} ({group[key]!r}) must be >= lower_bound ({group['lower_bound']!r})")
 
 
 def adabound_rules(alpha_key):

@@ -155,9 +155,8 @@ def poly_warmup_lr(step: int, peak: float, end: float, warmup_steps: float, tota
 
 def sgd_lr(step: int, iters_per_epoch: int, base_lr: float, world_size: int, total_epochs: int, milestones,
            decay_factor: float) -> float:
-    """Plain linear-scaling SGD: lr*N from the first step, the same step decay, no warmup."""
-    epoch = step // iters_per_epoch
-    return linear_scaled_lr(base_lr, world_size) * step_decay_factor(epoch, total_epochs, milestones, decay_factor)
+    """Plain linear-scaling SGD: lr*N from the first step, the same step decay, no warmup (`goyal_lr` with W = 0)."""
+    return goyal_lr(step, iters_per_epoch, base_lr, world_size, 0, total_epochs, milestones, decay_factor)
 
 
 # ---------------------------------------------------------------- each optimizer's schedule
@@ -181,22 +180,22 @@ def adabound_schedule(step: int, o, world_size: int, iters_per_epoch: int | None
     return {"lower_bound": lower, "upper_bound": upper}
 
 
-def goyal_schedule(step: int, o, world_size: int, iters_per_epoch: int, total_epochs: int) -> dict:
-    """`goyal_lr`: warmup to lr*N, then ``o.schedule``'s decay (step; linear or cosine per step from the warmup's
-    end, `budgeted_factor`)."""
-    if getattr(o, "schedule", "step") == "step" or step / iters_per_epoch < o.warmup_epochs:
-        return {"lr": goyal_lr(step, iters_per_epoch, o.lr, world_size, o.warmup_epochs, total_epochs, o.milestones,
+def goyal_schedule(step: int, o, world_size: int, iters_per_epoch: int, total_epochs: int,
+                   warmup_epochs: float | None = None) -> dict:
+    """`goyal_lr`: warmup to lr*N over ``warmup_epochs`` (default ``o.warmup_epochs``), then ``o.schedule``'s decay
+    (step; linear or cosine per step from the warmup's end, `budgeted_factor`)."""
+    warmup = o.warmup_epochs if warmup_epochs is None else warmup_epochs
+    if o.schedule == "step" or step / iters_per_epoch < warmup:
+        return {"lr": goyal_lr(step, iters_per_epoch, o.lr, world_size, warmup, total_epochs, o.milestones,
                                o.decay_factor)}
-    return {"lr": linear_scaled_lr(o.lr, world_size) * budgeted_factor(step / iters_per_epoch, o.warmup_epochs,
-                                                                       total_epochs, o.schedule)}
+    return {"lr": linear_scaled_lr(o.lr, world_size) * budgeted_factor(step / iters_per_epoch, warmup, total_epochs,
+                                                                       o.schedule)}
 
 
 def sgd_schedule(step: int, o, world_size: int, iters_per_epoch: int, total_epochs: int) -> dict:
-    """lr*N from the first step, then ``o.schedule``'s decay (step: `sgd_lr`; linear or cosine from epoch 0)."""
-    if getattr(o, "schedule", "step") == "step":
-        return {"lr": sgd_lr(step, iters_per_epoch, o.lr, world_size, total_epochs, o.milestones, o.decay_factor)}
-    return {"lr": linear_scaled_lr(o.lr, world_size) * budgeted_factor(step / iters_per_epoch, 0.0, total_epochs,
-                                                                       o.schedule)}
+    """lr*N from the first step, then ``o.schedule``'s decay (step: `sgd_lr`; linear or cosine from epoch 0):
+    `goyal_schedule` without its warmup."""
+    return goyal_schedule(step, o, world_size, iters_per_epoch, total_epochs, warmup_epochs=0)
 
 
 def mlperf_schedule(step: int, o, world_size: int, iters_per_epoch: int, total_epochs: int) -> dict:

@@ -44,19 +44,11 @@ class Policy:
 def resolve_policy(p) -> Policy:
     """The Policy for a ``precision`` config section (already validated key by key)."""
     compute = DTYPES[p.compute_dtype]
-    if p.mode == "fp64":
-        policy = Policy("fp64", torch.float64, torch.float64)
-    elif p.mode == "fp32":
-        policy = Policy("fp32", torch.float32, torch.float32)
-    elif p.mode == "mixed":
-        policy = Policy("mixed", torch.float32, compute if compute == torch.float16 else torch.float32, compute)
-    elif p.mode == "layered":
-        stages = {s: DTYPES[d] for s, d in p.layers.items()}
-        policy = Policy("layered", torch.float32, torch.float32, stage_dtypes=stages)
-    else:
-        policy = Policy("fp16_pure", torch.float16, torch.float16)
-    policy.loss_scaling = loss_scaling(p)
-    return policy
+    dtype = {"fp64": torch.float64, "fp16_pure": torch.float16}.get(p.mode, torch.float32)  # fp32, mixed, layered
+    inputs = compute if p.mode == "mixed" and compute == torch.float16 else dtype
+    return Policy(p.mode, dtype, inputs, autocast_dtype=compute if p.mode == "mixed" else None,
+                  stage_dtypes={s: DTYPES[d] for s, d in p.layers.items()} if p.mode == "layered" else {},
+                  loss_scaling=loss_scaling(p))
 
 
 def set_fp32_math(tf32: bool) -> str:
