@@ -92,12 +92,10 @@ def validate_precision(cfg: Config) -> None:
 
 def validate_cuda_graphs(cfg: Config) -> None:
     """A graph replays one batch shape with no collective inside the forward pass and one pass per step."""
-    if not cfg.train.cuda_graphs:
-        return
     clash = ("train.accumulation_steps > 1" if cfg.train.accumulation_steps > 1 else
              "bn.per_rank_batch=random" if cfg.bn.per_rank_batch == "random" else
              "bn.sync=true" if cfg.bn.sync else None)
-    if clash:
+    if cfg.train.cuda_graphs and clash:
         raise UserError(f"config error: train.cuda_graphs cannot replay a step with {clash} (one static batch, no "
                         f"all-reduce in the forward pass): switch one of them off")
 
