@@ -162,7 +162,6 @@ def read_bench_curve(path: str) -> tuple[ttt.ThroughputCurve, str]:
         with open(path) as fh:
             rows = json.load(fh)
         rows = rows["rows"] if isinstance(rows, dict) else rows
-        rows = [r for r in rows if r["loop"] != "baseline"]
         loop = "train" if any(r["loop"] == "train" for r in rows) else "trainer"
         rows = [r for r in rows if r["loop"] == loop]
         points = [(int(r["batch_size"]), float(r["images_per_sec"])) for r in rows]
