@@ -9,7 +9,6 @@ MLPerf v4.0 runs, and the paper's Tables 3.7-3.9 from the same time model.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from dataclasses import replace
@@ -122,8 +121,7 @@ def cmd_predict(args) -> int:
     given = [option for name, option in GPUS_ONLY.items() if getattr(args, name) is not None]
     if given:
         raise UserError(f"{given[0]} needs --gpus: e.g. predict --gpus 8,64,512 {given[0]} ...")
-    args = argparse.Namespace(**{**vars(args), **{k: d if getattr(args, k) is None else getattr(args, k)
-                                                  for k, d in TABLE_DEFAULTS.items()}})
+    vars(args).update({k: d for k, d in TABLE_DEFAULTS.items() if getattr(args, k) is None})
     if args.calibrate is not None:
         read_scale_rows(args.calibrate)  # a bad --calibrate costs one line before the tables
     check = predict.paper_cluster_check()
