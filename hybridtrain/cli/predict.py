@@ -240,11 +240,10 @@ def paper_time_table(rows: list[ttt.PaperTimeRow]) -> str:
 
 
 def run_time_to_target(args) -> None:
-    given = [(option, why) for name, (option, why) in TABLE_ONLY.items() if getattr(args, name) is not None]
-    if given:
-        option, why = given[0]
-        raise UserError(f"{option} does not apply with --gpus ({why}): drop it, or drop --gpus for the efficiency "
-                        f"table")
+    for name, (option, why) in TABLE_ONLY.items():
+        if getattr(args, name) is not None:  # the first one given, in TABLE_ONLY's order
+            raise UserError(f"{option} does not apply with --gpus ({why}): drop it, or drop --gpus for the "
+                            f"efficiency table")
     if args.json is not None:
         check_output_file(args.json, "--json", "predict.json")
     target = 0.759 if args.target_top1 is None else args.target_top1
