@@ -78,7 +78,6 @@ STEPS, WARMUP = bounded_int(1, 100_000), bounded_int(0, 100_000)  # a benchmark 
 BATCH = bounded_int(1, 65536)             # train.batch_size's bound
 CROP = bounded_int(8, 1024)               # data.crop_size's bound
 RANKS = bounded_int(1, 4096)              # more ranks than any job of the paper (24 GPUs) by far
-FRACTION_TARGET = bounded_float(0, 1, lo_open=True)
 
 
 def add_recipe_options(parser: argparse.ArgumentParser, config_help: str, set_help: str = "config override",

@@ -9,7 +9,6 @@ MLPerf v4.0 runs, and the paper's Tables 3.7-3.9 from the same time model.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from dataclasses import replace
@@ -122,8 +121,7 @@ def cmd_predict(args) -> int:
     given = [option for name, option in GPUS_ONLY.items() if getattr(args, name) is not None]
     if given:
         raise UserError(f"{given[0]} needs --gpus: e.g. predict --gpus 8,64,512 {given[0]} ...")
-    args = argparse.Namespace(**{**vars(args), **{k: d if getattr(args, k) is None else getattr(args, k)
-                                                  for k, d in TABLE_DEFAULTS.items()}})
+    vars(args).update({k: d for k, d in TABLE_DEFAULTS.items() if getattr(args, k) is None})
     if args.calibrate is not None:
         read_scale_rows(args.calibrate)  # a bad --calibrate costs one line before the tables
     check = predict.paper_cluster_check()
@@ -162,7 +160,6 @@ def read_bench_curve(path: str) -> tuple[ttt.ThroughputCurve, str]:
         with open(path) as fh:
             rows = json.load(fh)
         rows = rows["rows"] if isinstance(rows, dict) else rows
-        rows = [r for r in rows if r["loop"] != "baseline"]
         loop = "train" if any(r["loop"] == "train" for r in rows) else "trainer"
         rows = [r for r in rows if r["loop"] == loop]
         points = [(int(r["batch_size"]), float(r["images_per_sec"])) for r in rows]
@@ -243,11 +240,10 @@ def paper_time_table(rows: list[ttt.PaperTimeRow]) -> str:
 
 
 def run_time_to_target(args) -> None:
-    given = [(option, why) for name, (option, why) in TABLE_ONLY.items() if getattr(args, name) is not None]
-    if given:
-        option, why = given[0]
-        raise UserError(f"{option} does not apply with --gpus ({why}): drop it, or drop --gpus for the efficiency "
-                        f"table")
+    for name, (option, why) in TABLE_ONLY.items():
+        if getattr(args, name) is not None:  # the first one given, in TABLE_ONLY's order
+            raise UserError(f"{option} does not apply with --gpus ({why}): drop it, or drop --gpus for the "
+                            f"efficiency table")
     if args.json is not None:
         check_output_file(args.json, "--json", "predict.json")
     target = 0.759 if args.target_top1 is None else args.target_top1

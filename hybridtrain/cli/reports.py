@@ -4,14 +4,7 @@ from __future__ import annotations
 import os
 import sys
 
-from hybridtrain.cli.options import (
-    FRACTION_TARGET,
-    RANKS,
-    add_engine_option,
-    add_recipe_options,
-    bounded_float,
-    with_engine,
-)
+from hybridtrain.cli.options import RANKS, add_engine_option, add_recipe_options, bounded_float, with_engine
 from hybridtrain.outputs import check_output_dir, check_output_file, write_text_atomically
 
 
@@ -64,8 +57,8 @@ def add_commands(sub) -> None:
     add_engine_option(exp)
     exp.add_argument("--rows", metavar="NAME,...", help="run only these rows of the experiment (comma-separated "
                                                         "names, as its table shows them)")
-    exp.add_argument("--target", type=FRACTION_TARGET, help="val top-1 target for epochs-to-target (default: the "
-                                                            "recipe's report.top1_target)")
+    exp.add_argument("--target", type=bounded_float(0, 1, lo_open=True),
+                     help="val top-1 target for epochs-to-target (default: the recipe's report.top1_target)")
     exp.set_defaults(func=cmd_experiment)
 
     rep = sub.add_parser("report", help="the paper's report of run directories: report.md/.json and PNGs")

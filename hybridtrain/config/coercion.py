@@ -13,11 +13,7 @@ from hybridtrain.errors import UserError
 _REPR = reprlib.Repr()
 _REPR.maxstring, _REPR.maxother, _REPR.maxlong, _REPR.maxlevel = 80, 80, 40, 3
 _REPR.maxlist = _REPR.maxdict = _REPR.maxtuple = _REPR.maxset = 6
-
-
-def show(value) -> str:
-    """A value for an error line: one line, at most ~100 characters, and cheap even for a YAML alias bomb."""
-    return _REPR.repr(value)
+show = _REPR.repr  # a value for an error line: one line, at most ~100 characters, and cheap even for a YAML alias bomb
 
 
 def printable(text: str) -> str:

@@ -3,6 +3,7 @@ them), the ``--set`` overrides, and :func:`load_config`, which builds, validates
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 import sys
@@ -89,18 +90,16 @@ def yaml12_int(loader, node) -> int:
     return int(text[2:] if base != 10 else text, base)
 
 
+@functools.cache
 def _read_numbers_as_yaml12() -> None:
     """Once, at the first load (nothing runs at import): StrictLoader's int, float and timestamp resolvers replaced
     by YAML 1.2's int and float."""
-    if "yaml12_numbers" in StrictLoader.__dict__:
-        return
     StrictLoader.yaml_implicit_resolvers = {
         first: [(tag, regexp) for tag, regexp in resolvers if tag not in YAML11_ONLY]
         for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
     StrictLoader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(YAML12_FLOAT), list("-+0123456789."))
     StrictLoader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(YAML12_INT), list("-+0123456789"))
     StrictLoader.add_constructor("tag:yaml.org,2002:int", yaml12_int)
-    StrictLoader.yaml12_numbers = True
 
 
 class UnsafeTag(yaml.YAMLError):

@@ -7,7 +7,7 @@ import os
 from hybridtrain.config.coercion import show
 from hybridtrain.config.sections import Config
 from hybridtrain.errors import UserError, dangling_link
-from hybridtrain.outputs import not_expanded, not_writable
+from hybridtrain.outputs import nearest_existing, not_expanded, not_writable
 
 # Which path keys each command uses: "data" (data.path, data.file_lists: read), "run_dir" (written),
 # "horovod" (horovod.autotune_log: written by Horovod's rank 0).
@@ -78,9 +78,7 @@ def check_run_dir(run_dir: str) -> None:
     not_dangling("run_dir", run_dir)
     if os.path.exists(run_dir) and not os.path.isdir(run_dir):
         raise UserError(f"run_dir {run_dir} is a file, not a folder: choose another run_dir")
-    parent = os.path.abspath(run_dir)
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
+    parent = nearest_existing(run_dir)  # no link on the way is dangling (not_dangling), so exists and lexists agree
     if not os.path.isdir(parent):
         raise UserError(f"run_dir {run_dir} cannot be written ({parent} is a file): choose another run_dir")
     if not_writable(parent):

@@ -46,15 +46,12 @@ def validate(cfg: Config) -> Config:
     return cfg
 
 
-def computes_fp16(p) -> bool:
-    """Whether a ``precision`` section computes anything in FP16 (mixed fp16, a layered fp16 stage, fp16_pure)."""
-    return (p.mode == "fp16_pure" or (p.mode == "mixed" and p.compute_dtype == "fp16")
-            or (p.mode == "layered" and "fp16" in p.layers.values()))
-
-
 def loss_scaling(p) -> str:
-    """precision.loss_scaling resolved: ``auto`` is dynamic whenever FP16 computes (seed 004), else none."""
-    return p.loss_scaling if p.loss_scaling != "auto" else ("dynamic" if computes_fp16(p) else "none")
+    """precision.loss_scaling resolved: ``auto`` is dynamic whenever FP16 computes anything (mixed fp16, a layered
+    fp16 stage, fp16_pure; seed 004), else none."""
+    computes_fp16 = (p.mode == "fp16_pure" or (p.mode == "mixed" and p.compute_dtype == "fp16")
+                     or (p.mode == "layered" and "fp16" in p.layers.values()))
+    return p.loss_scaling if p.loss_scaling != "auto" else ("dynamic" if computes_fp16 else "none")
 
 
 def gradient_compression(name: str, p) -> str:
@@ -92,12 +89,10 @@ def validate_precision(cfg: Config) -> None:
 
 def validate_cuda_graphs(cfg: Config) -> None:
     """A graph replays one batch shape with no collective inside the forward pass and one pass per step."""
-    if not cfg.train.cuda_graphs:
-        return
     clash = ("train.accumulation_steps > 1" if cfg.train.accumulation_steps > 1 else
              "bn.per_rank_batch=random" if cfg.bn.per_rank_batch == "random" else
              "bn.sync=true" if cfg.bn.sync else None)
-    if clash:
+    if cfg.train.cuda_graphs and clash:
         raise UserError(f"config error: train.cuda_graphs cannot replay a step with {clash} (one static batch, no "
                         f"all-reduce in the forward pass): switch one of them off")
 
