@@ -39,6 +39,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import inspect
 import math
 import os
@@ -393,8 +394,13 @@ def graph_spec(cfg, training: bool, device: str, dtype: torch.dtype, channels_la
     return GraphSpec(training, device, d.crop_size, d.val_resize, d.min_crop_area, d.hflip, output, channels_last)
 
 
-def _create(images: ImageList, cfg, rank: int, world_size: int, local_size: int, device: str, training: bool,
-            dtype: torch.dtype, channels_last: bool, pin: bool, loader_class) -> DaliLoader:
+def create_dali_loader(training: bool, images: ImageList, cfg, rank: int, world_size: int, local_size: int,
+                       device: str, dtype: torch.dtype = torch.float32, channels_last: bool = False, pin: bool = False,
+                       loader_class=DaliLoader) -> DaliLoader:
+    """The training loader, or the validation one (each real image exactly once across ranks, padded duplicates cut
+    off); ``device`` "gpu" decodes on the current CUDA device (set it to the local rank); ``pin``: a "cpu" pipeline's
+    batches page-locked (for a GPU run; it needs CUDA); ``loader_class``: DaliLoader or the tar shards'
+    (``dali_shards``)."""
     batch_size = cfg.train.batch_size if training else cfg.data.val_batch_size or cfg.train.batch_size
     if not training and len(images) < world_size:
         raise UserError(f"the validation set ({len(images)} images) is smaller than the number of ranks "
@@ -412,17 +418,5 @@ def _create(images: ImageList, cfg, rank: int, world_size: int, local_size: int,
     return loader
 
 
-def create_dali_train_loader(images: ImageList, cfg, rank: int, world_size: int, local_size: int, device: str,
-                             dtype: torch.dtype = torch.float32, channels_last: bool = False,
-                             pin: bool = False, loader_class=DaliLoader) -> DaliLoader:
-    """Training loader; ``device`` "gpu" decodes on the current CUDA device (set it to the local rank); ``pin``: a
-    "cpu" pipeline's batches page-locked (for a GPU run; it needs CUDA); ``loader_class``: DaliLoader or the tar
-    shards' (``dali_shards``)."""
-    return _create(images, cfg, rank, world_size, local_size, device, True, dtype, channels_last, pin, loader_class)
-
-
-def create_dali_val_loader(images: ImageList, cfg, rank: int, world_size: int, local_size: int, device: str,
-                           dtype: torch.dtype = torch.float32, channels_last: bool = False,
-                           pin: bool = False, loader_class=DaliLoader) -> DaliLoader:
-    """Validation loader: each real image exactly once across ranks, padded duplicates cut off."""
-    return _create(images, cfg, rank, world_size, local_size, device, False, dtype, channels_last, pin, loader_class)
+create_dali_train_loader = functools.partial(create_dali_loader, True)
+create_dali_val_loader = functools.partial(create_dali_loader, False)
