@@ -61,9 +61,8 @@ class Loaders:
         batches are the sampler's as it stands: the first epoch's own ``iter()`` takes them (WorkerLoader.start),
         a later one resets the workers to its batches."""
         for loader in (self.train, self.val):
-            if getattr(loader, "persistent_workers", False):
-                start = getattr(loader, "start", None)
-                start() if start is not None else iter(loader)
+            if getattr(loader, "persistent_workers", False):  # a WorkerLoader: the only loader with them
+                loader.start()
 
     def close(self) -> None:
         """Stop the loaders' persistent workers now rather than when the garbage collector finds them (elastic
