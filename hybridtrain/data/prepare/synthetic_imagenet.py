@@ -104,12 +104,8 @@ def prepare_synthetic_imagenet(out: str, num_classes: int = 100, train_per_class
     if num_classes < 2:
         raise UserError(f"--classes must be >= 2 (a classification dataset needs at least 2 classes), got "
                         f"{num_classes}")
-    if min(train_per_class, val_per_class) < 1:
-        raise UserError("--train-per-class and --val-per-class must be >= 1")
     if min(typical_size) < 1:
         raise UserError(f"--size must be positive, got {typical_size[0]}x{typical_size[1]}: e.g. 500x375")
-    if workers < 0:
-        raise UserError(f"--workers must be >= 0 (0 = all cores), got {workers}")
     params = {"dataset": "synthetic-imagenet", "num_classes": num_classes, "train_per_class": train_per_class,
               "val_per_class": val_per_class, "seed": seed, "typical_size": list(typical_size)}
     if (done := prepared_counts(out, params)) is not None:
