@@ -16,7 +16,7 @@ from hybridtrain.data.folder import ImageList, UnreadableImage
 from hybridtrain.data.images import to_rgb
 from hybridtrain.data.presets import train_transform, val_transform
 from hybridtrain.data.resolution import Resolutions, resolutions
-from hybridtrain.data.workers import SharedMemoryErrors, die_with_the_rank, spawn_context
+from hybridtrain.data.workers import die_with_the_rank, shared_memory_errors, spawn_context
 
 
 def sample_seed(seed: int, epoch: int, index: int) -> int:
@@ -69,7 +69,7 @@ class Collate:
     """Stack (image, label, index) items into one batch, NCHW or channels_last; an unreadable one wins.
 
     In a worker the batch is moved to shared memory here, where a full /dev/shm raises in the worker's fetch and
-    reaches the rank as its error (``SharedMemoryErrors``): left to the queue's feeder thread, the move fails
+    reaches the rank as its error (``shared_memory_errors``): left to the queue's feeder thread, the move fails
     there, prints a traceback and loses the batch, and the rank waits for it forever."""
 
     def __init__(self, channels_last: bool):
@@ -112,7 +112,7 @@ class EpochBatches:
 
 class WorkerLoader(DataLoader):
     """A DataLoader with worker processes whose iterators say in one line when /dev/shm runs out
-    (``SharedMemoryErrors``). ``start()`` (``Loaders.start``) spawns the workers now; the next ``iter()``, when the
+    (``shared_memory_errors``). ``start()`` (``Loaders.start``) spawns the workers now; the next ``iter()``, when the
     sampler still draws the batches it drew then (the run's first epoch), takes the iterator they have been filling
     instead of resetting it: a reset waits for every worker to answer and throws away the batches they prefetched
     (issue 44: the time to the first step)."""
@@ -124,8 +124,8 @@ class WorkerLoader(DataLoader):
     def __iter__(self):
         started_with, self._started_with = getattr(self, "_started_with", None), None
         if started_with is not None and self._iterator is not None and started_with == self.batch_sampler.state():
-            return SharedMemoryErrors(self._iterator)
-        return SharedMemoryErrors(super().__iter__())
+            return shared_memory_errors(self._iterator)
+        return shared_memory_errors(super().__iter__())
 
 
 def _loader(dataset, batch_sampler, cfg, workers: int, pin: bool) -> DataLoader:

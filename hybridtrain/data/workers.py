@@ -241,23 +241,12 @@ def shared_memory_failure(error: BaseException) -> str:
             f"or decode in the rank's own process with data.in_process=true (slower: no loader workers)")
 
 
-class SharedMemoryErrors:
+def shared_memory_errors(iterator):
     """A loader's iterator whose /dev/shm failures (:func:`shared_memory_failure`) are this rank's one line."""
-
-    def __init__(self, iterator):
-        self.iterator = iterator
-
-    def __iter__(self):
-        return self
-
-    def __len__(self) -> int:
-        return len(self.iterator)
-
-    def __next__(self):
-        try:
-            return next(self.iterator)
-        except RuntimeError as exc:
-            line = shared_memory_failure(exc)
-            if line:
-                raise UserError(line, same_on_all_ranks=False) from None
-            raise
+    try:
+        yield from iterator
+    except RuntimeError as exc:
+        line = shared_memory_failure(exc)
+        if line:
+            raise UserError(line, same_on_all_ranks=False) from None
+        raise
