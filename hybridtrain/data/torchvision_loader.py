@@ -132,13 +132,11 @@ def _loader(dataset, batch_sampler, cfg, workers: int, pin: bool) -> DataLoader:
     # spawn, not fork (unsafe after Horovod's threads start) nor forkserver (its server outlives a killed rank):
     # spawned workers are the rank's own children, so die_with_the_rank applies. pin: page-locked batches for a
     # GPU, so that the copy to it overlaps (from pageable memory it would be synchronous).
+    batches = dict(batch_sampler=batch_sampler, collate_fn=Collate(cfg.data.channels_last), pin_memory=pin)
     if cfg.data.in_process:
-        return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=Collate(cfg.data.channels_last),
-                          pin_memory=pin)
-    return WorkerLoader(dataset, batch_sampler=batch_sampler, num_workers=workers,
-                      collate_fn=Collate(cfg.data.channels_last), multiprocessing_context=spawn_context(),
-                      persistent_workers=True, prefetch_factor=cfg.data.prefetch, worker_init_fn=die_with_the_rank,
-                      pin_memory=pin)
+        return DataLoader(dataset, **batches)
+    return WorkerLoader(dataset, num_workers=workers, multiprocessing_context=spawn_context(), persistent_workers=True,
+                        prefetch_factor=cfg.data.prefetch, worker_init_fn=die_with_the_rank, **batches)
 
 
 def create_train_loader(images: ImageList, cfg, rank: int, world_size: int, workers: int,
