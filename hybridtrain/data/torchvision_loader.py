@@ -19,10 +19,6 @@ from hybridtrain.data.resolution import Resolutions, resolutions
 from hybridtrain.data.workers import die_with_the_rank, shared_memory_errors, spawn_context
 
 
-def sample_seed(seed: int, epoch: int, index: int) -> int:
-    return (seed * 1_000_003 + epoch) * 10_000_019 + index
-
-
 class ImageListDataset(Dataset):
     """Items are (image, label, index); keys are (index, epoch) so augmentation can be seeded."""
 
@@ -42,7 +38,7 @@ class ImageListDataset(Dataset):
         in_process = torch.utils.data.get_worker_info() is None
         transform = self.transform.for_epoch(epoch) if isinstance(self.transform, EpochTransform) else self.transform
         with torch.random.fork_rng(devices=[], enabled=in_process):
-            torch.manual_seed(sample_seed(self.seed, epoch, index))
+            torch.manual_seed((self.seed * 1_000_003 + epoch) * 10_000_019 + index)  # the sample's own seed
             try:
                 with Image.open(self.images.open(index)) as img:
                     return transform(to_rgb(img)), label, index

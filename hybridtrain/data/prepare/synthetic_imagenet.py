@@ -23,11 +23,6 @@ SHAPES = ("ellipse", "rectangle", "triangle", "diamond")
 SPLITS = ("train", "val")
 
 
-def class_name(c: int) -> str:
-    """A WordNet-id-like folder name."""
-    return f"n{c:08d}"
-
-
 def image_size(rng: np.random.Generator, typical: tuple[int, int]) -> tuple[int, int]:
     """(width, height): the typical landscape size scaled by 0.7-1.3, transposed one time in four."""
     scale = rng.uniform(0.7, 1.3)
@@ -88,7 +83,7 @@ def render(c: int, num_classes: int, rng: np.random.Generator, typical: tuple[in
 def write_class(job: tuple) -> int:
     """Render and save one (split, class) folder; returns the number of images written."""
     tmp, split, c, count, num_classes, seed, typical = job
-    class_dir = os.path.join(tmp, split, class_name(c))
+    class_dir = os.path.join(tmp, split, f"n{c:08d}")  # a WordNet-id-like folder name
     os.makedirs(class_dir, exist_ok=True)
     for i in range(count):
         rng = np.random.default_rng([seed, SPLITS.index(split), c, i])
