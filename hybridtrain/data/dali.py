@@ -62,13 +62,15 @@ INSTALL_HINT = "pip install nvidia-dali-cuda130 in the venv (or run ./install.sh
 READER_NAME = "reader"
 
 
-def require_dali() -> None:
-    """Raise a one-line UserError telling how to install DALI when it is missing."""
+def require_dali(device: str = "cpu") -> None:
+    """Raise a one-line UserError telling how to install DALI when it is missing, or a "gpu" pipeline's no GPU."""
     try:
         import nvidia.dali  # noqa: F401
     except ImportError:
         raise UserError(f"data.backend dali_cpu/dali_gpu needs NVIDIA DALI, which is not installed: {INSTALL_HINT}, "
                         f"or use data.backend=torchvision") from None
+    if device == "gpu":
+        require_gpu_for_dali_gpu()
 
 
 def require_gpu_for_dali_gpu() -> None:
@@ -405,9 +407,7 @@ def create_dali_loader(training: bool, images: ImageList, cfg, rank: int, world_
     if not training and len(images) < world_size:
         raise UserError(f"the validation set ({len(images)} images) is smaller than the number of ranks "
                         f"({world_size}): add images or use fewer ranks")
-    require_dali()
-    if device == "gpu":
-        require_gpu_for_dali_gpu()
+    require_dali(device)
     spec = graph_spec(cfg, training, device, dtype, channels_last)
     threads = cfg.data.workers or cores_per_rank(local_size)
     device_id = torch.cuda.current_device() if device == "gpu" else None

@@ -135,9 +135,7 @@ def create_loaders(cfg, topo, model_dtype: torch.dtype = torch.float32) -> Loade
     if backend == "synthetic":
         return synthetic_loaders(cfg, topo, model_dtype)
     if backend.startswith("dali"):
-        dali.require_dali()
-        if backend == "dali_gpu":
-            dali.require_gpu_for_dali_gpu()
+        dali.require_dali("gpu" if backend == "dali_gpu" else "cpu")
     train_set, val_set = read_splits(cfg)
     if len(train_set) < topo.size * cfg.train.batch_size:
         raise UserError(f"the training set ({len(train_set)} images) cannot give each of {topo.size} rank(s) a full "
