@@ -23,10 +23,10 @@ listing part of it on k ranks. The validation pipeline reads the same list every
 per run and reused while each pass runs to its end.
 
 Equal steps: every shard is padded (``pad_last_batch=True``) to ceil(n/k) samples and then to whole
-batches. Training yields only the first floor(floor(n/k)/b) batches, which are full of real samples on
-every rank (each sample at most once per epoch; fewer than one global batch dropped, see
-``train_dropped``). Validation yields every real sample of the shard exactly once and cuts off the padded
-duplicates, so the metrics count each image once across ranks.
+batches. Training yields only the first floor(floor(n/k)/b) = floor(n/(kb)) batches, which are full of real
+samples on every rank (each sample at most once per epoch; fewer than one global batch dropped, as the torchvision
+backend's: ``sharding.steps_per_epoch`` and ``sharding.dropped_per_epoch``). Validation yields every real sample
+of the shard exactly once and cuts off the padded duplicates, so the metrics count each image once across ranks.
 
 Reading: the reader gets the ImageList (so a clean list from ``check-data --write-filelist`` is honoured)
 as a temporary ``file_list`` whose "label" is the sample index; the loader maps it to the class label and
@@ -39,6 +39,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import inspect
 import math
 import os
@@ -49,6 +50,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from hybridtrain.data import sharding
 from hybridtrain.data.check import CLEAN_LIST_HINT, decode_error
 from hybridtrain.data.folder import ImageList
 from hybridtrain.data.presets import IMAGENET_MEAN, IMAGENET_STD
@@ -60,13 +62,15 @@ INSTALL_HINT = "pip install nvidia-dali-cuda130 in the venv (or run ./install.sh
 READER_NAME = "reader"
 
 
-def require_dali() -> None:
-    """Raise a one-line UserError telling how to install DALI when it is missing."""
+def require_dali(device: str = "cpu") -> None:
+    """Raise a one-line UserError telling how to install DALI when it is missing, or a "gpu" pipeline's no GPU."""
     try:
         import nvidia.dali  # noqa: F401
     except ImportError:
         raise UserError(f"data.backend dali_cpu/dali_gpu needs NVIDIA DALI, which is not installed: {INSTALL_HINT}, "
                         f"or use data.backend=torchvision") from None
+    if device == "gpu":
+        require_gpu_for_dali_gpu()
 
 
 def require_gpu_for_dali_gpu() -> None:
@@ -80,16 +84,6 @@ def require_gpu_for_dali_gpu() -> None:
 def shard_range(num_samples: int, shard: int, num_shards: int) -> range:
     """The positions of DALI's shard ``shard`` in the reader's list."""
     return range(num_samples * shard // num_shards, num_samples * (shard + 1) // num_shards)
-
-
-def train_steps(num_samples: int, num_shards: int, batch_size: int) -> int:
-    """Full batches every rank can fill from its own shard (the smallest holds floor(n/k))."""
-    return (num_samples // num_shards) // batch_size
-
-
-def train_dropped(num_samples: int, num_shards: int, batch_size: int) -> int:
-    """Samples not used in a training epoch; always fewer than one global batch."""
-    return num_samples - num_shards * batch_size * train_steps(num_samples, num_shards, batch_size)
 
 
 # ----------------------------------------------------------------------------- the pipeline
@@ -259,7 +253,9 @@ class DaliLoader:
     @property
     def dropped_per_epoch(self) -> int:
         """Training samples left out each epoch (the same on every rank); 0 for validation."""
-        return train_dropped(len(self.images), self.world_size, self.batch_size) if self.spec.training else 0
+        if not self.spec.training:
+            return 0
+        return sharding.dropped_per_epoch(len(self.images), self.world_size, self.batch_size)
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         """``start`` > 0 (samples of the epoch already consumed, elastic training only) is refused before any
@@ -267,8 +263,8 @@ class DaliLoader:
         self.epoch = epoch
 
     def __len__(self) -> int:
-        if self.spec.training:
-            return train_steps(len(self.images), self.world_size, self.batch_size)
+        if self.spec.training:  # full batches every rank can fill from its own shard (the smallest holds floor(n/k))
+            return sharding.steps_per_epoch(len(self.images), self.world_size, self.batch_size)
         return math.ceil(len(self.shard) / self.batch_size)
 
     def epoch_spec(self, epoch: int) -> GraphSpec:
@@ -280,7 +276,7 @@ class DaliLoader:
     def epoch_order(self, epoch: int) -> np.ndarray:
         """The reader's file list for ``epoch``: sample indices, permuted by (seed, epoch) for training."""
         n = len(self.images)
-        return np.random.default_rng([self.seed, epoch]).permutation(n) if self.spec.training else np.arange(n)
+        return sharding.epoch_permutation(n, self.seed, epoch) if self.spec.training else np.arange(n)
 
     def __iter__(self):
         order = self.epoch_order(self.epoch)
@@ -400,18 +396,18 @@ def graph_spec(cfg, training: bool, device: str, dtype: torch.dtype, channels_la
     return GraphSpec(training, device, d.crop_size, d.val_resize, d.min_crop_area, d.hflip, output, channels_last)
 
 
-def _create(images: ImageList, cfg, rank: int, world_size: int, local_size: int, device: str, training: bool,
-            dtype: torch.dtype, channels_last: bool, pin: bool, loader_class) -> DaliLoader:
+def create_dali_loader(training: bool, images: ImageList, cfg, rank: int, world_size: int, local_size: int,
+                       device: str, dtype: torch.dtype = torch.float32, channels_last: bool = False, pin: bool = False,
+                       loader_class=DaliLoader) -> DaliLoader:
+    """The training loader, or the validation one (each real image exactly once across ranks, padded duplicates cut
+    off); ``device`` "gpu" decodes on the current CUDA device (set it to the local rank); ``pin``: a "cpu" pipeline's
+    batches page-locked (for a GPU run; it needs CUDA); ``loader_class``: DaliLoader or the tar shards'
+    (``dali_shards``)."""
     batch_size = cfg.train.batch_size if training else cfg.data.val_batch_size or cfg.train.batch_size
-    if training and train_steps(len(images), world_size, batch_size) == 0:
-        raise UserError(f"the training set ({len(images)} images) cannot give every one of {world_size} rank(s) "
-                        f"a full batch of {batch_size}: lower train.batch_size or use fewer ranks")
     if not training and len(images) < world_size:
         raise UserError(f"the validation set ({len(images)} images) is smaller than the number of ranks "
                         f"({world_size}): add images or use fewer ranks")
-    require_dali()
-    if device == "gpu":
-        require_gpu_for_dali_gpu()
+    require_dali(device)
     spec = graph_spec(cfg, training, device, dtype, channels_last)
     threads = cfg.data.workers or cores_per_rank(local_size)
     device_id = torch.cuda.current_device() if device == "gpu" else None
@@ -422,17 +418,5 @@ def _create(images: ImageList, cfg, rank: int, world_size: int, local_size: int,
     return loader
 
 
-def create_dali_train_loader(images: ImageList, cfg, rank: int, world_size: int, local_size: int, device: str,
-                             dtype: torch.dtype = torch.float32, channels_last: bool = False,
-                             pin: bool = False, loader_class=DaliLoader) -> DaliLoader:
-    """Training loader; ``device`` "gpu" decodes on the current CUDA device (set it to the local rank); ``pin``: a
-    "cpu" pipeline's batches page-locked (for a GPU run; it needs CUDA); ``loader_class``: DaliLoader or the tar
-    shards' (``dali_shards``)."""
-    return _create(images, cfg, rank, world_size, local_size, device, True, dtype, channels_last, pin, loader_class)
-
-
-def create_dali_val_loader(images: ImageList, cfg, rank: int, world_size: int, local_size: int, device: str,
-                           dtype: torch.dtype = torch.float32, channels_last: bool = False,
-                           pin: bool = False, loader_class=DaliLoader) -> DaliLoader:
-    """Validation loader: each real image exactly once across ranks, padded duplicates cut off."""
-    return _create(images, cfg, rank, world_size, local_size, device, False, dtype, channels_last, pin, loader_class)
+create_dali_train_loader = functools.partial(create_dali_loader, True)
+create_dali_val_loader = functools.partial(create_dali_loader, False)

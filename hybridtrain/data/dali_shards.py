@@ -5,7 +5,7 @@ graph as the folder form (``dali.decode_and_augment``).
 The order is exactly the DALI folder form's, sample by sample: a sample's key is its index in the folder tree it
 was packed from, the epoch's order is those keys permuted by (``seed``, epoch) identically on every rank, rank r
 reads the positions ``dali.shard_range`` of it, training yields the same floor(floor(n/k)/b) full batches and
-drops the same samples (``dali.train_dropped``); validation reads the keys in order, each rank its range, every
+drops the same samples (``sharding.dropped_per_epoch``); validation reads the keys in order, each rank its range, every
 real sample once. Only the source of the bytes differs: the tars instead of files. (DALI's
 ``fn.readers.webdataset`` cannot give this order: it reads each tar's samples in the index's order and shuffles
 only shards and a buffer of samples, so ranks would read other samples in another order than on folders.)

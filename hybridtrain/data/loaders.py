@@ -61,9 +61,8 @@ class Loaders:
         batches are the sampler's as it stands: the first epoch's own ``iter()`` takes them (WorkerLoader.start),
         a later one resets the workers to its batches."""
         for loader in (self.train, self.val):
-            if getattr(loader, "persistent_workers", False):
-                start = getattr(loader, "start", None)
-                start() if start is not None else iter(loader)
+            if getattr(loader, "persistent_workers", False):  # a WorkerLoader: the only loader with them
+                loader.start()
 
     def close(self) -> None:
         """Stop the loaders' persistent workers now rather than when the garbage collector finds them (elastic
@@ -136,9 +135,7 @@ def create_loaders(cfg, topo, model_dtype: torch.dtype = torch.float32) -> Loade
     if backend == "synthetic":
         return synthetic_loaders(cfg, topo, model_dtype)
     if backend.startswith("dali"):
-        dali.require_dali()
-        if backend == "dali_gpu":
-            dali.require_gpu_for_dali_gpu()
+        dali.require_dali("gpu" if backend == "dali_gpu" else "cpu")
     train_set, val_set = read_splits(cfg)
     if len(train_set) < topo.size * cfg.train.batch_size:
         raise UserError(f"the training set ({len(train_set)} images) cannot give each of {topo.size} rank(s) a full "

@@ -61,20 +61,16 @@ def random_split_sizes(global_batch: int, world_size: int, seed: int, epoch: int
 
 
 def train_batches(num_samples: int, rank: int, world_size: int, batch_size: int, seed: int,
-                  epoch: int, shuffle: bool = True, random_split: bool = False, start: int = 0) -> list[list[int]]:
+                  epoch: int, random_split: bool = False, start: int = 0) -> list[list[int]]:
     """This rank's batches (lists of sample indices) for one epoch, from entry ``start`` of its permutation on."""
-    order = epoch_permutation(num_samples, seed, epoch) if shuffle else np.arange(num_samples)
-    order = order[start:]
+    order = epoch_permutation(num_samples, seed, epoch)[start:]
     global_batch = world_size * batch_size
-    full_steps = len(order) // global_batch
-    if not random_split:
-        starts = (step * global_batch + rank * batch_size for step in range(full_steps))
-        return [order[start:start + batch_size].tolist() for start in starts]
     batches = []
-    for step in range(full_steps):
-        sizes = random_split_sizes(global_batch, world_size, seed, epoch, step)
-        start = step * global_batch + sum(sizes[:rank])
-        batches.append(order[start:start + sizes[rank]].tolist())
+    for step in range(len(order) // global_batch):
+        sizes = (random_split_sizes(global_batch, world_size, seed, epoch, step) if random_split
+                 else [batch_size] * world_size)
+        first = step * global_batch + sum(sizes[:rank])
+        batches.append(order[first:first + sizes[rank]].tolist())
     return batches
 
 

@@ -16,11 +16,7 @@ from hybridtrain.data.folder import ImageList, UnreadableImage
 from hybridtrain.data.images import to_rgb
 from hybridtrain.data.presets import train_transform, val_transform
 from hybridtrain.data.resolution import Resolutions, resolutions
-from hybridtrain.data.workers import SharedMemoryErrors, die_with_the_rank, spawn_context
-
-
-def sample_seed(seed: int, epoch: int, index: int) -> int:
-    return (seed * 1_000_003 + epoch) * 10_000_019 + index
+from hybridtrain.data.workers import die_with_the_rank, shared_memory_errors, spawn_context
 
 
 class ImageListDataset(Dataset):
@@ -42,7 +38,7 @@ class ImageListDataset(Dataset):
         in_process = torch.utils.data.get_worker_info() is None
         transform = self.transform.for_epoch(epoch) if isinstance(self.transform, EpochTransform) else self.transform
         with torch.random.fork_rng(devices=[], enabled=in_process):
-            torch.manual_seed(sample_seed(self.seed, epoch, index))
+            torch.manual_seed((self.seed * 1_000_003 + epoch) * 10_000_019 + index)  # the sample's own seed
             try:
                 with Image.open(self.images.open(index)) as img:
                     return transform(to_rgb(img)), label, index
@@ -69,7 +65,7 @@ class Collate:
     """Stack (image, label, index) items into one batch, NCHW or channels_last; an unreadable one wins.
 
     In a worker the batch is moved to shared memory here, where a full /dev/shm raises in the worker's fetch and
-    reaches the rank as its error (``SharedMemoryErrors``): left to the queue's feeder thread, the move fails
+    reaches the rank as its error (``shared_memory_errors``): left to the queue's feeder thread, the move fails
     there, prints a traceback and loses the batch, and the rank waits for it forever."""
 
     def __init__(self, channels_last: bool):
@@ -112,7 +108,7 @@ class EpochBatches:
 
 class WorkerLoader(DataLoader):
     """A DataLoader with worker processes whose iterators say in one line when /dev/shm runs out
-    (``SharedMemoryErrors``). ``start()`` (``Loaders.start``) spawns the workers now; the next ``iter()``, when the
+    (``shared_memory_errors``). ``start()`` (``Loaders.start``) spawns the workers now; the next ``iter()``, when the
     sampler still draws the batches it drew then (the run's first epoch), takes the iterator they have been filling
     instead of resetting it: a reset waits for every worker to answer and throws away the batches they prefetched
     (issue 44: the time to the first step)."""
@@ -124,21 +120,19 @@ class WorkerLoader(DataLoader):
     def __iter__(self):
         started_with, self._started_with = getattr(self, "_started_with", None), None
         if started_with is not None and self._iterator is not None and started_with == self.batch_sampler.state():
-            return SharedMemoryErrors(self._iterator)
-        return SharedMemoryErrors(super().__iter__())
+            return shared_memory_errors(self._iterator)
+        return shared_memory_errors(super().__iter__())
 
 
 def _loader(dataset, batch_sampler, cfg, workers: int, pin: bool) -> DataLoader:
     # spawn, not fork (unsafe after Horovod's threads start) nor forkserver (its server outlives a killed rank):
     # spawned workers are the rank's own children, so die_with_the_rank applies. pin: page-locked batches for a
     # GPU, so that the copy to it overlaps (from pageable memory it would be synchronous).
+    batches = dict(batch_sampler=batch_sampler, collate_fn=Collate(cfg.data.channels_last), pin_memory=pin)
     if cfg.data.in_process:
-        return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=Collate(cfg.data.channels_last),
-                          pin_memory=pin)
-    return WorkerLoader(dataset, batch_sampler=batch_sampler, num_workers=workers,
-                      collate_fn=Collate(cfg.data.channels_last), multiprocessing_context=spawn_context(),
-                      persistent_workers=True, prefetch_factor=cfg.data.prefetch, worker_init_fn=die_with_the_rank,
-                      pin_memory=pin)
+        return DataLoader(dataset, **batches)
+    return WorkerLoader(dataset, num_workers=workers, multiprocessing_context=spawn_context(), persistent_workers=True,
+                        prefetch_factor=cfg.data.prefetch, worker_init_fn=die_with_the_rank, **batches)
 
 
 def create_train_loader(images: ImageList, cfg, rank: int, world_size: int, workers: int,

@@ -173,18 +173,12 @@ def shm_space(path: str = SHM_DIR) -> tuple[int, int] | None:
     return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
 
 
-def fitting_prefetch(batches: WorkerBatches, limit: int) -> int:
-    """The largest data.prefetch (>= 1) whose batches fit in ``limit`` bytes per rank, or 0."""
-    fits = [p for p in range(batches.prefetch - 1, 0, -1)
-            if replace(batches, prefetch=p).bytes_per_rank() <= limit]
-    return fits[0] if fits else 0
-
-
 def shm_fixes(batches: WorkerBatches, local_size: int, limit: int, workers_set: bool) -> str:
     """The fixes for a /dev/shm too small for the loaders: a larger one (containers), fewer batches in flight
     when some data.prefetch fits in ``limit`` bytes per rank, or no worker processes (data.in_process)."""
     size_gb = max(1, -(-batches.bytes_per_rank() * local_size * 5 // 4 // (1 << 30)))   # 25 % to spare
-    prefetch = fitting_prefetch(batches, limit)
+    prefetch = next((p for p in range(batches.prefetch - 1, 0, -1)  # the largest that fits, or 0
+                     if replace(batches, prefetch=p).bytes_per_rank() <= limit), 0)
     return (f"start the container with --shm-size={size_gb}g or more (docker run; or --ipc=host; Kubernetes: a "
             f"memory emptyDir at /dev/shm)"
             + (f", or lower data.prefetch to {prefetch}" if prefetch else "")
@@ -241,23 +235,12 @@ def shared_memory_failure(error: BaseException) -> str:
             f"or decode in the rank's own process with data.in_process=true (slower: no loader workers)")
 
 
-class SharedMemoryErrors:
+def shared_memory_errors(iterator):
     """A loader's iterator whose /dev/shm failures (:func:`shared_memory_failure`) are this rank's one line."""
-
-    def __init__(self, iterator):
-        self.iterator = iterator
-
-    def __iter__(self):
-        return self
-
-    def __len__(self) -> int:
-        return len(self.iterator)
-
-    def __next__(self):
-        try:
-            return next(self.iterator)
-        except RuntimeError as exc:
-            line = shared_memory_failure(exc)
-            if line:
-                raise UserError(line, same_on_all_ranks=False) from None
-            raise
+    try:
+        yield from iterator
+    except RuntimeError as exc:
+        line = shared_memory_failure(exc)
+        if line:
+            raise UserError(line, same_on_all_ranks=False) from None
+        raise

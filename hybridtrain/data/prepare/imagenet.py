@@ -185,8 +185,6 @@ def prepare_imagenet(source_dir: str, out: str, md5: bool = True, resize: int | 
                      val_labels: str | None = None) -> dict:
     """The folder layout in ``out`` from ``source_dir``; continues a stopped run; returns the summary."""
     check_input_dir(source_dir, "--source", "give the folder holding the ImageNet archives or tree")
-    if resize is not None and resize < 8:
-        raise UserError(f"--resize must be at least 8 (the shorter side in px), got {resize}: e.g. --resize 256")
     workers = workers or os.cpu_count() or 1
     source = detect_source(source_dir, val_labels)
     params = {"dataset": "imagenet", "source": os.path.abspath(source_dir), "layout": source.layout,
