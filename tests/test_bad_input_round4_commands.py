@@ -322,3 +322,23 @@ def test_bench_and_experiment_stopped_end_the_ranks_they_launched(tmp_path, tiny
         assert proc.returncode == 128 + sig and "Traceback" not in stderr, stderr
         assert lines and lines[-1].startswith(f"hybridtrain: stopped by {signal.Signals(sig).name}: its "), stderr
         assert ranks() == [], ranks()
+
+
+@pytest.mark.parametrize("command, sets, needle", [
+    (["bench", "--steps", "1"], ["horovod.autotune=true", "horovod.autotune_log={missing}/autotune.csv"], "horovod.autotune_log="),
+    (["scale", "--np", "1", "--out", "{tmp}/scale"], ["horovod.autotune=true", "horovod.autotune_log={missing}/autotune.csv"],
+     "horovod.autotune_log="),
+    (["experiment", "optimizers", "--out", "{tmp}/exp"], ["data.path={missing}"], "data directory not found"),
+    (["plot-schedule", "--out", "{tmp}/s.png"], ["run_dir=runs/a\tb"], "holds a control character"),
+])
+def test_each_command_checks_the_path_keys_it_uses_before_any_work(tmp_path, command, sets, needle):
+    """config.PATH_USES names the path keys each command uses; bench, scale, experiment and plot-schedule now check
+    them as train does, before any rank is launched (they checked none: a missing autotune folder or dataset was
+    found by the launched ranks)."""
+    fill = {"missing": str(tmp_path / "missing"), "tmp": str(tmp_path)}
+    args = [a.format(**fill) for a in command] + ["--config", os.path.join(REPO, "configs", "demo.yaml")]
+    for s in sets:
+        args += ["--set", s.format(**fill)]
+    started = time.monotonic()
+    assert_one_error_line(hybridtrain(*args), needle)
+    assert time.monotonic() - started < 60 and not os.path.exists(tmp_path / "exp" / "optimizers")

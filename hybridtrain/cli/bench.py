@@ -41,7 +41,8 @@ def cmd_bench(args) -> int:
             print(f"\nprecision {spec or 'of the recipe'}: " + format_trials(trials, torch.cuda.get_device_name()))
         return 0
     # the first row's config, as bench loads it, before torch is imported: a typo is refused at once
-    load_config(args.config, row_sets(sets, (args.precision or [None])[0], (args.batch_size or [None])[0]))
+    load_config(args.config, row_sets(sets, (args.precision or [None])[0], (args.batch_size or [None])[0]),
+                for_command="bench")
     from hybridtrain.cluster.netns import stopped_cleanly
     from hybridtrain.perf.step_bench import bench, format_table
     engines = list(dict.fromkeys((["horovod"] if args.horovod else []) + (args.engine or [])))  # --horovod: horovod

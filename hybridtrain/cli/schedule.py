@@ -9,7 +9,7 @@ def cmd_plot_schedule(args) -> int:
     from hybridtrain.config import load_config
     check_output_file(args.out, "--out", "schedule.png")
     check_image_format(args.out, "--out")
-    cfg = load_config(args.config, args.set + ["optim.name=hybrid"])
+    cfg = load_config(args.config, args.set + ["optim.name=hybrid"], for_command="plot-schedule")
     from hybridtrain.optim.plot import plot_schedule  # torch (the optimizers' package) after the recipe's checks
     with atomic_path(args.out) as tmp:
         plot_schedule(cfg, args.ranks, args.iters_per_epoch, tmp)

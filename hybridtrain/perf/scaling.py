@@ -38,7 +38,8 @@ def measured_config(config: str, overrides: list[str], compression: str | None =
     from hybridtrain.config import load_config
     sets = ["train.threads=1"] + list(overrides) + ["data.backend=synthetic", "data.file_lists=",
                                                     "data.in_process=false"]
-    return load_config(config, sets + ([f"distributed.compression={compression}"] if compression else []))
+    return load_config(config, sets + ([f"distributed.compression={compression}"] if compression else []),
+                       for_command="scale")
 
 
 def worker(config: str, overrides: list[str], compression: str, steps: int, warmup: int, out: str,

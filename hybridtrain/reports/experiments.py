@@ -207,7 +207,7 @@ def run_experiment(name: str, config: str, overrides: list[str], out: str, ranks
                    only: list[str] | None = None) -> list[dict]:
     if name not in EXPERIMENTS:
         raise UserError(f"unknown experiment '{name}': choose one of {', '.join(EXPERIMENTS)}")
-    cfg = load_config(config, overrides)  # fail fast on a bad recipe, before any launch
+    cfg = load_config(config, overrides, for_command="experiment")  # a bad recipe or path fails before any launch
     target = cfg.report.top1_target if target is None else target  # both in (0, 1]: --target's type, the config's
     rows_to_run = chosen_rows(name, cfg, config, overrides, only)
     os.makedirs(out, exist_ok=True)
