@@ -192,13 +192,6 @@ def refused_in_an_earlier_attempt() -> str | None:
     return None
 
 
-def keep_refusal(line: str) -> None:
-    mark = refusal_mark()
-    if mark:
-        with contextlib.suppress(OSError):
-            replace_file(mark, line)
-
-
 def _run_guarded(action, crash_log_dir) -> int:
     earlier = refused_in_an_earlier_attempt()
     if earlier:
@@ -210,7 +203,10 @@ def _run_guarded(action, crash_log_dir) -> int:
         rank = launcher_rank()
         line = f"hybridtrain: error: {'' if rank == 0 else f'rank {rank}: '}{exc}"
         if rank == 0 or not exc.same_on_all_ranks:
-            keep_refusal(line)
+            mark = refusal_mark()  # kept for a restarted attempt (refused_in_an_earlier_attempt)
+            if mark:
+                with contextlib.suppress(OSError):
+                    replace_file(mark, line)
             tell_torchrun(line)
             print(line, file=sys.stderr, flush=True)
         else:
