@@ -318,7 +318,6 @@ def choose(caps: list, driver: str, torch_version: str = PINNED_TORCH, torch_cud
         plan.dali, plan.gpu_operations = dali, gpu_operations or ""
         return plan
     if torch_cuda:  # HYBRIDTRAIN_TORCH=system: check the installed torch against the node (without a GPU: by API)
-        build = Build("system", torch_cuda, "", ())
         error, warning = (system_driver_check(torch_version, torch_cuda, driver, driver_api, cuda_init)
                           if caps or by_api else ("", ""))
         if error:
@@ -362,7 +361,7 @@ def choose(caps: list, driver: str, torch_version: str = PINNED_TORCH, torch_cud
         plan.lines.append(f"DALI: nvidia-dali-cuda{dali or '<torch CUDA major>0'} (its CPU operators)")
         plan.lines.append(f"Horovod: GPU operations {gpu_operations or 'none (Gloo, MPI on the CPU)'}")
         return plan
-    cuda_major = version_tuple(build.cuda)[0]
+    cuda_major = version_tuple(plan.cuda)[0]  # the installed torch's, or the chosen build's
     plan.dali = dali or f"{cuda_major}0"
     dali_major = int(plan.dali) // 10
     cuda13_driver = driver_api >= 13000 if by_api else (not driver or driver_ok(driver, "13.0"))
