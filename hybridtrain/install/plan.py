@@ -287,10 +287,6 @@ def system_driver_check(torch_version: str, torch_cuda: str, driver: str, driver
                 f"before it trains")
 
 
-OLD_DRIVER = ("the NVIDIA driver {driver} is older than r525 (525.60.13), the oldest that any torch build hybridtrain "
-              "installs runs on (CUDA 12): upgrade the driver (r580+ for CUDA 13)")
-
-
 def choose(caps: list, driver: str, torch_version: str = PINNED_TORCH, torch_cuda: str = "",
            index: str = "", dali: str = "", gpu_operations: str | None = None, driver_api: int = 0,
            cuda_init: int = 0) -> Plan:
@@ -307,7 +303,8 @@ def choose(caps: list, driver: str, torch_version: str = PINNED_TORCH, torch_cud
     node = ", ".join(f"{n} x {generation(c)}" for c, n in sorted(Counter(caps).items()))
     plan.lines += [f"node: {node}, driver {driver or 'unknown'}"] if caps else []
     if driver and not driver_ok(driver, "12.0") and not by_api:  # without a GPU: too old to report compute_cap
-        plan.error = OLD_DRIVER.format(driver=driver)
+        plan.error = (f"the NVIDIA driver {driver} is older than r525 (525.60.13), the oldest that any torch build "
+                      f"hybridtrain installs runs on (CUDA 12): upgrade the driver (r580+ for CUDA 13)")
         return plan
     if not caps:
         what = "no NVIDIA GPU" + (f" (driver {driver} but no GPU compute capability reported)" if driver else "")
