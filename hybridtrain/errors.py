@@ -285,13 +285,11 @@ def environment_fault(exc: OSError) -> str | None:
 def dangling_link(path: str) -> str | None:
     """``path`` or its nearest ancestor that is a symbolic link pointing nowhere, or None."""
     current = os.path.abspath(path)
-    while True:
-        if os.path.islink(current) and not os.path.exists(current):
-            return current
-        parent = os.path.dirname(current)
-        if parent == current:
+    while not (os.path.islink(current) and not os.path.exists(current)):
+        if os.path.dirname(current) == current:  # the root: no link on the way
             return None
-        current = parent
+        current = os.path.dirname(current)
+    return current
 
 
 def report_bug(exc: Exception, log_dir: str | None) -> int:
