@@ -192,13 +192,6 @@ def refused_in_an_earlier_attempt() -> str | None:
     return None
 
 
-def keep_refusal(line: str) -> None:
-    mark = refusal_mark()
-    if mark:
-        with contextlib.suppress(OSError):
-            replace_file(mark, line)
-
-
 def _run_guarded(action, crash_log_dir) -> int:
     earlier = refused_in_an_earlier_attempt()
     if earlier:
@@ -210,7 +203,10 @@ def _run_guarded(action, crash_log_dir) -> int:
         rank = launcher_rank()
         line = f"hybridtrain: error: {'' if rank == 0 else f'rank {rank}: '}{exc}"
         if rank == 0 or not exc.same_on_all_ranks:
-            keep_refusal(line)
+            mark = refusal_mark()  # kept for a restarted attempt (refused_in_an_earlier_attempt)
+            if mark:
+                with contextlib.suppress(OSError):
+                    replace_file(mark, line)
             tell_torchrun(line)
             print(line, file=sys.stderr, flush=True)
         else:
@@ -289,13 +285,11 @@ def environment_fault(exc: OSError) -> str | None:
 def dangling_link(path: str) -> str | None:
     """``path`` or its nearest ancestor that is a symbolic link pointing nowhere, or None."""
     current = os.path.abspath(path)
-    while True:
-        if os.path.islink(current) and not os.path.exists(current):
-            return current
-        parent = os.path.dirname(current)
-        if parent == current:
+    while not (os.path.islink(current) and not os.path.exists(current)):
+        if os.path.dirname(current) == current:  # the root: no link on the way
             return None
-        current = parent
+        current = os.path.dirname(current)
+    return current
 
 
 def report_bug(exc: Exception, log_dir: str | None) -> int:

@@ -29,12 +29,11 @@ def launcher_rank() -> int:
     return 0
 
 
-def under_torchrun(env=None) -> bool:
-    return TORCHRUN_MARK in (os.environ if env is None else env)
+def under_torchrun(env: Mapping) -> bool:
+    return TORCHRUN_MARK in env
 
 
-def under_srun(env=None) -> bool:
-    env = os.environ if env is None else env
+def under_srun(env: Mapping) -> bool:
     return SRUN_MARK in env and "SLURM_PROCID" in env
 
 

@@ -73,11 +73,6 @@ def nearest_existing(path: str) -> str:
     return current
 
 
-def folder_of(path: str) -> str:
-    """The folder a file path lands in, as the user would name it ('.' for a bare file name)."""
-    return os.path.dirname(os.path.normpath(path)) or "."
-
-
 def check_output_file(path: str | None, option: str, example: str = "out.json") -> str:
     """The path of an output file, checked before any work: its folder exists and is writable, the path is not a
     folder, and an existing file there may be replaced. ``example``: a file name for the fix. Returns ``path``."""
@@ -87,7 +82,7 @@ def check_output_file(path: str | None, option: str, example: str = "out.json") 
         raise UserError(f"{option} {path} is a folder, not a file: name a file in it, e.g. {option} "
                         f"{os.path.join(path, example)}")
     refuse_dangling(path, option)
-    folder = folder_of(path)
+    folder = os.path.dirname(os.path.normpath(path)) or "."  # as the user would name it ('.' for a bare file name)
     if not os.path.exists(folder):
         ancestor = nearest_existing(folder)
         if not os.path.isdir(ancestor):
@@ -167,15 +162,12 @@ def not_writable(folder: str) -> str:
 
 def check_input_dir(path: str | None, option: str, fix: str = "") -> str:
     """A folder the command reads: one line when it is missing, a file, or a '~' no shell expanded."""
-    return _check_input(path, option, fix, folder=True)
+    return check_input_file(path, option, fix, folder=True)
 
 
-def check_input_file(path: str | None, option: str, fix: str = "") -> str:
-    """A file the command reads: one line when it is missing, a folder, or a '~' no shell expanded."""
-    return _check_input(path, option, fix, folder=False)
-
-
-def _check_input(path: str | None, option: str, fix: str, folder: bool) -> str:
+def check_input_file(path: str | None, option: str, fix: str = "", folder: bool = False) -> str:
+    """A file (``folder``: a folder) the command reads: one line when it is missing, a folder (a file), or a '~' no
+    shell expanded."""
     kind, other = ("folder", "file") if folder else ("file", "folder")
     path = _given(path, option, kind)
     not_expanded(path, option)

@@ -21,7 +21,7 @@ import sys
 from hybridtrain.cluster import netns as cluster
 from hybridtrain.distributed.launcher import venv_tool
 from hybridtrain.errors import UserError
-from hybridtrain.outputs import markdown_table, write_json_atomically, write_text_atomically
+from hybridtrain.outputs import figure, markdown_table, save_figure, write_json_atomically, write_text_atomically
 from hybridtrain.perf.scaling import available_slots, launch, measured_config
 from hybridtrain.predict.cluster_model import ClusterSpec, predict
 
@@ -99,8 +99,6 @@ def run_cluster_scale(config: str | None, overrides: list[str], hosts: int, link
     cluster.require_root()
     for compression in compressions:  # a bad recipe fails before anything starts
         measured_config(config, overrides, compression)
-    if steps < 1 or warmup < 0:
-        raise UserError("--steps must be >= 1 and --warmup >= 0")
     slots, unit = available_slots("cpu")
     if hosts > slots and not oversubscribe:
         raise UserError(f"--cluster {hosts} runs one rank per host, {hosts} ranks on this machine's {slots} "
@@ -138,7 +136,6 @@ def run_cluster_scale(config: str | None, overrides: list[str], hosts: int, link
 def plot_link_rates(rows: list[dict], path: str) -> str:
     """Efficiency against link rate, measured (solid) and predicted (dashed), one colour per engine and wire;
     ``none`` (no limit) drawn a decade past the fastest rate."""
-    from hybridtrain.outputs import figure, save_figure
     rates = sorted({cluster.link_bits_per_s(r["link"]) for r in rows} - {None})
     beyond = 10 * (rates[-1] if rates else 1e9)
     def x(link: str) -> float:

@@ -26,8 +26,7 @@ def version_tuple(text: str) -> tuple:
 
 
 def parse_capability(text: str) -> tuple:
-    """'8.0' or '80' or 'sm_80' -> (8, 0)."""
-    text = text.strip().lower().replace("sm_", "").replace("compute_", "")
+    """'8.0' (nvidia-smi's compute_cap) or '80' (the number of torch's sm_80) -> (8, 0)."""
     if "." in text:
         major, minor = text.split(".", 1)
         return int(major), int(minor)

@@ -287,10 +287,6 @@ def system_driver_check(torch_version: str, torch_cuda: str, driver: str, driver
                 f"before it trains")
 
 
-OLD_DRIVER = ("the NVIDIA driver {driver} is older than r525 (525.60.13), the oldest that any torch build hybridtrain "
-              "installs runs on (CUDA 12): upgrade the driver (r580+ for CUDA 13)")
-
-
 def choose(caps: list, driver: str, torch_version: str = PINNED_TORCH, torch_cuda: str = "",
            index: str = "", dali: str = "", gpu_operations: str | None = None, driver_api: int = 0,
            cuda_init: int = 0) -> Plan:
@@ -307,7 +303,8 @@ def choose(caps: list, driver: str, torch_version: str = PINNED_TORCH, torch_cud
     node = ", ".join(f"{n} x {generation(c)}" for c, n in sorted(Counter(caps).items()))
     plan.lines += [f"node: {node}, driver {driver or 'unknown'}"] if caps else []
     if driver and not driver_ok(driver, "12.0") and not by_api:  # without a GPU: too old to report compute_cap
-        plan.error = OLD_DRIVER.format(driver=driver)
+        plan.error = (f"the NVIDIA driver {driver} is older than r525 (525.60.13), the oldest that any torch build "
+                      f"hybridtrain installs runs on (CUDA 12): upgrade the driver (r580+ for CUDA 13)")
         return plan
     if not caps:
         what = "no NVIDIA GPU" + (f" (driver {driver} but no GPU compute capability reported)" if driver else "")
@@ -318,7 +315,6 @@ def choose(caps: list, driver: str, torch_version: str = PINNED_TORCH, torch_cud
         plan.dali, plan.gpu_operations = dali, gpu_operations or ""
         return plan
     if torch_cuda:  # HYBRIDTRAIN_TORCH=system: check the installed torch against the node (without a GPU: by API)
-        build = Build("system", torch_cuda, "", ())
         error, warning = (system_driver_check(torch_version, torch_cuda, driver, driver_api, cuda_init)
                           if caps or by_api else ("", ""))
         if error:
@@ -362,7 +358,7 @@ def choose(caps: list, driver: str, torch_version: str = PINNED_TORCH, torch_cud
         plan.lines.append(f"DALI: nvidia-dali-cuda{dali or '<torch CUDA major>0'} (its CPU operators)")
         plan.lines.append(f"Horovod: GPU operations {gpu_operations or 'none (Gloo, MPI on the CPU)'}")
         return plan
-    cuda_major = version_tuple(build.cuda)[0]
+    cuda_major = version_tuple(plan.cuda)[0]  # the installed torch's, or the chosen build's
     plan.dali = dali or f"{cuda_major}0"
     dali_major = int(plan.dali) // 10
     cuda13_driver = driver_api >= 13000 if by_api else (not driver or driver_ok(driver, "13.0"))
