@@ -25,8 +25,6 @@ from hybridtrain.engine.profiling import create_profiler
 from hybridtrain.engine.records import (
     ProgressBar,
     RunRecord,
-    SampleAudit,
-    audit_path,
     device_name,
     log,
     memory_figures,
@@ -248,7 +246,6 @@ def train_epochs(cfg: Config, t: Trainer, watch: PreemptionWatch, resume: str | 
     with run:  # the tracked runs end as failed on an error, as stopped on a SIGTERM's stop or Ctrl-C
         if state:
             complete_pending_record(cfg, t, state, run)
-        t.audit = SampleAudit(audit_path(cfg))
         t.profiler = create_profiler(cfg, topo)  # train --profile (profiling.py); None when off
         watchdog = stall_watchdog(cfg, topo)
         startup_mark("run_setup")  # the config written, metrics.jsonl, TensorBoard's writer, the watchdog
@@ -286,8 +283,7 @@ def train_epoch(cfg: Config, t: Trainer, position: EpochPosition, first_of_proce
     steps = EpochSteps(t, position, warmup, compile_steps(compiles, warmup))
     try:
         for snap in steps:
-            if t.audit.path:
-                t.audit.record(snap.samples)
+            t.audit.record(snap.samples)  # none without an audit file (records.SampleAudit)
             if bar:
                 bar.update(snap.loss_sum, snap.seen, snap.passes)
             if snap.phase_change:
