@@ -216,8 +216,10 @@ def evaluate(model, loader, precision: Precision, tag: str, flip: bool = False) 
     with local_work("validation"):  # the pass may outlast the stall limit; the wait for the peers' sums may not
         failure = evaluate_shard(model, loader, precision, sums, flip)
     sums = distributed.allreduce_sum(sums.cpu(), f"eval_totals.{tag}")
-    if sums[4] > 0:
-        raise UserError(first_failure(failure, tag))
+    if sums[4] > 0:  # the lowest failing rank's line, on every rank (one allgather, made only when some rank failed)
+        failures = distributed.allgather_object(failure, f"eval_failure.{tag}")
+        rank, line = next((r, f) for r, f in enumerate(failures) if f)
+        raise UserError(f"rank {rank}: {line}")
     count = int(sums[3])
     if count == 0:
         raise UserError("the validation set yielded no readable images: check data.path/val")
@@ -247,10 +249,3 @@ def evaluate_shard(model, loader, precision: Precision, sums: torch.Tensor, flip
         top1, top5 = topk_correct(logits, labels)
         sums[:3] += torch.stack([loss.double(), top1.double(), top5.double()])
         sums[3] += labels.numel()  # a scalar argument: no host-to-device copy
-
-
-def first_failure(mine: str, tag: str) -> str:
-    """The lowest failing rank's line, on every rank (one allgather, made only when some rank failed)."""
-    failures = distributed.allgather_object(mine, f"eval_failure.{tag}")
-    rank, line = next((r, f) for r, f in enumerate(failures) if f)
-    return f"rank {rank}: {line}"
