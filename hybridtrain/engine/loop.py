@@ -21,7 +21,7 @@ from hybridtrain.engine.epoch import (
     evaluate,
 )
 from hybridtrain.engine.guards import PreemptionWatch, StallWatchdog, root_writes, steps_between_checks
-from hybridtrain.engine.profiling import create_profiler
+from hybridtrain.engine.profiling import StepProfiler
 from hybridtrain.engine.records import (
     ProgressBar,
     RunRecord,
@@ -246,7 +246,8 @@ def train_epochs(cfg: Config, t: Trainer, watch: PreemptionWatch, resume: str | 
     with run:  # the tracked runs end as failed on an error, as stopped on a SIGTERM's stop or Ctrl-C
         if state:
             complete_pending_record(cfg, t, state, run)
-        t.profiler = create_profiler(cfg, topo)  # train --profile (profiling.py); None when off
+        # train --profile (profiling.py); None when off
+        t.profiler = StepProfiler(cfg.profile, cfg.run_dir, topo.rank, topo.device) if cfg.profile.enabled else None
         watchdog = stall_watchdog(cfg, topo)
         startup_mark("run_setup")  # the config written, metrics.jsonl, TensorBoard's writer, the watchdog
         try:

@@ -54,8 +54,3 @@ class StepProfiler:
         if self.memory and self.done > self.record_from:
             torch.cuda.memory._dump_snapshot(self.path("memory", "pickle"))
             torch.cuda.memory._record_memory_history(enabled=None)
-
-
-def create_profiler(cfg, topo) -> StepProfiler | None:
-    """The rank's profiler when ``profile.enabled``, else None."""
-    return StepProfiler(cfg.profile, cfg.run_dir, topo.rank, topo.device) if cfg.profile.enabled else None
