@@ -146,7 +146,10 @@ class EpochSteps:
                 drawn = list(itertools.islice(batches, k))
                 result = train_step(t.step, t.bundle.optimizer, t.precision, self.on_device(drawn),
                                     bn_guard=self.bn_guard, ema=t.ema)
-            self.step_done()
+            self.clock.mark("end")  # the clock's last mark, the process's first step noted, the profiler's window moved
+            first_step_done()
+            if getattr(t, "profiler", None) is not None:
+                t.profiler.step()
             self.count(result)
             if i + 1 == self.warmup_end:
                 if self.device.type == "cuda":
@@ -164,13 +167,6 @@ class EpochSteps:
             ready.append((images, labels, micro_batch_weight(labels.numel(), t.batch_size, t.k)))
         self.clock.mark("drawn")
         return ready
-
-    def step_done(self) -> None:
-        """After each step: the clock's last mark, the process's first step noted, the profiler's window moved."""
-        self.clock.mark("end")
-        first_step_done()
-        if getattr(self.t, "profiler", None) is not None:
-            self.t.profiler.step()
 
     def count(self, result: StepResult) -> None:
         """A step's passes into the epoch's sums, pass by pass."""
