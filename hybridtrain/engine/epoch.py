@@ -110,7 +110,7 @@ class EpochSteps:
     are not trained on. Each step is ``step.train_step`` run by ``t.step`` (eager, compiled or graphed), on the k
     micro-batches this class draws and moves to the device; the sums (loss, top-1, samples) are kept here.
     ``warmup``: the first steps timed apart (warmup_steps); ``compiling``: the first steps run as local work for
-    the stall watchdog (compile_steps). After the last step ``result()`` is the epoch's, over all ranks; after
+    the stall watchdog (loop.train_epoch). After the last step ``result()`` is the epoch's, over all ranks; after
     a stop, ``stopped()``."""
 
     def __init__(self, t: Trainer, position: EpochPosition, warmup: int = 0, compiling: int = 0):

@@ -32,7 +32,7 @@ from hybridtrain.engine.records import (
     with_validation,
 )
 from hybridtrain.engine.resume import checkpoint_state, restore, resume_state, save_stopped_epoch
-from hybridtrain.engine.step import compile_steps, compiles_in_epoch, recompiles_in_epoch, warmup_steps
+from hybridtrain.engine.step import compiles_in_epoch, recompiles_in_epoch, warmup_steps
 from hybridtrain.engine.trainer import Trainer, build_trainer
 from hybridtrain.errors import PeerFailure, UserError, environment_fault, is_peer_failure
 from hybridtrain.models.batchnorm import average_running_statistics
@@ -281,7 +281,9 @@ def train_epoch(cfg: Config, t: Trainer, position: EpochPosition, first_of_proce
     compiles = (compiles_in_epoch(position.epoch, first_of_process, cfg.optim)
                 or recompiles_in_epoch(cfg, position.epoch))  # progressive resizing's next resolution, compiled
     warmup = warmup_steps(compiles, t.updates)
-    steps = EpochSteps(t, position, warmup, compile_steps(compiles, warmup))
+    # the first steps that may compile, capture or autotune for longer than the stall limit: the warmup steps, at
+    # least the first, when the epoch compiles; else none
+    steps = EpochSteps(t, position, warmup, max(warmup, 1) if compiles else 0)
     try:
         for snap in steps:
             t.audit.record(snap.samples)  # none without an audit file (records.SampleAudit)
