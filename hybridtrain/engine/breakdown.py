@@ -29,7 +29,6 @@ wait for in communication. Records hold ``breakdown_s`` (the mean over ranks), `
 """
 from __future__ import annotations
 
-import os
 import time
 
 STEP_PARTS = ("input", "compute", "communication", "optimizer")
@@ -181,19 +180,6 @@ STARTUP_PARTS = ("imports", "engine_start", "data_scan", "model_build", "loader_
 _startup: dict = {"marks": [], "reported": False}
 
 
-def process_start_wall() -> float | None:
-    """This process's start as wall-clock time (Linux: /proc/self/stat's start time after the boot time); None
-    elsewhere."""
-    try:
-        with open("/proc/self/stat") as fh:
-            started_ticks = int(fh.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/stat") as fh:
-            boot = next(int(line.split()[1]) for line in fh if line.startswith("btime"))
-        return boot + started_ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
-        return None
-
-
 def startup_mark(name: str) -> None:
     """The end of set-up part ``name`` (STARTUP_PARTS), now; each part runs from the mark before it."""
     _startup["marks"].append((name, time.perf_counter()))
@@ -205,9 +191,10 @@ def startup_fields() -> dict:
     if _startup["reported"] or not _startup["marks"]:
         return {}
     _startup["reported"] = True
-    started = process_start_wall()
+    import psutil  # here: the report reads PARTS without it
+    started = psutil.Process().create_time()  # the process's start as wall-clock time (Linux: from /proc)
     now_wall, now = time.time(), time.perf_counter()
-    begin = now - (now_wall - started) if started is not None else _startup["marks"][0][1]
+    begin = now - (now_wall - started)
     parts, before = {}, begin
     for name, at in _startup["marks"]:
         parts[name] = parts.get(name, 0.0) + max(0.0, at - before)

@@ -270,7 +270,6 @@ def run_elastic(cfg: Config, resume: str | None = None, move_aside: bool = False
     hvd = horovod.import_horovod()
     t = build_trainer(cfg, distributed.init(cfg.train.threads, cfg, elastic=True,
                                           device=cfg.train.device, engine="horovod"))
-    t.audit = SampleAudit(audit_path(cfg))
     state = horovod_elastic_state()(t, Position())
     state.resume, state.move_aside = resume, move_aside
     state.register_reset_callbacks([lambda: on_reset(cfg, state)])

@@ -61,12 +61,9 @@ class WeightEMA:
             torch._foreach_copy_(self.copied[0], self.copied[1])
         self.updates += 1
 
-    @torch.no_grad()
     def reset(self) -> None:
         """Start the average again from the model's current weights (a fresh run, after the broadcast)."""
-        for name in self.names:
-            self.shadow[name].copy_(self.sources[name])
-        self.updates = 0
+        self.load_state_dict({"shadow": self.sources, "updates": 0})
 
     def state_dict(self) -> dict:
         return {"decay": self.decay, "updates": self.updates, "shadow": dict(self.shadow)}

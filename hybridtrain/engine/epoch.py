@@ -110,7 +110,7 @@ class EpochSteps:
     are not trained on. Each step is ``step.train_step`` run by ``t.step`` (eager, compiled or graphed), on the k
     micro-batches this class draws and moves to the device; the sums (loss, top-1, samples) are kept here.
     ``warmup``: the first steps timed apart (warmup_steps); ``compiling``: the first steps run as local work for
-    the stall watchdog (compile_steps). After the last step ``result()`` is the epoch's, over all ranks; after
+    the stall watchdog (loop.train_epoch). After the last step ``result()`` is the epoch's, over all ranks; after
     a stop, ``stopped()``."""
 
     def __init__(self, t: Trainer, position: EpochPosition, warmup: int = 0, compiling: int = 0):
@@ -146,7 +146,10 @@ class EpochSteps:
                 drawn = list(itertools.islice(batches, k))
                 result = train_step(t.step, t.bundle.optimizer, t.precision, self.on_device(drawn),
                                     bn_guard=self.bn_guard, ema=t.ema)
-            self.step_done()
+            self.clock.mark("end")  # the clock's last mark, the process's first step noted, the profiler's window moved
+            first_step_done()
+            if getattr(t, "profiler", None) is not None:
+                t.profiler.step()
             self.count(result)
             if i + 1 == self.warmup_end:
                 if self.device.type == "cuda":
@@ -164,13 +167,6 @@ class EpochSteps:
             ready.append((images, labels, micro_batch_weight(labels.numel(), t.batch_size, t.k)))
         self.clock.mark("drawn")
         return ready
-
-    def step_done(self) -> None:
-        """After each step: the clock's last mark, the process's first step noted, the profiler's window moved."""
-        self.clock.mark("end")
-        first_step_done()
-        if getattr(self.t, "profiler", None) is not None:
-            self.t.profiler.step()
 
     def count(self, result: StepResult) -> None:
         """A step's passes into the epoch's sums, pass by pass."""
@@ -216,8 +212,10 @@ def evaluate(model, loader, precision: Precision, tag: str, flip: bool = False) 
     with local_work("validation"):  # the pass may outlast the stall limit; the wait for the peers' sums may not
         failure = evaluate_shard(model, loader, precision, sums, flip)
     sums = distributed.allreduce_sum(sums.cpu(), f"eval_totals.{tag}")
-    if sums[4] > 0:
-        raise UserError(first_failure(failure, tag))
+    if sums[4] > 0:  # the lowest failing rank's line, on every rank (one allgather, made only when some rank failed)
+        failures = distributed.allgather_object(failure, f"eval_failure.{tag}")
+        rank, line = next((r, f) for r, f in enumerate(failures) if f)
+        raise UserError(f"rank {rank}: {line}")
     count = int(sums[3])
     if count == 0:
         raise UserError("the validation set yielded no readable images: check data.path/val")
@@ -247,10 +245,3 @@ def evaluate_shard(model, loader, precision: Precision, sums: torch.Tensor, flip
         top1, top5 = topk_correct(logits, labels)
         sums[:3] += torch.stack([loss.double(), top1.double(), top5.double()])
         sums[3] += labels.numel()  # a scalar argument: no host-to-device copy
-
-
-def first_failure(mine: str, tag: str) -> str:
-    """The lowest failing rank's line, on every rank (one allgather, made only when some rank failed)."""
-    failures = distributed.allgather_object(mine, f"eval_failure.{tag}")
-    rank, line = next((r, f) for r, f in enumerate(failures) if f)
-    return f"rank {rank}: {line}"

@@ -21,12 +21,10 @@ from hybridtrain.engine.epoch import (
     evaluate,
 )
 from hybridtrain.engine.guards import PreemptionWatch, StallWatchdog, root_writes, steps_between_checks
-from hybridtrain.engine.profiling import create_profiler
+from hybridtrain.engine.profiling import StepProfiler
 from hybridtrain.engine.records import (
     ProgressBar,
     RunRecord,
-    SampleAudit,
-    audit_path,
     device_name,
     log,
     memory_figures,
@@ -34,7 +32,7 @@ from hybridtrain.engine.records import (
     with_validation,
 )
 from hybridtrain.engine.resume import checkpoint_state, restore, resume_state, save_stopped_epoch
-from hybridtrain.engine.step import compile_steps, compiles_in_epoch, recompiles_in_epoch, warmup_steps
+from hybridtrain.engine.step import compiles_in_epoch, recompiles_in_epoch, warmup_steps
 from hybridtrain.engine.trainer import Trainer, build_trainer
 from hybridtrain.errors import PeerFailure, UserError, environment_fault, is_peer_failure
 from hybridtrain.models.batchnorm import average_running_statistics
@@ -99,10 +97,8 @@ def run_training(cfg: Config, resume: str | None = None, move_aside: bool = Fals
         if outcome == "failed":
             release_failed_run(t, sys.exc_info()[1])
         t = None  # noqa: F841 - the trainer's DDP wrapper holds the process group: shutdown destroys it only when free
-        if outcome == "done":
-            distributed.shutdown()
-        elif outcome == "failed":
-            with contextlib.suppress(Exception):  # this rank's own error line matters more than the teardown
+        if outcome != "peer failed":  # a failed rank's own error line matters more than the teardown
+            with contextlib.suppress(Exception) if outcome == "failed" else contextlib.nullcontext():
                 distributed.shutdown()
         if owner:
             owner.release()
@@ -250,8 +246,8 @@ def train_epochs(cfg: Config, t: Trainer, watch: PreemptionWatch, resume: str | 
     with run:  # the tracked runs end as failed on an error, as stopped on a SIGTERM's stop or Ctrl-C
         if state:
             complete_pending_record(cfg, t, state, run)
-        t.audit = SampleAudit(audit_path(cfg))
-        t.profiler = create_profiler(cfg, topo)  # train --profile (profiling.py); None when off
+        # train --profile (profiling.py); None when off
+        t.profiler = StepProfiler(cfg.profile, cfg.run_dir, topo.rank, topo.device) if cfg.profile.enabled else None
         watchdog = stall_watchdog(cfg, topo)
         startup_mark("run_setup")  # the config written, metrics.jsonl, TensorBoard's writer, the watchdog
         try:
@@ -285,11 +281,12 @@ def train_epoch(cfg: Config, t: Trainer, position: EpochPosition, first_of_proce
     compiles = (compiles_in_epoch(position.epoch, first_of_process, cfg.optim)
                 or recompiles_in_epoch(cfg, position.epoch))  # progressive resizing's next resolution, compiled
     warmup = warmup_steps(compiles, t.updates)
-    steps = EpochSteps(t, position, warmup, compile_steps(compiles, warmup))
+    # the first steps that may compile, capture or autotune for longer than the stall limit: the warmup steps, at
+    # least the first, when the epoch compiles; else none
+    steps = EpochSteps(t, position, warmup, max(warmup, 1) if compiles else 0)
     try:
         for snap in steps:
-            if t.audit.path:
-                t.audit.record(snap.samples)
+            t.audit.record(snap.samples)  # none without an audit file (records.SampleAudit)
             if bar:
                 bar.update(snap.loss_sum, snap.seen, snap.passes)
             if snap.phase_change:

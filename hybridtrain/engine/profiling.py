@@ -24,16 +24,14 @@ class StepProfiler:
         self.record_from, self.end = p.wait + p.warmup, p.wait + p.warmup + p.active
         self.done = 0
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
-        self.prof = profile(activities=activities, on_trace_ready=self.write,
+        self.prof = profile(activities=activities,
+                            on_trace_ready=lambda prof: prof.export_chrome_trace(self.path("trace", "json")),
                             schedule=schedule(wait=p.wait, warmup=p.warmup, active=p.active, repeat=1))
         self.prof.start()
         self.maybe_record_memory()
 
     def path(self, kind: str, ext: str) -> str:
         return os.path.join(self.folder, f"{kind}-rank{self.rank}.{ext}")
-
-    def write(self, prof) -> None:
-        prof.export_chrome_trace(self.path("trace", "json"))
 
     def maybe_record_memory(self) -> None:
         if self.memory and self.done == self.record_from:
@@ -56,8 +54,3 @@ class StepProfiler:
         if self.memory and self.done > self.record_from:
             torch.cuda.memory._dump_snapshot(self.path("memory", "pickle"))
             torch.cuda.memory._record_memory_history(enabled=None)
-
-
-def create_profiler(cfg, topo) -> StepProfiler | None:
-    """The rank's profiler when ``profile.enabled``, else None."""
-    return StepProfiler(cfg.profile, cfg.run_dir, topo.rank, topo.device) if cfg.profile.enabled else None

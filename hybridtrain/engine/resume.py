@@ -54,7 +54,9 @@ def restore(t: Trainer, state: dict, backend: str) -> EpochPosition | None:
     ranks, batch_size = stopped_layout(state)
     if (ranks, batch_size) == (t.topo.size, t.batch_size):
         mine = partial["ranks"][t.topo.rank]
-        load_bn_buffers(t.model, mine["bn_buffers"])  # its own, not the average
+        with torch.no_grad():
+            for buf, saved in zip(running_buffers(t.model), mine["bn_buffers"], strict=True):
+                buf.copy_(saved)  # its own, not the average
         if t.ema is not None and "ema_bn_buffers" in mine:
             t.ema.load_bn_buffers(mine["ema_bn_buffers"])  # the EMA's of them too
         return EpochPosition(partial["epoch"], EpochProgress(**mine["progress"]), partial.get("start", 0),
@@ -112,12 +114,6 @@ def carried_progress(totals: list[float], train_time_s: float, skipped_steps: in
     all-reduced), every rank the time and the skipped steps."""
     sums = totals if is_root else [0.0, 0.0, 0.0]
     return EpochProgress(0, *sums, train_time_s, skipped_steps)
-
-
-@torch.no_grad()
-def load_bn_buffers(model, buffers: list[torch.Tensor]) -> None:
-    for buf, saved in zip(running_buffers(model), buffers, strict=True):
-        buf.copy_(saved)
 
 
 def checkpoint_state(cfg: Config, t: Trainer, completed_epoch: int, elapsed_s: float,

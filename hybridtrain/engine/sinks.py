@@ -186,8 +186,7 @@ def log_report(cfg) -> None:
     each sink's tracked run continued from sinks.json, then ended."""
     if not any(getattr(cfg.sinks, name) for name in SINKS):
         return
-    paths = [os.path.join(cfg.run_dir, name) for name in REPORT_FILES if os.path.isfile(os.path.join(cfg.run_dir,
-                                                                                                     name))]
+    paths = [path for path in (os.path.join(cfg.run_dir, name) for name in REPORT_FILES) if os.path.isfile(path)]
     for sink in open_sinks(cfg, resumed=True):
         sink.artifacts(paths)
         sink.close()

@@ -72,12 +72,6 @@ def warmup_steps(compiles: bool, updates_per_epoch: int, steps: int = 3) -> int:
     return steps if compiles and updates_per_epoch >= 2 * steps else 0
 
 
-def compile_steps(compiles: bool, warmup: int) -> int:
-    """The first steps of an epoch that may compile, capture or autotune for longer than the stall limit: the
-    warmup steps, at least the first, when the epoch compiles (`compiles_in_epoch`); else none."""
-    return max(warmup, 1) if compiles else 0
-
-
 class RunningStatsGuard:
     """Every BN's running statistics as they were before a step, put back when the step is skipped: a batch with
     a NaN must not poison them (with a moving average it would never wash out)."""

@@ -13,7 +13,7 @@ from hybridtrain.distributed import collectives as distributed
 from hybridtrain.engine import checkpoint
 from hybridtrain.engine.breakdown import startup_mark
 from hybridtrain.engine.ema import create_ema
-from hybridtrain.engine.records import log
+from hybridtrain.engine.records import SampleAudit, audit_path, log
 from hybridtrain.engine.step import build_step
 from hybridtrain.errors import UserError
 from hybridtrain.hardware.checks import check_machine, check_node
@@ -104,4 +104,4 @@ def build_trainer(cfg: Config, topo) -> Trainer:
     # Wrap first: Horovod rebuilds the optimizer from its param_groups, so state loaded before would be lost.
     bundle.optimizer = distributed.wrap_optimizer(bundle.optimizer, model, cfg, k, compression)
     return Trainer(topo, data, model, precision, bundle, updates, k, cfg.train.batch_size, step, compression,
-                   fp32_math, ema=create_ema(model, cfg.train))
+                   fp32_math, audit=SampleAudit(audit_path(cfg)), ema=create_ema(model, cfg.train))
