@@ -70,25 +70,19 @@ def tree_mib(repo: str = REPO) -> float:
     return sum(os.path.getsize(f) for f in files) / 2**20
 
 
-def make_bundle(dest: str) -> dict:
+def main(argv: list[str]) -> int:
+    dest = os.path.abspath(argv[0] if argv else os.path.join(REPO, ".gpu-bundle"))
     os.makedirs(dest, exist_ok=True)
     for version in pythons():
         download_wheels(dest, version)
     source = fetch_sdist(dest)
-    sizes = {"bundle_mib": folder_mib(dest), "tree_mib": tree_mib(), "files": len(os.listdir(dest)),
-             "sdist": source}
-    sizes["total_mib"] = sizes["bundle_mib"] + sizes["tree_mib"]
-    return sizes
-
-
-def main(argv: list[str]) -> int:
-    dest = os.path.abspath(argv[0] if argv else os.path.join(REPO, ".gpu-bundle"))
-    sizes = make_bundle(dest)
-    print(f"gpu-bundle: {dest}: {sizes['files']} files, {sizes['bundle_mib']:.1f} MiB (Horovod's source "
-          f"{sizes['sdist']}; wheels for Python {', '.join(pythons())}); with the working tree "
-          f"({sizes['tree_mib']:.1f} MiB) {sizes['total_mib']:.1f} MiB of the {LIMIT_MIB} MiB that travel")
-    if sizes["total_mib"] > LIMIT_MIB:
-        raise UserError(f"the bundle and the tree are {sizes['total_mib']:.1f} MiB, over {LIMIT_MIB} MiB: remove "
+    bundle_mib, tree = folder_mib(dest), tree_mib()
+    total = bundle_mib + tree
+    print(f"gpu-bundle: {dest}: {len(os.listdir(dest))} files, {bundle_mib:.1f} MiB (Horovod's source "
+          f"{source}; wheels for Python {', '.join(pythons())}); with the working tree "
+          f"({tree:.1f} MiB) {total:.1f} MiB of the {LIMIT_MIB} MiB that travel")
+    if total > LIMIT_MIB:
+        raise UserError(f"the bundle and the tree are {total:.1f} MiB, over {LIMIT_MIB} MiB: remove "
                         f"large untracked files from the checkout")
     return 0
 

@@ -32,11 +32,6 @@ def read_text(path: str) -> str:
         return ""
 
 
-def max_of(records: list[dict], key: str) -> float | None:
-    values = [r[key] for r in records if isinstance(r.get(key), (int, float))]
-    return max(values) if values else None
-
-
 def train_figures(records: list[dict]) -> dict:
     """Steady img/s over the epochs after the first (the first compiles, captures, autotunes), peak memory over
     all epochs: allocated, reserved and device-wide (None when metrics.jsonl lacks the key)."""
@@ -44,7 +39,8 @@ def train_figures(records: list[dict]) -> dict:
     seconds = sum(r["train_time_s"] for r in steady)
     images = sum(r["images_per_sec"] * r["train_time_s"] for r in steady)
     return {"images_per_sec": images / seconds if seconds else None,
-            **{figure: max_of(records, key) for figure, key in MEMORY.items()}}
+            **{figure: max((r[key] for r in records if isinstance(r.get(key), (int, float))), default=None)
+               for figure, key in MEMORY.items()}}
 
 
 def read_train(row: Row) -> str:
