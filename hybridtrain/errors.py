@@ -27,12 +27,8 @@ class UserError(Exception):
 
 
 class PeerFailure(Exception):
-    """Another rank died or failed; the message names it when this rank can tell (see distributed.departed).
-    ``announce``: this rank prints the line (the lowest surviving rank on its host)."""
-
-    def __init__(self, message: str, announce: bool = True):
-        super().__init__(message)
-        self.announce = announce
+    """Another rank died or failed; the message names it when this rank can tell (see distributed.departed). Its
+    line is printed where it is made (distributed.failures.peer_failure), by one surviving rank of each host."""
 
 
 # The signs of a lost peer in the errors of the engine that formed this process's job: (class names, words), from
@@ -216,9 +212,7 @@ def _run_guarded(action, crash_log_dir) -> int:
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
             time.sleep(PEER_REFUSAL_WAIT_S)  # rank 0 prints the line, then its exit ends this job
         return 2
-    except PeerFailure as exc:
-        if exc.announce:
-            print(f"hybridtrain: {exc}", file=sys.stderr, flush=True)
+    except PeerFailure:  # its line is out already (failures.peer_failure)
         return 3
     except RuntimeError as exc:
         if not is_peer_failure(exc):

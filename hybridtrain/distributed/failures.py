@@ -4,7 +4,9 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
+import sys
 import tempfile
+import threading
 import time
 
 from hybridtrain.errors import PeerFailure
@@ -42,8 +44,12 @@ def settled_departures(topo, grace_s: float = EXIT_GRACE_S) -> tuple[list[int], 
     return gone, alive
 
 
+REPORT_LOCK = threading.Lock()
+
+
 def peer_failure(topo) -> PeerFailure:
-    """The one line a surviving rank prints: which rank died (when it ran on this host) and how to resume."""
+    """The one line a surviving rank prints, printed here by the first of its host to report (``first_to_report``):
+    which rank died (when it ran on this host) and how to resume."""
     gone, alive = settled_departures(topo) if topo.peers else ([], [topo.rank])
     host = socket.gethostname()
     if gone:
@@ -58,8 +64,15 @@ def peer_failure(topo) -> PeerFailure:
         lost = unreachable_hosts(topo.peers, host)
         cause = (f"this rank lost host {', '.join(lost)}: it does not answer on the network (its link is down or it is "
                  f"off)" if lost else "a rank on another host died, hung or failed (its error line, if any, says why)")
-    return PeerFailure(f"the job stopped because {cause}; checkpoints are intact: rerun the same command with "
-                       f"--resume auto", announce=first_to_report(topo))
+    failure = PeerFailure(f"the job stopped because {cause}; checkpoints are intact: rerun the same command with "
+                          f"--resume auto")
+    # the line goes out here, under a lock, before either thread that learns of the failure (a failed collective
+    # on the main thread, the launcher's SIGTERM on the signal thread, which then ends the process) can go on:
+    # printed later by the main thread, it was lost when the signal thread ended the process first
+    with REPORT_LOCK:
+        if first_to_report(topo):
+            print(f"hybridtrain: {failure}", file=sys.stderr, flush=True)
+    return failure
 
 
 PROBE_PORT = 22  # a host that is up answers here: sshd accepts, or the kernel refuses; a cut link answers nothing

@@ -102,9 +102,7 @@ class PreemptionWatch:
             self._end_before_the_job_formed()
         if not topo.peers or not failures.departed(topo)[0]:
             return  # a real preemption: the flag stops the run after a step
-        failure = failures.peer_failure(topo)
-        if failure.announce:
-            print(f"hybridtrain: {failure}", file=sys.stderr, flush=True)
+        failures.peer_failure(topo)  # its line, when this process is the host's first to report
         os._exit(3)
 
     @staticmethod
