@@ -191,6 +191,19 @@ def write_json_atomically(path: str, obj, indent: int = 1) -> str:
     return write_text_atomically(path, json.dumps(obj, indent=indent) + "\n")
 
 
+def append_json_line(path: str, obj) -> None:
+    """``obj`` as one JSON line at the end of ``path`` (metrics.jsonl, the sample audit), in one write() of a file
+    opened O_APPEND and never through a link: a kill leaves the line whole or absent, whatever Python's buffering
+    would have done with it."""
+    data = (json.dumps(obj) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+    try:
+        while data:  # one call in practice: Linux writes a regular file's bytes whole below 2 GiB
+            data = data[os.write(fd, data):]
+    finally:
+        os.close(fd)
+
+
 # ----------------------------------------------------------------------------- OUT.partial of the data tools
 
 def start_partial(out: str, option: str = "--out") -> str:

@@ -1,11 +1,13 @@
 """Every file the project writes is written atomically: a writer killed (SIGKILL, no cleanup) at any moment of a
 write leaves the old file or the new one, never a broken one. The writers every run, tool and record goes through
 (outputs.write_text_atomically / write_json_atomically: config.yaml, run records, tables; checkpoint.atomic_save:
-checkpoints and final_model.pt; errors.replace_file: a crash log, torchrun's error file, the refusal mark) are killed
+checkpoints and final_model.pt; errors.replace_file: a crash log, torchrun's error file, the refusal mark;
+outputs.append_json_line: metrics.jsonl's and the sample audit's lines, each whole or absent) are killed
 mid-write again and again by a real process."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import random
 import signal
@@ -20,7 +22,7 @@ WRITER = """
 import sys, torch
 from hybridtrain.engine import checkpoint
 from hybridtrain.errors import replace_file
-from hybridtrain.outputs import write_text_atomically
+from hybridtrain.outputs import append_json_line, write_text_atomically
 folder = sys.argv[1]
 texts = ["A" * 1_000_000, "B" * 1_500_000]
 tensors = [torch.zeros(300_000), torch.ones(400_000)]
@@ -30,6 +32,7 @@ while True:
     write_text_atomically(folder + "/config.yaml", texts[i % 2])
     replace_file(folder + "/rank-0-error.log", texts[i % 2])
     checkpoint.atomic_save({"w": tensors[i % 2]}, folder + "/final_model.pt")
+    append_json_line(folder + "/metrics.jsonl", {"epoch": i, "pad": texts[i % 2][:300_000]})
     i += 1
 """
 
@@ -60,8 +63,12 @@ def test_a_writer_killed_mid_write_leaves_the_old_file_or_the_new_one(tmp_path):
             if sidecar.exists():
                 assert sidecar.read_text().split()[0] == digest, kill
                 sums.add(digest)
+        lines = (tmp_path / "metrics.jsonl").read_text().splitlines() if (tmp_path / "metrics.jsonl").exists() else []
+        for line in lines:  # appended records: each line whole
+            record = json.loads(line)
+            assert record["pad"] == ("A" if record["epoch"] % 2 == 0 else "B") * 300_000, kill
     assert {c for _, c in seen} == {"A", "B"}  # the kills landed at different points of the alternation
     assert len(digests) == 2 and sums  # both versions seen, a sum beside the file
-    whole = ("config.yaml", "rank-0-error.log", "final_model.pt", "final_model.pt.sha256")
+    whole = ("config.yaml", "rank-0-error.log", "final_model.pt", "final_model.pt.sha256", "metrics.jsonl")
     leftovers = [n for n in os.listdir(tmp_path) if n not in whole]
     assert all(n.startswith((".config.yaml.", ".rank-0-error.log.")) or ".tmp-" in n for n in leftovers), leftovers

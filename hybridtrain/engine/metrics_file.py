@@ -10,11 +10,6 @@ from hybridtrain.errors import UserError
 from hybridtrain.outputs import write_text_atomically
 
 
-def append_metrics(path: str, record: dict) -> None:
-    with open(path, "a") as fh:
-        fh.write(json.dumps(record) + "\n")
-
-
 def truncate_metrics(path: str, completed_epochs: int) -> list[dict]:
     """Keep the records of the first ``completed_epochs`` epochs (a resumed run rewrites what came after);
     written to a temp file and renamed (outputs.write_text_atomically), so a kill leaves the old file or the new

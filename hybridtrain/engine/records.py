@@ -5,7 +5,6 @@ TensorBoard's writer (metrics.jsonl's format is ``metrics_file``'s, torch-free f
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import socket
@@ -15,9 +14,10 @@ import time
 import torch
 
 from hybridtrain.config import Config, save_config
-from hybridtrain.engine.metrics_file import append_metrics, truncate_metrics
+from hybridtrain.engine.metrics_file import truncate_metrics
 from hybridtrain.engine.rundir import RunDir
 from hybridtrain.engine.sinks import Board, open_sinks
+from hybridtrain.outputs import append_json_line
 
 
 class ProgressBar:
@@ -163,7 +163,7 @@ class RunRecord:
     def write(self, record: dict) -> dict:
         """An epoch's record into metrics.jsonl, the board and the log."""
         if self.topo.is_root:
-            append_metrics(self.metrics_path, record)
+            append_json_line(self.metrics_path, record)
             self.history.append(record)
             if self.board:
                 for tag, key in TENSORBOARD_SCALARS.items():
@@ -215,9 +215,8 @@ class SampleAudit:
         if not self.path:
             return
         os.makedirs(os.path.dirname(self.path), exist_ok=True)  # here, not before the run claimed its run_dir
-        with open(self.path, "a") as fh:
-            fh.write(json.dumps({"epoch": epoch + 1, "ranks": topo.size, "rank": topo.rank,
-                                 "samples": self.pending}) + "\n")
+        append_json_line(self.path, {"epoch": epoch + 1, "ranks": topo.size, "rank": topo.rank,
+                                     "samples": self.pending})
         self.pending = []
 
 
