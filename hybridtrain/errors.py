@@ -279,11 +279,13 @@ def environment_fault(exc: OSError) -> str | None:
 def dangling_link(path: str) -> str | None:
     """``path`` or its nearest ancestor that is a symbolic link pointing nowhere, or None."""
     current = os.path.abspath(path)
-    while not (os.path.islink(current) and not os.path.exists(current)):
-        if os.path.dirname(current) == current:  # the root: no link on the way
+    while True:
+        if os.path.islink(current) and not os.path.exists(current):
+            return current
+        parent = os.path.dirname(current)
+        if parent == current:
             return None
-        current = os.path.dirname(current)
-    return current
+        current = parent
 
 
 def report_bug(exc: Exception, log_dir: str | None) -> int:

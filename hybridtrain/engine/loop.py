@@ -97,8 +97,10 @@ def run_training(cfg: Config, resume: str | None = None, move_aside: bool = Fals
         if outcome == "failed":
             release_failed_run(t, sys.exc_info()[1])
         t = None  # noqa: F841 - the trainer's DDP wrapper holds the process group: shutdown destroys it only when free
-        if outcome != "peer failed":  # a failed rank's own error line matters more than the teardown
-            with contextlib.suppress(Exception) if outcome == "failed" else contextlib.nullcontext():
+        if outcome == "done":
+            distributed.shutdown()
+        elif outcome == "failed":
+            with contextlib.suppress(Exception):  # this rank's own error line matters more than the teardown
                 distributed.shutdown()
         if owner:
             owner.release()
