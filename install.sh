@@ -41,7 +41,7 @@
 #       torch, torchvision, DALI, mpi4py (when an MPI is installed) and hybridtrain; no compiler or cmake needed.
 #
 # On a GPU node the install chooses by what `nvidia-smi --query-gpu=compute_cap,driver_version` reports
-# (hybridtrain/install/plan.py; docs/hardware.md has the table and its sources):
+# (install/plan.py; docs/hardware.md has the table and its sources):
 #   - torch: the registry's default build (CUDA 13.0) for Turing (sm_75) and newer on an r580+ driver; the
 #     CUDA 12.6 build from PyTorch's own wheel index for Pascal/Volta or an r525-r570 driver (the plan names
 #     that host: where the node cannot reach it, HYBRIDTRAIN_TORCH=system or HYBRIDTRAIN_TORCH_INDEX=DIR); one
@@ -63,7 +63,7 @@
 # The full log is in $VENV/install.log; the console shows one line per step.
 set -euo pipefail
 
-TORCH_VERSION="2.13.0"          # hybridtrain/install/plan.py's PINNED_TORCH (a test checks they agree)
+TORCH_VERSION="2.13.0"          # install/plan.py's PINNED_TORCH (a test checks they agree)
 TORCHVISION_VERSION="0.28.0"
 OLDEST_TORCH="2.3"              # install/plan.py's OLDEST_TORCH
 HOROVOD_VERSION="0.28.1"
@@ -216,7 +216,7 @@ ask_smi() {
   return "$rc"
 }
 
-# What this node's GPUs and driver need (hybridtrain/install/plan.py, run with $PYTHON: no venv and no torch
+# What this node's GPUs and driver need (install/plan.py, run with $PYTHON: no venv and no torch
 # needed): sets PLAN_* (torch, torchvision, variant, CUDA, index, DALI, Horovod GPU operations and CC list) and
 # PLAN_LINES, the why. No nvidia-smi: no GPU, the CPU install as before.
 PLAN_TORCH="" PLAN_TORCHVISION="" PLAN_VARIANT="" PLAN_CUDA="" PLAN_INDEX="" PLAN_DALI="" PLAN_GPU_OPERATIONS=""
@@ -235,11 +235,11 @@ plan_node() {
     fi
   fi
   if [ "$TORCH_MODE" = system ]; then   # torch's version and CUDA, and the driver API its process loads
-    system_torch="$(PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m hybridtrain.install.plan probe-torch 2>/dev/null)" \
-      || fail "could not ask $PYTHON about its torch (python -m hybridtrain.install.plan probe-torch): run it to see why"
+    system_torch="$(PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m install.plan probe-torch 2>/dev/null)" \
+      || fail "could not ask $PYTHON about its torch (python -m install.plan probe-torch): run it to see why"
   fi
   out="$(printf '%s\n' "$smi" | PLAN_SMI_STATUS="$status" PLAN_SYSTEM_TORCH="$system_torch" PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" \
-         "$PYTHON" -m hybridtrain.install.plan plan)" || fail "could not work out this node's plan with $PYTHON (hybridtrain/install/plan.py): see its error above"
+         "$PYTHON" -m install.plan plan)" || fail "could not work out this node's plan with $PYTHON (install/plan.py): see its error above"
   eval "$out"
 }
 

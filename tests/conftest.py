@@ -74,9 +74,9 @@ def pytest_collection_modifyitems(config, items):
 
 
 def needs_cluster(test):
-    """A test of the cluster in a box (hybridtrain/cluster/netns.py): it needs root, iproute2 and openssh-server, and
+    """A test of the cluster in a box (tools/cluster/netns.py): it needs root, iproute2 and openssh-server, and
     it takes turns with the other files' cluster tests (cluster_box)."""
-    from hybridtrain.cluster import netns as cluster
+    from tools.cluster import netns as cluster
     missing = os.geteuid() != 0 or not all(shutil.which(t) for t in cluster.TOOLS) or not os.path.exists(cluster.SSHD)
     return pytest.mark.usefixtures("cluster_box")(pytest.mark.skipif(
         missing, reason="needs root, iproute2 and openssh-server (HYBRIDTRAIN_SYSTEM_PACKAGES=1 ./install.sh installs "
@@ -236,7 +236,7 @@ def tiny_config(data_path: str, run_dir: str, **sections) -> dict:
 def job_of_one():
     """This process alone as a job of the torch engine (no launcher, no port): what the trainer's step and the
     collectives need in-process (a collective before init is an error)."""
-    from hybridtrain.perf.step_bench import job_of_one as alone
+    from benchmarks.step_bench import job_of_one as alone
     with alone():
         yield
 

@@ -16,7 +16,7 @@ import yaml
 from conftest import HYBRIDTRAIN, assert_one_error_line, env_with_venv, tiny_config
 
 from hybridtrain.data import workers as shm
-from hybridtrain.install import plan as install_plan
+from install import plan as install_plan
 
 REPO = Path(__file__).resolve().parent.parent
 INSTALL = REPO / "install.sh"

@@ -20,8 +20,8 @@ from conftest import HYBRIDTRAIN, REPO, assert_one_error_line, env_with_venv, er
 from PIL import Image
 from test_report import write_run
 
-from hybridtrain.cluster import netns as cluster
 from hybridtrain.config import load_config
+from tools.cluster import netns as cluster
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root and unshare")
 
@@ -36,7 +36,7 @@ def hybridtrain(*args: str, env: dict | None = None, cwd: str = REPO) -> subproc
 def left_behind() -> list[str]:
     """The cluster's namespaces, its sshds and any rank of a scale row that still exist."""
     found = cluster.namespaces()
-    for pattern in (cluster.STATE_DIR, "hybridtrain.perf.scaling"):  # an sshd's command line names its host key
+    for pattern in (cluster.STATE_DIR, "benchmarks.scaling"):  # an sshd's command line names its host key
         found += subprocess.run(["pgrep", "-af", pattern], capture_output=True, text=True).stdout.splitlines()
     return found
 
@@ -104,7 +104,7 @@ def test_scale_cluster_stopped_before_the_cluster_and_while_its_ranks_run_leaves
     """Ctrl-C during the one-rank run on this machine (torchrun and its rank end); SIGTERM while the rows' ranks run
     on the hosts (the ranks, the sshds and the namespaces go)."""
     def local_rank() -> bool:
-        return bool(subprocess.run(["pgrep", "-f", "hybridtrain.perf.scaling"], capture_output=True).stdout)
+        return bool(subprocess.run(["pgrep", "-f", "benchmarks.scaling"], capture_output=True).stdout)
     proc, stderr = kill_when([*SCALE, "--out", str(tmp_path / "a")], local_rank, signal.SIGINT)
     assert_stopped(proc, stderr, signal.SIGINT, "ranks ended")
     proc, stderr = kill_when([*SCALE, "--out", str(tmp_path / "b")], ranks_on("h1"), signal.SIGTERM)
@@ -292,13 +292,13 @@ def test_a_bounded_option_names_its_range_not_a_list_of_its_values():
     """No option lists more than a handful of choices (argparse's error prints them all: choices=range(1, 1025)
     printed 1024 numbers); the link probe's --megabytes names its range."""
     from hybridtrain.cli import build_parser
-    from hybridtrain.cluster.link_probe import build_parser as link_probe_parser
+    from tools.cluster.link_probe import build_parser as link_probe_parser
     long = [(name, action.option_strings) for parser, prog in ((build_parser(), "hybridtrain"),
                                                                (link_probe_parser(), "link_probe"))
             for name, action in every_option(parser, prog) if action.choices is not None and len(action.choices) > 10]
     assert long == []
     proc = subprocess.run([os.path.join(os.path.dirname(HYBRIDTRAIN), "python"), "-m",
-                           "hybridtrain.cluster.link_probe", "--hosts", "h0,h1", "--out", "/tmp/unused",
+                           "tools.cluster.link_probe", "--hosts", "h0,h1", "--out", "/tmp/unused",
                            "--megabytes", "0"], capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
     line = assert_one_error_line(proc, "--megabytes must be in [1, 1024]")
     assert len(proc.stderr) < 300 and len(error_lines(proc.stderr)) == 1, line
@@ -311,7 +311,7 @@ def test_bench_and_experiment_stopped_end_the_ranks_they_launched(tmp_path, tiny
 
     def ranks() -> list[str]:  # this test's ranks only: the recipe's path is on their command line
         found = subprocess.run(["pgrep", "-af", config], capture_output=True, text=True).stdout.splitlines()
-        return [line for line in found if "hybridtrain.perf.scaling" in line or " train " in line]
+        return [line for line in found if "benchmarks.scaling" in line or " train " in line]
 
     for args, sig in ((["bench", "--config", config, "--engine", "torch", "--steps", "50", "--warmup", "1"],
                        signal.SIGTERM),

@@ -242,7 +242,7 @@ def test_the_epoch_boundary_probe_prints_a_row_per_world_size_and_epoch(dataset)
     import subprocess
     import sys
     train, _ = dataset
-    proc = subprocess.run([sys.executable, "-m", "hybridtrain.perf.dali_epoch_boundary", "--data",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.probes.dali_epoch_boundary", "--data",
                            os.path.dirname(train.root), "--samples", "400", "--ranks", "1,2", "--epochs", "2"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -9,7 +9,7 @@ from conftest import HYBRIDTRAIN, assert_one_error_line, digits_subset, run, tin
 
 from hybridtrain.config import load_config
 from hybridtrain.optim.plot import schedule_series
-from hybridtrain.reports.experiments import lars_rows, warmup_epoch_rows
+from tools.experiments import lars_rows, warmup_epoch_rows
 
 
 def test_optimizers_experiment_writes_table_json_and_png(small_digits, tmp_path, write_config):
@@ -71,7 +71,7 @@ def test_plot_schedule_png_and_series(tmp_path):
 # ----------------------------------------------------------------------------- issue 45: experiment recipes
 
 def test_recipe_rows_put_each_option_beside_each_recipe():
-    from hybridtrain.reports.experiments import progressive_sets, recipe_rows
+    from tools.experiments import progressive_sets, recipe_rows
     rows = dict(recipe_rows(load_config(None, ["train.epochs=36", "data.crop_size=224"])))
     assert list(rows) == [f"{r}{o}" for r in ("hybrid", "mlperf", "goyal")
                           for o in ("", " + smoothing", " + EMA", " + progressive")]

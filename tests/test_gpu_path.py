@@ -13,13 +13,13 @@ import pytest
 import torch
 from conftest import HOROVODRUN, REPO, rank_output, run
 
+from benchmarks.max_batch import is_out_of_memory, memory_budget_mb
 from hybridtrain.config import gradient_compression, load_config
 from hybridtrain.distributed import horovod, topology
 from hybridtrain.engine import step
 from hybridtrain.engine.step import compiles_in_epoch, warmup_steps
 from hybridtrain.errors import UserError
 from hybridtrain.hardware import checks as hardware_checks
-from hybridtrain.perf.max_batch import is_out_of_memory, memory_budget_mb
 from hybridtrain.precision.policy import resolve_policy, set_fp32_math
 from hybridtrain.reports.report import run_speed
 

@@ -98,8 +98,8 @@ def test_building_the_parser_imports_no_torch():
 # The README's chain, top floor first: a module imports its own folder and the floors below it, never a floor
 # above nor a sibling folder on its own floor.
 FLOORS = (("hybridtrain", "hybridtrain.__main__", "hybridtrain.cli"),
-          ("hybridtrain.gpucheck", "hybridtrain.cluster", "hybridtrain.install"),
-          ("hybridtrain.perf",), ("hybridtrain.predict",), ("hybridtrain.reports", "hybridtrain.data.prepare"),
+          ("hybridtrain.gpucheck", "tools.cluster", "install"),
+          ("benchmarks",), ("tools.predict",), ("hybridtrain.reports", "hybridtrain.data.prepare"),
           ("hybridtrain.engine",),
           ("hybridtrain.data", "hybridtrain.models", "hybridtrain.optim", "hybridtrain.precision"),
           ("hybridtrain.distributed", "hybridtrain.hardware"), ("hybridtrain.config",), ("hybridtrain.outputs",),
@@ -139,10 +139,10 @@ def test_imports_go_down_the_readme_chain_floor_by_floor():
 
 
 def test_the_chain_check_finds_an_upward_and_a_sideways_import():
-    graph = {"hybridtrain.engine.loop": {"hybridtrain.perf.step_bench", "hybridtrain.engine.epoch"},
+    graph = {"hybridtrain.engine.loop": {"benchmarks.step_bench", "hybridtrain.engine.epoch"},
              "hybridtrain.optim.factory": {"hybridtrain.precision.scaler", "hybridtrain.errors"},
-             "hybridtrain.perf.scaling": {"hybridtrain.reports.report", "hybridtrain.engine.loop"}}
-    assert wrong_way(graph) == [("hybridtrain.engine.loop", "hybridtrain.perf.step_bench"),
+             "benchmarks.scaling": {"hybridtrain.reports.report", "hybridtrain.engine.loop"}}
+    assert wrong_way(graph) == [("hybridtrain.engine.loop", "benchmarks.step_bench"),
                                 ("hybridtrain.optim.factory", "hybridtrain.precision.scaler")]
 
 
@@ -174,7 +174,7 @@ def test_no_module_calls_anything_at_import():
 
 ENGINE_MODULES = tuple(spec.module for spec in ENGINES.values())
 # the one place above distributed/ allowed to name Horovod: its elastic loop, and the tool that times its compressor
-NAMES_HOROVOD = ("hybridtrain.engine.elastic", "hybridtrain.perf.compression_cost")
+NAMES_HOROVOD = ("hybridtrain.engine.elastic", "benchmarks.probes.compression_cost")
 
 
 def library_imports(path: str) -> set[str]:

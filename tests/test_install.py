@@ -341,7 +341,7 @@ def test_a_torch_only_python_gets_the_paired_torchvision_from_the_wheelhouse(tmp
     import PIL
     import torch
 
-    from hybridtrain.install.plan import torchvision_pairing
+    from install.plan import torchvision_pairing
     pair = torchvision_pairing(torch.__version__)
     wheelhouse = CACHE / f"test-wheelhouse-torchvision-{pair}"
     wheelhouse.mkdir(parents=True, exist_ok=True)
@@ -372,7 +372,7 @@ def test_a_paired_torchvision_whose_ops_do_not_load_is_one_line_and_removed(tmp_
     torch does ("operator torchvision::nms does not exist"): one line, and the venv is left without it."""
     import torch
 
-    from hybridtrain.install.plan import torchvision_pairing
+    from install.plan import torchvision_pairing
     pair = torchvision_pairing(torch.__version__)
     wheelhouse = tmp_path / "wheelhouse"
     wheelhouse.mkdir()
@@ -392,7 +392,7 @@ def test_a_paired_torchvision_whose_ops_do_not_load_is_one_line_and_removed(tmp_
 def test_a_torch_only_python_and_a_wheelhouse_without_torchvision_is_one_line(tmp_path):
     import torch
 
-    from hybridtrain.install.plan import torchvision_pairing
+    from install.plan import torchvision_pairing
     empty = tmp_path / "empty-wheelhouse"
     empty.mkdir()
     result = _add_torchvision(tmp_path, empty)

@@ -492,8 +492,8 @@ def test_dockerfile_runs_install_sh(kind):
     assert len(install_runs) == 1, "exactly one RUN of ./install.sh"
     if kind.startswith("gpu"):
         assert "HOROVOD_GPU_OPERATIONS=NCCL" in install_runs[0]
-    if kind == "gpu-pascal-volta":  # the choice a Pascal/Volta node makes (hybridtrain/install/plan.py)
-        from hybridtrain.install import plan as install_plan
+    if kind == "gpu-pascal-volta":  # the choice a Pascal/Volta node makes (install/plan.py)
+        from install import plan as install_plan
         plan = install_plan.choose([(6, 0), (6, 1), (7, 0)], "525.60.13")
         assert f"HOROVOD_BUILD_CUDA_CC_LIST={plan.cc_list}" in install_runs[0] and f"DALI_CUDA_MAJOR={plan.dali}" in install_runs[0]
         assert f"ARG TORCH_INDEX={plan.index}" in DOCKERFILES[kind].read_text()

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from conftest import HYBRIDTRAIN, run
 
-from hybridtrain.perf.max_batch import NEEDS_GPU, Trial, format_trials, search_max_batch
+from benchmarks.max_batch import NEEDS_GPU, Trial, format_trials, search_max_batch
 
 
 @pytest.mark.parametrize("capacity,start,granularity,expected", [

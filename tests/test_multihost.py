@@ -1,4 +1,4 @@
-"""Real runs across hosts on one machine: ``hybridtrain cluster`` (hybridtrain/cluster/netns.py) makes three
+"""Real runs across hosts on one machine: ``hybridtrain cluster`` (tools/cluster/netns.py) makes three
 network namespaces with an sshd each, joined by a bridge; ``horovodrun -H h0:1,h1:1`` launches over ssh, and the
 torch engine runs one ``torchrun`` per host with a c10d rendezvous on h0 (launch/README.md, "Try multi-node on one
 machine"); with h1's link ten times slower, the link probe names it in the run's report. Needs root, iproute2 and
@@ -15,7 +15,7 @@ import time
 import pytest
 from conftest import HOROVODRUN, HYBRIDTRAIN, REPO, TORCHRUN, env_with_venv, needs_cluster, tiny_config
 
-from hybridtrain.cluster import netns as cluster
+from tools.cluster import netns as cluster
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
@@ -27,7 +27,7 @@ def test_predicted_images_per_sec_is_the_flat_ring_at_the_link_rate():
     """Hand-worked: 2 hosts, 1 Gbit/s = 125e6 B/s, ResNet-18's 11,689,512 parameters, compute 0.1 s at 32 per rank.
     FP32: all-reduce = 2(N-1)/N x 46,758,048 B / 125e6 B/s = 0.374064 s, 64 images / 0.474064 s = 135.00 img/s;
     FP16: 0.187032 s, 64 / 0.287032 = 222.97 img/s; no limit: compute alone, 64 / 0.1 = 640."""
-    from hybridtrain.cluster.scale import predicted_images_per_sec
+    from tools.cluster.scale import predicted_images_per_sec
     assert predicted_images_per_sec(0.1, 32, 11_689_512, "none", 2, "1gbit") == pytest.approx(135.0029, rel=1e-5)
     assert predicted_images_per_sec(0.1, 32, 11_689_512, "fp16", 2, "1gbit") == pytest.approx(222.9716, rel=1e-5)
     assert predicted_images_per_sec(0.1, 32, 11_689_512, "fp16", 2, "none") == pytest.approx(640.0)
@@ -36,8 +36,8 @@ def test_predicted_images_per_sec_is_the_flat_ring_at_the_link_rate():
 
 
 def test_link_rates_are_read_as_tc_writes_them_and_a_bad_one_is_one_line():
-    from hybridtrain.cluster.scale import parse_links
     from hybridtrain.errors import UserError
+    from tools.cluster.scale import parse_links
     assert [cluster.link_bits_per_s(x) for x in parse_links("100mbit,1gbit,2.5gbit,none")] == [1e8, 1e9, 2.5e9, None]
     assert cluster.tbf_args("10gbit")[:5] == ["tbf", "rate", "10gbit", "burst", str(int(10e9 / 8 * 0.002))]
     assert cluster.tbf_args("100mbit")[4] == str(64 * 1024)  # 2 ms at 100 Mbit/s is 25 kB: one GSO packet at least
@@ -183,7 +183,7 @@ def test_a_host_with_a_ten_times_slower_link_finishes_and_the_report_names_it(ho
         for host, rate in zip(hosts, ("1gbit", "100mbit", "1gbit")):
             cluster.set_link(host, rate)
         probe = on_host("h0", [os.path.join(os.path.dirname(HYBRIDTRAIN), "python"), "-m",
-                               "hybridtrain.cluster.link_probe", "--hosts", ",".join(hosts), "--out", run_dir,
+                               "tools.cluster.link_probe", "--hosts", ",".join(hosts), "--out", run_dir,
                                "--megabytes", "4"])
         out, _ = probe.communicate(timeout=120)
         assert probe.returncode == 0, out

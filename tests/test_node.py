@@ -16,7 +16,7 @@ import pytest
 
 from hybridtrain.errors import UserError
 from hybridtrain.hardware import checks, gpus
-from hybridtrain.install import plan as planner
+from install import plan as planner
 
 REPO = Path(__file__).resolve().parent.parent
 INSTALL = REPO / "install.sh"
@@ -162,10 +162,10 @@ def test_system_torch_under_forward_compatibility_is_decided_by_the_driver_api()
 
 
 def install_plan(smi: str, **environ) -> tuple[int, dict, str]:
-    """``python -m hybridtrain.install.plan plan`` as install.sh runs it: its PLAN_* assignments, parsed."""
+    """``python -m install.plan plan`` as install.sh runs it: its PLAN_* assignments, parsed."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HOROVOD_", "HYBRIDTRAIN_", "DALI_", "PLAN_"))}
     env.update(PYTHONPATH=str(REPO), **environ)
-    out = subprocess.run([sys.executable, "-m", "hybridtrain.install.plan", "plan"], input=smi, env=env,
+    out = subprocess.run([sys.executable, "-m", "install.plan", "plan"], input=smi, env=env,
                          capture_output=True, text=True, timeout=60)
     return out.returncode, dict(word.split("=", 1) for word in shlex.split(out.stdout)), out.stderr
 
@@ -371,7 +371,7 @@ class _nothing:
 
 
 def test_node_module_imports_no_torch():
-    code = ("import sys; import hybridtrain.install.plan, hybridtrain.hardware.checks; "
+    code = ("import sys; import install.plan, hybridtrain.hardware.checks; "
             "print([m for m in sys.modules if m == 'torch' or m.startswith('torch.')][:3])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          env=dict(os.environ, PYTHONPATH=str(REPO)))

@@ -179,8 +179,8 @@ def test_prepare_synthetic_imagenet_of_one_class_is_refused(tmp_path):
 def test_bench_batch_size_zero_is_refused_not_benchmarked_at_the_recipes(tmp_path):
     refused_before_work(["bench", "--arch", "resnet18", "--batch-size", "0", "--json", "rows.json"], tmp_path,
                         "--batch-size")
+    from benchmarks.step_bench import bench
     from hybridtrain.errors import UserError
-    from hybridtrain.perf.step_bench import bench
     with pytest.raises(UserError, match="--batch-size must be >= 1, got 0"):
         bench(None, [], [], [0], 1, 0, False, None, 1)  # the bench code itself, whatever the parser let through
 

@@ -6,8 +6,6 @@ much, and why; docs/paper_arithmetic.md lists the same findings.
 import numpy as np
 import pytest
 
-from hybridtrain.predict import cluster_model as predict
-from hybridtrain.predict.cluster_model import IMAGENET_TRAIN_IMAGES, RESNET50_PARAMETERS, ClusterSpec
 from hybridtrain.reports.paper_metrics import (
     actual_average_single_gpu_time,
     actual_training_time,
@@ -21,6 +19,8 @@ from hybridtrain.reports.paper_metrics import (
     speedup,
     varying_ranks_single_gpu_time,
 )
+from tools.predict import cluster_model as predict
+from tools.predict.cluster_model import IMAGENET_TRAIN_IMAGES, RESNET50_PARAMETERS, ClusterSpec
 
 IMAGES = IMAGENET_TRAIN_IMAGES
 MIN = 60.0

@@ -237,7 +237,7 @@ def test_bench_runs_every_precision_and_the_baseline_prints_a_ratio(tmp_path):
 
 def test_precision_and_layered_experiment_rows():
     from hybridtrain.config import load_config
-    from hybridtrain.reports.experiments import layered_rows, precision_rows
+    from tools.experiments import layered_rows, precision_rows
     cfg = load_config("configs/demo.yaml")
     names = [name for name, _ in precision_rows(cfg)]
     assert names == ["fp64", "fp32", "mixed-fp16", "mixed-bf16", "layered", "fp16_pure (goyal)"]

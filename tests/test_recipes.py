@@ -16,6 +16,7 @@ import yaml
 from conftest import WITH_WORKERS, digits_subset, horovodrun, read_metrics, tiny_config, torchrun
 from test_preemption import file_digest, straight_then_stopped_and_resumed
 
+from benchmarks.host_syncs import count_host_syncs
 from hybridtrain.config import load_config
 from hybridtrain.distributed.engines import with_step_contract
 from hybridtrain.engine.ema import WeightEMA, ema_decay_at
@@ -24,7 +25,6 @@ from hybridtrain.errors import UserError
 from hybridtrain.optim import create_optimizer
 from hybridtrain.optim.optimizers import LARS
 from hybridtrain.optim.schedules import goyal_schedule, mlperf_schedule, sgd_schedule
-from hybridtrain.perf.host_syncs import count_host_syncs
 from hybridtrain.precision.policy import resolve_policy
 from hybridtrain.precision.scaler import LossScaler, Precision
 

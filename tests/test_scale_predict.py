@@ -7,10 +7,10 @@ import os
 import pytest
 from conftest import HYBRIDTRAIN, assert_one_error_line, run
 
+from benchmarks.scaling import allreduce_intervals, busy_time_us, read_timeline
 from hybridtrain.errors import UserError
 from hybridtrain.models import create_model
-from hybridtrain.perf.scaling import allreduce_intervals, busy_time_us, read_timeline
-from hybridtrain.predict.cluster_model import RESNET50_PARAMETERS, ring_allreduce_time
+from tools.predict.cluster_model import RESNET50_PARAMETERS, ring_allreduce_time
 
 SETS = ["--set", "model.arch=resnet18", "--set", "train.batch_size=4", "--set", "data.crop_size=32",
         "--set", "optim.name=hybrid", "--set", "data.channels_last=true", "--set", "train.accumulation_steps=2"]
@@ -82,7 +82,7 @@ def test_scale_refuses_more_ranks_than_slots():
 
 def test_ranks_on_gpus_count_gpus_not_cores():
     """gpu-path-2 #18: on a 1-GPU node, --np 2 would start and then fail with the shared-GPU line."""
-    from hybridtrain.perf.scaling import available_slots
+    from benchmarks.scaling import available_slots
     cores = available_slots("cpu", 8)
     assert cores[1] == "core" and cores[0] >= 1
     assert available_slots("cuda", 1) == (1, "GPU") and available_slots("auto", 4) == (4, "GPU")
@@ -118,7 +118,7 @@ def test_predict_calibrates_on_scale_points_and_reports_the_error(tmp_path):
 
 def test_scale_measures_a_recipe_that_loads_in_process(tmp_path):
     """scale's synthetic step has no loader: a recipe's data.in_process must not make it refuse the recipe."""
-    from hybridtrain.perf.scaling import measured_config
+    from benchmarks.scaling import measured_config
     cfg = measured_config("configs/demo.yaml", ["data.in_process=true", "data.workers=0"], "fp16")
     assert cfg.data.backend == "synthetic" and not cfg.data.in_process
 

@@ -91,12 +91,12 @@ def built_step(sets: list[str], seed_step: int = 0):
     """(step() running one scheduled training step, its model) for the config ``SMALL + sets``."""
     import torch
 
+    from benchmarks.step_bench import synthetic_batch
     from hybridtrain.config import load_config
     from hybridtrain.distributed.engines import with_step_contract
     from hybridtrain.engine.step import build_train_step
     from hybridtrain.models import create_model
     from hybridtrain.optim import apply_schedule, create_optimizer
-    from hybridtrain.perf.step_bench import synthetic_batch
     from hybridtrain.precision.policy import prepare_model, set_fp32_math
     from hybridtrain.precision.scaler import create_precision
     cfg = load_config(None, SMALL + sets)
@@ -125,7 +125,7 @@ def built_step(sets: list[str], seed_step: int = 0):
 def test_the_guard_counts_host_reads():
     import torch
 
-    from hybridtrain.perf.host_syncs import count_host_syncs
+    from benchmarks.host_syncs import count_host_syncs
     t = torch.ones(3, device=device())
     assert count_host_syncs(lambda: (t.sum().item(), bool(t.any()), float(t[0])), device()) == 3
     assert count_host_syncs(lambda: torch.nonzero(t), device()) == 1
@@ -141,14 +141,14 @@ def test_the_guard_counts_host_reads():
 def test_the_step_reads_only_the_non_finite_flag(sets, job_of_one):
     """One host read per step, the skip decision (a NaN/inf loss on any rank must skip the step on every rank);
     the optimizers, LARS's trust ratios and the schedule read nothing."""
-    from hybridtrain.perf.host_syncs import count_host_syncs
+    from benchmarks.host_syncs import count_host_syncs
     step, _ = built_step(sets, seed_step=10 if "optim.adabound_epochs=1" in sets else 0)
     step()  # first step: the optimizer's state is created
     assert count_host_syncs(step, device()) == 1
 
 
 def test_loss_scaling_is_the_one_host_sync_in_the_step(job_of_one):
-    from hybridtrain.perf.host_syncs import count_host_syncs
+    from benchmarks.host_syncs import count_host_syncs
     step, _ = built_step(["precision.mode=mixed", "precision.compute_dtype=fp16"])
     step()
     assert count_host_syncs(step, device()) == 1  # every rank must know whether to skip the step
@@ -251,7 +251,7 @@ def test_only_launches_of_two_or_more_ranks_are_pinned_to_the_cpu(monkeypatch):
         (TORCHRUN, "--nproc_per_node", "4", "train.py"): 4,
         ("mpirun", "--oversubscribe", "-np", "2", "-x", "PATH", HYBRIDTRAIN, "train"): 2,
         (HYBRIDTRAIN, "scale", "--config", "configs/demo.yaml", "--np", "1,2", "--steps", "4"): 2,
-        (sys.executable, "-m", "hybridtrain.perf.dali_epoch_boundary", "--ranks", "1,2"): 2,
+        (sys.executable, "-m", "benchmarks.probes.dali_epoch_boundary", "--ranks", "1,2"): 2,
         (sys.executable, "tests/scripts/horovod_hooks_one_rank.py", "out.json"): 1,
         (HYBRIDTRAIN, "train", "--config", "c.yaml", "--set", "train.batch_size=2"): 1,
     }
@@ -269,9 +269,9 @@ def test_compiled_blocks_keep_horovods_hooks_firing_inside_the_backward():
     gradients equal the eager ones."""
     import torch
 
+    from benchmarks.probes.hook_timing import GradientHooks
     from hybridtrain.engine.step import classification_loss, compiled_forward
     from hybridtrain.models.resnet import BasicBlock
-    from hybridtrain.perf.hook_timing import GradientHooks
     events = []
 
     class Marker(torch.nn.Module):  # eager, between the blocks: its hook fires when the backward gets there

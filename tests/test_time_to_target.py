@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from conftest import HYBRIDTRAIN, assert_one_error_line, run
 
-from hybridtrain.predict import cluster_model as cm
-from hybridtrain.predict import time_to_target as ttt
+from tools.predict import cluster_model as cm
+from tools.predict import time_to_target as ttt
 
 IMAGES = cm.IMAGENET_TRAIN_IMAGES
 P = cm.RESNET50_PARAMETERS

@@ -1,10 +1,11 @@
-"""The ``hybridtrain`` command: subcommands, and one clear error line for bad input.
+"""The hybridtrain command: train, and the commands on one run's input and output; bad input is one clear error line.
 
 One module per family of commands, each holding its parsers (``add_commands``) beside its ``cmd_`` handlers:
-``train``, ``data`` (prepare-data, reorganise-val, check-data), ``bench`` (bench, bench-optim, bench-data),
-``reports`` (experiment, report), ``scale`` (scale, cluster), ``predict``, ``schedule`` (plot-schedule) and
+``train``, ``data`` (prepare-data, reorganise-val, check-data), ``reports`` (report, plot-schedule) and
 ``gpu_check``; ``options`` holds the argparse types and the options several share. Building the parser imports no
-torch: every heavy import sits inside a handler.
+torch and no module a handler alone needs: every such import sits inside its handler. The benchmarks and the
+research tools run from the checkout beside the package (``python -m benchmarks``, ``python -m tools``): MOVED
+names their new form to a user who types an old one.
 """
 from __future__ import annotations
 
@@ -12,14 +13,19 @@ import argparse
 import re
 import sys
 
-from hybridtrain.cli import bench, data, gpu_check, predict, reports, scale, schedule, train
+from hybridtrain.cli import data, gpu_check, reports, train
 from hybridtrain.cli.train import out_of_memory_device
 from hybridtrain.errors import run_guarded
 
 __all__ = ["build_parser", "main", "out_of_memory_device", "run_guarded"]
 
 # in the order --help lists the commands
-FAMILIES = (train, data, bench, reports, scale, predict, schedule, gpu_check)
+FAMILIES = (train, data, reports, gpu_check)
+# commands that left the package for the checkout's tools: their form now
+MOVED = {"bench": "python -m benchmarks bench", "bench-optim": "python -m benchmarks bench-optim",
+         "bench-data": "python -m benchmarks bench-data", "scale": "python -m benchmarks scale",
+         "predict": "python -m tools predict", "cluster": "python -m tools cluster",
+         "experiment": "python -m tools experiment"}
 
 
 class Parser(argparse.ArgumentParser):
@@ -44,6 +50,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def moved_command(argv: list[str]) -> str | None:
+    """The one error line for a command that runs from the checkout now (``bench --find-max-batch``: max-batch)."""
+    if not argv or argv[0] not in MOVED:
+        return None
+    new = "python -m benchmarks max-batch" if argv[0] == "bench" and "--find-max-batch" in argv else MOVED[argv[0]]
+    return (f"hybridtrain: error: `{argv[0]}` runs from the checkout now, beside the package: {new} ... (in the "
+            f"repository's root; {new} --help lists its options)")
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    line = moved_command(argv)
+    if line:
+        sys.stderr.write(line + "\n")
+        return 2
     args = build_parser().parse_args(argv)
     return run_guarded(lambda: args.func(args), lambda: getattr(args, "crash_log_dir", None))

@@ -1,11 +1,10 @@
 """What more than one command's parser shares: the argparse ``type=`` functions with their bounds (one error line
-naming the option and the range), the bounds of the numeric options, --config/--set and --engine."""
+naming the option and the range), the bounds of the numeric options, --config/--set and --engine. The tools beside
+the package (benchmarks/, tools/) build their parsers from these too."""
 from __future__ import annotations
 
 import argparse
 import math
-
-from hybridtrain.distributed.engines import registered
 
 
 def _number_text(x) -> str:
@@ -50,19 +49,6 @@ def bounded_float(lo: float, hi: float, lo_open=False, hi_open=False, name="", r
     return number
 
 
-def count_list(lo: int, hi: int, example: str = "1,2"):
-    """argparse ``type=``: comma-separated counts such as ``example``, each in [lo, hi]; returns them sorted,
-    distinct."""
-    def counts(text: str) -> list[int]:
-        parts = [x.strip() for x in text.split(",") if x.strip()]
-        if not parts or not all(x.isdigit() and len(x) < 10 and lo <= int(x) <= hi for x in parts):
-            raise argparse.ArgumentTypeError(f"must be comma-separated counts in {_span(lo, hi)} such as {example}; "
-                                             f"got {text[:40]!r}")
-        return sorted({int(x) for x in parts})
-    counts.bounds = (lo, hi, False, False)
-    return counts
-
-
 def recipe_path(text: str) -> str:
     """argparse ``type=`` of --config: a given path must not be empty (that would silently mean the defaults)."""
     if not text.strip():
@@ -70,13 +56,9 @@ def recipe_path(text: str) -> str:
     return text
 
 
-# Bounds of the numeric options (predict's link rate and latency sit beside its options, in cli/predict.py); a
-# reason for each bound that is not the config key's own (config/sections.py)
+# Bounds of the numeric options the package's commands share; a reason for each bound
 SEED = bounded_int(0, 2**32 - 1)          # numpy's legacy seed range; the generators here take any of them
 WORKERS = bounded_int(0, 256)             # processes; no host has more cores
-STEPS, WARMUP = bounded_int(1, 100_000), bounded_int(0, 100_000)  # a benchmark of 100k steps is hours already
-BATCH = bounded_int(1, 65536)             # train.batch_size's bound
-CROP = bounded_int(8, 1024)               # data.crop_size's bound
 RANKS = bounded_int(1, 4096)              # more ranks than any job of the paper (24 GPUs) by far
 
 
@@ -88,17 +70,12 @@ def add_recipe_options(parser: argparse.ArgumentParser, config_help: str, set_he
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help=set_help)
 
 
-def add_timing_options(parser: argparse.ArgumentParser, steps: int, warmup: int, unit: str = "steps",
-                       per: str = "") -> None:
-    """A benchmark's --steps (timed, ``per`` row or so) and --warmup (untimed, first), in ``unit``s."""
-    parser.add_argument("--steps", type=STEPS, default=steps, help=f"timed {unit}{per} (default {steps})")
-    parser.add_argument("--warmup", type=WARMUP, default=warmup, help=f"untimed {unit} first (default {warmup})")
-
-
 def engine_name(auto: bool = True):
     """argparse ``type=``: the name of a registered engine (the package's and HYBRIDTRAIN_ENGINE_PLUGINS'), or
-    ``auto`` where ``auto``; else one error line naming them. The registry is the only list of engines."""
+    ``auto`` where ``auto``; else one error line naming them. The registry is the only list of engines, read only
+    when the option is given (building the parser imports no engine module)."""
     def name(text: str) -> str:
+        from hybridtrain.distributed.engines import registered
         names = (["auto"] if auto else []) + list(registered())
         if text not in names:
             raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a registered engine: choose {', '.join(names)}")

@@ -1,21 +1,12 @@
-"""The paper's comparisons and reports: `experiment` (a named comparison on 2+ ranks), `report` (run directories)."""
+"""The commands on one run's output and recipe: `report` (run directories: report.md/.json, PNGs, a comparison) and
+`plot-schedule` (B_l, B_u and the SGD lr of the hybrid recipe, drawn)."""
 from __future__ import annotations
 
 import os
 import sys
 
-from hybridtrain.cli.options import RANKS, add_engine_option, add_recipe_options, bounded_float, with_engine
-from hybridtrain.outputs import check_output_dir, check_output_file, write_text_atomically
-
-
-def cmd_experiment(args) -> int:
-    from hybridtrain.reports.experiments import run_experiment
-    check_output_dir(args.out, "--out")
-    from hybridtrain.cluster.netns import stopped_cleanly
-    with stopped_cleanly("its runs' ranks ended"):
-        run_experiment(args.name, args.config, with_engine(args), args.out, args.ranks, args.target,
-                       [row.strip() for row in args.rows.split(",")] if args.rows else None)
-    return 0
+from hybridtrain.cli.options import RANKS, add_recipe_options, bounded_float, bounded_int
+from hybridtrain.outputs import atomic_path, check_image_format, check_output_file, write_text_atomically
 
 
 def cmd_report(args) -> int:
@@ -42,25 +33,20 @@ def cmd_report(args) -> int:
     return 0
 
 
-def add_commands(sub) -> None:
-    """experiment and report's parsers."""
-    exp = sub.add_parser("experiment", help="run a named comparison on 2+ ranks (optimizers, warmup-epochs, "
-                                            "lars, precision, layered, bn, init, gamma, recipes)")
-    exp.add_argument("name", help="optimizers (paper Fig 3.1), warmup-epochs (Fig 3.2), lars (LARS defaults), "
-                                  "precision (seed 003, Fig 3.3), layered (seed 000), bn (Table 3.4), init "
-                                  "(Table 3.5), gamma (Table 3.6) or recipes (issue 45: hybrid, mlperf, goyal, each "
-                                  "alone and with label smoothing, EMA, progressive resizing)")
-    add_recipe_options(exp, "base recipe (default configs/demo.yaml)", "override for every row",
-                       default="configs/demo.yaml")
-    exp.add_argument("--out", default="runs/experiments", help="where tables, JSON and PNGs go")
-    exp.add_argument("--ranks", type=RANKS, default=2, help="ranks per row (default 2)")
-    add_engine_option(exp)
-    exp.add_argument("--rows", metavar="NAME,...", help="run only these rows of the experiment (comma-separated "
-                                                        "names, as its table shows them)")
-    exp.add_argument("--target", type=bounded_float(0, 1, lo_open=True),
-                     help="val top-1 target for epochs-to-target (default: the recipe's report.top1_target)")
-    exp.set_defaults(func=cmd_experiment)
+def cmd_plot_schedule(args) -> int:
+    from hybridtrain.config import load_config
+    check_output_file(args.out, "--out", "schedule.png")
+    check_image_format(args.out, "--out")
+    cfg = load_config(args.config, args.set + ["optim.name=hybrid"], for_command="plot-schedule")
+    from hybridtrain.optim.plot import plot_schedule  # torch (the optimizers' package) after the recipe's checks
+    with atomic_path(args.out) as tmp:
+        plot_schedule(cfg, args.ranks, args.iters_per_epoch, tmp)
+    print(f"wrote {args.out}")
+    return 0
 
+
+def add_commands(sub) -> None:
+    """report and plot-schedule's parsers."""
     rep = sub.add_parser("report", help="the paper's report of run directories: report.md/.json and PNGs")
     rep.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (several: side by side)")
     rep.add_argument("--top1-target", type=bounded_float(0, 1, lo_open=True, name="top-1 target"),
@@ -69,6 +55,14 @@ def add_commands(sub) -> None:
                      help="val top-5 target (default: the run's report.top5_target)")
     rep.add_argument("--single-gpu-speed", type=bounded_float(0, 1e6, lo_open=True, name="--single-gpu-speed",
                                                               rule="> 0 img/s and at most 1000000"),
-                     help="S1 in img/s, if not measured by hybridtrain scale")
+                     help="S1 in img/s, if not measured by python -m benchmarks scale")
     rep.add_argument("--out", help="with several runs: also write the comparison table here (Markdown)")
     rep.set_defaults(func=cmd_report)
+
+    plot = sub.add_parser("plot-schedule", help="draw B_l, B_u and the SGD lr of the hybrid recipe (PNG)")
+    add_recipe_options(plot, "recipe YAML", required=True)
+    plot.add_argument("--ranks", type=RANKS, default=8, help="N, the number of ranks (default 8)")
+    plot.add_argument("--iters-per-epoch", type=bounded_int(1, 10_000), default=100,  # x train.epochs points drawn
+                      help="iterations per epoch (default 100)")
+    plot.add_argument("--out", default="schedule.png", help="PNG path")
+    plot.set_defaults(func=cmd_plot_schedule)

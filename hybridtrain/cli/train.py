@@ -62,7 +62,7 @@ def explaining_memory(cfg, train):
                         f"{val_batch}, data.crop_size={cfg.data.crop_size}, precision.mode={cfg.precision.mode}): "
                         f"lower train.batch_size (e.g. --set train.batch_size={half} --set train.accumulation_steps="
                         f"{t.accumulation_steps * 2} keeps the global batch), or data.val_batch_size if validation "
-                        f"ran out; 'hybridtrain bench --find-max-batch' finds the largest batch that fits a GPU",
+                        f"ran out; 'python -m benchmarks max-batch' finds the largest batch that fits a GPU",
                         same_on_all_ranks=False) from None
 
 

@@ -238,7 +238,7 @@ class HorovodConfig:
     gradient_predivide_factor: float = number(1.0, lo=1.0, hi=1024.0,
                                               doc="divide gradients by f before the sum and by N/f after: keeps "
                                                   "FP16 sums over many ranks finite")
-    # fusion_threshold_mb and cycle_time_ms: defaults chosen with hybridtrain scale (docs/benchmarks.md)
+    # fusion_threshold_mb and cycle_time_ms: defaults chosen with python -m benchmarks scale (docs/benchmarks.md)
     fusion_threshold_mb: int = number(128, lo=0, hi=1024,
                                       doc="HOROVOD_FUSION_THRESHOLD in MiB: gradients ready together are "
                                           "all-reduced in one buffer up to this size; 0 = no fusion")

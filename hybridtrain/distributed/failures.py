@@ -109,7 +109,7 @@ def first_to_report(topo) -> bool:
     enough. A file created exclusively, named after the job's processes, decides."""
     if not topo.peers:
         return True
-    # the host in the name too: hosts that share a temp folder (hybridtrain cluster's) each still report
+    # the host in the name too: hosts that share a temp folder (python -m tools cluster's) each still report
     job = hashlib.sha256(repr((topo.peers, socket.gethostname())).encode()).hexdigest()[:16]
     try:
         os.close(os.open(os.path.join(tempfile.gettempdir(), f"hybridtrain-failure-{job}"),

@@ -8,7 +8,7 @@ state-dict keys do not change and evaluation does not trigger a second compilati
 ``train.compile_scope: blocks`` (the default) compiles each residual block apart: AOTAutograd makes a compiled
 region one autograd node, so with the whole model compiled every gradient hook Horovod registers fires at the end
 of the backward (the review's #9: the first hook at 90% of it on the CPU), while block by block a block's
-gradients start their all-reduce as soon as its backward is done (``python -m hybridtrain.perf.hook_timing``).
+gradients start their all-reduce as soon as its backward is done (``python -m benchmarks.probes.hook_timing``).
 
 Progressive resizing (``data.res_*``) trains at a few resolutions: compiled, each is its own static-shape graph
 (``dynamic=False``: one recompile per resolution, counted in tests/test_progressive.py, not one dynamic-shape graph

@@ -1,4 +1,4 @@
-"""What a GPU and its driver are, as the install's choice (hybridtrain.install.plan) and the rank's checks
+"""What a GPU and its driver are, as the install's choice (install.plan) and the rank's checks
 (hybridtrain.hardware.checks) both read them: generations and capability names, which of torch's kernels run on a
 capability, the driver each CUDA major needs, and what the installed driver says (read from libcuda, no torch).
 docs/hardware.md is the table, with its sources.

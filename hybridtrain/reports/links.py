@@ -1,5 +1,5 @@
 """Which host's link is slow, from timed transfers between pairs of hosts (``link_probe.json``, written by
-``python -m hybridtrain.cluster.link_probe``; the run's report shows it when the run_dir holds one).
+``python -m tools.cluster.link_probe``; the run's report shows it when the run_dir holds one).
 
 A transfer between hosts a and b crosses a's link and b's, so it goes at about the slower of the two. A host's link
 rate is therefore the fastest of its transfers (with a partner faster than it, that transfer is limited by its own
@@ -88,7 +88,7 @@ def read_probe(run_dir: str) -> dict | None:
     path = os.path.join(run_dir, PROBE_FILE)
     if not os.path.isfile(path):
         return None
-    fix = "run python -m hybridtrain.cluster.link_probe --out RUN_DIR again, or move the file out of the run_dir"
+    fix = "run python -m tools.cluster.link_probe --out RUN_DIR again, or move the file out of the run_dir"
     try:
         with open(path, encoding="utf-8") as fh:
             probe = json.load(fh)

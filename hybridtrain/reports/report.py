@@ -4,7 +4,7 @@ end-of-run summary table, and the side-by-side comparison of several runs (Table
 Headline (seed 001 §1, §3.2.2): the convergence epoch (first epoch at the top-1 target), the actual
 training time to the end of that epoch (with and without evaluation), and the actual average single-GPU
 training time = actual training time x N. S1, the single-GPU speed, comes from ``--single-gpu-speed``, from
-a ``scale.json`` that ``hybridtrain scale`` left in the run directory, or from the run itself when it had one
+a ``scale.json`` that ``python -m benchmarks scale`` left in the run directory, or from the run itself when it had one
 rank; the report says which, and leaves the efficiency blank when it has none.
 """
 from __future__ import annotations
@@ -93,16 +93,16 @@ def single_gpu_speed_of(run_dir: str, history: list[dict], world_size: int, give
     if os.path.isfile(scale_path):
         speed = single_rank_speed(scale_path)
         if speed is not None:
-            return speed, "measured by hybridtrain scale (scale.json)"
+            return speed, "measured by python -m benchmarks scale (scale.json)"
     if world_size == 1 and math.isfinite(run_speed(history)):
         return run_speed(history), "this run (one rank)"
-    return None, "unknown: pass --single-gpu-speed or run hybridtrain scale"
+    return None, "unknown: pass --single-gpu-speed or run python -m benchmarks scale"
 
 
 def single_rank_speed(path: str) -> float | None:
-    """The images/s of the 1-rank row of a ``hybridtrain scale`` result (None when it has none); one line naming the
-    file when it is cut short or damaged."""
-    fix = ("run 'hybridtrain scale --out DIR' again, or move scale.json out of the run_dir and pass "
+    """The images/s of the 1-rank row of a ``python -m benchmarks scale`` result (None when it has none); one line
+    naming the file when it is cut short or damaged."""
+    fix = ("run 'python -m benchmarks scale --out DIR' again, or move scale.json out of the run_dir and pass "
            "--single-gpu-speed")
     try:
         with open(path, encoding="utf-8") as fh:
@@ -180,7 +180,7 @@ def report_run(run_dir: str, top1_target: float | None = None, top5_target: floa
     speed, source = single_gpu_speed_of(run_dir, history, world_size, single_gpu_speed)
     figures = run_figures(history, world_size, top1_target, top5_target, speed, source)
     report = {**figures, "config": config, **(extra or {})}
-    links = read_probe(run_dir)  # link_probe.json: which host's link is slow (python -m hybridtrain.cluster.link_probe)
+    links = read_probe(run_dir)  # link_probe.json: which host's link is slow (python -m tools.cluster.link_probe)
     if links:
         report["links"] = links
     sections = [report_markdown(os.path.basename(os.path.abspath(run_dir)), figures, history),

@@ -14,13 +14,13 @@ import sys
 
 import torch
 
+from benchmarks.step_bench import synthetic_batch
 from hybridtrain.config import load_config
 from hybridtrain.distributed import collectives as distributed
 from hybridtrain.distributed.engines import with_step_contract
 from hybridtrain.engine.step import build_train_step
 from hybridtrain.models import create_model
 from hybridtrain.optim import apply_schedule, create_optimizer
-from hybridtrain.perf.step_bench import synthetic_batch
 from hybridtrain.precision.policy import prepare_model, set_fp32_math
 from hybridtrain.precision.scaler import create_precision
 

@@ -1,7 +1,7 @@
 """The torch build ``install.sh`` installs on this node: :func:`choose` (compute capabilities, driver version, torch
 version or torch's CUDA) -> :class:`Plan`. docs/hardware.md is the table it encodes, with its sources.
 
-``install.sh`` runs ``python -m hybridtrain.install.plan plan`` (and ``probe-torch``, ``check-torch``) with
+``install.sh`` runs ``python -m install.plan plan`` (and ``probe-torch``, ``check-torch``) with
 the system Python (no venv and no torch yet), so this module imports the standard library only; the GPU and driver
 facts it shares with the rank's checks (hybridtrain.hardware.checks) are in hybridtrain.hardware.gpus. A tool of
 the install, above the trainer (nothing of the package imports it).
@@ -424,7 +424,7 @@ def main(argv: list[str]) -> int:
         print(probe_torch())
         return 0
     if argv[:1] != ["plan"]:
-        print("usage: python -m hybridtrain.install.plan plan < nvidia-smi.csv | probe-torch | "
+        print("usage: python -m install.plan plan < nvidia-smi.csv | probe-torch | "
               "check-torch VERSION", file=sys.stderr)
         return 2
     smi = sys.stdin.read()

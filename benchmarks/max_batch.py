@@ -1,4 +1,4 @@
-"""``hybridtrain bench --find-max-batch``: the largest per-GPU batch (seed 001, 2.2.3 item 4).
+"""``python -m benchmarks max-batch``: the largest per-GPU batch (seed 001, 2.2.3 item 4).
 
 The paper grows the per-GPU batch until GPU memory is nearly full (its Fig 3.4 and Table 3.3). Each trial
 is a real training step (the recipe's model, optimizer, precision and loss scaling, as ``bench``) at one
@@ -69,7 +69,7 @@ def memory_budget_mb(total_mb: float, margin: float, headroom_mb: float = TRAINI
 
 def run_trial(cfg_for, batch: int, margin: float, steps: int, warmup: int) -> Trial:
     """One batch size: a timed ``bench`` trainer row, or the reason it does not fit."""
-    from hybridtrain.perf.step_bench import bench_device, trainer_row
+    from benchmarks.step_bench import bench_device, trainer_row
     device = bench_device()
     budget_mb = memory_budget_mb(torch.cuda.get_device_properties(device).total_memory / 2 ** 20, margin)
     try:
@@ -96,7 +96,7 @@ def find_max_batch(cfg_for, start: int, margin: float, granularity: int, steps: 
         trials[batch] = run_trial(cfg_for, batch, margin, steps, warmup)
         print(f"hybridtrain: batch {batch}: {'fits' if trials[batch].fits else trials[batch].reason}", flush=True)
         return trials[batch].fits
-    from hybridtrain.perf.step_bench import job_of_one
+    from benchmarks.step_bench import job_of_one
     with job_of_one():
         search_max_batch(fits, start, granularity)
     return [trials[b] for b in sorted(trials)]
@@ -112,7 +112,7 @@ def format_trials(trials: list[Trial], device_name: str) -> str:
             + markdown_table(["batch", "images/s", "reserved MiB", "fits"], rows))
 
 
-NEEDS_GPU = ("bench --find-max-batch measures GPU memory and needs a CUDA GPU, and none is visible here (nothing "
+NEEDS_GPU = ("max-batch measures GPU memory and needs a CUDA GPU, and none is visible here (nothing "
              "was measured): run it on a GPU node (the CPU's batch is bounded by time, not memory)")
 
 

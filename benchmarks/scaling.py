@@ -1,4 +1,4 @@
-"""``hybridtrain scale``: the synthetic-data training benchmark at several rank counts, on either engine.
+"""``python -m benchmarks scale``: the synthetic-data training benchmark at several rank counts, on either engine.
 
 Each (engine, ranks, compression) row launches ``horovodrun --gloo -np N`` with Horovod's timeline on (or
 ``torchrun --nproc-per-node=N`` for the torch engine, which has no timeline), and every
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -24,6 +23,7 @@ import numpy as np
 from hybridtrain.distributed.launcher import launch_command
 from hybridtrain.errors import UserError
 from hybridtrain.outputs import markdown_table, write_json_atomically
+from tools.jobs import run_job
 
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 
@@ -99,7 +99,7 @@ def read_timeline(path: str) -> list[dict]:
         return json.loads(text)
     except json.JSONDecodeError as exc:
         raise UserError(f"Horovod's timeline {path} is not valid JSON ({exc.msg} at line {exc.lineno}): "
-                        f"rerun hybridtrain scale") from None
+                        f"rerun python -m benchmarks scale") from None
 
 
 def allreduce_intervals(events: list[dict]) -> list[tuple[float, float, int]]:
@@ -165,15 +165,13 @@ def launch(config: str | None, overrides: list[str], n: int, compression: str, s
     for stale in (record_path, timeline_path):
         if os.path.exists(stale):
             os.remove(stale)
-    cmd = launch_command(engine, n, [sys.executable, "-m", "hybridtrain.perf.scaling", config or "", compression,
+    cmd = launch_command(engine, n, [sys.executable, "-m", "benchmarks.scaling", config or "", compression,
                                      str(steps), str(warmup), record_path, phase, *overrides],
                          launcher_args=("--timeline-filename", timeline_path) if timeline else ())
-    print("+ " + " ".join(cmd), flush=True)
-    proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    if proc.returncode != 0 or not os.path.isfile(record_path):
-        tail = [line for line in proc.stdout.splitlines() if "hybridtrain: error" in line][-1:] or ["see its output"]
-        raise UserError(f"scale row {engine} np={n} compression={compression} failed: {tail[0]}",
-                        same_on_all_ranks=False)
+    failure = f"scale row {engine} np={n} compression={compression} failed"
+    run_job(cmd, failure)
+    if not os.path.isfile(record_path):
+        raise UserError(f"{failure}: it wrote no {record_path}", same_on_all_ranks=False)
     with open(record_path) as fh:
         record = json.load(fh)
     if n > 1 and not timeline:  # not measured
@@ -248,7 +246,7 @@ def plot_scale(rows: list[dict], path: str) -> str:
     return save_figure(fig, path)
 
 
-# one rank of a row: python -m hybridtrain.perf.scaling CONFIG COMPRESSION STEPS WARMUP OUT [SETS]
+# one rank of a row: python -m benchmarks.scaling CONFIG COMPRESSION STEPS WARMUP OUT [SETS]
 if __name__ == "__main__":
     from hybridtrain.errors import run_guarded
     sys.exit(run_guarded(lambda: worker(sys.argv[1], sys.argv[7:], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]),

@@ -1,4 +1,4 @@
-"""``hybridtrain bench-data``: the input pipeline alone, in images/s after warmup, on one process.
+"""``python -m benchmarks bench-data``: the input pipeline alone, in images/s after warmup, on one process.
 
 ``--data`` may be a folder tree (``prepare-data``, optionally ``--resize``d) or tar shards (``prepare-data
 imagenet --shards``): the ``form`` column says which. Each row builds the backend's training loader with the

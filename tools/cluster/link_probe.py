@@ -1,6 +1,6 @@
 """Time a transfer between every pair of hosts over ssh and name a slow host's link (``link_probe.json``).
 
-    python -m hybridtrain.cluster.link_probe --hosts h0,h1,h2 --out RUN_DIR [--megabytes 8]
+    python -m tools.cluster.link_probe --hosts h0,h1,h2 --out RUN_DIR [--megabytes 8]
 
 For each pair (a, b), one after the other: a receiver on b (``ssh b python -c ...``) listens on a free port and
 prints it, a sender on a connects and sends the bytes, and the receiver times them from its first byte to its last
@@ -20,10 +20,10 @@ import subprocess
 import sys
 import time
 
-from hybridtrain.cluster.netns import in_use, stopped_cleanly
 from hybridtrain.errors import UserError, run_guarded
 from hybridtrain.outputs import check_output_dir, write_json_atomically
 from hybridtrain.reports.links import PROBE_FILE, host_rates, links_lines, probe_problem
+from tools.cluster.netns import in_use, stopped_cleanly
 
 TIMEOUT_S = 60
 RECEIVER = """import socket, sys, time
@@ -108,7 +108,7 @@ MEGABYTES = (1, 1024)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m hybridtrain.cluster.link_probe",
+    parser = argparse.ArgumentParser(prog="python -m tools.cluster.link_probe",
                                      description="time a transfer between every pair of hosts; name a slow link")
     parser.add_argument("--hosts", required=True, help="the hosts, e.g. h0,h1,h2 (three or more can name a slow one)")
     parser.add_argument("--out", required=True, help="the run_dir that gets link_probe.json (its report shows it)")

@@ -1,4 +1,4 @@
-"""``hybridtrain bench-optim``: the optimizer step alone, per phase of the recipe, against ``torch.optim.SGD``.
+"""``python -m benchmarks bench-optim``: the optimizer step alone, per phase of the recipe, against ``torch.optim.SGD``.
 
 The CPU proxy of the optimizer's share of a step. The recipe's model (ResNet-50's parameter shapes by default) gets
 fixed random gradients; then ``steps`` timed calls of ``optimizer.step()`` follow, each after the schedule for that
@@ -15,12 +15,12 @@ import statistics
 
 import torch
 
+from benchmarks.step_bench import bench_device, optimizer_label, synthetic_classes, timed_steps
 from hybridtrain.config import load_config
 from hybridtrain.models import model_from_config
 from hybridtrain.optim import apply_schedule, create_optimizer, optimizer_spec
 from hybridtrain.optim.schedules import hybrid_phase_start
 from hybridtrain.outputs import markdown_table
-from hybridtrain.perf.step_bench import bench_device, optimizer_label, synthetic_classes, timed_steps
 
 ITERS_PER_EPOCH = 100  # the schedule's epoch length: the AdaBound rows run at steps 0.., the LARS rows after T
 

@@ -1,5 +1,5 @@
-"""``hybridtrain scale --cluster N --link RATE``: the ``scale`` rows across N hosts of a cluster in a box
-(hybridtrain/cluster/netns.py), one rank per host, every host's link limited to RATE, next to what
+"""``python -m benchmarks scale --cluster N --link RATE``: the ``scale`` rows across N hosts of a cluster in a box
+(tools/cluster/netns.py), one rank per host, every host's link limited to RATE, next to what
 ``predict``'s all-reduce model gives for them.
 
 Per engine: one rank alone (no cluster) gives the compute time per step t1 = step time of the 1-rank row and
@@ -18,12 +18,13 @@ import shlex
 import subprocess
 import sys
 
-from hybridtrain.cluster import netns as cluster
+from benchmarks.scaling import available_slots, launch, measured_config
 from hybridtrain.distributed.launcher import venv_tool
 from hybridtrain.errors import UserError
 from hybridtrain.outputs import figure, markdown_table, save_figure, write_json_atomically, write_text_atomically
-from hybridtrain.perf.scaling import available_slots, launch, measured_config
-from hybridtrain.predict.cluster_model import ClusterSpec, predict
+from tools.cluster import netns as cluster
+from tools.jobs import checkout_env, last_error_line
+from tools.predict.cluster_model import ClusterSpec, predict
 
 RDZV_PORT = 29400
 BYTES_PER_ELEMENT = {"fp16": 2, "none": 4}
@@ -63,18 +64,18 @@ def cluster_row(config: str | None, overrides: list[str], hosts: list[str], comp
     record_path = os.path.join(out, f"{tag}.json")
     if os.path.exists(record_path):
         os.remove(record_path)
-    program = [sys.executable, "-m", "hybridtrain.perf.scaling", config or "", compression, str(steps), str(warmup),
+    program = [sys.executable, "-m", "benchmarks.scaling", config or "", compression, str(steps), str(warmup),
                record_path, "adabound", *overrides, f"distributed.engine={engine}"]
     before = cluster.link_counters(hosts)
     procs = [subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for cmd in host_commands(engine, hosts, program, tag)]
+                              text=True, env=checkout_env()) for cmd in host_commands(engine, hosts, program, tag)]
     print("+ " + shlex.join(procs[0].args), flush=True)
     outputs = [p.communicate()[0] for p in procs]
     if any(p.returncode for p in procs) or not os.path.isfile(record_path):
-        lines = [x for o in outputs for x in o.splitlines() if "hybridtrain: error" in x][-1:] or ["see its output"]
-        write_text_atomically(os.path.join(out, f"{tag}.log"), "\n".join(outputs))
-        raise UserError(f"cluster row {engine} compression={compression} failed: {lines[0]} (output in "
-                        f"{out}/{tag}.log)", same_on_all_ranks=False)
+        output = "\n".join(outputs)
+        write_text_atomically(os.path.join(out, f"{tag}.log"), output)
+        raise UserError(f"cluster row {engine} compression={compression} failed: {last_error_line(output)} (output "
+                        f"in {out}/{tag}.log)", same_on_all_ranks=False)
     after = cluster.link_counters(hosts)
     with open(record_path) as fh:
         record = json.load(fh)

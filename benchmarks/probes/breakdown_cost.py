@@ -3,7 +3,7 @@ batch, run with and without the breakdown's marks in turn (off, on, off, on, ...
 falls on both alike), each step timed with the device synchronised; the median step time of each, their ratio, and
 the host syncs per step of each (the breakdown adds none: on a GPU its marks are CUDA events, read once per epoch).
 
-    python -m hybridtrain.perf.breakdown_cost --config configs/demo.yaml --steps 60 [--set KEY=VALUE ...]
+    python -m benchmarks.probes.breakdown_cost --config configs/demo.yaml --steps 60 [--set KEY=VALUE ...]
 """
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import statistics
 
 import torch
 
+from benchmarks.host_syncs import count_host_syncs
+from benchmarks.step_bench import alternated_steps, job_of_one, synchronize, trainer_loop
 from hybridtrain.config import load_config
 from hybridtrain.engine.breakdown import StepClock
-from hybridtrain.perf.host_syncs import count_host_syncs
-from hybridtrain.perf.step_bench import alternated_steps, job_of_one, synchronize, trainer_loop
 
 
 def breakdown_cost(config: str | None, sets: list[str], steps: int, warmup: int, threads: int) -> dict:
@@ -47,7 +47,7 @@ def breakdown_cost(config: str | None, sets: list[str], steps: int, warmup: int,
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m hybridtrain.perf.breakdown_cost",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.probes.breakdown_cost",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--config", default=None, help="recipe YAML (default: the built-in defaults)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")

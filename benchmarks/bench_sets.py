@@ -1,4 +1,4 @@
-"""The config overrides of one ``hybridtrain bench`` row, torch-free: the command checks its recipe with them
+"""The config overrides of one ``python -m benchmarks bench`` row, torch-free: the command checks its recipe with them
 before it imports torch (a typo is refused at once), and ``step_bench`` loads each row's config with them."""
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """What an epoch boundary costs the DALI training loader: from the epoch's first request to its first batch
 (the epoch's file list written, its pipeline built, the first batch decoded), then the steady time per batch.
 
-``python -m hybridtrain.perf.dali_epoch_boundary --data data/digits --samples 1280000 --ranks 1,8``
+``python -m benchmarks.probes.dali_epoch_boundary --data data/digits --samples 1280000 --ranks 1,8``
 lists the split's images over and over up to ``--samples`` (an ImageNet-sized list without ImageNet), and
 times rank 0's loader of each world size over a few epochs, on DALI's CPU pipeline.
 """

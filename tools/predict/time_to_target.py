@@ -5,9 +5,9 @@ Model (docs/predict.md has the sources of every number below):
 * Per-GPU compute time of one step at per-GPU batch b is a line, ``t(b) = fixed + b * per_image`` (a fixed
   per-step cost: kernel launches, the optimizer, the loader hand-off; plus a cost per image). Its single-GPU
   throughput is ``S1(b) = b / t(b)``, which rises with b towards ``1 / per_image``. The line is fitted by
-  least squares to (batch, img/s) points: a ``hybridtrain bench`` sweep on one's own GPU, or the default
+  least squares to (batch, img/s) points: a ``python -m benchmarks bench`` sweep on one's own GPU, or the default
   H100 curve (:func:`default_throughput_curve`).
-* The all-reduce of every gradient once per step is :mod:`hybridtrain.predict.cluster_model`'s (ring,
+* The all-reduce of every gradient once per step is :mod:`tools.predict.cluster_model`'s (ring,
   hierarchical or hierarchical-tree; FP16 or FP32 gradients; a fraction ``overlap`` hidden behind backward).
   step = t(b) + exposed all-reduce; img/s per GPU = b / step; efficiency = t(b) / step (section 3.2.2).
 * Epochs to the target top-1 are a function of the global batch N * b, one per optimizer, read from published
@@ -27,7 +27,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from hybridtrain.predict import cluster_model as cm
+from tools.predict import cluster_model as cm
 
 # ---------------------------------------------------------------------------------------------- throughput
 

@@ -1,4 +1,4 @@
-"""``hybridtrain experiment NAME``: named comparisons, each run as real Horovod jobs.
+"""``python -m tools experiment NAME``: named comparisons, each run as real Horovod jobs.
 
 Every experiment has one form: a list of named rows, each a set of ``--set`` overrides on one recipe; each
 row trains under ``horovodrun``; the runner writes ``NAME.md`` (a table), ``NAME.json`` (one record per row)
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 
 from hybridtrain.config import load_config
 from hybridtrain.distributed.launcher import launch_command, resolve_engine, venv_tool
@@ -16,6 +15,7 @@ from hybridtrain.errors import UserError
 from hybridtrain.outputs import figure, markdown_table, save_figure, write_json_atomically, write_text_atomically
 from hybridtrain.reports.paper_metrics import convergence_epoch
 from hybridtrain.reports.report import load_run
+from tools.jobs import run_job
 
 
 def optimizer_rows(cfg) -> list[tuple[str, list[str]]]:
@@ -131,12 +131,8 @@ EXPERIMENTS = {"optimizers": optimizer_rows, "warmup-epochs": warmup_epoch_rows,
 
 def launch_row(config: str, overrides: list[str], run_dir: str, ranks: int, engine: str = "horovod") -> None:
     sets = [arg for o in overrides + [f"run_dir={run_dir}", "train.progress=false"] for arg in ("--set", o)]
-    cmd = launch_command(engine, ranks, [venv_tool("hybridtrain"), "train", "--config", config, *sets])
-    print("+ " + " ".join(cmd), flush=True)
-    proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    if proc.returncode != 0:
-        tail = [line for line in proc.stdout.splitlines() if "hybridtrain: error" in line][-1:] or ["see its log"]
-        raise UserError(f"experiment row failed ({' '.join(overrides)}): {tail[0]}", same_on_all_ranks=False)
+    run_job(launch_command(engine, ranks, [venv_tool("hybridtrain"), "train", "--config", config, *sets]),
+            f"experiment row failed ({' '.join(overrides)})", "see its log")
 
 
 def summarise_row(name: str, run_dir: str, target: float) -> dict:

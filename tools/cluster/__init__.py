@@ -1,6 +1,6 @@
 """The emulated cluster on one machine (issue 36): hosts as network namespaces, and what runs across them.
 
-- ``netns``: N hosts as network namespaces with sshd, joined by rate-limited links (``hybridtrain cluster``);
+- ``netns``: N hosts as network namespaces with sshd, joined by rate-limited links (``python -m tools cluster``);
 - ``scale``: the ``scale`` rows across the hosts, beside ``predict``'s model of them (``scale --cluster``);
 - ``link_probe``: timed transfers between every pair of hosts over ssh, naming a slow link (``python -m``).
 

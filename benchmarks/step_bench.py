@@ -1,4 +1,5 @@
-"""``hybridtrain bench``: the trainer's own training step on synthetic data, in one process (engines: ``--engine``).
+"""``python -m benchmarks bench``: the trainer's own training step on synthetic data, in one process (engines:
+``--engine``).
 
 Each row builds the recipe's model, optimizer (with its schedule applied every step, as in training),
 precision policy and loss scaler, puts one random batch on the device (the ``synthetic`` backend), runs
@@ -33,6 +34,9 @@ import time
 import torch
 from tqdm import tqdm
 
+from benchmarks.bench_sets import row_sets
+from benchmarks.host_syncs import count_host_syncs
+from benchmarks.scaling import launch, measured
 from hybridtrain.config import load_config
 from hybridtrain.data.loaders import SYNTHETIC_CLASSES
 from hybridtrain.distributed import collectives as distributed
@@ -46,9 +50,6 @@ from hybridtrain.models import model_from_config
 from hybridtrain.optim import apply_schedule, create_optimizer, optimizer_spec
 from hybridtrain.optim.schedules import HYBRID_PHASES, hybrid_phase_start
 from hybridtrain.outputs import markdown_table
-from hybridtrain.perf.bench_sets import row_sets
-from hybridtrain.perf.host_syncs import count_host_syncs
-from hybridtrain.perf.scaling import launch, measured
 from hybridtrain.precision.policy import prepare_model, resolve_policy, set_fp32_math
 from hybridtrain.precision.scaler import create_precision
 

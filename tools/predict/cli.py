@@ -1,9 +1,9 @@
-"""`hybridtrain predict`: the cluster model of ``predict/cluster_model.py`` on the command line, its options with
+"""`python -m tools predict`: the cluster model of ``predict/cluster_model.py`` on the command line, its options with
 their bounds, its run, tables and figures.
 
 Prints predicted step time, img/s, efficiency and actual average single-GPU training time for growing
 clusters, the model's check against the paper's 24-GPU efficiencies, and, given ``--calibrate scale.json``
-with three or more rank counts, the ring model fitted to what ``hybridtrain scale`` measured and its error.
+with three or more rank counts, the ring model fitted to what ``python -m benchmarks scale`` measured and its error.
 With ``--gpus``: the time to a target top-1 at each GPU count (``time_to_target``), its check against the
 MLPerf v4.0 runs, and the paper's Tables 3.7-3.9 from the same time model.
 """
@@ -13,7 +13,7 @@ import json
 import os
 from dataclasses import replace
 
-from hybridtrain.cli.options import BATCH, bounded_float, bounded_int, count_list
+from hybridtrain.cli.options import bounded_float, bounded_int
 from hybridtrain.errors import UserError
 from hybridtrain.outputs import (
     atomic_path,
@@ -23,8 +23,9 @@ from hybridtrain.outputs import (
     markdown_table,
     write_json_atomically,
 )
-from hybridtrain.predict import cluster_model as predict
-from hybridtrain.predict import time_to_target as ttt
+from tools.options import BATCH, count_list
+from tools.predict import cluster_model as predict
+from tools.predict import time_to_target as ttt
 
 GB = 1e9
 
@@ -83,19 +84,20 @@ def paper_table(check: predict.PaperCheck) -> str:
 
 
 def read_scale_rows(path: str) -> list[tuple]:
-    """The (world_size, step_time_s, compression) rows of a ``hybridtrain scale`` result, or one line saying what to
-    pass instead."""
+    """The (world_size, step_time_s, compression) rows of a ``python -m benchmarks scale`` result, or one line saying
+    what to pass instead."""
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, "scale.json")):
         raise UserError(f"--calibrate {path} is a folder: pass the file in it, --calibrate "
                         f"{os.path.join(path, 'scale.json')}")
-    check_input_file(path, "--calibrate", "run 'hybridtrain scale --out DIR' and pass DIR/scale.json")
+    check_input_file(path, "--calibrate", "run 'python -m benchmarks scale --out DIR' and pass DIR/scale.json")
     try:
         with open(path) as fh:
             rows = json.load(fh)["rows"]
         points = [(r["world_size"], r["step_time_s"], r["compression"]) for r in rows]
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
-        raise UserError(f"--calibrate {path} is not the scale.json of 'hybridtrain scale' ({type(exc).__name__}: "
-                        f"{str(exc)[:80]}): run 'hybridtrain scale --out DIR' and pass DIR/scale.json") from None
+        raise UserError(f"--calibrate {path} is not the scale.json of 'python -m benchmarks scale' "
+                        f"({type(exc).__name__}: {str(exc)[:80]}): run 'python -m benchmarks scale --out DIR' and pass "
+                        f"DIR/scale.json") from None
     return points
 
 
@@ -145,12 +147,13 @@ def cmd_predict(args) -> int:
 # ---------------------------------------------------------------------------------------------- --gpus
 
 
-BENCH_FIX = ("run 'hybridtrain bench --arch resnet50 --batch-size 32 --batch-size 128 --batch-size 256 --json "
+BENCH_FIX = ("run 'python -m benchmarks bench --arch resnet50 --batch-size 32 --batch-size 128 --batch-size 256 --json "
              "bench.json' on your GPU and pass --throughput bench.json")
 
 
 def read_bench_curve(path: str) -> tuple[ttt.ThroughputCurve, str]:
-    """The throughput line fitted to a ``hybridtrain bench --json`` sweep, or one line saying what to pass instead.
+    """The throughput line fitted to a ``python -m benchmarks bench --json`` sweep, or one line saying what to pass
+    instead.
 
     Uses the rows of the trainer's own step: those of ``--horovod`` ('train') when there are any, else 'trainer';
     the plain-PyTorch 'baseline' rows are not the trainer's and are left out. Returns the curve and the model
@@ -166,8 +169,8 @@ def read_bench_curve(path: str) -> tuple[ttt.ThroughputCurve, str]:
         kinds = sorted({f"{r.get('arch')} {r.get('precision')} {r.get('image_size')} px" for r in rows})
         arch = str(rows[0].get("arch")) if rows else ""
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
-        raise UserError(f"--throughput {path} is not the JSON of 'hybridtrain bench --json' ({type(exc).__name__}: "
-                        f"{str(exc)[:80]}): {BENCH_FIX}") from None
+        raise UserError(f"--throughput {path} is not the JSON of 'python -m benchmarks bench --json' "
+                        f"({type(exc).__name__}: {str(exc)[:80]}): {BENCH_FIX}") from None
     if not points:
         raise UserError(f"--throughput {path} holds no rows of the trainer's step: {BENCH_FIX}")
     if len(kinds) > 1:
@@ -349,7 +352,8 @@ def add_commands(sub) -> None:
     p.add_argument("--convergence-epoch", type=bounded_int(1, 10_000), help="for the single-GPU time (default 32)")
     p.add_argument("--images-per-epoch", type=bounded_int(1, 10**10), default=predict.IMAGENET_TRAIN_IMAGES,
                    help="default ImageNet")
-    p.add_argument("--calibrate", metavar="SCALE_JSON", help="fit the ring model to a hybridtrain scale result")
+    p.add_argument("--calibrate", metavar="SCALE_JSON",
+                   help="fit the ring model to a python -m benchmarks scale result")
     p.add_argument("--gpus", type=count_list(1, 10**7, example="8,64,512"), metavar="N,N,...",
                    help="time to --target-top1 at these GPU counts (docs/predict.md): the per-GPU batch, img/s, "
                         "efficiency, epochs, minutes and actual average single-GPU time of each")
@@ -358,7 +362,7 @@ def add_commands(sub) -> None:
     p.add_argument("--optimizer", choices=list(ttt.OPTIMIZERS),
                    help="with --gpus: whose published epochs-to-target to use (default lars)")
     p.add_argument("--throughput", metavar="BENCH_JSON",
-                   help="with --gpus: per-GPU img/s against batch from 'hybridtrain bench --batch-size B "
+                   help="with --gpus: per-GPU img/s against batch from 'python -m benchmarks bench --batch-size B "
                         "--batch-size B2 ... --json FILE' on your GPU (default: the H100 curve of docs/predict.md)")
     p.add_argument("--json", metavar="FILE", help="with --gpus: also write the rows and the checks to this JSON file")
     p.add_argument("--out", default="predict.png",

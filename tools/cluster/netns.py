@@ -1,4 +1,4 @@
-"""``hybridtrain cluster``: N hosts on this machine, joined by rate-limited links (a cluster in a box, issue 36).
+"""``python -m tools cluster``: N hosts on this machine, joined by rate-limited links (a cluster in a box, issue 36).
 
 Each host ``h<i>`` is a network namespace ``htc-h<i>`` with one interface ``eth0`` at 10.77.0.<i+1>/24, its own
 hostname (every command run on it, and the sshd, get a UTS namespace named ``h<i>``) and an ``/etc/hosts``
@@ -23,17 +23,14 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
-import sys
 import time
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from pathlib import Path
-
-import psutil
 
 from hybridtrain.errors import UserError
 from hybridtrain.outputs import write_json_atomically
+from tools.jobs import end_all
 
 PREFIX = "htc-"
 SWITCH = PREFIX + "switch"
@@ -53,7 +50,7 @@ TBF_QUEUE_S = 0.02  # a packet waits at most 20 ms in the filter's queue, then i
 RATE_RANGE = (2e3, 1e12)
 TOOLS = ("ip", "tc", "unshare", "ssh", "ssh-keygen")
 SSHD = "/usr/sbin/sshd"
-SSH_CONFIG = """# hybridtrain cluster: ssh between its hosts (the machine's own /etc/ssh is not used on them)
+SSH_CONFIG = """# python -m tools cluster: ssh between its hosts (the machine's own /etc/ssh is not used on them)
 Host *
   Port {port}
   IdentityFile {identity}
@@ -115,10 +112,10 @@ def host_command(host: str, argv: list[str]) -> list[str]:
 
 def require_root() -> None:
     if os.geteuid() != 0:
-        raise UserError("hybridtrain cluster needs root (network namespaces, tc, sshd): run it as root")
+        raise UserError("python -m tools cluster needs root (network namespaces, tc, sshd): run it as root")
     missing = [tool for tool in TOOLS if not shutil.which(tool)] + ([] if os.path.exists(SSHD) else [SSHD])
     if missing:
-        raise UserError(f"hybridtrain cluster needs {', '.join(missing)}: install iproute2, util-linux and "
+        raise UserError(f"python -m tools cluster needs {', '.join(missing)}: install iproute2, util-linux and "
                         f"openssh-server (HYBRIDTRAIN_SYSTEM_PACKAGES=1 ./install.sh)")
 
 
@@ -195,7 +192,8 @@ def build(hosts: int, rate: str) -> dict:
     for host in names:
         while not os.path.exists(os.path.join(STATE_DIR, f"{host}.pid")):
             if time.monotonic() > deadline:
-                raise UserError(f"cluster: the sshd of {host} did not start: run hybridtrain cluster down and retry")
+                raise UserError(f"cluster: the sshd of {host} did not start: run python -m tools cluster down and "
+                                f"retry")
             time.sleep(0.05)
     return state
 
@@ -213,60 +211,6 @@ def down() -> list[str]:
         shutil.rmtree(folder, ignore_errors=True)
     shutil.rmtree(STATE_DIR, ignore_errors=True)
     return found
-
-
-def end_all(pids, grace_s: float = 3.0) -> None:
-    """SIGTERM, then SIGKILL after ``grace_s``, every process ``pids()`` lists (asked again as they go)."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in pids():
-            with suppress(ProcessLookupError):
-                os.kill(pid, sig)
-        deadline = time.monotonic() + grace_s
-        while pids() and time.monotonic() < deadline:
-            time.sleep(0.05)
-
-
-def descendants() -> list[int]:
-    """The live processes this one started, and theirs (a launcher's ranks); zombies left out."""
-    found = []
-    for child in psutil.Process().children(recursive=True):
-        with suppress(psutil.NoSuchProcess):  # one that just ended
-            if child.status() != psutil.STATUS_ZOMBIE:
-                found.append(child.pid)
-    return found
-
-
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-
-class Stopped(BaseException):
-    """SIGTERM or SIGINT arrived (its number: the one argument): unwinds the command (its ``finally`` blocks run) to
-    :func:`stopped_cleanly`."""
-
-
-@contextmanager
-def stopped_cleanly(what: str, cleanup=None):
-    """SIGTERM (a scheduler, ``timeout``) or SIGINT (Ctrl-C) in the block leaves nothing behind: every process the
-    command started ends at once (a launcher with its ranks), then ``cleanup()`` runs (the cluster's :func:`down`:
-    the namespaces with their sshds and ranks); one line says so, naming ``what`` was stopped, and the command exits
-    with 128 + the signal (143, 130), as a shell reports a process the signal ended."""
-    def stop(signum, frame):
-        for sig in STOP_SIGNALS:  # a second signal does not cut the cleanup short
-            signal.signal(sig, signal.SIG_IGN)
-        end_all(descendants)  # before the stack unwinds: a killed launcher would leave its ranks to init
-        raise Stopped(signum)
-    previous = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
-    try:
-        yield
-    except Stopped as exc:
-        signum, = exc.args
-        if cleanup is not None:
-            cleanup()
-        print(f"hybridtrain: stopped by {signal.Signals(signum).name}: {what}", file=sys.stderr, flush=True)
-        raise SystemExit(128 + signum) from None
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 @contextmanager
@@ -341,10 +285,10 @@ def link_counters(hosts: list[str]) -> dict:
 
 def format_status(state: dict | None) -> str:
     if state is None:
-        return "no cluster (hybridtrain cluster up --hosts N --link RATE makes one)"
+        return "no cluster (python -m tools cluster up --hosts N --link RATE makes one)"
     if state["broken"]:
         return (f"a broken cluster: namespaces {', '.join(state['namespaces'])} without their state file: "
-                f"hybridtrain cluster down removes them")
+                f"python -m tools cluster down removes them")
     lines = [f"{len(state['hosts'])} hosts, ssh port {state['ssh_port']}, key {state['identity']}"]
     lines += [f"{r['host']:>4} {r['address']:<12} link {r['link']:<8} {'up' if r['up'] else 'CUT'}  "
               f"sshd {'running' if r['sshd'] else 'GONE'}" for r in state["rows"]]

@@ -4,7 +4,7 @@ Horovod's ``DistributedOptimizer`` starts each gradient's all-reduce from a hook
 accumulator. The all-reduce overlaps the backward only as far as those hooks fire while the backward still runs.
 This probe registers hooks the same way, runs forward, FP32 loss and backward a few times, and reports for the
 last backward its time, and when its first, median and last hooks fired as fractions of it (0 = at the start,
-1 = at the end). Run it as ``python -m hybridtrain.perf.hook_timing [--arch resnet18 --image-size 64 --batch-size 8]``;
+1 = at the end). Run it as ``python -m benchmarks.probes.hook_timing [--arch resnet18 --image-size 64 --batch-size 8]``;
 it prints one row per mode: eager, compiled blocks (``train.compile_scope: blocks``), compiled model.
 """
 from __future__ import annotations
@@ -55,7 +55,7 @@ def hook_fractions(forward, model: torch.nn.Module, images, labels, repeats: int
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m hybridtrain.perf.hook_timing", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.probes.hook_timing", description=__doc__.split("\n")[0])
     parser.add_argument("--arch", default="resnet18", choices=["resnet18", "resnet34", "resnet50"])
     parser.add_argument("--image-size", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=8)

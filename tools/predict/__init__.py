@@ -1,4 +1,4 @@
-"""The cluster model behind ``hybridtrain predict``: what N GPUs would give, from measured single-GPU rates.
+"""The cluster model behind ``python -m tools predict``: what N GPUs would give, from measured single-GPU rates.
 
 - ``cluster_model``: the all-reduce algorithms (ring, tree, hierarchical) over a cluster's links, and the scaling
   efficiency they leave;
