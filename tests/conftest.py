@@ -16,6 +16,21 @@ HYBRIDTRAIN = os.path.join(BIN, "hybridtrain")
 HOROVODRUN = os.path.join(BIN, "horovodrun")
 TORCHRUN = os.path.join(BIN, "torchrun")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The tools beside the package run from the checkout as their docs say (python -m benchmarks ..., python -m tools
+# ...); with the checkout on PYTHONPATH every process a test starts finds them, whatever its folder
+BENCHMARKS = [sys.executable, "-m", "benchmarks"]
+TOOLS = [sys.executable, "-m", "tools"]
+TOOL_OF = {**dict.fromkeys(("bench", "max-batch", "bench-optim", "bench-data", "scale"), BENCHMARKS),
+           **dict.fromkeys(("predict", "cluster", "experiment"), TOOLS)}
+
+
+def command(argv) -> list[str]:
+    """``argv`` (a command and its options) as its program runs it: hybridtrain, or the checkout's tools."""
+    return [*TOOL_OF.get(argv[0], [HYBRIDTRAIN]), *argv]
+
+
+if REPO not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
 
 
 def pytest_configure(config):
@@ -147,15 +162,23 @@ def run(cmd, timeout=600, cwd=None, ranks: int | None = None) -> subprocess.Comp
                           cwd=cwd or REPO, stdin=subprocess.DEVNULL)
 
 
-def horovodrun(np_: int, args: list[str], timeout=600) -> subprocess.CompletedProcess:
+def horovodrun(np_: int, args: list[str], timeout=600, program=(HYBRIDTRAIN,)) -> subprocess.CompletedProcess:
+    """``hybridtrain ARGS`` (or ``program`` ARGS) on ``np_`` local ranks of the Horovod engine (horovodrun, Gloo)."""
     hosts = f"localhost:{np_}"
-    return run([HOROVODRUN, "--gloo", "-np", str(np_), "-H", hosts, HYBRIDTRAIN, *args], timeout=timeout, ranks=np_)
+    return run([HOROVODRUN, "--gloo", "-np", str(np_), "-H", hosts, *program, *args], timeout=timeout, ranks=np_)
 
 
-def torchrun(np_: int, args: list[str], timeout=600) -> subprocess.CompletedProcess:
-    """``hybridtrain ARGS`` on ``np_`` local ranks of the torch engine (torchrun, Gloo on the CPU)."""
-    return run([TORCHRUN, "--standalone", f"--nproc-per-node={np_}", "--no-python", HYBRIDTRAIN, *args],
+def torchrun(np_: int, args: list[str], timeout=600, program=(HYBRIDTRAIN,)) -> subprocess.CompletedProcess:
+    """``hybridtrain ARGS`` (or ``program`` ARGS) on ``np_`` local ranks of the torch engine (torchrun, Gloo on the
+    CPU)."""
+    return run([TORCHRUN, "--standalone", f"--nproc-per-node={np_}", "--no-python", *program, *args],
                timeout=timeout, ranks=np_)
+
+
+def import_closure(label: str) -> tuple[str, ...]:
+    """The program that runs ``hybridtrain`` in each rank and leaves LABEL-PID.json, the modules it imported from the
+    checkout (tests/scripts/import_closure.py)."""
+    return sys.executable, os.path.join(REPO, "tests", "scripts", "import_closure.py"), label
 
 
 def error_lines(stderr: str) -> list[str]:

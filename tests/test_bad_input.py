@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import yaml
-from conftest import HYBRIDTRAIN, assert_one_error_line, horovodrun, run, tiny_config
+from conftest import HYBRIDTRAIN, assert_one_error_line, command, horovodrun, run, tiny_config
 
 
 def train(cfg_path, *extra, timeout=300):
@@ -99,9 +99,10 @@ def imported_modules(stderr: str) -> set[str]:
 
 
 def refused_without_torch(argv: list[str], *needles: str) -> str:
-    """``hybridtrain ARGV`` run by the venv's python with -X importtime: refused in one line, exit 2, and neither
-    torch nor Horovod imported (the refusal does not wait ~5 s for them)."""
-    proc = run([sys.executable, "-X", "importtime", HYBRIDTRAIN, *argv], timeout=120)
+    """``hybridtrain ARGV`` (or the checkout's tool that runs ARGV) run by the venv's python with -X importtime:
+    refused in one line, exit 2, and neither torch nor Horovod imported (the refusal does not wait ~5 s for them)."""
+    program = command(argv)
+    proc = run([sys.executable, "-X", "importtime", *program[program[0] == sys.executable:]], timeout=120)
     line = assert_one_error_line(proc, *needles)
     assert proc.returncode == 2, proc.stderr[-2000:]
     modules = imported_modules(proc.stderr)

@@ -16,7 +16,18 @@ import time
 
 import pytest
 import yaml
-from conftest import HYBRIDTRAIN, REPO, assert_one_error_line, env_with_venv, error_lines, needs_cluster, tiny_config
+from conftest import (
+    BENCHMARKS,
+    HYBRIDTRAIN,
+    REPO,
+    TOOLS,
+    assert_one_error_line,
+    command,
+    env_with_venv,
+    error_lines,
+    needs_cluster,
+    tiny_config,
+)
 from PIL import Image
 from test_report import write_run
 
@@ -27,7 +38,7 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare")
 
 
 def hybridtrain(*args: str, env: dict | None = None, cwd: str = REPO) -> subprocess.CompletedProcess:
-    return subprocess.run([HYBRIDTRAIN, *args], capture_output=True, text=True, timeout=120, cwd=cwd,
+    return subprocess.run(command(args), capture_output=True, text=True, timeout=120, cwd=cwd,
                           env=env or env_with_venv(1), stdin=subprocess.DEVNULL)
 
 
@@ -43,7 +54,7 @@ def left_behind() -> list[str]:
 
 def kill_when(args: list[str], ready, sig: int, timeout: float = 120) -> tuple[subprocess.Popen, str]:
     """``hybridtrain ARGS`` sent ``sig`` as soon as ``ready()``; (the process, its stderr)."""
-    proc = subprocess.Popen([HYBRIDTRAIN, *args], cwd=REPO, env=env_with_venv(2), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(command(args), cwd=REPO, env=env_with_venv(2), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
     deadline = time.monotonic() + timeout
     while not ready() and proc.poll() is None and time.monotonic() < deadline:
@@ -118,7 +129,7 @@ def test_a_command_that_would_take_the_cluster_in_use_is_one_line_naming_its_hol
     naming it, and nothing is removed; a second `cluster exec` runs beside it (one torchrun per host); once it ends,
     `cluster down` works."""
     assert hybridtrain("cluster", "up", "--hosts", "2").returncode == 0
-    holder = subprocess.Popen([HYBRIDTRAIN, "cluster", "exec", "h1", "--", "sleep", "120"], stdin=subprocess.DEVNULL,
+    holder = subprocess.Popen([*TOOLS, "cluster", "exec", "h1", "--", "sleep", "120"], stdin=subprocess.DEVNULL,
                               env=env_with_venv(1), cwd=REPO)
     try:
         deadline = time.monotonic() + 60
@@ -246,8 +257,8 @@ def test_a_read_only_file_system_and_a_dangling_link_are_called_that(tmp_path, t
     dangling.symlink_to(tmp_path / "unmounted")
     config = recipe(tmp_path, tiny_data, str(ro / "run"))
     for args, option in (([HYBRIDTRAIN, "train", "--config", config], f"run_dir {ro}/run"),
-                         ([HYBRIDTRAIN, "scale", "--np", "1", "--out", str(ro / "out")], f"--out {ro}/out"),
-                         ([HYBRIDTRAIN, "scale", "--np", "1", "--json", str(ro / "rows.json")], "--json")):
+                         ([*BENCHMARKS, "scale", "--np", "1", "--out", str(ro / "out")], f"--out {ro}/out"),
+                         ([*BENCHMARKS, "scale", "--np", "1", "--json", str(ro / "rows.json")], "--json")):
         proc = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
                                'mount -t tmpfs -o ro,size=1m tmpfs "$0" && exec "$@"', str(ro), *args],
                               capture_output=True, text=True, timeout=120, cwd=REPO, env=env_with_venv(1),
@@ -291,9 +302,13 @@ def every_option(parser: argparse.ArgumentParser, name: str):
 def test_a_bounded_option_names_its_range_not_a_list_of_its_values():
     """No option lists more than a handful of choices (argparse's error prints them all: choices=range(1, 1025)
     printed 1024 numbers); the link probe's --megabytes names its range."""
+    from benchmarks.cli import build_parser as benchmarks_parser
     from hybridtrain.cli import build_parser
+    from tools.cli import build_parser as tools_parser
     from tools.cluster.link_probe import build_parser as link_probe_parser
     long = [(name, action.option_strings) for parser, prog in ((build_parser(), "hybridtrain"),
+                                                               (benchmarks_parser(), "benchmarks"),
+                                                               (tools_parser(), "tools"),
                                                                (link_probe_parser(), "link_probe"))
             for name, action in every_option(parser, prog) if action.choices is not None and len(action.choices) > 10]
     assert long == []

@@ -19,13 +19,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import yaml
-from conftest import HYBRIDTRAIN, REPO, assert_one_error_line, run, tiny_config
+from conftest import BENCHMARKS, HYBRIDTRAIN, REPO, assert_one_error_line, run, tiny_config
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from benchmarks.cli import build_parser as benchmarks_parser
 from hybridtrain.cli import build_parser
 from hybridtrain.config import PATH_USES, Config, check_paths, config_from_dict, load_config
 from hybridtrain.errors import UserError
+from tools.cli import build_parser as tools_parser
 
 SETTINGS = dict(deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 
@@ -162,9 +164,13 @@ def test_every_count_and_size_has_an_upper_bound():
 
 # ----------------------------------------------------------------------------- the command line
 
-def subcommands(parser=None, prefix=()):
-    """(argv prefix, subparser) for every leaf subcommand, e.g. (('prepare-data', 'digits'), parser)."""
-    parser = parser or build_parser()
+# the package's command and the checkout's tools beside it, whose parsers share its option types
+PARSERS = {"hybridtrain": build_parser, "benchmarks": benchmarks_parser, "tools": tools_parser}
+
+
+def subcommands(parser, prefix):
+    """(argv prefix, subparser) for every leaf subcommand, the program first, e.g. (('hybridtrain', 'prepare-data',
+    'digits'), parser)."""
     subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
     if not subs:
         yield prefix, parser
@@ -173,7 +179,7 @@ def subcommands(parser=None, prefix=()):
         yield from subcommands(child, prefix + (name,))
 
 
-COMMANDS = dict(subcommands())
+COMMANDS = {cmd: parser for prog, build in PARSERS.items() for cmd, parser in subcommands(build(), (prog,))}
 NUMERIC = (int, float)
 
 
@@ -208,7 +214,7 @@ def option_values():
 @given(command=st.sampled_from(sorted(COMMANDS)), data=st.data())
 def test_any_option_value_parses_within_bounds_or_is_one_error_line(command, data):
     parser = COMMANDS[command]
-    argv = list(command) + required_argv(parser)
+    argv = list(command[1:]) + required_argv(parser)
     chosen = data.draw(st.lists(st.sampled_from(options(parser)), min_size=1, max_size=3))
     for action in chosen:
         if action.nargs == 0:
@@ -221,7 +227,7 @@ def test_any_option_value_parses_within_bounds_or_is_one_error_line(command, dat
     stderr = io.StringIO()
     try:
         with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
-            args = build_parser().parse_args(argv)
+            args = PARSERS[command[0]]().parse_args(argv)
     except SystemExit as exc:
         lines = stderr.getvalue().splitlines()
         assert exc.code == 2 and len(lines) == 1 and lines[0].startswith("hybridtrain: error: "), (argv, lines)
@@ -406,7 +412,7 @@ def examples(tmp_path_factory) -> dict:
         "lr-inf": [*train, str(recipe), "--set", "optim.lr=.inf"],
         "duplicate-train": [*train, str(root / "dup.yaml")],
         "empty": [*train, str(root / "empty.yaml")],
-        "bench-batch-0": [HYBRIDTRAIN, "bench", "--batch-size", "0"],
+        "bench-batch-0": [*BENCHMARKS, "bench", "--batch-size", "0"],
         "data-path-file": [*train, str(recipe), "--set", f"data.path={root / 'a-file'}"],
         "data-path-tilde": [*train, str(recipe), "--set", "data.path=~/x"],
         "run-dir-file": [*train, str(recipe), "--set", f"run_dir={root / 'a-file'}"],
@@ -448,7 +454,7 @@ def test_bench_batch_size_zero_is_one_line(examples):
     proc = examples["bench-batch-0"]
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.splitlines() == ["hybridtrain: error: --batch-size must be in [1, 65536], got 0: see "
-                                        "hybridtrain bench --help"]
+                                        "python -m benchmarks bench --help"]
 
 
 @pytest.mark.parametrize("example, needles", [

@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 from conftest import (
+    BENCHMARKS,
     HOROVODRUN,
     HYBRIDTRAIN,
     REPO,
@@ -265,7 +266,7 @@ def test_prepare_synthetic_imagenet_and_bench_data_print_a_table(tmp_path):
     made = run([HYBRIDTRAIN, "prepare-data", "synthetic-imagenet", "--out", data, "--classes", "3",
                 "--train-per-class", "8", "--val-per-class", "2", "--size", "160x120", "--workers", "1"])
     assert made.returncode == 0 and "24 train / 6 val images" in made.stdout, made.stderr
-    bench = run([HYBRIDTRAIN, "bench-data", "--backend", "torchvision", "--backend", "dali_cpu", "--data", data,
+    bench = run([*BENCHMARKS, "bench-data", "--backend", "torchvision", "--backend", "dali_cpu", "--data", data,
                  "--threads", "1", "--batch-size", "4", "--crop", "64", "--steps", "4", "--warmup", "1"])
     assert bench.returncode == 0, bench.stderr[-3000:]
     rows = [line.split("|")[1:-1] for line in bench.stdout.splitlines() if line.startswith("| ") and "backend" not in line]

@@ -1,11 +1,11 @@
-"""`hybridtrain experiment` and `plot-schedule`: real Horovod rows, tables, JSON and PNGs."""
+"""`python -m tools experiment` and `plot-schedule`: real Horovod rows, tables, JSON and PNGs."""
 from __future__ import annotations
 
 import json
 import os
 
 import pytest
-from conftest import HYBRIDTRAIN, assert_one_error_line, digits_subset, run, tiny_config
+from conftest import HYBRIDTRAIN, TOOLS, assert_one_error_line, digits_subset, run, tiny_config
 
 from hybridtrain.config import load_config
 from hybridtrain.optim.plot import schedule_series
@@ -16,7 +16,7 @@ def test_optimizers_experiment_writes_table_json_and_png(small_digits, tmp_path,
     few = digits_subset(small_digits, str(tmp_path / "few"), 8, 3)  # 80 / 30 images: four runs of 2 epochs
     cfg = write_config(tiny_config(few, str(tmp_path / "unused"), optim={"adabound_epochs": 1}))
     out = tmp_path / "exp"
-    proc = run([HYBRIDTRAIN, "experiment", "optimizers", "--config", cfg, "--out", str(out), "--target", "0.3"],
+    proc = run([*TOOLS, "experiment", "optimizers", "--config", cfg, "--out", str(out), "--target", "0.3"],
                timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads((out / "optimizers.json").read_text())
@@ -50,7 +50,7 @@ def test_lars_rows_cover_none_scale_and_clip():
 
 
 def test_unknown_experiment_is_one_line(tmp_path):
-    assert_one_error_line(run([HYBRIDTRAIN, "experiment", "nosuch", "--out", str(tmp_path)]), "unknown experiment")
+    assert_one_error_line(run([*TOOLS, "experiment", "nosuch", "--out", str(tmp_path)]), "unknown experiment")
 
 
 def test_plot_schedule_png_and_series(tmp_path):
@@ -88,11 +88,11 @@ def test_recipes_experiment_runs_the_rows_asked_for(small_digits, tmp_path, writ
     few = digits_subset(small_digits, str(tmp_path / "few"), 8, 3)  # 80 / 30 images: two rows of 1 epoch
     cfg = write_config(tiny_config(few, str(tmp_path / "unused"), train={"epochs": 1},
                                    optim={"name": "goyal", "warmup_epochs": 0}))
-    bad = run([HYBRIDTRAIN, "experiment", "recipes", "--config", cfg, "--out", str(tmp_path / "bad"), "--rows",
+    bad = run([*TOOLS, "experiment", "recipes", "--config", cfg, "--out", str(tmp_path / "bad"), "--rows",
                "goyal + progressive"])
     assert_one_error_line(bad, "experiment recipes, row 'goyal + progressive'", "data.res_start_epoch < ")
     out = tmp_path / "exp"
-    proc = run([HYBRIDTRAIN, "experiment", "recipes", "--config", cfg, "--out", str(out), "--target", "0.1",
+    proc = run([*TOOLS, "experiment", "recipes", "--config", cfg, "--out", str(out), "--target", "0.1",
                 "--rows", "goyal,mlperf + smoothing"], timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads((out / "recipes.json").read_text())

@@ -1,8 +1,8 @@
-"""`hybridtrain bench --find-max-batch`: the search (doubling, then bisection) and its CPU behaviour."""
+"""`python -m benchmarks max-batch`: the search (doubling, then bisection) and its CPU behaviour."""
 from __future__ import annotations
 
 import pytest
-from conftest import HYBRIDTRAIN, run
+from conftest import BENCHMARKS, run
 
 from benchmarks.max_batch import NEEDS_GPU, Trial, format_trials, search_max_batch
 
@@ -36,6 +36,6 @@ def test_table_marks_the_largest_batch():
 
 
 def test_on_a_cpu_it_explains_that_it_needs_a_gpu_and_exits_non_zero():
-    proc = run([HYBRIDTRAIN, "bench", "--find-max-batch", "--arch", "resnet18"])
+    proc = run([*BENCHMARKS, "max-batch", "--arch", "resnet18"])
     assert proc.returncode == 2 and "Traceback" not in proc.stderr  # it measured nothing: a script must not go on
     assert proc.stderr.strip() == f"hybridtrain: error: {NEEDS_GPU}" and proc.stdout == ""

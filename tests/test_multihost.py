@@ -1,4 +1,4 @@
-"""Real runs across hosts on one machine: ``hybridtrain cluster`` (tools/cluster/netns.py) makes three
+"""Real runs across hosts on one machine: ``python -m tools cluster`` (tools/cluster/netns.py) makes three
 network namespaces with an sshd each, joined by a bridge; ``horovodrun -H h0:1,h1:1`` launches over ssh, and the
 torch engine runs one ``torchrun`` per host with a c10d rendezvous on h0 (launch/README.md, "Try multi-node on one
 machine"); with h1's link ten times slower, the link probe names it in the run's report. Needs root, iproute2 and
@@ -13,13 +13,23 @@ import subprocess
 import time
 
 import pytest
-from conftest import HOROVODRUN, HYBRIDTRAIN, REPO, TORCHRUN, env_with_venv, needs_cluster, tiny_config
+from conftest import (
+    BENCHMARKS,
+    HOROVODRUN,
+    HYBRIDTRAIN,
+    REPO,
+    TOOLS,
+    TORCHRUN,
+    env_with_venv,
+    needs_cluster,
+    tiny_config,
+)
 
 from tools.cluster import netns as cluster
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([HYBRIDTRAIN, "cluster", *args], capture_output=True, text=True, timeout=60,
+    return subprocess.run([*TOOLS, "cluster", *args], capture_output=True, text=True, timeout=60,
                           stdin=subprocess.DEVNULL)
 
 
@@ -218,7 +228,7 @@ def test_scale_across_two_hosts_at_a_slow_link_writes_rows_where_the_fp16_wire_w
     at 250mbit, 0.75 against 1.5 s, it did once). It makes its own 2-host cluster (replacing the module's) and
     removes it, so it runs last."""
     rows_file = str(tmp_path / "rows.json")
-    proc = subprocess.run([HYBRIDTRAIN, "scale", "--config", "configs/demo.yaml", "--set", "train.batch_size=4",
+    proc = subprocess.run([*BENCHMARKS, "scale", "--config", "configs/demo.yaml", "--set", "train.batch_size=4",
                            "--cluster", "2", "--link", "100mbit", "--engine", "torch", "--compression", "fp16,none",
                            "--steps", "2", "--warmup", "1", "--out", str(tmp_path / "out"), "--json", rows_file],
                           capture_output=True, text=True, timeout=600, cwd=REPO, env=env_with_venv(2),

@@ -8,7 +8,7 @@ import time
 
 import pytest
 import yaml
-from conftest import HYBRIDTRAIN, REPO, assert_one_error_line, run, tiny_config
+from conftest import HYBRIDTRAIN, REPO, TOOLS, assert_one_error_line, command, run, tiny_config
 from PIL import Image
 
 DEMO = os.path.join(REPO, "configs", "demo.yaml")
@@ -23,7 +23,7 @@ def refused_before_work(cmd: list[str], cwd, *needles: str) -> str:
     """One line, exit 2, quickly, and nothing new in ``cwd``."""
     before = snapshot(cwd)
     start = time.monotonic()
-    proc = run([HYBRIDTRAIN, *cmd], timeout=300, cwd=str(cwd))
+    proc = run(command(cmd), timeout=300, cwd=str(cwd))
     elapsed = time.monotonic() - start
     line = assert_one_error_line(proc, *needles)
     assert proc.returncode == 2, proc.stderr
@@ -94,7 +94,7 @@ def test_outputs_are_replaced_atomically_and_a_failed_write_keeps_the_previous_f
 
 
 def test_predict_writes_its_plot_where_asked_and_leaves_no_temp_file(tmp_path):
-    proc = run([HYBRIDTRAIN, "predict", "--nodes", "1,2", "--out", "plots.png"], cwd=str(tmp_path), timeout=300)
+    proc = run([*TOOLS, "predict", "--nodes", "1,2", "--out", "plots.png"], cwd=str(tmp_path), timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert sorted(os.listdir(tmp_path)) == ["plots.png"]
     assert (tmp_path / "plots.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 from conftest import (
+    BENCHMARKS,
     HOROVODRUN,
     HYBRIDTRAIN,
     REPO,
@@ -216,7 +217,7 @@ def test_bad_precision_settings_are_one_line(sets, needle, tiny_digits, tmp_path
 
 def test_bench_runs_every_precision_and_the_baseline_prints_a_ratio(tmp_path):
     out = tmp_path / "bench.json"
-    args = [HYBRIDTRAIN, "bench", "--config", "configs/demo.yaml", "--batch-size", "4", "--image-size", "32",
+    args = [*BENCHMARKS, "bench", "--config", "configs/demo.yaml", "--batch-size", "4", "--image-size", "32",
             "--steps", "2", "--warmup", "1", "--json", str(out), "--baseline", "--profile", str(tmp_path / "prof"),
             "--set", "data.channels_last=true"]  # NHWC: the CPU's half-precision convolution backward is slow in NCHW
     for mode in ("fp64", "fp32", "mixed-fp16", "mixed-bf16", "layered", "fp16_pure"):

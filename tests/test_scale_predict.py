@@ -1,11 +1,11 @@
-"""`hybridtrain scale` on real 1- and 2-rank Horovod jobs with Horovod's timeline, and `hybridtrain predict`."""
+"""`python -m benchmarks scale` on real 1- and 2-rank Horovod jobs with Horovod's timeline, and `python -m tools predict`."""
 from __future__ import annotations
 
 import json
 import os
 
 import pytest
-from conftest import HYBRIDTRAIN, assert_one_error_line, run
+from conftest import BENCHMARKS, HYBRIDTRAIN, TOOLS, assert_one_error_line, run
 
 from benchmarks.scaling import allreduce_intervals, busy_time_us, read_timeline
 from hybridtrain.errors import UserError
@@ -19,7 +19,7 @@ SETS = ["--set", "model.arch=resnet18", "--set", "train.batch_size=4", "--set", 
 @pytest.fixture(scope="module")
 def scale_result(tmp_path_factory):
     out = tmp_path_factory.mktemp("scale")
-    proc = run([HYBRIDTRAIN, "scale", "--config", "configs/demo.yaml", *SETS, "--np", "1,2", "--steps", "4",
+    proc = run([*BENCHMARKS, "scale", "--config", "configs/demo.yaml", *SETS, "--np", "1,2", "--steps", "4",
                 "--warmup", "1", "--out", str(out)], timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out, proc
@@ -77,7 +77,7 @@ def test_timeline_parsing_takes_the_union_of_fused_allreduces(tmp_path):
 
 
 def test_scale_refuses_more_ranks_than_slots():
-    assert_one_error_line(run([HYBRIDTRAIN, "scale", "--np", str(os.cpu_count() + 1)]), "slots", "one core per rank")
+    assert_one_error_line(run([*BENCHMARKS, "scale", "--np", str(os.cpu_count() + 1)]), "slots", "one core per rank")
 
 
 def test_ranks_on_gpus_count_gpus_not_cores():
@@ -91,7 +91,7 @@ def test_ranks_on_gpus_count_gpus_not_cores():
 
 def test_predict_prints_the_table_checks_the_paper_and_plots(tmp_path):
     png = tmp_path / "p.png"
-    proc = run([HYBRIDTRAIN, "predict", "--nodes", "1,3", "--overlap", "0", "--inter-latency", "0", "--intra-latency", "0",
+    proc = run([*TOOLS, "predict", "--nodes", "1,3", "--overlap", "0", "--inter-latency", "0", "--intra-latency", "0",
                 "--out", str(png)])
     assert proc.returncode == 0, proc.stderr
     ring = ring_allreduce_time(24, RESNET50_PARAMETERS * 2, 5e9, 0.0)  # 2(N-1)/N * bytes / B
@@ -106,14 +106,14 @@ def test_predict_calibrates_on_scale_points_and_reports_the_error(tmp_path):
     points = [(n, 0.1 + 2 * (n - 1) * 1e-4 + 2 * (n - 1) / n * params * 2 / 1e9) for n in (1, 2, 4)]
     scale = tmp_path / "scale.json"
     scale.write_text(json.dumps({"rows": [{"world_size": n, "compression": "fp16", "step_time_s": t} for n, t in points]}))
-    proc = run([HYBRIDTRAIN, "predict", "--params", str(params), "--calibrate", str(scale), "--out",
+    proc = run([*TOOLS, "predict", "--params", str(params), "--calibrate", str(scale), "--out",
                 str(tmp_path / "p.png")])
     assert proc.returncode == 0, proc.stderr
     assert "compute 100.0 ms/step, effective latency 100.0 us, effective bandwidth 1.000 GB/s" in proc.stdout
     two = tmp_path / "two.json"
     two.write_text(json.dumps({"rows": [{"world_size": n, "compression": "fp16", "step_time_s": t}
                                         for n, t in points[:2]]}))
-    assert_one_error_line(run([HYBRIDTRAIN, "predict", "--calibrate", str(two)]), "three or more distinct")
+    assert_one_error_line(run([*TOOLS, "predict", "--calibrate", str(two)]), "three or more distinct")
 
 
 def test_scale_measures_a_recipe_that_loads_in_process(tmp_path):
@@ -124,7 +124,7 @@ def test_scale_measures_a_recipe_that_loads_in_process(tmp_path):
 
 
 def test_scale_refuses_what_its_synthetic_trainer_step_cannot_honour(tmp_path):
-    proc = run([HYBRIDTRAIN, "scale", "--config", "configs/demo.yaml", *SETS, "--set", "bn.per_rank_batch=random",
+    proc = run([*BENCHMARKS, "scale", "--config", "configs/demo.yaml", *SETS, "--set", "bn.per_rank_batch=random",
                 "--np", "1", "--out", str(tmp_path / "out")], timeout=300)
     assert_one_error_line(proc, "bn.per_rank_batch=random needs data.backend=torchvision")
     assert not (tmp_path / "out" / "scale.json").exists()

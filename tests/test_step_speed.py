@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import HOROVODRUN, HYBRIDTRAIN, REPO, assert_one_error_line, env_with_venv, run
+from conftest import BENCHMARKS, HOROVODRUN, HYBRIDTRAIN, REPO, assert_one_error_line, env_with_venv, run
 
 KNOBS_SCRIPT = os.path.join(REPO, "tests", "scripts", "horovod_knobs.py")
 
@@ -250,7 +250,7 @@ def test_only_launches_of_two_or_more_ranks_are_pinned_to_the_cpu(monkeypatch):
         (TORCHRUN, "--standalone", "--nproc-per-node=2", "--no-python", HYBRIDTRAIN, "train"): 2,
         (TORCHRUN, "--nproc_per_node", "4", "train.py"): 4,
         ("mpirun", "--oversubscribe", "-np", "2", "-x", "PATH", HYBRIDTRAIN, "train"): 2,
-        (HYBRIDTRAIN, "scale", "--config", "configs/demo.yaml", "--np", "1,2", "--steps", "4"): 2,
+        (*BENCHMARKS, "scale", "--config", "configs/demo.yaml", "--np", "1,2", "--steps", "4"): 2,
         (sys.executable, "-m", "benchmarks.probes.dali_epoch_boundary", "--ranks", "1,2"): 2,
         (sys.executable, "tests/scripts/horovod_hooks_one_rank.py", "out.json"): 1,
         (HYBRIDTRAIN, "train", "--config", "c.yaml", "--set", "train.batch_size=2"): 1,
@@ -307,7 +307,7 @@ def test_compiled_blocks_keep_horovods_hooks_firing_inside_the_backward():
 
 def test_bench_with_compile_runs_and_says_so(tmp_path):
     out = tmp_path / "bench.json"
-    proc = run([HYBRIDTRAIN, "bench", "--config", "configs/demo.yaml", "--batch-size", "4", "--image-size", "32",
+    proc = run([*BENCHMARKS, "bench", "--config", "configs/demo.yaml", "--batch-size", "4", "--image-size", "32",
                 "--set", "model.num_classes=10", "--set", "train.compile=true", "--steps", "2", "--warmup", "1",
                 "--json", str(out)], timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -322,7 +322,7 @@ def test_bench_times_the_whole_step_as_train_runs_it_under_horovodrun(tmp_path):
     groups were in after the timed steps, in process and in the horovodrun worker. Without --config, as gpu-check
     runs it: the worker gets the built-in defaults as a file (gpu-path-2 #3 crashed on a None in its argv)."""
     out = tmp_path / "bench.json"
-    proc = run([HYBRIDTRAIN, "bench", "--set", "model.arch=resnet18", "--batch-size", "4", "--image-size", "32",
+    proc = run([*BENCHMARKS, "bench", "--set", "model.arch=resnet18", "--batch-size", "4", "--image-size", "32",
                 "--set", "model.num_classes=10", "--steps", "2", "--warmup", "1", "--baseline", "--horovod",
                 "--threads", "1", "--phase", "sgd", "--json", str(out)], timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -338,13 +338,13 @@ def test_bench_times_the_whole_step_as_train_runs_it_under_horovodrun(tmp_path):
 
 
 def test_bench_phase_sgd_of_a_one_phase_optimizer_is_one_line():
-    proc = run([HYBRIDTRAIN, "bench", "--config", "configs/demo.yaml", "--set", "optim.name=goyal", "--phase", "sgd"])
+    proc = run([*BENCHMARKS, "bench", "--config", "configs/demo.yaml", "--set", "optim.name=goyal", "--phase", "sgd"])
     assert_one_error_line(proc, "--phase sgd times the hybrid optimizer's second phase", "optim.name=goyal")
 
 
 def test_bench_optim_times_both_phases_against_sgd(tmp_path):
     out = tmp_path / "optim.json"
-    proc = run([HYBRIDTRAIN, "bench-optim", "--set", "model.arch=resnet18", "--steps", "3", "--warmup", "1",
+    proc = run([*BENCHMARKS, "bench-optim", "--set", "model.arch=resnet18", "--steps", "3", "--warmup", "1",
                 "--threads", "1", "--json", str(out)], timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())
@@ -358,7 +358,7 @@ def test_bench_optim_times_both_phases_against_sgd(tmp_path):
 def test_compile_without_a_compiler_is_one_line():
     env = env_with_venv()
     env["CXX"] = env["CC"] = "/nonexistent/cc"
-    proc = subprocess.run([HYBRIDTRAIN, "bench", "--config", "configs/demo.yaml", "--set", "train.compile=true"],
+    proc = subprocess.run([*BENCHMARKS, "bench", "--config", "configs/demo.yaml", "--set", "train.compile=true"],
                           capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
     assert_one_error_line(proc, "train.compile=true needs", "/nonexistent/cc", "set train.compile=false")
 

@@ -1,4 +1,4 @@
-"""`hybridtrain predict --gpus`: the time-to-target model's pieces against hand-worked numbers and plain NumPy,
+"""`python -m tools predict --gpus`: the time-to-target model's pieces against hand-worked numbers and plain NumPy,
 its checks against MLPerf v4.0 and the paper, and the command line (real processes, no mocks)."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 import pytest
-from conftest import HYBRIDTRAIN, assert_one_error_line, run
+from conftest import BENCHMARKS, TOOLS, assert_one_error_line, run
 
 from tools.predict import cluster_model as cm
 from tools.predict import time_to_target as ttt
@@ -185,7 +185,7 @@ def test_tables_3_7_to_3_9_from_the_time_model():
 
 def test_predict_gpus_prints_the_rows_the_checks_the_plot_and_the_json(tmp_path):
     png, out = tmp_path / "t.png", tmp_path / "t.json"
-    proc = run([HYBRIDTRAIN, "predict", "--target-top1", "0.759", "--gpus", "8,64,512,4096,131072", "--out", str(png),
+    proc = run([*TOOLS, "predict", "--target-top1", "0.759", "--gpus", "8,64,512,4096,131072", "--out", str(png),
                 "--json", str(out)])
     assert proc.returncode == 0, proc.stderr
     data = json.loads(out.read_text())
@@ -209,7 +209,7 @@ def test_predict_gpus_takes_the_curve_from_a_bench_sweep(tmp_path):
     bench = tmp_path / "bench.json"
     bench.write_text(json.dumps(rows))
     out = tmp_path / "t.json"
-    proc = run([HYBRIDTRAIN, "predict", "--gpus", "1,8", "--throughput", str(bench), "--batch-per-gpu", "64",
+    proc = run([*TOOLS, "predict", "--gpus", "1,8", "--throughput", str(bench), "--batch-per-gpu", "64",
                 "--out", str(tmp_path / "t.png"), "--json", str(out)])
     assert proc.returncode == 0, proc.stderr
     assert "t(b) = 10 ms + b x 1 ms, b <= 128" in proc.stdout  # the baseline rows are left out
@@ -222,12 +222,12 @@ def test_predict_gpus_reads_a_real_bench_sweep(tmp_path):
     bench = tmp_path / "bench.json"
     # batches 32x apart, 5 steps each: a loaded machine (CI beside other tests) once timed 3 steps of batch 2 slower
     # than batch 32's, and predict rightly refused a step time that does not grow with the batch
-    proc = run([HYBRIDTRAIN, "bench", "--arch", "resnet18", "--image-size", "32", "--batch-size", "2", "--batch-size",
+    proc = run([*BENCHMARKS, "bench", "--arch", "resnet18", "--image-size", "32", "--batch-size", "2", "--batch-size",
                 "64", "--steps", "5", "--warmup", "2", "--threads", "1", "--json", str(bench)], timeout=600)
     assert proc.returncode == 0, proc.stderr
     measured = {r["batch_size"]: r["images_per_sec"] for r in json.loads(bench.read_text())}
     out = tmp_path / "t.json"
-    proc = run([HYBRIDTRAIN, "predict", "--gpus", "1", "--throughput", str(bench), "--out", str(tmp_path / "t.png"),
+    proc = run([*TOOLS, "predict", "--gpus", "1", "--throughput", str(bench), "--out", str(tmp_path / "t.png"),
                 "--json", str(out)])
     assert proc.returncode == 0, proc.stderr
     data = json.loads(out.read_text())
@@ -248,10 +248,10 @@ def test_predict_gpus_reads_a_real_bench_sweep(tmp_path):
     (["--gpus", "8", "--batch-per-gpu", "1000"], ["largest batch (400)"]),
 ])
 def test_predict_gpus_bad_input_is_one_line(argv, needles, tmp_path):
-    assert_one_error_line(run([HYBRIDTRAIN, "predict", *argv, "--out", str(tmp_path / "p.png")]), *needles)
+    assert_one_error_line(run([*TOOLS, "predict", *argv, "--out", str(tmp_path / "p.png")]), *needles)
 
 
-@pytest.mark.parametrize("text, needle", [("not json", "is not the JSON of 'hybridtrain bench --json'"),
+@pytest.mark.parametrize("text, needle", [("not json", "is not the JSON of 'python -m benchmarks bench --json'"),
                                           ('{"rows": 3}', "is not the JSON"),
                                           ("[]", "no rows of the trainer's step"),
                                           ('[{"loop": "trainer", "batch_size": 64, "images_per_sec": 100}]',
@@ -259,6 +259,6 @@ def test_predict_gpus_bad_input_is_one_line(argv, needles, tmp_path):
 def test_predict_gpus_refuses_a_bad_bench_file(text, needle, tmp_path):
     bad = tmp_path / "bench.json"
     bad.write_text(text)
-    line = assert_one_error_line(run([HYBRIDTRAIN, "predict", "--gpus", "8", "--throughput", str(bad), "--out",
+    line = assert_one_error_line(run([*TOOLS, "predict", "--gpus", "8", "--throughput", str(bad), "--out",
                                       str(tmp_path / "p.png")]), needle)
-    assert "hybridtrain bench" in line and not (tmp_path / "p.png").exists()
+    assert "python -m benchmarks bench" in line and not (tmp_path / "p.png").exists()

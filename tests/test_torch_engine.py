@@ -3,6 +3,7 @@ from the Horovod engine is tested here; the shared loop, checkpoints and reports
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -25,6 +26,7 @@ from conftest import (
     env_with_venv,
     error_lines,
     horovodrun,
+    import_closure,
     read_metrics,
     run,
     tiny_config,
@@ -208,17 +210,41 @@ def parity_recipe(data: str, run_dir: str) -> dict:
 
 @pytest.fixture(scope="module")
 def parity_runs(small_digits, tmp_path_factory):
-    """The same recipe (fp32, SGD) trained on 2 ranks by each engine."""
+    """The same recipe (fp32, SGD) trained on 2 ranks by each engine; each rank leaves the modules it imported from
+    the checkout in closure-<engine>-PID.json beside the run (tests/scripts/import_closure.py)."""
     runs = {}
     for engine, launch in (("torch", torchrun), ("horovod", horovodrun)):
         run_dir = tmp_path_factory.mktemp(f"parity-{engine}")
         config = run_dir / "config.yaml"
         config.write_text(yaml.safe_dump(parity_recipe(small_digits, str(run_dir / "run"))))
         args = ["train", "--config", str(config)] + (["--engine", "torch"] if engine == "torch" else [])
-        proc = launch(2, args)
+        proc = launch(2, args, program=import_closure(str(run_dir / f"closure-{engine}")))
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         runs[engine] = (str(run_dir / "run"), proc.stdout)
     return runs
+
+
+# What a train rank imports, both engines and both ranks taken together: the trainer, and nothing of the checkout's
+# beside it. A change that grows it says why (the README's "Read the code" keeps the figure).
+CLOSURE_LINES, CLOSURE_FILES = 10_700, 72
+
+
+@pytest.mark.slow
+def test_a_train_ranks_imports_are_the_package_alone_and_within_its_size(parity_runs):
+    dumps = [path for engine, (run_dir, _) in parity_runs.items()
+             for path in glob.glob(os.path.join(os.path.dirname(run_dir), f"closure-{engine}-*.json"))]
+    assert len(dumps) == 4, dumps  # 2 ranks x 2 engines
+    modules = {}
+    for path in dumps:
+        with open(path) as fh:
+            modules.update(json.load(fh))
+    package = os.path.join(REPO, "hybridtrain") + os.sep
+    assert sorted(name for name, file in modules.items() if not file.startswith(package)) == []
+    files = set(modules.values())
+    lines = sum(len(open(f, "rb").read().splitlines()) for f in files)
+    assert {"hybridtrain.distributed.horovod", "hybridtrain.distributed.torch_distributed",
+            "hybridtrain.engine.loop"} <= set(modules), sorted(modules)
+    assert len(files) <= CLOSURE_FILES and lines <= CLOSURE_LINES, (len(files), lines, sorted(modules))
 
 
 @pytest.mark.slow

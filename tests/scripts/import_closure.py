@@ -1,0 +1,26 @@
+"""import_closure.py LABEL ARGS...: ``hybridtrain ARGS`` in this process; at its exit, LABEL-PID.json maps every module
+it imported from the checkout (the package, and anything beside it) to its file. The train rank's closure test
+(tests/test_torch_engine.py) launches the ranks through it."""
+import atexit
+import json
+import os
+import sys
+
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def dump(label: str) -> None:
+    mods = {name: os.path.abspath(m.__file__) for name, m in list(sys.modules.items())
+            if name != "__main__" and getattr(m, "__file__", None)
+            and os.path.abspath(m.__file__).startswith(CHECKOUT + os.sep)}
+    path = f"{label}-{os.getpid()}.json"
+    with open(path + ".tmp", "w") as fh:
+        json.dump(mods, fh)
+    os.replace(path + ".tmp", path)
+
+
+if __name__ == "__main__":
+    sys.path.pop(0)  # as the console script: this folder's scripts are not modules of the run
+    atexit.register(dump, sys.argv[1])
+    from hybridtrain.cli import main
+    sys.exit(main(sys.argv[2:]))
