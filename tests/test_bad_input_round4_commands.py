@@ -137,7 +137,7 @@ def test_a_command_that_would_take_the_cluster_in_use_is_one_line_naming_its_hol
             assert time.monotonic() < deadline and holder.poll() is None, "cluster exec never held the cluster"
             time.sleep(0.2)
         for args in (["cluster", "down"], [*SCALE, "--out", str(tmp_path / "out")]):
-            assert_one_error_line(hybridtrain(*args), f"in use by hybridtrain cluster exec h1 (pid {holder.pid})",
+            assert_one_error_line(hybridtrain(*args), f"in use by cluster exec h1 (pid {holder.pid})",
                                   "rerun it when that has ended")
             assert sorted(cluster.namespaces()) == ["htc-h0", "htc-h1", "htc-switch"]
         assert hybridtrain("cluster", "exec", "h0", "--", "true").returncode == 0

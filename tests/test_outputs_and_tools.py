@@ -2,8 +2,11 @@
 what they created; a single-class dataset and a zero batch refused. Real ``hybridtrain`` processes."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 
 import pytest
@@ -203,3 +206,53 @@ def test_a_hung_rank_ends_the_job_with_a_line_that_says_hung_not_died():
     lines = [x for x in output.splitlines() if "hybridtrain: the job stopped because" in x]
     assert len(lines) == 1 and "a rank hung" in lines[0] and "died" not in lines[0], output[-3000:]
     assert "unexpected" not in output and elapsed < 120, output[-3000:]
+
+
+def from_the_checkout(*argv: str, cwd: str = REPO) -> subprocess.CompletedProcess:
+    """``python ARGV`` in the repository's root as the docs give it: no PYTHONPATH, the venv's python."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=300, cwd=cwd, env=env,
+                          stdin=subprocess.DEVNULL)
+
+
+def test_each_tool_beside_the_package_runs_from_the_checkout_with_its_documented_command(tmp_path):
+    """benchmarks/, tools/, install/ and the probes run as the README and docs/ give them, from a checkout's root
+    with nothing on PYTHONPATH: one real, cheap invocation of each family."""
+    for program, commands in (("benchmarks", ["bench", "max-batch", "bench-optim", "bench-data", "scale"]),
+                              ("tools", ["predict", "cluster", "experiment"])):
+        proc = from_the_checkout("-m", program, "--help")
+        assert proc.returncode == 0 and f"usage: python -m {program}" in proc.stdout, proc.stderr
+        assert all(c in proc.stdout for c in commands), proc.stdout
+    optim = from_the_checkout("-m", "benchmarks", "bench-optim", "--set", "model.arch=resnet18", "--steps", "1",
+                              "--warmup", "0", "--threads", "1", "--json", str(tmp_path / "optim.json"))
+    assert optim.returncode == 0, optim.stderr
+    assert json.load(open(tmp_path / "optim.json"))[0]["optimizer"] == "sgd-foreach"
+    predict = from_the_checkout("-m", "tools", "predict", "--nodes", "1,2", "--out", str(tmp_path / "p.png"))
+    assert predict.returncode == 0 and (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG", predict.stderr
+    probe = from_the_checkout("-m", "benchmarks.probes.hook_timing", "--help")
+    assert probe.returncode == 0 and "usage: python -m benchmarks.probes.hook_timing" in probe.stdout, probe.stderr
+    plan = from_the_checkout("-m", "install.plan", "check-torch", "2.13.0")
+    assert plan.returncode == 0 and plan.stdout.strip() == "", plan.stderr
+
+
+@pytest.mark.parametrize("argv, new", [(["bench", "--steps", "3"], "python -m benchmarks bench"),
+                                       (["bench", "--find-max-batch"], "python -m benchmarks max-batch"),
+                                       (["bench-optim"], "python -m benchmarks bench-optim"),
+                                       (["bench-data"], "python -m benchmarks bench-data"),
+                                       (["scale", "--np", "1,2"], "python -m benchmarks scale"),
+                                       (["predict", "--gpus", "8"], "python -m tools predict"),
+                                       (["cluster", "up"], "python -m tools cluster"),
+                                       (["experiment", "lars"], "python -m tools experiment")])
+def test_a_command_that_moved_beside_the_package_names_its_new_form_in_one_line(argv, new):
+    from hybridtrain.cli import moved_command
+    line = moved_command(argv)
+    assert line.startswith(f"hybridtrain: error: `{argv[0]}` runs from the checkout now") and f": {new} ..." in line
+    assert moved_command(["train", "--config", "bench"]) is None
+
+
+def test_the_old_form_of_a_moved_command_is_one_line_from_the_console_script():
+    proc = run([HYBRIDTRAIN, "predict", "--nodes", "1,2"])
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.splitlines() == ["hybridtrain: error: `predict` runs from the checkout now, beside the package: "
+                                        "python -m tools predict ... (in the repository's root; python -m tools "
+                                        "predict --help lists its options)"]

@@ -230,7 +230,7 @@ def in_use(what: str, alone: bool):
                             f"when that has ended (the cluster is one per machine: its hosts are this machine's "
                             f"network namespaces)") from None
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"hybridtrain {what} (pid {os.getpid()})".encode(), 0)
+        os.pwrite(fd, f"{what} (pid {os.getpid()})".encode(), 0)
         yield
     finally:
         os.close(fd)
