@@ -2,25 +2,27 @@
 
 One module per family of commands, each holding its parsers (``add_commands``) beside its ``cmd_`` handlers:
 ``train``, ``data`` (prepare-data, reorganise-val, check-data), ``reports`` (report, plot-schedule) and
-``gpu_check``; ``options`` holds the argparse types and the options several share. Building the parser imports no
-torch and no module a handler alone needs: every such import sits inside its handler. The benchmarks and the
-research tools run from the checkout beside the package (``python -m benchmarks``, ``python -m tools``): MOVED
-names their new form to a user who types an old one.
+``gpu_check``; ``options`` holds the argparse types and the options several share. A command loads its own
+family's module alone (a train rank parses no dataset command), ``--help`` all of them; building the parser imports
+no torch and no module a handler alone needs. The benchmarks and the research tools run from the checkout beside
+the package (``python -m benchmarks``, ``python -m tools``): MOVED names their new form to a user who types an old
+one.
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import re
 import sys
 
-from hybridtrain.cli import data, gpu_check, reports, train
 from hybridtrain.cli.train import out_of_memory_device
 from hybridtrain.errors import run_guarded
 
 __all__ = ["build_parser", "main", "out_of_memory_device", "run_guarded"]
 
-# in the order --help lists the commands
-FAMILIES = (train, data, reports, gpu_check)
+# command -> the module of its family (hybridtrain.cli.<family>), in the order --help lists them
+FAMILY_OF = {"train": "train", "prepare-data": "data", "reorganise-val": "data", "check-data": "data",
+             "report": "reports", "plot-schedule": "reports", "gpu-check": "gpu_check"}
 # commands that left the package for the checkout's tools: their form now
 MOVED = {"bench": "python -m benchmarks bench", "bench-optim": "python -m benchmarks bench-optim",
          "bench-data": "python -m benchmarks bench-data", "scale": "python -m benchmarks scale",
@@ -41,12 +43,15 @@ class Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of ``command``'s family alone, or of every command (None, or a name that is none of them: argparse
+    then lists them all)."""
     parser = Parser(prog="hybridtrain", description=__doc__.splitlines()[0].replace("The ", "", 1))
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    for family in FAMILIES:
-        family.add_commands(sub)
+    families = [FAMILY_OF[command]] if command in FAMILY_OF else dict.fromkeys(FAMILY_OF.values())
+    for family in families:
+        importlib.import_module(f"hybridtrain.cli.{family}").add_commands(sub)
     return parser
 
 
@@ -65,5 +70,5 @@ def main(argv=None) -> int:
     if line:
         sys.stderr.write(line + "\n")
         return 2
-    args = build_parser().parse_args(argv)
+    args = build_parser(argv[0] if argv else None).parse_args(argv)
     return run_guarded(lambda: args.func(args), lambda: getattr(args, "crash_log_dir", None))
