@@ -23,6 +23,15 @@ def bench_sets(args) -> list[str]:
         ["data.channels_last=true"] if args.channels_last else [])
 
 
+def show_rows(table: str, rows: list[dict], json_path: str | None) -> int:
+    """A benchmark's table, and its rows in ``json_path`` when --json asks for them."""
+    print(table)
+    if json_path is not None:
+        write_json_atomically(json_path, rows)
+        print(f"rows written to {json_path}")
+    return 0
+
+
 def cmd_bench(args) -> int:
     if args.json is not None:
         check_output_file(args.json, "--json", "bench.json")
@@ -38,11 +47,7 @@ def cmd_bench(args) -> int:
     with stopped_cleanly("its ranks ended"):  # --engine launches the whole step's ranks
         rows = bench(args.config, sets, args.precision or [], args.batch_size or [], args.steps, args.warmup,
                      args.baseline, args.profile, args.threads, engines, args.phase)
-    print(format_table(rows))
-    if args.json is not None:
-        write_json_atomically(args.json, rows)
-        print(f"rows written to {args.json}")
-    return 0
+    return show_rows(format_table(rows), rows, args.json)
 
 
 def cmd_max_batch(args) -> int:
@@ -70,11 +75,7 @@ def cmd_bench_optim(args) -> int:
     load_config(args.config, args.set + ["optim.name=hybrid"])  # bench_optimizer's config, checked before torch
     from benchmarks.optim_bench import bench_optimizer, format_table
     rows = bench_optimizer(args.config, args.set, args.steps, args.warmup, args.threads, args.fused)
-    print(format_table(rows))
-    if args.json is not None:
-        write_json_atomically(args.json, rows)
-        print(f"rows written to {args.json}")
-    return 0
+    return show_rows(format_table(rows), rows, args.json)
 
 
 def cmd_bench_data(args) -> int:
