@@ -10,9 +10,9 @@ CHECKOUT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fil
 
 
 def dump(label: str) -> None:
-    mods = {name: os.path.abspath(m.__file__) for name, m in list(sys.modules.items())
-            if name != "__main__" and getattr(m, "__file__", None)
-            and os.path.abspath(m.__file__).startswith(CHECKOUT + os.sep)}
+    files = {name: getattr(m, "__file__", None) for name, m in list(sys.modules.items())}
+    mods = {name: f for name, f in files.items()  # a real file (torch.ops names a relative one), not this script
+            if f and os.path.isabs(f) and f.startswith(CHECKOUT + os.sep) and f != os.path.abspath(__file__)}
     path = f"{label}-{os.getpid()}.json"
     with open(path + ".tmp", "w") as fh:
         json.dump(mods, fh)
