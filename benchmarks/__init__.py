@@ -1,4 +1,5 @@
-"""Benchmarks: measurements that drive the rest of hybridtrain as real processes (``bench``, ``max-batch``,
-``bench-data``, ``bench-optim``, ``scale``, and the ``python -m`` probes). May import: predict, engine, reports and
-everything below; nothing imports it except ``cli``, ``gpucheck`` (its rows' precision overrides are ``bench_sets``')
-and ``cluster`` (``scale --cluster`` runs ``scaling``'s rows across its hosts)."""
+"""The trainer's benchmarks, run from the checkout as ``python -m benchmarks bench|max-batch|bench-optim|bench-data|
+scale`` (``cli``), and the probes whose figures docs/benchmarks.md quotes (``python -m benchmarks.probes.NAME``):
+measurements that drive the trainer as real processes. May import: hybridtrain, ``tools.jobs`` and
+``tools.options``; ``cli`` also the cluster in a box (``scale --cluster``). Imported by ``tools.cluster`` (its rows
+are ``scaling``'s)."""

@@ -6,7 +6,7 @@ the system Python (no venv and no torch yet), so this module imports the standar
 facts it shares with the rank's checks (hybridtrain.hardware.checks) are in hybridtrain.hardware.gpus. A tool of
 the install, above the trainer (nothing of the package imports it).
 
-May import: hardware.gpus.
+May import: hybridtrain.hardware.gpus (standard library only, like this module).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``python -m tools cluster``: N hosts on this machine, joined by rate-limited links (a cluster in a box, issue 36).
+"""``python -m tools cluster``: N hosts on this machine, joined by rate-limited links (a cluster in a box).
 
 Each host ``h<i>`` is a network namespace ``htc-h<i>`` with one interface ``eth0`` at 10.77.0.<i+1>/24, its own
 hostname (every command run on it, and the sshd, get a UTS namespace named ``h<i>``) and an ``/etc/hosts``

@@ -4,8 +4,8 @@
   efficiency they leave;
 - ``time_to_target``: the time to a top-1 target on N GPUs, against published runs.
 
-``predict``'s run, tables and figures are the command's: ``cli/predict.py``.
+``predict``'s run, tables and figures are the command's: ``predict/cli.py``.
 
-May import: reports and everything below it. Nothing imports it except cli and cluster (``scale --cluster`` sets its
+May import: hybridtrain and tools.options. Imported by tools.cli and tools.cluster (``scale --cluster`` sets its
 measured rows beside the model's).
 """
