@@ -21,7 +21,7 @@ from PIL import Image
 
 from hybridtrain.data.images import BACKGROUND, to_rgb
 from hybridtrain.engine import checkpoint, rundir
-from hybridtrain.errors import run_guarded
+from hybridtrain.launched_by import run_guarded
 
 ROOT = Path(__file__).resolve().parents[1]
 VICTIM_TEXT = "the user's own file, outside the run"

@@ -10,7 +10,7 @@ from hybridtrain.cli.options import (
     bounded_int,
     engine_name,
 )
-from hybridtrain.outputs import check_output_dir, check_output_file, write_json_atomically
+from hybridtrain.files import check_output_dir, check_output_file, write_json_atomically
 
 BENCH_PRECISIONS = ("fp64", "fp32", "mixed-fp16", "mixed-bf16", "layered", "fp16_pure")
 

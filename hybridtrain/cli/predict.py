@@ -15,16 +15,16 @@ from dataclasses import replace
 
 from hybridtrain.cli.options import BATCH, bounded_float, bounded_int, count_list
 from hybridtrain.errors import UserError
-from hybridtrain.outputs import (
+from hybridtrain.files import (
     atomic_path,
     check_image_format,
     check_input_file,
     check_output_file,
-    markdown_table,
     write_json_atomically,
 )
 from hybridtrain.predict import cluster_model as predict
 from hybridtrain.predict import time_to_target as ttt
+from hybridtrain.reports import markdown_table
 
 GB = 1e9
 

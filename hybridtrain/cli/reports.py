@@ -5,7 +5,7 @@ import os
 import sys
 
 from hybridtrain.cli.options import RANKS, add_engine_option, add_recipe_options, bounded_float, with_engine
-from hybridtrain.outputs import check_output_dir, check_output_file, write_text_atomically
+from hybridtrain.files import check_output_dir, check_output_file, write_text_atomically
 
 
 def cmd_experiment(args) -> int:

@@ -7,7 +7,7 @@ import subprocess
 from hybridtrain.cli.options import add_recipe_options, add_timing_options, bounded_int, count_list
 from hybridtrain.distributed.engines import registered
 from hybridtrain.errors import UserError
-from hybridtrain.outputs import check_output_dir, check_output_file, write_json_atomically
+from hybridtrain.files import check_output_dir, check_output_file, write_json_atomically
 
 
 def cmd_scale(args) -> int:

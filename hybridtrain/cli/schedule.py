@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from hybridtrain.cli.options import RANKS, add_recipe_options, bounded_int
-from hybridtrain.outputs import atomic_path, check_image_format, check_output_file
+from hybridtrain.files import atomic_path, check_image_format, check_output_file
 
 
 def cmd_plot_schedule(args) -> int:

@@ -33,7 +33,7 @@ from pathlib import Path
 import psutil
 
 from hybridtrain.errors import UserError
-from hybridtrain.outputs import write_json_atomically
+from hybridtrain.files import write_json_atomically
 
 PREFIX = "htc-"
 SWITCH = PREFIX + "switch"

@@ -21,9 +21,10 @@ import sys
 from hybridtrain.cluster import netns as cluster
 from hybridtrain.distributed.launcher import venv_tool
 from hybridtrain.errors import UserError
-from hybridtrain.outputs import figure, markdown_table, save_figure, write_json_atomically, write_text_atomically
+from hybridtrain.files import figure, save_figure, write_json_atomically, write_text_atomically
 from hybridtrain.perf.scaling import available_slots, launch, measured_config
 from hybridtrain.predict.cluster_model import ClusterSpec, predict
+from hybridtrain.reports import markdown_table
 
 RDZV_PORT = 29400
 BYTES_PER_ELEMENT = {"fp16": 2, "none": 4}

@@ -24,7 +24,7 @@ from hybridtrain.data.folder import (
 )
 from hybridtrain.data.images import to_rgb
 from hybridtrain.errors import UserError
-from hybridtrain.outputs import check_input_dir, write_text_atomically
+from hybridtrain.files import check_input_dir, write_text_atomically
 
 SPLITS = ("train", "val")
 CLEAN_LIST_HINT = ("run 'hybridtrain check-data DATA --write-filelist DIR' and train with data.file_lists=DIR "

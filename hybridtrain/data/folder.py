@@ -7,7 +7,7 @@ import unicodedata
 from dataclasses import dataclass
 
 from hybridtrain.errors import UserError
-from hybridtrain.outputs import not_expanded
+from hybridtrain.files import not_expanded
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", ".ppm")
 

@@ -17,7 +17,7 @@ from hybridtrain.config import Config, save_config
 from hybridtrain.engine.metrics_file import truncate_metrics
 from hybridtrain.engine.rundir import RunDir
 from hybridtrain.engine.sinks import Board, open_sinks
-from hybridtrain.outputs import append_json_line
+from hybridtrain.files import append_json_line
 
 
 class ProgressBar:

@@ -13,7 +13,7 @@ import os
 import re
 
 from hybridtrain.errors import UserError
-from hybridtrain.outputs import write_text_atomically
+from hybridtrain.files import write_text_atomically
 
 IDS_FILE = "sinks.json"
 ID_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")  # an MLflow or W&B run id

@@ -45,12 +45,12 @@ from hybridtrain.hardware.checks import check_machine
 from hybridtrain.models import model_from_config
 from hybridtrain.optim import apply_schedule, create_optimizer, optimizer_spec
 from hybridtrain.optim.schedules import HYBRID_PHASES, hybrid_phase_start
-from hybridtrain.outputs import markdown_table
 from hybridtrain.perf.bench_sets import row_sets
 from hybridtrain.perf.host_syncs import count_host_syncs
 from hybridtrain.perf.scaling import launch, measured
 from hybridtrain.precision.policy import prepare_model, resolve_policy, set_fp32_math
 from hybridtrain.precision.scaler import create_precision
+from hybridtrain.reports import markdown_table
 
 STEPS_PER_EPOCH = 100  # what the optimizer's schedule assumes; the bench runs inside the first epoch(s)
 
