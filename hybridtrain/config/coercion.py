@@ -103,7 +103,9 @@ def _coerce(value: Any, f: dataclasses.Field, dotted: str):
     """Check a value against a field's declared type and constraints; return it typed."""
     default = default_of(f)
     meta = f.metadata
-    expected = type(default)
+    if value is None and default is None:  # left unset: resolved as the Config is made
+        return None
+    expected = meta.get("kind") or type(default)
     if expected in KINDS and (not isinstance(value, expected) or isinstance(value, bool) != (expected is bool)):
         unquoted = expected is str and (value is None or isinstance(value, (bool, int, float)))
         hint = (f" (YAML reads that unquoted value as a {type(value).__name__}: to mean the text, quote it, e.g. "

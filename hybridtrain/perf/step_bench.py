@@ -185,9 +185,9 @@ def trainer_loop(cfg, phase: str = "adabound"):
     run_step = build_train_step(model, cfg, precision, (images, labels), ema=create_ema(model, cfg.train))
     counter = {"step": hybrid_phase_start(phase, cfg.optim.adabound_epochs, STEPS_PER_EPOCH)}
 
-    def step():
+    def step(clock=None):  # clock: the time breakdown's (breakdown.StepClock), as the epoch passes it
         apply_schedule(bundle.optimizer, bundle.schedule, counter["step"])
-        run_step(bundle.optimizer, precision, [(images, labels, 1.0)])
+        run_step(bundle.optimizer, precision, [(images, labels, 1.0)], clock=clock)
         counter["step"] += 1
     return step, device, precision, bundle
 
