@@ -8,8 +8,9 @@ import sys
 from benchmarks.bench_sets import precision_sets, row_sets
 from hybridtrain.cli import Parser
 from hybridtrain.cli.options import add_recipe_options, bounded_float, bounded_int, engine_name
-from hybridtrain.errors import UserError, run_guarded
-from hybridtrain.outputs import check_output_dir, check_output_file, write_json_atomically
+from hybridtrain.errors import UserError
+from hybridtrain.files import check_output_dir, check_output_file, write_json_atomically
+from hybridtrain.launched_by import run_guarded
 from tools.jobs import stopped_cleanly
 from tools.options import BATCH, CROP, add_timing_options, count_list
 

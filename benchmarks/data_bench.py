@@ -19,7 +19,7 @@ from hybridtrain.data.loaders import create_loaders
 from hybridtrain.data.shards import is_shard_dir
 from hybridtrain.distributed.topology import Topology, cores_per_rank
 from hybridtrain.errors import UserError
-from hybridtrain.outputs import markdown_table
+from hybridtrain.reports import markdown_table
 
 
 def batches_forever(loader):

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from hybridtrain.errors import UserError
-from hybridtrain.outputs import markdown_table
+from hybridtrain.reports import markdown_table
 
 
 @dataclass

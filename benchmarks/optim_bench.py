@@ -20,7 +20,7 @@ from hybridtrain.config import load_config
 from hybridtrain.models import model_from_config
 from hybridtrain.optim import apply_schedule, create_optimizer, optimizer_spec
 from hybridtrain.optim.schedules import hybrid_phase_start
-from hybridtrain.outputs import markdown_table
+from hybridtrain.reports import markdown_table
 
 ITERS_PER_EPOCH = 100  # the schedule's epoch length: the AdaBound rows run at steps 0.., the LARS rows after T
 

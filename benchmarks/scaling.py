@@ -22,7 +22,8 @@ import numpy as np
 
 from hybridtrain.distributed.launcher import launch_command
 from hybridtrain.errors import UserError
-from hybridtrain.outputs import markdown_table, write_json_atomically
+from hybridtrain.files import write_json_atomically
+from hybridtrain.reports import markdown_table
 from tools.jobs import run_job
 
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
@@ -230,7 +231,7 @@ def format_table(rows: list[dict]) -> str:
 
 
 def plot_scale(rows: list[dict], path: str) -> str:
-    from hybridtrain.outputs import figure, save_figure
+    from hybridtrain.files import figure, save_figure
     fig = figure(10, 4)
     speed_ax, eff_ax = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
     for engine, compression in sorted({(r.get("engine", "horovod"), r["compression"]) for r in rows}):
@@ -248,6 +249,6 @@ def plot_scale(rows: list[dict], path: str) -> str:
 
 # one rank of a row: python -m benchmarks.scaling CONFIG COMPRESSION STEPS WARMUP OUT [SETS]
 if __name__ == "__main__":
-    from hybridtrain.errors import run_guarded
+    from hybridtrain.launched_by import run_guarded
     sys.exit(run_guarded(lambda: worker(sys.argv[1], sys.argv[7:], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]),
                                         sys.argv[5], sys.argv[6])))

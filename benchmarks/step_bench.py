@@ -49,9 +49,9 @@ from hybridtrain.hardware.checks import check_machine
 from hybridtrain.models import model_from_config
 from hybridtrain.optim import apply_schedule, create_optimizer, optimizer_spec
 from hybridtrain.optim.schedules import HYBRID_PHASES, hybrid_phase_start
-from hybridtrain.outputs import markdown_table
 from hybridtrain.precision.policy import prepare_model, resolve_policy, set_fp32_math
 from hybridtrain.precision.scaler import create_precision
+from hybridtrain.reports import markdown_table
 
 STEPS_PER_EPOCH = 100  # what the optimizer's schedule assumes; the bench runs inside the first epoch(s)
 
@@ -186,9 +186,9 @@ def trainer_loop(cfg, phase: str = "adabound"):
     run_step = build_train_step(model, cfg, precision, (images, labels), ema=create_ema(model, cfg.train))
     counter = {"step": hybrid_phase_start(phase, cfg.optim.adabound_epochs, STEPS_PER_EPOCH)}
 
-    def step():
+    def step(clock=None):  # clock: the time breakdown's (breakdown.StepClock), as the epoch passes it
         apply_schedule(bundle.optimizer, bundle.schedule, counter["step"])
-        run_step(bundle.optimizer, precision, [(images, labels, 1.0)])
+        run_step(bundle.optimizer, precision, [(images, labels, 1.0)], clock=clock)
         counter["step"] += 1
     return step, device, precision, bundle
 

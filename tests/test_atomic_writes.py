@@ -1,8 +1,8 @@
 """Every file the project writes is written atomically: a writer killed (SIGKILL, no cleanup) at any moment of a
 write leaves the old file or the new one, never a broken one. The writers every run, tool and record goes through
-(outputs.write_text_atomically / write_json_atomically: config.yaml, run records, tables; checkpoint.atomic_save:
-checkpoints and final_model.pt; errors.replace_file: a crash log, torchrun's error file, the refusal mark;
-outputs.append_json_line: metrics.jsonl's and the sample audit's lines, each whole or absent) are killed
+(files.write_text_atomically / write_json_atomically: config.yaml, run records, tables; checkpoint.atomic_save:
+checkpoints and final_model.pt; files.replace_file: a crash log, torchrun's error file, the refusal mark;
+files.append_json_line: metrics.jsonl's and the sample audit's lines, each whole or absent) are killed
 mid-write again and again by a real process."""
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from conftest import REPO
 WRITER = """
 import sys, torch
 from hybridtrain.engine import checkpoint
-from hybridtrain.errors import replace_file
-from hybridtrain.outputs import append_json_line, write_text_atomically
+from hybridtrain.files import replace_file
+from hybridtrain.files import append_json_line, write_text_atomically
 folder = sys.argv[1]
 texts = ["A" * 1_000_000, "B" * 1_500_000]
 tensors = [torch.zeros(300_000), torch.ones(400_000)]

@@ -21,7 +21,7 @@ from PIL import Image
 
 from hybridtrain.data.images import BACKGROUND, to_rgb
 from hybridtrain.engine import checkpoint, rundir
-from hybridtrain.errors import run_guarded
+from hybridtrain.launched_by import run_guarded
 
 ROOT = Path(__file__).resolve().parents[1]
 VICTIM_TEXT = "the user's own file, outside the run"
@@ -237,7 +237,7 @@ def test_class_names_that_differ_only_in_unicode_normalisation_are_refused(small
 
 
 def test_a_file_list_saved_by_a_spreadsheet_is_read(small_digits, tmp_path):
-    from hybridtrain.data.check import read_filelist
+    from hybridtrain.data.folder import read_filelist
     split = Path(small_digits) / "train"
     rel = [f"{cls}/{name}" for cls in ("0", "1") for name in sorted(os.listdir(split / cls))[:2]]
     lines = "".join(f"{r} {r.split('/')[0]}\r\n" for r in rel)

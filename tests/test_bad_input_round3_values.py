@@ -16,8 +16,8 @@ from conftest import HYBRIDTRAIN, assert_one_error_line, run
 from PIL import Image
 
 from hybridtrain.config import all_keys, load_config, parse_override, suggest_key
-from hybridtrain.data.check import format_report, read_filelist
-from hybridtrain.data.folder import scan_split
+from hybridtrain.data.check import format_report
+from hybridtrain.data.folder import read_filelist, scan_split
 from hybridtrain.data.prepare.flat_val import read_val_labels, reorganise_flat_val
 from hybridtrain.errors import UserError
 from hybridtrain.reports.report import load_run, report_run

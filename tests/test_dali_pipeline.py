@@ -16,8 +16,12 @@ from PIL import Image  # noqa: E402
 
 from hybridtrain.config import config_from_dict  # noqa: E402
 from hybridtrain.data import dali  # noqa: E402
-from hybridtrain.data.check import check_data, format_report, problem_count, read_filelist, write_filelist  # noqa: E402
-from hybridtrain.data.folder import scan_dataset, scan_split  # noqa: E402
+from hybridtrain.data.check import check_data, format_report, problem_count, write_filelist  # noqa: E402
+from hybridtrain.data.folder import (  # noqa: E402
+    read_filelist,  # noqa: E402
+    scan_dataset,
+    scan_split,
+)
 from hybridtrain.data.loaders import to_device  # noqa: E402
 from hybridtrain.data.prepare.flat_val import reorganise_flat_val
 from hybridtrain.data.prepare.synthetic_imagenet import prepare_synthetic_imagenet

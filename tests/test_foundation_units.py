@@ -14,7 +14,8 @@ from hybridtrain.data import sharding
 from hybridtrain.data.prepare.digits import prepare_digits, stratified_split
 from hybridtrain.errors import UserError
 from hybridtrain.models import create_model
-from hybridtrain.optim import goyal_lr, sgd_lr, step_decay_factor
+from hybridtrain.optim import goyal_lr, step_decay_factor
+from hybridtrain.optim.schedules import sgd_schedule
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -178,7 +179,10 @@ def test_goyal_warmup_and_step_decay_by_hand():
     assert goyal_lr(600, **kw) == pytest.approx(0.004)
     assert goyal_lr(800, **kw) == pytest.approx(0.0004)
     assert step_decay_factor(89, 90, [1 / 3, 2 / 3, 8 / 9], 0.1) == pytest.approx(1e-3)
-    assert sgd_lr(0, 10, 0.1, 4, 90, [1 / 3], 0.1) == pytest.approx(0.4)
+    # optim.name=sgd: Goyal's step decay without the warmup (optim.warmup_epochs is 5 here and not used): lr*N at once
+    o = load_config(None, ["optim.name=sgd", "optim.lr=0.1", "train.epochs=90"]).optim
+    assert [sgd_schedule(step, o, 4, 10, 90)["lr"] for step in (0, 299, 300, 600, 800)] == \
+        pytest.approx([0.4, 0.4, 0.04, 0.004, 0.0004])
 
 
 def test_every_config_key_is_documented_in_the_readme():

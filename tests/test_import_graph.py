@@ -110,8 +110,8 @@ FLOORS = (("tools", "tools.__main__", "tools.cli", "benchmarks.__main__", "bench
           ("hybridtrain.gpucheck",), ("hybridtrain.reports", "hybridtrain.data.prepare"),
           ("hybridtrain.engine",),
           ("hybridtrain.data", "hybridtrain.models", "hybridtrain.optim", "hybridtrain.precision"),
-          ("hybridtrain.distributed", "hybridtrain.hardware"), ("hybridtrain.config",), ("hybridtrain.outputs",),
-          ("hybridtrain.errors",), ("hybridtrain.launched_by",))
+          ("hybridtrain.distributed", "hybridtrain.hardware"), ("hybridtrain.config",), ("hybridtrain.launched_by",),
+          ("hybridtrain.files",), ("hybridtrain.errors",))
 
 
 def home(module: str) -> tuple[int, str]:
@@ -140,9 +140,10 @@ def test_imports_go_down_the_readme_chain_floor_by_floor():
     """Beside the package: the tools' commands -> cluster (the emulated cluster on one machine), experiments ->
     predict (the cluster model) -> benchmarks -> jobs, options, install (the install's plan). The package: cli ->
     gpucheck (the GPU acceptance check) -> reports, data.prepare -> engine -> data, models, optim, precision ->
-    distributed, hardware (the node checks) -> config -> outputs (whose path rules the config's path keys share) ->
-    errors -> launched_by (which launcher started this process): the training code never imports a tool, a report
-    or the command line, and the folders of one floor stay apart."""
+    distributed, hardware (the node checks) -> config -> launched_by (which launcher started this process, and the
+    guard that tells it how a command ended) -> files (every write, and the path rules the config's path keys share)
+    -> errors: the training code never imports a tool, a report or the command line, and the folders of one floor
+    stay apart."""
     graph = import_graph()
     assert {home(m)[1] for m in graph} == {p for floor in FLOORS for p in floor}  # every folder has its floor
     assert wrong_way(graph) == []
@@ -174,11 +175,11 @@ def test_the_package_imports_nothing_beside_it_and_the_tools_import_the_package(
 
 
 def test_the_top_level_holds_five_modules_the_command_line_and_the_config():
-    """The package's face and ``python -m hybridtrain``, the error policy, the output policy (paths, tables,
-    figures) and which launcher started the process are modules; the command line (cli/: one module per family of commands, on the top floor) and the
+    """The package's face and ``python -m hybridtrain``, the errors, every write (and the paths checked before it)
+    and which launcher started the process (with the guard) are modules; the command line (cli/: one module per family of commands, on the top floor) and the
     config are folders."""
     top = sorted(f for f in os.listdir(PACKAGE) if f.endswith(".py"))
-    assert top == ["__init__.py", "__main__.py", "errors.py", "launched_by.py", "outputs.py"]
+    assert top == ["__init__.py", "__main__.py", "errors.py", "files.py", "launched_by.py"]
     for folder in ("cli", "config"):
         assert os.path.isfile(os.path.join(PACKAGE, folder, "__init__.py")), folder
     assert {m for m in import_graph() if home(m)[0] == TOPS[1]} - {"hybridtrain", "hybridtrain.__main__"} == \
@@ -234,9 +235,10 @@ def test_each_engine_stays_behind_the_distributed_face():
 
 
 def test_the_readme_chain_holds_floor_by_floor():
-    """The README's chain, one rule per floor: config imports nothing of the package but itself, outputs and errors,
-    and its modules only those below them (sections <- coercion <- rules, paths <- loading <- the face); errors
-    imports only launched_by, which imports nothing; the engine imports no data backend (data/loaders is the face); data imports no precision."""
+    """The README's chain, one rule per floor: config imports nothing of the package but itself, files, errors and
+    launched_by, and its modules only those below them (sections <- coercion <- rules, paths <- loading <- the
+    face); errors imports nothing, files only errors, launched_by only those two; the engine imports no data backend
+    (data/loaders is the face); data imports no precision."""
     graph = import_graph()
     backends = {"hybridtrain.data.torchvision_loader", "hybridtrain.data.dali", "hybridtrain.data.synthetic"}
     order = ["sections", "coercion", "rules", "paths", "loading"]
@@ -244,12 +246,12 @@ def test_the_readme_chain_holds_floor_by_floor():
         if module == "hybridtrain.config" or module.startswith("hybridtrain.config."):
             inside = {i.rpartition(".")[2] for i in imports if i.startswith("hybridtrain.config.")}
             outside = imports - {f"hybridtrain.config.{m}" for m in inside}
-            assert outside <= {"hybridtrain.outputs", "hybridtrain.errors", "hybridtrain.launched_by"}, (module, outside)
+            assert outside <= {"hybridtrain.files", "hybridtrain.errors", "hybridtrain.launched_by"}, (module, outside)
             own = module.rpartition(".")[2]
             below = order[:order.index(own)] if own in order else order
             assert inside <= set(below) - ({"rules"} if own == "paths" else set()), (module, inside)
-    assert graph["hybridtrain.outputs"] <= {"hybridtrain.errors"}
-    assert graph["hybridtrain.errors"] == {"hybridtrain.launched_by"} and graph["hybridtrain.launched_by"] == set()
+    assert graph["hybridtrain.errors"] == set() and graph["hybridtrain.files"] == {"hybridtrain.errors"}
+    assert graph["hybridtrain.launched_by"] == {"hybridtrain.errors", "hybridtrain.files"}
     assert [(m, i) for m, imports in graph.items() if m.startswith("hybridtrain.engine.")
             for i in imports if i in backends] == []
     assert [(m, i) for m, imports in graph.items() if m.startswith("hybridtrain.data.")

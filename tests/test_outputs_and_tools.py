@@ -83,7 +83,7 @@ def test_an_output_file_that_is_a_folder_or_an_unexpanded_tilde_is_one_line(tmp_
 
 
 def test_outputs_are_replaced_atomically_and_a_failed_write_keeps_the_previous_file(tmp_path):
-    from hybridtrain.outputs import atomic_path, write_json_atomically
+    from hybridtrain.files import atomic_path, write_json_atomically
     target = tmp_path / "rows.json"
     target.write_text("previous\n")
     with pytest.raises(RuntimeError):

@@ -52,7 +52,10 @@ def test_label_smoothing_defaults_to_mlperfs_and_bad_values_are_one_line():
     assert load_config(None, ["optim.name=mlperf", "train.epochs=10", "train.label_smoothing=0"]).train.label_smoothing \
         == 0.0
     assert load_config(None, []).train.label_smoothing == 0.0
-    for bad, needle in (("train.label_smoothing=-0.5", "[0, 1), or -1"), ("train.label_smoothing=1", "[-1.0, 1.0)"),
+    assert load_config(None, ["optim.name=mlperf", "train.epochs=10", "train.label_smoothing=null"]).train \
+        .label_smoothing == 0.1  # unset, as in a recipe that writes the key without a value
+    for bad, needle in (("train.label_smoothing=-0.5", "[0.0, 1.0)"), ("train.label_smoothing=1", "[0.0, 1.0)"),
+                        ("train.label_smoothing=-1", "[0.0, 1.0)"),
                         ("train.final_weights=ema", "train.ema_decay"), ("train.ema_decay=1", "[0.0, 1.0)"),
                         ("optim.schedule=cosine", "goyal or sgd")):
         with pytest.raises(UserError, match=re.escape(needle)) as caught:

@@ -155,7 +155,7 @@ def test_every_decoder_failure_is_an_unreadable_image(tmp_path, content):
 
 
 def test_without_a_terminal_progress_is_a_plain_line_at_an_interval(capsys):
-    from hybridtrain.engine.records import ProgressBar
+    from hybridtrain.engine.sinks import ProgressBar
     bar = ProgressBar(total=10, epoch=0, epochs=3, world_size=2, interval_s=0.0)
     for step in range(1, 11):
         bar.update(torch.tensor(2.0 * step), torch.tensor(4.0 * step), step)

@@ -7,10 +7,16 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 
+import torch
 from conftest import BIN, HOROVODRUN, REPO, TORCHRUN, digits_subset, env_with_venv, read_metrics, tiny_config
 
-from hybridtrain.engine.breakdown import PARTS, STARTUP_PARTS
+from hybridtrain.config import load_config
+from hybridtrain.distributed.engines import with_step_contract
+from hybridtrain.engine.breakdown import PARTS, STARTUP_PARTS, StepClock
+from hybridtrain.engine.step import EagerStep, train_step
+from hybridtrain.precision.scaler import create_precision
 
 SLOWED = os.path.join(REPO, "tests", "scripts", "slowed_train.py")
 PYTHON = os.path.join(BIN, "python")
@@ -41,6 +47,35 @@ def checked_record(run_dir: str, dominant: str) -> dict:
     assert f"Dominant: **{dominant}**" in open(os.path.join(run_dir, "report.md")).read()
     assert open(os.path.join(run_dir, "breakdown.png"), "rb").read(4) == b"\x89PNG"
     return record
+
+
+def test_the_step_marks_the_engines_synchronize_as_communication():
+    """train_step marks the engine's synchronize(), the wait for the all-reduce that the backward left, for the
+    epoch's clock: a synchronize() that takes 0.2 s (here the whole of a job of one's wait, standing for Horovod's)
+    adds 0.2 s per step to communication, and nothing to compute or the optimizer's step."""
+    model = torch.nn.Linear(4, 3)
+    optimizer = with_step_contract(torch.optim.SGD(model.parameters(), lr=0.1))
+    waits = []
+
+    def synchronize():
+        time.sleep(0.2)
+        waits.append(time.perf_counter())
+    optimizer.synchronize = synchronize
+    precision = create_precision(load_config(None, ["precision.mode=fp32"]).precision)
+    clock, step = StepClock(torch.device("cpu")), EagerStep(model)
+    batch = [(torch.randn(8, 4), torch.randint(0, 3, (8,)), 1.0)]
+    train_step(step, optimizer, precision, batch)  # autograd's first pass, untimed
+    waits.clear()
+    for _ in range(3):
+        clock.mark("begin")
+        batch = [(torch.randn(8, 4), torch.randint(0, 3, (8,)), 1.0)]
+        clock.mark("drawn")
+        assert train_step(step, optimizer, precision, batch, clock=clock).stepped
+        clock.mark("end")
+    parts = clock.totals()
+    assert len(waits) == 3
+    assert 0.6 <= parts["communication"] < 0.6 + 0.5, parts  # the three waits, and little else
+    assert parts["compute"] < 0.6 and parts["optimizer"] < 0.6, parts  # neither holds the waits
 
 
 def test_a_slow_loader_is_named_input_and_the_first_step_is_split(small_digits, tmp_path, write_config):

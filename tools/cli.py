@@ -15,8 +15,9 @@ from hybridtrain.cli.options import (
     bounded_int,
     with_engine,
 )
-from hybridtrain.errors import UserError, run_guarded
-from hybridtrain.outputs import check_output_dir
+from hybridtrain.errors import UserError
+from hybridtrain.files import check_output_dir
+from hybridtrain.launched_by import run_guarded
 from tools.jobs import stopped_cleanly
 
 

@@ -12,7 +12,8 @@ import re
 from hybridtrain.config import load_config
 from hybridtrain.distributed.launcher import launch_command, resolve_engine, venv_tool
 from hybridtrain.errors import UserError
-from hybridtrain.outputs import figure, markdown_table, save_figure, write_json_atomically, write_text_atomically
+from hybridtrain.files import figure, save_figure, write_json_atomically, write_text_atomically
+from hybridtrain.reports import markdown_table
 from hybridtrain.reports.paper_metrics import convergence_epoch
 from hybridtrain.reports.report import load_run
 from tools.jobs import run_job

@@ -24,14 +24,13 @@ def breakdown_cost(config: str | None, sets: list[str], steps: int, warmup: int,
         torch.set_num_threads(threads)
     cfg = load_config(config, sets)
     with job_of_one():
-        step, device, _, bundle = trainer_loop(cfg)
-        clock = StepClock(device)
-        clock.attach(bundle.optimizer, None, in_backward=False)  # a job of one reduces nothing in the backward
+        step, device, _, _ = trainer_loop(cfg)
+        clock = StepClock(device)  # not attached: a job of one reduces nothing in the backward
 
         def marked():
             clock.mark("begin")
             clock.mark("drawn")  # the bench's batch is on the device already
-            step()
+            step(clock)
             clock.mark("end")
         for _ in range(max(1, warmup)):
             step()
@@ -40,7 +39,6 @@ def breakdown_cost(config: str | None, sets: list[str], steps: int, warmup: int,
         times = alternated_steps({"off": step, "on": marked}, steps, device)
         syncs = {label: count_host_syncs(fn, device) for label, fn in (("off", step), ("on", marked))}
         parts = clock.totals()
-        clock.detach()
     off, on = (1000 * statistics.median(times[label]) for label in ("off", "on"))
     return {"device": str(device), "steps": steps, "off_ms": off, "on_ms": on, "ratio": on / off,
             "host_syncs_off": syncs["off"], "host_syncs_on": syncs["on"], "parts_s": parts}

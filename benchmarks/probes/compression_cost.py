@@ -11,7 +11,7 @@ import timeit
 
 import torch
 
-from hybridtrain.outputs import markdown_table
+from hybridtrain.reports import markdown_table
 
 
 def best_ms(fn, repeats: int) -> float:

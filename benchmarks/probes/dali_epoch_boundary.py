@@ -13,7 +13,7 @@ from itertools import cycle, islice
 
 from hybridtrain.data.dali import DaliLoader, GraphSpec, require_dali
 from hybridtrain.data.folder import ImageList, scan_split
-from hybridtrain.outputs import markdown_table
+from hybridtrain.reports import markdown_table
 
 BATCH = 32
 

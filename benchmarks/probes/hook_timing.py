@@ -16,7 +16,7 @@ import torch
 
 from hybridtrain.engine.step import classification_loss, compiled_forward
 from hybridtrain.models import create_model
-from hybridtrain.outputs import markdown_table
+from hybridtrain.reports import markdown_table
 
 
 class GradientHooks:

@@ -16,7 +16,7 @@ import re
 import sys
 
 from hybridtrain.cli.train import out_of_memory_device
-from hybridtrain.errors import run_guarded
+from hybridtrain.launched_by import run_guarded
 
 __all__ = ["build_parser", "main", "out_of_memory_device", "run_guarded"]
 

@@ -7,7 +7,7 @@ import sys
 
 from hybridtrain.cli.options import SEED, WORKERS, bounded_float, bounded_int
 from hybridtrain.errors import UserError
-from hybridtrain.outputs import check_output_dir, check_output_file, refuse_dangling, write_json_atomically
+from hybridtrain.files import check_output_dir, check_output_file, refuse_dangling, write_json_atomically
 
 
 def cmd_prepare_split(args) -> int:

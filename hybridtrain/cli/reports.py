@@ -6,7 +6,7 @@ import os
 import sys
 
 from hybridtrain.cli.options import RANKS, add_recipe_options, bounded_float, bounded_int
-from hybridtrain.outputs import atomic_path, check_image_format, check_output_file, write_text_atomically
+from hybridtrain.files import atomic_path, check_image_format, check_output_file, write_text_atomically
 
 
 def cmd_report(args) -> int:

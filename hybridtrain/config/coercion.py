@@ -3,6 +3,7 @@ an unknown key refused with the key it was meant to be, and values shown short i
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import reprlib
 from typing import Any
@@ -21,19 +22,6 @@ def printable(text: str) -> str:
     return text if text.isprintable() else show(text)
 
 
-def edit_distance(a: str, b: str) -> int:
-    """Optimal-string-alignment distance: insertions, deletions, substitutions and swaps of neighbours, each 1."""
-    rows = [list(range(len(b) + 1))]
-    for i, ca in enumerate(a, 1):
-        row = [i]
-        for j, cb in enumerate(b, 1):
-            row.append(min(rows[-1][j] + 1, row[j - 1] + 1, rows[-1][j - 1] + (ca != cb)))
-            if i > 1 and j > 1 and ca == b[j - 2] and a[i - 2] == cb:
-                row[j] = min(row[j], rows[-2][j - 2] + 1)
-        rows.append(row)
-    return rows[-1][-1]
-
-
 def all_keys(cls=None, prefix: str = "") -> list[str]:
     """Every dotted key of the config, sections included (``train``, ``train.epochs``, ...)."""
     keys = []
@@ -45,50 +33,32 @@ def all_keys(cls=None, prefix: str = "") -> list[str]:
     return keys
 
 
-def _unique_nearest(key: str, names: list[str]) -> str | None:
-    """The one name within typo distance of ``key`` (1 below 5 letters, 2 below 10, else 3) and nearer than every
-    other, else None."""
-    limit = 1 if len(key) < 5 else 2 if len(key) < 10 else 3
-    ranked = sorted((edit_distance(key, n), n) for n in names)
-    if not ranked or ranked[0][0] > limit or (len(ranked) > 1 and ranked[1][0] == ranked[0][0]):
-        return None
-    return ranked[0][1]
-
-
-def _shortened(key: str, names: list[str]) -> str | None:
-    """The one name whose words start with the words of ``key`` in order (``crop`` -> ``crop_size``, ``accum_steps``
-    -> ``accumulation_steps``, ``classes`` -> ``num_classes``), else None."""
-    def fits(name):
-        words = iter(name.split("_"))
-        return all(any(w.startswith(part) for w in words) for part in key.split("_"))
-    found = [n for n in names if n != key and fits(n)]
-    if len(found) > 1:  # crop: crop_size rather than min_crop_area
-        found = [n for n in found if n.startswith(key.split("_")[0])]
-    return found[0] if len(found) == 1 else None
+def _nearest(key: str, names: list[str], cutoff: float = 0.6) -> str | None:
+    """The name difflib finds nearest to ``key`` (similarity at least ``cutoff``) when no other is as near, else None:
+    a tie is no clear meaning. 0.6 takes a typo and a shortened name (``crop`` -> ``crop_size``, ``accum_steps`` ->
+    ``accumulation_steps``, ``classes`` -> ``num_classes``)."""
+    found = difflib.get_close_matches(key, names, n=2, cutoff=cutoff)
+    ratios = [difflib.SequenceMatcher(None, key, name).ratio() for name in found]
+    return found[0] if found and (len(found) == 1 or ratios[0] > ratios[1]) else None
 
 
 def suggest_key(dotted: str) -> str | None:
-    """The key that an unknown dotted key was meant to be: a near spelling in its section; else the same or a near
-    name in another section (``data.batch_size`` -> ``train.batch_size``, not ``data.val_batch_size``); else the one
-    key of its section that it shortens; else a name one letter off in another section. None when no key is clearly
-    meant: a wrong guess would set another key."""
+    """The key that an unknown dotted key was meant to be: the same name in another section (``data.batch_size`` ->
+    ``train.batch_size``, not ``data.val_batch_size``); else a near or shortened name in its section; else a name a
+    letter off in another section. None when no key is clearly meant: a wrong guess would set another key."""
     section, _, key = dotted.rpartition(".")
     keys = all_keys()
-    here = [k.rpartition(".")[2] for k in keys if k.rpartition(".")[0] == section]
-    near = _unique_nearest(key, here)
-    if near is not None:
-        return f"{section}.{near}" if section else near
     sections = {k.rpartition(".")[0] for k in keys}
     elsewhere = [k for k in keys if k.rpartition(".")[0] != section and k not in sections]  # keys, not sections
     same = [k for k in elsewhere if k.rpartition(".")[2] == key]
     if len(same) == 1:
         return same[0]
-    short = _shortened(key, here)
-    if short is not None:
-        return f"{section}.{short}" if section else short
-    near = _unique_nearest(key, [k.rpartition(".")[2] for k in elsewhere]) if len(key) >= 5 else None
+    near = _nearest(key, [k.rpartition(".")[2] for k in keys if k.rpartition(".")[0] == section])
+    if near is not None:
+        return f"{section}.{near}" if section else near
+    near = _nearest(key, [k.rpartition(".")[2] for k in elsewhere], cutoff=0.9) if len(key) >= 5 else None
     found = [k for k in elsewhere if k.rpartition(".")[2] == near]
-    return found[0] if not same and len(found) == 1 and edit_distance(key, near) == 1 else None
+    return found[0] if not same and len(found) == 1 else None
 
 
 def default_of(f: dataclasses.Field):
@@ -103,7 +73,9 @@ def _coerce(value: Any, f: dataclasses.Field, dotted: str):
     """Check a value against a field's declared type and constraints; return it typed."""
     default = default_of(f)
     meta = f.metadata
-    expected = type(default)
+    if value is None and default is None:  # left unset: resolved as the Config is made
+        return None
+    expected = meta.get("kind") or type(default)
     if expected in KINDS and (not isinstance(value, expected) or isinstance(value, bool) != (expected is bool)):
         unquoted = expected is str and (value is None or isinstance(value, (bool, int, float)))
         hint = (f" (YAML reads that unquoted value as a {type(value).__name__}: to mean the text, quote it, e.g. "

@@ -16,8 +16,8 @@ from hybridtrain.config.paths import check_paths, not_dangling
 from hybridtrain.config.rules import validate
 from hybridtrain.config.sections import Config
 from hybridtrain.errors import UserError
+from hybridtrain.files import write_text_atomically
 from hybridtrain.launched_by import launcher_rank
-from hybridtrain.outputs import write_text_atomically
 
 
 class DuplicateKey(yaml.YAMLError):

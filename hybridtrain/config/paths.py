@@ -7,7 +7,7 @@ import os
 from hybridtrain.config.coercion import show
 from hybridtrain.config.sections import Config
 from hybridtrain.errors import UserError, dangling_link
-from hybridtrain.outputs import nearest_existing, not_expanded, not_writable
+from hybridtrain.files import nearest_existing, not_expanded, not_writable
 
 # Which path keys each command uses: "data" (data.path, data.file_lists: read), "run_dir" (written),
 # "horovod" (horovod.autotune_log: written by Horovod's rank 0).

@@ -138,12 +138,9 @@ def validate_progressive(cfg: Config) -> None:
 
 
 def validate_recipe(cfg: Config) -> None:
-    """Issue 45's options: train.label_smoothing (its -1, the optimizer's default, is resolved as the Config is
-    made: Config.__post_init__), the EMA's and the schedule's choices."""
+    """The recipes' options: the EMA's and the schedule's choices (train.label_smoothing's range is its key's, its
+    default resolved as the Config is made: Config.__post_init__)."""
     t, o = cfg.train, cfg.optim
-    if t.label_smoothing < 0:
-        raise UserError(f"config error: train.label_smoothing must be in [0, 1), or -1 for the optimizer's default; "
-                        f"got {show(t.label_smoothing)}")
     if t.final_weights == "ema" and t.ema_decay == 0:
         raise UserError("config error: train.final_weights=ema needs an EMA of the weights: set train.ema_decay "
                         "(e.g. 0.999), or train.final_weights=raw")

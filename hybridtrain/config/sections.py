@@ -14,10 +14,12 @@ def choice(default, choices, doc=""):
     return field(default=default, metadata={"choices": tuple(choices), "doc": doc})
 
 
-def number(default, lo=None, hi=None, lo_open=False, hi_open=False, doc=""):
+def number(default, lo=None, hi=None, lo_open=False, hi_open=False, doc="", kind=None):
     """An int or float key in [lo, hi] (open ends with lo_open/hi_open). Floats are finite: NaN and +-inf are refused
-    for every key (no key gives infinity a meaning), so a bound left out means any finite value."""
-    return field(default=default, metadata={"lo": lo, "hi": hi, "lo_open": lo_open, "hi_open": hi_open, "doc": doc})
+    for every key (no key gives infinity a meaning), so a bound left out means any finite value. ``kind``: the type
+    of a key whose default is None (resolved from other keys as the Config is made: ``Config.__post_init__``)."""
+    return field(default=default, metadata={"lo": lo, "hi": hi, "lo_open": lo_open, "hi_open": hi_open, "doc": doc,
+                                            "kind": kind})
 
 
 def numbers(default, lo=None, hi=None, lo_open=False, hi_open=False, length=None, increasing=False, doc=""):
@@ -138,11 +140,12 @@ class TrainConfig:
     device: str = choice("auto", ["auto", "cuda", "cpu"],
                          "auto: each rank's own GPU when CUDA works, else the CPU; cuda: a GPU or one error line "
                          "saying why not; cpu: the CPU even on a GPU host")
-    # issue 45: the recipes' options (docs/experiments.md)
-    label_smoothing: float = number(-1.0, lo=-1.0, hi=1.0, hi_open=True,
-                                    doc="label smoothing e of the FP32 softmax cross-entropy (target (1-e) on the "
-                                        "label + e/classes on every class), in [0, 1); -1 = the optimizer's "
-                                        "default: 0.1 for optim.name=mlperf, else 0 (the resolved value is saved)")
+    # the recipes' options (docs/experiments.md)
+    label_smoothing: float | None = number(None, lo=0.0, hi=1.0, hi_open=True, kind=float,
+                                           doc="label smoothing e of the FP32 softmax cross-entropy (target (1-e) on "
+                                               "the label + e/classes on every class), in [0, 1); unset (null) = the "
+                                               "optimizer's default: 0.1 for optim.name=mlperf, else 0 (the resolved "
+                                               "value is saved)")
     ema_decay: float = number(0.0, lo=0.0, hi=1.0, hi_open=True,
                               doc="exponential moving average of the weights and BN buffers after every applied "
                                   "step, decay min(d, (1+n)/(10+n)) at its n-th update; validated beside the raw "
@@ -352,9 +355,9 @@ class Config:
     sinks: SinksConfig = field(default_factory=SinksConfig)
 
     def __post_init__(self):
-        """train.label_smoothing's -1 resolved to the optimizer's default (DEFAULT_LABEL_SMOOTHING, else 0) as the
-        config is made, so its saved config.yaml, its fingerprint and the report hold the value used."""
-        if self.train.label_smoothing == -1.0:
+        """train.label_smoothing left unset resolved to the optimizer's default (DEFAULT_LABEL_SMOOTHING, else 0) as
+        the config is made, so its saved config.yaml, its fingerprint, the report and the step hold the value used."""
+        if self.train.label_smoothing is None:
             self.train.label_smoothing = DEFAULT_LABEL_SMOOTHING.get(self.optim.name, 0.0)
 
     def to_dict(self) -> dict:

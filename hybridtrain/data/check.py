@@ -3,7 +3,7 @@
 The report (a JSON-ready dict) holds, per split: the class folders with their count of readable images,
 the readable samples as (path relative to the split folder, label), the corrupt or unreadable images with
 the decoder's message, and the files that are not images. ``write_filelist`` turns it into a clean file
-list (``class/file label`` per line, the format of DALI's ``file_list``), and ``read_filelist`` reads one
+list (``class/file label`` per line, the format of DALI's ``file_list``), which ``folder.read_filelist`` reads
 back as an :class:`ImageList` for either backend. Labels are the class folder's position in sorted order,
 as in ``folder.scan_split``.
 """
@@ -12,34 +12,15 @@ from __future__ import annotations
 import multiprocessing
 import os
 
-from PIL import Image
 from tqdm import tqdm
 
-from hybridtrain.data.folder import (
-    ImageList,
-    is_image_file,
-    read_text_lines,
-    refuse_lookalike_names,
-    require_two_classes,
-)
-from hybridtrain.data.images import to_rgb
+from hybridtrain.data.folder import is_image_file, refuse_lookalike_names
+from hybridtrain.data.images import decode_error
 from hybridtrain.errors import UserError
-from hybridtrain.outputs import check_input_dir, write_text_atomically
+from hybridtrain.files import check_input_dir, write_text_atomically
 
 SPLITS = ("train", "val")
-CLEAN_LIST_HINT = ("run 'hybridtrain check-data DATA --write-filelist DIR' and train with data.file_lists=DIR "
-                   "(or move the file out of the dataset)")
 FULL_TABLE_MAX_CLASSES = 20
-
-
-def decode_error(path: str) -> str | None:
-    """None when the image decodes completely, else the decoder's complaint."""
-    try:
-        with Image.open(path) as img:
-            to_rgb(img)
-    except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError, DecompressionBombError...
-        return f"{type(exc).__name__}: {exc}"
-    return None
 
 
 def list_split(split_dir: str) -> tuple[list[str], list[tuple[str, int]], list[str]]:
@@ -140,22 +121,3 @@ def write_filelist(report: dict, split: str, path: str) -> int:
     samples = report["splits"][split]["samples"]
     write_text_atomically(path, "".join(f"{rel} {label}\n" for rel, label in samples))
     return len(samples)
-
-
-def read_filelist(split_dir: str, path: str) -> ImageList:
-    """An ImageList from a file list written by ``write_filelist`` for ``split_dir``; checks it still fits."""
-    classes = sorted(d for d in os.listdir(split_dir) if os.path.isdir(os.path.join(split_dir, d)))
-    label_of = {name: label for label, name in enumerate(classes)}
-    samples = []
-    for n, line in enumerate(read_text_lines(path), 1):  # a spreadsheet's BOM and CRLF too
-        if not line.strip():
-            continue
-        rel, _, label = line.rpartition(" ")
-        folder = rel.split("/", 1)[0]
-        if not label.isdigit() or label_of.get(folder) != int(label):
-            data_root = os.path.dirname(os.path.normpath(split_dir))
-            raise UserError(f"file list {path} line {n} does not match the class folders of {split_dir}: "
-                            f"run 'hybridtrain check-data {data_root} --write-filelist "
-                            f"{os.path.dirname(path) or '.'}' again")
-        samples.append((os.path.join(split_dir, rel), int(label)))
-    return require_two_classes(ImageList(split_dir, classes, samples, []))

@@ -51,8 +51,8 @@ import numpy as np
 import torch
 
 from hybridtrain.data import sharding
-from hybridtrain.data.check import CLEAN_LIST_HINT, decode_error
-from hybridtrain.data.folder import ImageList
+from hybridtrain.data.folder import CLEAN_LIST_HINT, ImageList
+from hybridtrain.data.images import decode_error
 from hybridtrain.data.presets import IMAGENET_MEAN, IMAGENET_STD
 from hybridtrain.data.resolution import resolutions
 from hybridtrain.distributed.topology import cores_per_rank

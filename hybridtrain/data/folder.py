@@ -7,8 +7,10 @@ import unicodedata
 from dataclasses import dataclass
 
 from hybridtrain.errors import UserError
-from hybridtrain.outputs import not_expanded
+from hybridtrain.files import not_expanded
 
+CLEAN_LIST_HINT = ("run 'hybridtrain check-data DATA --write-filelist DIR' and train with data.file_lists=DIR "
+                   "(or move the file out of the dataset)")
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", ".ppm")
 
 
@@ -168,3 +170,23 @@ class UnreadableImage:
     """Stands in for a batch that holds an image the decoder rejected."""
     path: str
     error: str
+
+
+def read_filelist(split_dir: str, path: str) -> ImageList:
+    """An ImageList from a file list that check-data wrote (``check.write_filelist``) for ``split_dir``; checks that
+    it still fits the class folders."""
+    classes = sorted(d for d in os.listdir(split_dir) if os.path.isdir(os.path.join(split_dir, d)))
+    label_of = {name: label for label, name in enumerate(classes)}
+    samples = []
+    for n, line in enumerate(read_text_lines(path), 1):  # a spreadsheet's BOM and CRLF too
+        if not line.strip():
+            continue
+        rel, _, label = line.rpartition(" ")
+        folder = rel.split("/", 1)[0]
+        if not label.isdigit() or label_of.get(folder) != int(label):
+            data_root = os.path.dirname(os.path.normpath(split_dir))
+            raise UserError(f"file list {path} line {n} does not match the class folders of {split_dir}: "
+                            f"run 'hybridtrain check-data {data_root} --write-filelist "
+                            f"{os.path.dirname(path) or '.'}' again")
+        samples.append((os.path.join(split_dir, rel), int(label)))
+    return require_two_classes(ImageList(split_dir, classes, samples, []))

@@ -62,3 +62,13 @@ def _cmyk_to_rgb(img: Image.Image) -> Image.Image:
         except (ImageCms.PyCMSError, OSError, ValueError):
             pass  # a damaged profile: the formula below, as without one
     return img.convert("RGB")
+
+
+def decode_error(path: str) -> str | None:
+    """None when the image decodes completely, else the decoder's complaint."""
+    try:
+        with Image.open(path) as img:
+            to_rgb(img)
+    except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError, DecompressionBombError...
+        return f"{type(exc).__name__}: {exc}"
+    return None

@@ -16,8 +16,7 @@ from typing import Iterator, Protocol
 import torch
 
 from hybridtrain.data import dali, sharding
-from hybridtrain.data.check import CLEAN_LIST_HINT, read_filelist
-from hybridtrain.data.folder import ImageList, UnreadableImage, scan_dataset
+from hybridtrain.data.folder import CLEAN_LIST_HINT, ImageList, UnreadableImage, read_filelist, scan_dataset
 from hybridtrain.data.presets import IMAGENET_MEAN, IMAGENET_STD
 from hybridtrain.data.shards import ShardImages, is_shard_dir, scan_shards
 from hybridtrain.data.synthetic import SyntheticLoader

@@ -8,11 +8,11 @@ What each part is (per rank; the epoch's record holds the mean over the ranks an
   the epoch's first batch, its workers' start-up, included);
 - ``compute``: forward and backward of the step's passes, less the communication inside the backward (below);
 - ``communication``: the wait for the gradient all-reduce that the backward did not hide. Horovod: the time in the
-  wrapped optimizer's ``synchronize()`` (its hooks start the all-reduces during the backward; ``synchronize()``
-  waits for what is left). DDP (the torch engine): the time from the moment the first parameter's gradient is
-  computed, the backward's last (the stem's convolution: the backward runs from the classifier back to it), to the
-  end of ``backward()``, which DDP holds until every bucket is all-reduced. A rank whose peers are slower waits here
-  too: a straggler shows as its peers' communication;
+  wrapped optimizer's ``synchronize()``, which ``step.train_step`` calls and marks (its hooks start the all-reduces
+  during the backward; ``synchronize()`` waits for what is left). DDP (the torch engine): the time from the moment
+  the first parameter's gradient is computed, the backward's last (the stem's convolution: the backward runs from
+  the classifier back to it), to the end of ``backward()``, which DDP holds until every bucket is all-reduced. A
+  rank whose peers are slower waits here too: a straggler shows as its peers' communication;
 - ``optimizer``: the rest of the update (unscale and the finite check, the optimizer's step);
 - ``validation``, ``checkpoint``: the end-of-epoch validation and the checkpoint's write (rank 0 writes, the other
   ranks wait for it in validation's all-reduce);
@@ -36,16 +36,15 @@ PARTS = (*STEP_PARTS, "validation", "checkpoint", "other")
 LABELS = {"input": "waiting for input", "compute": "forward + backward", "communication": "exposed communication",
           "optimizer": "optimizer step", "validation": "validation", "checkpoint": "checkpointing", "other": "other"}
 
-# the step's marks, in order: begin (the step starts), drawn (its batches on the device), sync_begin (the passes
-# done: the scaler's step calls synchronize() first), sync_end (synchronize() returned), end (the update done);
-# grad_ready: the first parameter's gradient (DDP)
+# the step's marks, in order: begin (the step starts), drawn (its batches on the device), sync_begin and sync_end
+# (around the engine's synchronize(), marked by step.train_step), end (the update done); grad_ready: the first
+# parameter's gradient (DDP)
 
 
 class StepClock:
-    """One epoch's step marks for one rank (see the module doc). ``attach(optimizer, model, in_backward)`` times
-    ``synchronize()`` (its start is the end of the step's backward passes) and, when the engine reduces in the
-    backward, marks the first parameter's gradient; ``detach()`` undoes it; ``mark(name)`` the rest; ``totals()`` the
-    seconds per part, read once."""
+    """One epoch's step marks for one rank (see the module doc): ``mark(name)`` from the epoch and the step;
+    ``attach(model)``, when the engine reduces in the backward, marks the first parameter's gradient too (a tensor
+    hook, removed by ``detach()``); ``totals()`` the seconds per part, read once."""
 
     def __init__(self, device):
         self.cuda = getattr(device, "type", "cpu") == "cuda"
@@ -53,7 +52,7 @@ class StepClock:
         self.now: dict = {}
         self.steps: list = []  # CUDA: one dict of events per step, read in totals()
         self.in_backward = False
-        self.undo = None
+        self.hook = None  # the first parameter's gradient hook (DDP), while attached
 
     def _stamp(self):
         if self.cuda:
@@ -99,35 +98,18 @@ class StepClock:
             self.steps = []
         return dict(self.sums)
 
-    def attach(self, optimizer, model, in_backward: bool) -> None:
-        """Time ``optimizer.synchronize()`` (Horovod's wait; a no-op under DDP) until ``detach()``; ``in_backward``:
-        the engine reduces in the backward (DDP), so the first parameter's gradient is marked too (a tensor hook)."""
+    def attach(self, model, in_backward: bool) -> None:
+        """``in_backward``: the engine reduces in the backward (DDP), so the first parameter's gradient is marked
+        (a tensor hook on it until ``detach()``)."""
         self.detach()
         self.in_backward = in_backward
-        own = vars(optimizer)
-        had, previous, inner = "synchronize" in own, own.get("synchronize"), optimizer.synchronize
-
-        def synchronize():
-            self.now["sync_begin"] = self._stamp()
-            inner()
-            self.now["sync_end"] = self._stamp()
-        optimizer.synchronize = synchronize
         first = next((p for p in model.parameters() if p.requires_grad), None) if in_backward else None
-        handle = first.register_hook(self._grad_ready) if first is not None else None
-
-        def undo():
-            if had:
-                optimizer.synchronize = previous
-            else:
-                del optimizer.synchronize
-            if handle is not None:
-                handle.remove()
-        self.undo = undo
+        self.hook = first.register_hook(self._grad_ready) if first is not None else None
 
     def detach(self) -> None:
-        if self.undo is not None:
-            self.undo, undo = None, self.undo
-            undo()
+        if self.hook is not None:
+            self.hook, hook = None, self.hook
+            hook.remove()
 
     def _grad_ready(self, grad):
         self.now["grad_ready"] = self._stamp()

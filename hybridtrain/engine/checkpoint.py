@@ -22,8 +22,8 @@ import warnings
 import torch
 
 from hybridtrain.errors import UserError
+from hybridtrain.files import is_plain_file, refuse_unless_plain
 from hybridtrain.optim.optimizers import RUN_CHOICE_KEYS
-from hybridtrain.outputs import is_plain_file, refuse_unless_plain
 
 SHA256SUM_LINE = re.compile(r"^([0-9a-f]{64}) [ *](.+)$")
 CHECKSUM_SUFFIX = ".sha256"

@@ -32,7 +32,8 @@ from hybridtrain.distributed import collectives as distributed
 from hybridtrain.distributed import horovod
 from hybridtrain.engine.epoch import EpochPosition, EpochProgress
 from hybridtrain.engine.loop import claim_run_dir, end_epoch, finish, log_setup, stall_watchdog, train_epoch
-from hybridtrain.engine.records import RunRecord, SampleAudit, audit_path, log
+from hybridtrain.engine.profiling import step_profiler
+from hybridtrain.engine.records import RunRecord, SampleAudit, audit_path
 from hybridtrain.engine.resume import (
     carried_progress,
     consumed_samples,
@@ -40,6 +41,7 @@ from hybridtrain.engine.resume import (
     step_in_epoch,
     stopped_by_samples,
 )
+from hybridtrain.engine.sinks import log
 from hybridtrain.engine.trainer import Trainer, build_trainer
 from hybridtrain.errors import UserError
 from hybridtrain.optim import create_schedule
@@ -233,6 +235,8 @@ def train_elastic(state: ElasticState, cfg: Config) -> dict | None:
             continued = start_run(cfg, state)
             state.commit()
         log_setup(cfg, t)
+        if t.profiler is None:  # once per process, its window counted from the process's first step, as static
+            t.profiler = step_profiler(cfg, t.topo)
         # after a reset too: metrics.jsonl is cut to the committed epochs (a rolled-back epoch's end may have
         # written), and the sinks continue their tracked runs; a reset's exception ends them (the next body
         # continues them)
@@ -273,4 +277,8 @@ def run_elastic(cfg: Config, resume: str | None = None, move_aside: bool = False
     state = horovod_elastic_state()(t, Position())
     state.resume, state.move_aside = resume, move_aside
     state.register_reset_callbacks([lambda: on_reset(cfg, state)])
-    return hvd.elastic.run(train_elastic)(state, cfg)
+    try:
+        return hvd.elastic.run(train_elastic)(state, cfg)
+    finally:
+        if t.profiler is not None:
+            t.profiler.close()

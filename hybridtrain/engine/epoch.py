@@ -136,7 +136,7 @@ class EpochSteps:
         batches = first_batch_as_local_work(itertools.islice(t.data.train, self.steps * k))  # none past the last
         for _ in itertools.islice(batches, self.done.passes):  # drawn again and skipped: data, augmentation go on
             pass
-        self.clock.attach(t.bundle.optimizer, t.model, reduces_in_backward(t.step))  # detached by result, stopped
+        self.clock.attach(t.model, reduces_in_backward(t.step))  # detached by the loop's train_epoch
         self.clock.add("input", time.perf_counter() - restart)
         for i in range(self.done.passes // k, self.steps):
             global_step = position.epoch * t.updates + position.first_step + i
@@ -145,10 +145,10 @@ class EpochSteps:
                 self.clock.mark("begin")
                 drawn = list(itertools.islice(batches, k))
                 result = train_step(t.step, t.bundle.optimizer, t.precision, self.on_device(drawn),
-                                    bn_guard=self.bn_guard, ema=t.ema)
+                                    bn_guard=self.bn_guard, ema=t.ema, clock=self.clock)
             self.clock.mark("end")  # the clock's last mark, the process's first step noted, the profiler's window moved
             first_step_done()
-            if getattr(t, "profiler", None) is not None:
+            if t.profiler is not None:
                 t.profiler.step()
             self.count(result)
             if i + 1 == self.warmup_end:
@@ -185,13 +185,11 @@ class EpochSteps:
     def stopped(self) -> EpochResult:
         """The result of the epoch stopped after the latest step (a preemption)."""
         done = self.progress()
-        self.clock.detach()
         return EpochResult(float("nan"), float("nan"), 0, done.train_time_s, done.skipped_steps, done)
 
     def result(self) -> EpochResult:
         """The trained epoch's figures over all ranks (one all-reduce of the sums)."""
         elapsed = time.perf_counter() - self.began
-        self.clock.detach()
         totals = distributed.allreduce_sum(torch.stack([self.loss_sum, self.correct, self.seen, self.warmup_seen])
                                            .cpu(), f"train_totals.{self.position.epoch}")
         return EpochResult(float(totals[0] / totals[2]), float(totals[1] / totals[2]), int(totals[2]), elapsed,

@@ -21,17 +21,10 @@ from hybridtrain.engine.epoch import (
     evaluate,
 )
 from hybridtrain.engine.guards import PreemptionWatch, StallWatchdog, root_writes, steps_between_checks
-from hybridtrain.engine.profiling import StepProfiler
-from hybridtrain.engine.records import (
-    ProgressBar,
-    RunRecord,
-    device_name,
-    log,
-    memory_figures,
-    reset_peak_memory,
-    with_validation,
-)
+from hybridtrain.engine.profiling import step_profiler
+from hybridtrain.engine.records import RunRecord, memory_figures, reset_peak_memory, with_validation
 from hybridtrain.engine.resume import checkpoint_state, restore, resume_state, save_stopped_epoch
+from hybridtrain.engine.sinks import ProgressBar, device_name, log
 from hybridtrain.engine.step import compiles_in_epoch, recompiles_in_epoch, warmup_steps
 from hybridtrain.engine.trainer import Trainer, build_trainer
 from hybridtrain.errors import PeerFailure, UserError, environment_fault, is_peer_failure
@@ -137,10 +130,11 @@ def end_epoch(cfg: Config, t: Trainer, epoch: int, result, epoch_start: float, r
         t.ema.average_bn()
     record = {**training_record(t, epoch, result, epoch_start, run.start),
               "train_resolution": train_resolution(cfg, epoch)}  # progressive resizing's px (data.res_*)
-    saving = time.perf_counter()
+    saving, elapsed = time.perf_counter(), run.elapsed()
     with root_writes(t.topo) as writing:
         if writing:
-            run.save_checkpoint(checkpoint_state(cfg, t, epoch, run.elapsed(), record), epoch + 1)
+            state = checkpoint_state(cfg, t, epoch, elapsed, record)
+            run.owner.save_checkpoint(state, epoch + 1, cfg.train.keep_checkpoints)
     validating = time.perf_counter()
     try:
         ev, extra = validate(cfg, t, str(epoch))
@@ -248,8 +242,7 @@ def train_epochs(cfg: Config, t: Trainer, watch: PreemptionWatch, resume: str | 
     with run:  # the tracked runs end as failed on an error, as stopped on a SIGTERM's stop or Ctrl-C
         if state:
             complete_pending_record(cfg, t, state, run)
-        # train --profile (profiling.py); None when off
-        t.profiler = StepProfiler(cfg.profile, cfg.run_dir, topo.rank, topo.device) if cfg.profile.enabled else None
+        t.profiler = step_profiler(cfg, topo)  # train --profile; None when off
         watchdog = stall_watchdog(cfg, topo)
         startup_mark("run_setup")  # the config written, metrics.jsonl, TensorBoard's writer, the watchdog
         try:
@@ -301,7 +294,7 @@ def train_epoch(cfg: Config, t: Trainer, position: EpochPosition, first_of_proce
                     return steps.stopped()
         return steps.result()
     finally:
-        steps.clock.detach()  # a step that raised leaves synchronize() wrapped (breakdown.StepClock)
+        steps.clock.detach()  # the gradient hook of the breakdown's clock (DDP), whatever ended the epoch
         if bar:
             bar.close()
 

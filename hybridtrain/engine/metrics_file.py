@@ -7,12 +7,12 @@ import os
 import sys
 
 from hybridtrain.errors import UserError
-from hybridtrain.outputs import write_text_atomically
+from hybridtrain.files import write_text_atomically
 
 
 def truncate_metrics(path: str, completed_epochs: int) -> list[dict]:
     """Keep the records of the first ``completed_epochs`` epochs (a resumed run rewrites what came after);
-    written to a temp file and renamed (outputs.write_text_atomically), so a kill leaves the old file or the new
+    written to a temp file and renamed (files.write_text_atomically), so a kill leaves the old file or the new
     one, and a temp file that the next start removes (rundir.TEMP_RE)."""
     if not os.path.exists(path):
         return []

@@ -3,12 +3,18 @@ the process's first step: ``wait`` steps, ``warmup`` steps profiled and thrown a
 written as a Chrome/Perfetto trace per rank, ``run_dir/profile/trace-rank<r>.json`` (open it in ui.perfetto.dev or
 chrome://tracing). On a GPU, ``profile.memory`` also records a CUDA memory snapshot with Python stacks over the
 recorded steps, ``memory-rank<r>.pickle`` (pytorch.org/memory_viz). Off (the default), nothing is imported or
-started: the epoch asks one attribute per step. The elastic loop does not profile."""
+started: the epoch asks one attribute per step (Trainer.profiler). The static and the elastic loop start it once
+per process, after the run folder is claimed (``step_profiler``)."""
 from __future__ import annotations
 
 import os
 
 import torch
+
+
+def step_profiler(cfg, topo) -> StepProfiler | None:
+    """This rank's profiler when train --profile asks for one, else None."""
+    return StepProfiler(cfg.profile, cfg.run_dir, topo.rank, topo.device) if cfg.profile.enabled else None
 
 
 class StepProfiler:

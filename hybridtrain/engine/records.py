@@ -1,14 +1,13 @@
-"""What a run says and writes as it goes, in one module: the run's record that the loop keeps (``RunRecord``: the run
-folder, config.yaml, metrics.jsonl and its records, the board, the clock), an epoch's record (what metrics.jsonl,
-TensorBoard and the log get, with its peak memory), the setup lines, rank 0's log lines and progress bar, and
-TensorBoard's writer (metrics.jsonl's format is ``metrics_file``'s, torch-free for ``report``)."""
+"""What a run writes as it goes: the run's record that the loop keeps (``RunRecord``: the run folder, config.yaml,
+metrics.jsonl and its records, the board, the clock), an epoch's record (what metrics.jsonl, TensorBoard and the log
+get, with its peak memory), and the elastic sample audit. metrics.jsonl's format is ``metrics_file``'s, torch-free
+for ``report``; what rank 0 prints (log lines, the progress bar, the epoch line) is ``sinks``'."""
 from __future__ import annotations
 
 import contextlib
 import os
 import re
 import socket
-import sys
 import time
 
 import torch
@@ -16,71 +15,13 @@ import torch
 from hybridtrain.config import Config, save_config
 from hybridtrain.engine.metrics_file import truncate_metrics
 from hybridtrain.engine.rundir import RunDir
-from hybridtrain.engine.sinks import Board, open_sinks
-from hybridtrain.outputs import append_json_line
-
-
-class ProgressBar:
-    """Rank 0's progress through an epoch: tqdm's bar (loss, img/s, ETA) on a terminal; elsewhere (horovodrun
-    and batch jobs pipe the output, where each bar update would pile up on one long line) a plain line every
-    ``interval_s`` seconds. Reads the device only when it shows something."""
-
-    def __init__(self, total: int, epoch: int, epochs: int, world_size: int, every: int = 5,
-                 interval_s: float = 30.0):
-        self.total, self.label = total, f"epoch {epoch + 1}/{epochs}"
-        self.world_size, self.every, self.interval_s = world_size, every, interval_s
-        self.start = self.last_line = time.perf_counter()
-        self.bar = None
-        if sys.stdout.isatty():
-            from tqdm import tqdm
-            self.bar = tqdm(total=total, desc=self.label, unit="step", leave=False, file=sys.stdout,
-                            dynamic_ncols=True)
-
-    def update(self, loss_sum, seen, steps: int) -> None:
-        """After a step: ``steps`` of the epoch's ``total`` passes are done; ``loss_sum`` and ``seen`` are its sums
-        so far (device tensors, read only for a line or the bar's loss every ``every`` passes)."""
-        now = time.perf_counter()
-        if self.bar is not None:
-            before = self.bar.n
-            self.bar.update(steps - before)
-            if steps // self.every != before // self.every:
-                self.bar.set_postfix(loss=f"{float(loss_sum / seen):.4f}", img_s=f"{self.rate(seen, now):.0f}")
-        elif now - self.last_line >= self.interval_s and steps < self.total:
-            self.last_line = now
-            eta = (now - self.start) * (self.total - steps) / steps
-            print(f"hybridtrain: {self.label} step {steps}/{self.total} ({100 * steps / self.total:.0f}%)  "
-                  f"loss {float(loss_sum / seen):.4f}  {self.rate(seen, now):.0f} img/s  ETA {eta:.0f}s", flush=True)
-
-    def rate(self, seen, now: float) -> float:
-        return float(seen) * self.world_size / (now - self.start)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
-def log(topo, message: str) -> None:
-    if topo.is_root:
-        print(message, flush=True)
-
+from hybridtrain.engine.sinks import Board, epoch_line, log, open_sinks
+from hybridtrain.files import append_json_line
 
 TENSORBOARD_SCALARS = {"loss/train": "train_loss", "loss/val": "val_loss", "top1/train": "train_top1",
                        "top1/val": "val_top1", "top5/val": "val_top5", "lr": "lr", "images_per_sec": "images_per_sec",
                        "precision/loss_scale": "loss_scale", "precision/skipped_steps": "skipped_steps",
                        "memory/peak_mb": "peak_memory_mb"}
-
-
-def device_name(device: torch.device) -> str:
-    """'cuda:0 (NVIDIA H100 80GB HBM3)' or 'cpu'."""
-    return f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else str(device)
-
-
-def epoch_line(r: dict, epochs: int) -> str:
-    scale = f"  scale {r['loss_scale']:g}" if r.get("loss_scale", 1.0) != 1.0 else ""
-    skipped = f"  skipped {r['skipped_steps']}" if r.get("skipped_steps") else ""
-    return (f"epoch {r['epoch']:>3}/{epochs}  train_loss {r['train_loss']:.4f}  val_loss {r['val_loss']:.4f}  "
-            f"train_top1 {r['train_top1']:.4f}  top1 {r['val_top1']:.4f}  top5 {r['val_top5']:.4f}  lr {r['lr']:.4g}  "
-            f"{r['images_per_sec']:.0f} img/s  {r['epoch_time_s']:.1f}s{scale}{skipped}")
 
 
 # ----------------------------------------------------------------------------- peak memory
@@ -154,11 +95,6 @@ class RunRecord:
     def elapsed(self) -> float:
         """The run's training time so far, its earlier processes' included."""
         return time.perf_counter() - self.start
-
-    def save_checkpoint(self, state: dict, epoch: int, step: int | None = None) -> str:
-        """Epoch ``epoch``'s checkpoint (a stopped one after ``step`` steps), listed in run.json; the oldest beyond
-        train.keep_checkpoints pruned (RunDir.save_checkpoint). Rank 0's: it holds the run_dir."""
-        return self.owner.save_checkpoint(state, epoch, self.cfg.train.keep_checkpoints, step)
 
     def write(self, record: dict) -> dict:
         """An epoch's record into metrics.jsonl, the board and the log."""

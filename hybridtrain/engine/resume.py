@@ -11,7 +11,7 @@ from hybridtrain.distributed import collectives as distributed
 from hybridtrain.engine import rundir
 from hybridtrain.engine.epoch import EpochPosition, EpochProgress
 from hybridtrain.engine.guards import root_writes
-from hybridtrain.engine.records import log
+from hybridtrain.engine.sinks import log
 from hybridtrain.errors import UserError
 from hybridtrain.models.batchnorm import average_running_statistics, running_buffers
 
@@ -140,13 +140,14 @@ def save_stopped_epoch(cfg: Config, t: Trainer, position: EpochPosition, stopped
 
     epoch, step = position.epoch, position.first_step + stopped.passes // t.k
 
+    elapsed = run.elapsed()
     with root_writes(t.topo) as writing:
         if writing:
-            state = checkpoint_state(cfg, t, epoch - 1, run.elapsed())
+            state = checkpoint_state(cfg, t, epoch - 1, elapsed)
             state["partial"] = {"epoch": epoch, "ranks": ranks, "batch_size": t.batch_size, "start": position.start,
                                 "first_step": position.first_step,
                                 "samples": consumed_samples(position.start, stopped.passes, t.topo.size,
                                                             t.batch_size)}
-            path = run.save_checkpoint(state, epoch + 1, step=step)
+            path = run.owner.save_checkpoint(state, epoch + 1, cfg.train.keep_checkpoints, step)
             log(t.topo, f"hybridtrain: stopped on SIGTERM after step {step} of epoch {epoch + 1}; "
                         f"resumable from {path}: rerun the same command with --resume auto")

@@ -28,7 +28,7 @@ from hybridtrain.config import check_run_dir
 from hybridtrain.engine import checkpoint
 from hybridtrain.engine.checkpoint import CHECKSUM_SUFFIX, checksum_path
 from hybridtrain.errors import UserError
-from hybridtrain.outputs import is_plain_file, refuse_unless_plain, write_json_atomically
+from hybridtrain.files import is_plain_file, refuse_unless_plain, write_json_atomically
 
 MARKER = "run.json"
 LOCK = ".lock"
@@ -36,7 +36,7 @@ PATTERN = "checkpoint-epoch{epoch:04d}.pt"
 STOPPED_PATTERN = "checkpoint-epoch{epoch:04d}-step{step:06d}.pt"  # a preempted epoch, after ``step`` steps
 NAME_RE = re.compile(r"checkpoint-epoch(\d+)(?:-step(\d+))?\.pt")  # the whole name of a checkpoint this code writes
 # a save's temp file: a checkpoint's or its sidecar's (atomic_save), run.json's and metrics.jsonl's
-# (outputs.atomic_path; older versions named them run.json.tmp-PID and metrics.jsonl.tmp-PID)
+# (files.atomic_path; older versions named them run.json.tmp-PID and metrics.jsonl.tmp-PID)
 TEMP_RE = re.compile(r"(?:checkpoint-epoch\d+(?:-step\d+)?\.pt(?:\.sha256)?|run\.json|metrics\.jsonl)\.tmp-\d+"
                      r"|\.run\.json\.\w{8}\.json|\.metrics\.jsonl\.\w{8}\.jsonl")
 WHOLE_EPOCH = 1 << 30  # sorts a finished epoch after every stopped checkpoint of the same epoch

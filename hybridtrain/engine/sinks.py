@@ -1,5 +1,6 @@
-"""The experiment trackers a run logs to besides metrics.jsonl: MLflow (``sinks.mlflow``: a local file store or a
-tracking URI) and Weights & Biases (``sinks.wandb``: offline, synced later with ``wandb sync``, or online). Optional
+"""What a run shows and sends as it goes besides metrics.jsonl: rank 0's console (``log``, the setup and epoch
+lines, the ``ProgressBar``) and the experiment trackers: MLflow (``sinks.mlflow``: a local file store or a tracking
+URI) and Weights & Biases (``sinks.wandb``: offline, synced later with ``wandb sync``, or online). Optional
 and imported only when asked for (``pip install 'hybridtrain[sinks]'``), on rank 0 only, and fed from the same
 records as TensorBoard: ``Board`` stands where TensorBoard's writer stands (``records.RunRecord``), so
 every scalar TensorBoard gets (per epoch: losses, accuracies, lr, img/s, the time breakdown, ...) reaches each sink
@@ -11,9 +12,75 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
+import time
 
 from hybridtrain.errors import UserError
-from hybridtrain.outputs import write_text_atomically
+from hybridtrain.files import write_text_atomically
+
+# ----------------------------------------------------------------------------- rank 0's console
+
+class ProgressBar:
+    """Rank 0's progress through an epoch: tqdm's bar (loss, img/s, ETA) on a terminal; elsewhere (horovodrun
+    and batch jobs pipe the output, where each bar update would pile up on one long line) a plain line every
+    ``interval_s`` seconds. Reads the device only when it shows something."""
+
+    def __init__(self, total: int, epoch: int, epochs: int, world_size: int, every: int = 5,
+                 interval_s: float = 30.0):
+        self.total, self.label = total, f"epoch {epoch + 1}/{epochs}"
+        self.world_size, self.every, self.interval_s = world_size, every, interval_s
+        self.start = self.last_line = time.perf_counter()
+        self.bar = None
+        if sys.stdout.isatty():
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, desc=self.label, unit="step", leave=False, file=sys.stdout,
+                            dynamic_ncols=True)
+
+    def update(self, loss_sum, seen, steps: int) -> None:
+        """After a step: ``steps`` of the epoch's ``total`` passes are done; ``loss_sum`` and ``seen`` are its sums
+        so far (device tensors, read only for a line or the bar's loss every ``every`` passes)."""
+        now = time.perf_counter()
+        if self.bar is not None:
+            before = self.bar.n
+            self.bar.update(steps - before)
+            if steps // self.every != before // self.every:
+                self.bar.set_postfix(loss=f"{float(loss_sum / seen):.4f}", img_s=f"{self.rate(seen, now):.0f}")
+        elif now - self.last_line >= self.interval_s and steps < self.total:
+            self.last_line = now
+            eta = (now - self.start) * (self.total - steps) / steps
+            print(f"hybridtrain: {self.label} step {steps}/{self.total} ({100 * steps / self.total:.0f}%)  "
+                  f"loss {float(loss_sum / seen):.4f}  {self.rate(seen, now):.0f} img/s  ETA {eta:.0f}s", flush=True)
+
+    def rate(self, seen, now: float) -> float:
+        return float(seen) * self.world_size / (now - self.start)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def log(topo, message: str) -> None:
+    if topo.is_root:
+        print(message, flush=True)
+
+
+def device_name(device) -> str:
+    """'cuda:0 (NVIDIA H100 80GB HBM3)' or 'cpu'."""
+    if device.type != "cuda":
+        return str(device)
+    import torch  # here: the console's other parts, and the sinks, are torch-free
+    return f"{device} ({torch.cuda.get_device_name(device)})"
+
+
+def epoch_line(r: dict, epochs: int) -> str:
+    scale = f"  scale {r['loss_scale']:g}" if r.get("loss_scale", 1.0) != 1.0 else ""
+    skipped = f"  skipped {r['skipped_steps']}" if r.get("skipped_steps") else ""
+    return (f"epoch {r['epoch']:>3}/{epochs}  train_loss {r['train_loss']:.4f}  val_loss {r['val_loss']:.4f}  "
+            f"train_top1 {r['train_top1']:.4f}  top1 {r['val_top1']:.4f}  top5 {r['val_top5']:.4f}  lr {r['lr']:.4g}  "
+            f"{r['images_per_sec']:.0f} img/s  {r['epoch_time_s']:.1f}s{scale}{skipped}")
+
+
+# ----------------------------------------------------------------------------- the trackers
 
 IDS_FILE = "sinks.json"
 ID_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")  # an MLflow or W&B run id

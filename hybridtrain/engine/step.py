@@ -101,10 +101,8 @@ class GraphedStep:
 
     WARMUP_ITERATIONS = 3  # on a side stream before capture (PyTorch's recipe; cudnn autotuning, lazy state)
 
-    def __init__(self, model, precision, static_images: torch.Tensor, static_labels: torch.Tensor,
-                 label_smoothing: float = 0.0):
-        self.static_images, self.static_labels = static_images, static_labels
-        self.label_smoothing = label_smoothing
+    def __init__(self, model, precision, static_images: torch.Tensor, static_labels: torch.Tensor, loss_fn):
+        self.static_images, self.static_labels, self.loss_fn = static_images, static_labels, loss_fn
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.graph, self.capture_stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
         statistics = RunningStatsGuard(model)  # the warm-up's passes on the static batch must not reach them
@@ -122,7 +120,7 @@ class GraphedStep:
     def _forward_backward(self, model, precision) -> tuple[torch.Tensor, torch.Tensor]:
         with precision.forward_context(self.static_images.device):
             logits = model(self.static_images)
-        loss = classification_loss(logits, self.static_labels, label_smoothing=self.label_smoothing)
+        loss = self.loss_fn(logits, self.static_labels)
         precision.scaler.backward(loss)
         return loss.detach(), logits.detach()
 
@@ -204,14 +202,15 @@ def build_step(model, cfg, precision, batch: tuple[torch.Tensor, torch.Tensor] |
         raise_recompile_limit(len(sizes) + 1)  # a graph per resolution, and eval mode's
     else:
         forward_model = wrap(compile_blocks(model, dynamic=dynamic, resolutions=len(sizes)))
-    smoothing = max(cfg.train.label_smoothing, 0.0)  # -1 (the optimizer's default) is resolved by config validation
+    # the loss, made once: the next loss option changes this line, not the steps
+    loss_fn = partial(classification_loss, label_smoothing=cfg.train.label_smoothing)
     if not cfg.train.cuda_graphs:
-        return EagerStep(forward_model, smoothing)
+        return EagerStep(forward_model, loss_fn)
     if batch is not None:
-        return GraphedStep(forward_model, precision, *batch, smoothing)
+        return GraphedStep(forward_model, precision, *batch, loss_fn)
     device = next(model.parameters()).device
     captures = [GraphedStep(forward_model, precision, *static_batch(cfg, device, precision.policy.input_dtype, size),
-                            smoothing) for size in sizes]
+                            loss_fn) for size in sizes]
     return captures[0] if len(captures) == 1 else GraphedSteps(captures)
 
 
@@ -271,15 +270,16 @@ def classification_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: s
 
 
 def backward_pass(model, precision: Precision, images, labels, weight: float = 1.0,
-                  sync: bool = True, label_smoothing: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward (in the policy's precision), FP32 loss, scaled and weighted backward; gradients accumulate.
+                  sync: bool = True, loss_fn=classification_loss) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward (in the policy's precision), FP32 loss (``loss_fn``), scaled and weighted backward; gradients
+    accumulate.
     ``sync`` False: a pass of gradient accumulation before the last, whose gradients a DDP ``model`` keeps local
     (its ``no_sync``); Horovod counts the passes itself (backward_passes_per_step)."""
     no_sync = getattr(model, "no_sync", None)
     with contextlib.nullcontext() if sync or no_sync is None else no_sync(), \
             precision.forward_context(images.device):
         logits = model(images)
-    loss = classification_loss(logits, labels, label_smoothing=label_smoothing)
+    loss = loss_fn(logits, labels)
     precision.scaler.backward(loss * weight if weight != 1.0 else loss)
     return loss.detach(), logits.detach()
 
@@ -303,14 +303,15 @@ class StepResult:
 
 
 def train_step(step, optimizer, precision: Precision, micro_batches: Sequence, bn_guard=None,
-               ema=None) -> StepResult:
+               ema=None, clock=None) -> StepResult:
     """One optimizer step however ``step`` runs forward and backward (EagerStep, compiled, or GraphedStep), as
     ``train``, ``bench``, ``scale`` and the tests run it: zero the gradients; a forward and scaled backward of each
     ``(images, labels, weight)`` in ``micro_batches``, already on the device (the gradients accumulate; Horovod
     all-reduces once, as its backward_passes_per_step says); unscale; the update unless the gradients overflowed,
     in which case ``bn_guard`` (a RunningStatsGuard) puts back the BN running statistics the skipped passes changed.
     The update's overflow check reads the device, so the passes have read every batch when this returns. ``ema``
-    (engine.ema.WeightEMA): updated after an applied update only (device ops, no host sync)."""
+    (engine.ema.WeightEMA): updated after an applied update only (device ops, no host sync). ``clock``
+    (breakdown.StepClock): marks the engine's ``synchronize()``, the wait for the all-reduce the backward left."""
     optimizer.zero_grad()  # as the engine's gradient memory needs (wrap_optimizer: DDP's bucket views in place)
     if bn_guard is not None:
         bn_guard.save()
@@ -318,7 +319,12 @@ def train_step(step, optimizer, precision: Precision, micro_batches: Sequence, b
     for j, (images, labels, weight) in enumerate(micro_batches):
         loss, logits = step.backward_pass(precision, images, labels, weight, sync=j == len(micro_batches) - 1)
         passes.append((loss, logits, labels))
-    stepped = precision.scaler.step(optimizer)  # Horovod's synchronize, unscale, update
+    if clock is not None:
+        clock.mark("sync_begin")
+    optimizer.synchronize()  # the all-reduce of the (scaled) gradients that the backward left (Horovod's; DDP: none)
+    if clock is not None:
+        clock.mark("sync_end")
+    stepped = precision.scaler.step(optimizer)  # unscale, the update (not synchronizing again), S
     if not stepped and bn_guard is not None:
         bn_guard.restore()
     if stepped and ema is not None:
@@ -329,8 +335,8 @@ def train_step(step, optimizer, precision: Precision, micro_batches: Sequence, b
 class EagerStep:
     """Forward and backward passes of ``model`` (compiled or not), run as written."""
 
-    def __init__(self, model, label_smoothing: float = 0.0):
-        self.model, self.label_smoothing = model, label_smoothing
+    def __init__(self, model, loss_fn=classification_loss):
+        self.model, self.loss_fn = model, loss_fn
 
     def backward_pass(self, precision: Precision, images, labels, weight: float = 1.0, sync: bool = True):
-        return backward_pass(self.model, precision, images, labels, weight, sync, self.label_smoothing)
+        return backward_pass(self.model, precision, images, labels, weight, sync, self.loss_fn)

@@ -13,7 +13,8 @@ from hybridtrain.distributed import collectives as distributed
 from hybridtrain.engine import checkpoint
 from hybridtrain.engine.breakdown import startup_mark
 from hybridtrain.engine.ema import create_ema
-from hybridtrain.engine.records import SampleAudit, audit_path, log
+from hybridtrain.engine.records import SampleAudit, audit_path
+from hybridtrain.engine.sinks import log
 from hybridtrain.engine.step import build_step
 from hybridtrain.errors import UserError
 from hybridtrain.hardware.checks import check_machine, check_node
@@ -40,6 +41,7 @@ class Trainer:
     fp32_math: str = "ieee"  # FP32 convolutions and matmuls: ieee or tf32
     audit: object = None  # records.SampleAudit: the trained samples' indices (elastic.audit_samples)
     ema: object = None  # ema.WeightEMA of the weights (train.ema_decay > 0), else None
+    profiler: object = None  # profiling.StepProfiler (train --profile), stepped after every step; set by the loop
 
     def state_dict(self) -> dict:
         """The trainer's run state, written once: what a checkpoint holds (resume.checkpoint_state), what a resume

@@ -15,7 +15,8 @@ import shutil
 import subprocess
 import sys
 
-from hybridtrain.errors import UserError, run_guarded
+from hybridtrain.errors import UserError
+from hybridtrain.launched_by import run_guarded
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HOROVOD = "horovod==0.28.1"

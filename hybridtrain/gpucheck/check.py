@@ -29,6 +29,7 @@ import time
 from typing import Callable
 
 from hybridtrain.errors import UserError
+from hybridtrain.files import check_output_dir
 from hybridtrain.gpucheck.results import (
     drop_weights,
     earlier_rows,
@@ -60,7 +61,6 @@ from hybridtrain.gpucheck.rows import (
     next_row,
     plan_calls,
 )
-from hybridtrain.outputs import check_output_dir
 
 HOROVOD_SDIST = "horovod-0.28.1.tar.gz"
 BUNDLE = os.path.join(REPO, ".gpu-bundle")      # make gpu-bundle

@@ -34,6 +34,7 @@ import venv
 from pathlib import Path
 
 from hybridtrain.errors import UserError
+from hybridtrain.files import check_output_dir, write_text_atomically
 from hybridtrain.gpucheck.check import (
     WORK,
     check_bundle,
@@ -47,7 +48,7 @@ from hybridtrain.gpucheck.check import (
 from hybridtrain.gpucheck.check import build_row as horovod_build_row
 from hybridtrain.gpucheck.results import read_text
 from hybridtrain.gpucheck.rows import FAIL, GPU_TESTS, PASS, RECIPE, REPO, Pythons, Row, build_rows
-from hybridtrain.outputs import check_output_dir, markdown_table, write_text_atomically
+from hybridtrain.reports import markdown_table
 
 # what the lent machine's Python lacks (KINDS.md lists its packages: setuptools and wheel among them, which
 # inductor's CPU kernels need): links of everything else

@@ -13,8 +13,9 @@ import time
 
 from hybridtrain.engine.metrics_file import read_metrics
 from hybridtrain.errors import UserError
+from hybridtrain.files import atomic_path, write_json_atomically, write_text_atomically
 from hybridtrain.gpucheck.rows import EPOCHS, FAIL, NEXT_CALL, NOT_COVERED, OWN_BASELINE, PASS, Row
-from hybridtrain.outputs import atomic_path, markdown_table, write_json_atomically, write_text_atomically
+from hybridtrain.reports import markdown_table
 
 ARCHIVE = "gpu-check.tgz"  # --archive DIR: DIR/gpu-check.tgz
 ARCHIVE_LIMIT = 16 * 2**20

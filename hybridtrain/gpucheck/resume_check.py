@@ -17,7 +17,7 @@ import sys
 
 from hybridtrain.distributed.engines import ENGINES
 from hybridtrain.distributed.launcher import launch_command
-from hybridtrain.outputs import write_json_atomically
+from hybridtrain.files import write_json_atomically
 
 RESUME_AFTER = 1
 

@@ -268,7 +268,7 @@ def plan_calls(rows: list[Row], build_s: float = BUILD_S, budgets: tuple = CALL_
 
 
 def format_plan(rows: list[Row], budgets: tuple = CALL_BUDGETS_S) -> str:
-    from hybridtrain.outputs import markdown_table
+    from hybridtrain.reports import markdown_table
     lines = [f"gpu-check --plan: the rows in the order they run, estimated seconds on one H100 (start-up included), "
              f"and the call each falls in (call 1 at most {budgets[0]} s with the build of Horovod running in the "
              f"background from {PREAMBLE_S} s for about {BUILD_S} s; call 2 at most {budgets[1]} s on the same warm "

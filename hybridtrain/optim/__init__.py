@@ -4,7 +4,7 @@ May import: config, errors.
 """
 from hybridtrain.optim.factory import OPTIMIZERS, OptimizerBundle, create_optimizer, create_schedule, optimizer_spec
 from hybridtrain.optim.optimizers import apply_schedule
-from hybridtrain.optim.schedules import goyal_lr, sgd_lr, step_decay_factor
+from hybridtrain.optim.schedules import goyal_lr, step_decay_factor
 
 __all__ = ["OPTIMIZERS", "OptimizerBundle", "apply_schedule", "create_optimizer", "create_schedule", "optimizer_spec",
-           "goyal_lr", "sgd_lr", "step_decay_factor"]
+           "goyal_lr", "step_decay_factor"]

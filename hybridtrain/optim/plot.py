@@ -30,7 +30,7 @@ def schedule_series(cfg, world_size: int, iters_per_epoch: int) -> dict:
 
 
 def plot_schedule(cfg, world_size: int, iters_per_epoch: int, path: str) -> str:
-    from hybridtrain.outputs import figure, save_figure
+    from hybridtrain.files import figure, save_figure
     series = schedule_series(cfg, world_size, iters_per_epoch)
     fig = figure(8, 4.5)
     ax = fig.add_subplot(1, 1, 1)

@@ -153,12 +153,6 @@ def poly_warmup_lr(step: int, peak: float, end: float, warmup_steps: float, tota
     return (peak - end) * (1.0 - done / decay_steps) ** power + end  # (peak - end)(1 - (s-W)/D)^p + end
 
 
-def sgd_lr(step: int, iters_per_epoch: int, base_lr: float, world_size: int, total_epochs: int, milestones,
-           decay_factor: float) -> float:
-    """Plain linear-scaling SGD: lr*N from the first step, the same step decay, no warmup (`goyal_lr` with W = 0)."""
-    return goyal_lr(step, iters_per_epoch, base_lr, world_size, 0, total_epochs, milestones, decay_factor)
-
-
 # ---------------------------------------------------------------- each optimizer's schedule
 
 def hybrid_schedule(step: int, o, world_size: int, iters_per_epoch: int, total_epochs: int | None = None) -> dict:
@@ -193,7 +187,8 @@ def goyal_schedule(step: int, o, world_size: int, iters_per_epoch: int, total_ep
 
 
 def sgd_schedule(step: int, o, world_size: int, iters_per_epoch: int, total_epochs: int) -> dict:
-    """lr*N from the first step, then ``o.schedule``'s decay (step: `sgd_lr`; linear or cosine from epoch 0):
+    """lr*N from the first step, then ``o.schedule``'s decay (step: `goyal_lr` with W = 0; linear or cosine from
+    epoch 0):
     `goyal_schedule` without its warmup."""
     return goyal_schedule(step, o, world_size, iters_per_epoch, total_epochs, warmup_epochs=0)
 

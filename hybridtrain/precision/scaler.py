@@ -45,12 +45,12 @@ class LossScaler:
             self.device_scale.fill_(scale)
 
     def step(self, optimizer) -> bool:
-        """Synchronize, unscale, step unless a gradient is not finite, update S; True if stepped. ``optimizer``:
-        what the engine's wrap_optimizer returns (distributed.engines.SteppingOptimizer).
+        """Unscale, step unless a gradient is not finite, update S; True if stepped. ``optimizer``: what the engine's
+        wrap_optimizer returns (distributed.engines.SteppingOptimizer), already synchronized by the caller
+        (step.train_step times that wait), so the update runs under its ``skip_synchronize()``.
 
         The check runs in every mode: the gradients are averaged over the ranks, so a NaN or inf loss on any
         rank makes every rank skip the same step, and no rank goes on alone."""
-        optimizer.synchronize()  # the all-reduce of the (scaled) gradients, where the engine left it to the update
         finite = self.unscale(optimizer)
         if finite:
             with optimizer.skip_synchronize():

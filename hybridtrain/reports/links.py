@@ -13,7 +13,7 @@ import os
 import statistics
 
 from hybridtrain.errors import UserError
-from hybridtrain.outputs import markdown_table
+from hybridtrain.reports import markdown_table
 
 PROBE_FILE = "link_probe.json"
 SLOW_FACTOR = 3.0  # a host this many times slower than the others' median is named

@@ -17,7 +17,8 @@ import yaml
 
 from hybridtrain.engine.metrics_file import RECORD_FIGURES, read_metrics
 from hybridtrain.errors import UserError
-from hybridtrain.outputs import atomic_path, figure, markdown_table, save_figure
+from hybridtrain.files import atomic_path, figure, save_figure
+from hybridtrain.reports import markdown_table
 from hybridtrain.reports import paper_metrics as metrics
 from hybridtrain.reports.links import links_markdown, read_probe
 from hybridtrain.reports.time_breakdown import breakdown_figures, breakdown_markdown, plot_breakdown, summary_rows

@@ -6,7 +6,8 @@ import math
 import os
 
 from hybridtrain.engine.breakdown import LABELS, PARTS, STARTUP_PARTS, dominant_part, shares_line
-from hybridtrain.outputs import figure, markdown_table, save_figure
+from hybridtrain.files import figure, save_figure
+from hybridtrain.reports import markdown_table
 
 COLOURS = {"input": "#d62728", "compute": "#1f77b4", "communication": "#ff7f0e", "optimizer": "#9467bd",
            "validation": "#2ca02c", "checkpoint": "#8c564b", "other": "#7f7f7f"}

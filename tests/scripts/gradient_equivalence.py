@@ -54,6 +54,7 @@ def random_split_run() -> dict:
         part = slice(start, start + sizes[hvd.rank()])
         optimizer.zero_grad()
         backward_pass(model, precision, x[part], y[part], micro_batch_weight(sizes[hvd.rank()], b, 1))
+        optimizer.synchronize()
         precision.scaler.step(optimizer)
         plain.zero_grad()
         classification_loss(reference(x), y).backward()  # the global batch in one process
@@ -74,6 +75,7 @@ def hybrid_run(cfg, k: int, b: int) -> list[float]:
         for j in range(k):
             part = slice(j * 2 * b // k, (j + 1) * 2 * b // k)
             backward_pass(model, precision, x[part], y[part], micro_batch_weight(2 * b // k, 2 * b // k, k))
+        optimizer.synchronize()
         precision.scaler.step(optimizer)
     return flat(model)
 

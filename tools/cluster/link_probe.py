@@ -20,8 +20,9 @@ import subprocess
 import sys
 import time
 
-from hybridtrain.errors import UserError, run_guarded
-from hybridtrain.outputs import check_output_dir, write_json_atomically
+from hybridtrain.errors import UserError
+from hybridtrain.files import check_output_dir, write_json_atomically
+from hybridtrain.launched_by import run_guarded
 from hybridtrain.reports.links import PROBE_FILE, host_rates, links_lines, probe_problem
 from tools.cluster.netns import in_use, stopped_cleanly
 

@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from hybridtrain.errors import UserError
-from hybridtrain.outputs import write_json_atomically
+from hybridtrain.files import write_json_atomically
 from tools.jobs import end_all
 
 PREFIX = "htc-"

@@ -21,7 +21,8 @@ import sys
 from benchmarks.scaling import available_slots, launch, measured_config
 from hybridtrain.distributed.launcher import venv_tool
 from hybridtrain.errors import UserError
-from hybridtrain.outputs import figure, markdown_table, save_figure, write_json_atomically, write_text_atomically
+from hybridtrain.files import figure, save_figure, write_json_atomically, write_text_atomically
+from hybridtrain.reports import markdown_table
 from tools.cluster import netns as cluster
 from tools.jobs import checkout_env, last_error_line
 from tools.predict.cluster_model import ClusterSpec, predict

@@ -15,14 +15,14 @@ from dataclasses import replace
 
 from hybridtrain.cli.options import bounded_float, bounded_int
 from hybridtrain.errors import UserError
-from hybridtrain.outputs import (
+from hybridtrain.files import (
     atomic_path,
     check_image_format,
     check_input_file,
     check_output_file,
-    markdown_table,
     write_json_atomically,
 )
+from hybridtrain.reports import markdown_table
 from tools.options import BATCH, count_list
 from tools.predict import cluster_model as predict
 from tools.predict import time_to_target as ttt

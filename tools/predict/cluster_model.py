@@ -330,8 +330,8 @@ def paper_cluster_check() -> PaperCheck:
 
 def plot_efficiency(results: Mapping[str, Sequence[tuple[int, float]]], path: str) -> str:
     """Line plot of efficiency (%) vs. GPU count, one line per label; ``results[label]`` = [(N, efficiency)]."""
-    from hybridtrain.outputs import figure as new_figure
-    from hybridtrain.outputs import save_figure
+    from hybridtrain.files import figure as new_figure
+    from hybridtrain.files import save_figure
 
     if not results:
         raise ValueError("nothing to plot: results is empty")

@@ -342,8 +342,8 @@ def plot_time_to_target(rows: Sequence[PlanRow], path: str, title: str,
                         published: Sequence[PublishedRun] = ()) -> str:
     """Minutes to the target against GPUs (log-log), each point labelled with its per-GPU batch; points beyond
     any published global batch hollow; published runs as crosses."""
-    from hybridtrain.outputs import figure as new_figure
-    from hybridtrain.outputs import save_figure
+    from hybridtrain.files import figure as new_figure
+    from hybridtrain.files import save_figure
 
     if not rows:
         raise ValueError("nothing to plot: no rows")

@@ -13,7 +13,7 @@ from PIL import Image
 
 from hybridtrain.data.prepare.ilsvrc_jobs import read_json
 from hybridtrain.errors import UserError
-from hybridtrain.outputs import finish_partial, start_partial
+from hybridtrain.files import finish_partial, start_partial
 
 MARKER = ".hybridtrain-digits.json"
 SIZE = 32

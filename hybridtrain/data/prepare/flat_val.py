@@ -13,7 +13,7 @@ import unicodedata
 from hybridtrain.data.folder import is_image_file, read_text_lines
 from hybridtrain.data.prepare.names import unsafe_name
 from hybridtrain.errors import UserError
-from hybridtrain.outputs import check_input_dir, check_input_file, finish_partial, start_partial
+from hybridtrain.files import check_input_dir, check_input_file, finish_partial, start_partial
 
 CSV_HEADER = "ImageId,PredictionString"
 

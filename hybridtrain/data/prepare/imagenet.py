@@ -33,7 +33,7 @@ from hybridtrain.data.prepare.ilsvrc_jobs import (
 )
 from hybridtrain.data.prepare.names import makedirs_inside
 from hybridtrain.errors import UserError
-from hybridtrain.outputs import check_input_dir, nearest_existing
+from hybridtrain.files import check_input_dir, nearest_existing
 
 PARAMS, COMPLETE = "params.json", "complete.json"
 RESIZE_SAMPLE = 32  # validation images re-encoded to estimate the size of a --resize copy

@@ -35,7 +35,7 @@ from hybridtrain.data.prepare.names import inside
 from hybridtrain.data.sharding import split_sizes
 from hybridtrain.data.shards import parse_index
 from hybridtrain.errors import UserError
-from hybridtrain.outputs import PARTIAL_MARKER, finish_partial, start_partial
+from hybridtrain.files import PARTIAL_MARKER, finish_partial, start_partial
 
 PACK_SEED = 0
 INDEX_VERSION = "v1.2"

@@ -17,7 +17,7 @@ from PIL import Image, ImageDraw
 from hybridtrain.data.prepare.digits import prepared_counts, publish
 from hybridtrain.data.prepare.imagenet import run_all
 from hybridtrain.errors import UserError
-from hybridtrain.outputs import start_partial
+from hybridtrain.files import start_partial
 
 SHAPES = ("ellipse", "rectangle", "triangle", "diamond")
 SPLITS = ("train", "val")

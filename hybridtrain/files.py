@@ -1,4 +1,6 @@
-"""Output paths of the commands: checked before any work starts, written atomically.
+"""Every file the package writes, and the paths the commands take: checked before any work starts, written
+atomically (:func:`atomic_path`, :func:`replace_file` and the writers on them; a run's metrics lines by
+:func:`append_json_line`), never through a link (:func:`refuse_unless_plain`).
 
 Each command checks its output options at its top, so a bad path costs one line (``hybridtrain: error:``, exit 2)
 before minutes of benchmarking or data checking, never a traceback after them. The rules, the same everywhere:
@@ -21,12 +23,14 @@ before minutes of benchmarking or data checking, never a traceback after them. T
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
+import tempfile
 
-from hybridtrain.errors import UserError, atomic_path, dangling_link, replace_file
+from hybridtrain.errors import UserError, dangling_link
 
 PARTIAL_MARKER = ".hybridtrain-partial"
 
@@ -178,6 +182,40 @@ def check_input_file(path: str | None, option: str, fix: str = "", folder: bool 
     return path
 
 
+# ----------------------------------------------------------------------------- written atomically
+
+@contextlib.contextmanager
+def atomic_path(path: str):
+    """A temp path in ``path``'s folder, with ``path``'s extension (for writers that pick a format from it), that
+    becomes ``path`` in one rename when the block ends without an error, with the mode a plain new file gets under
+    this process's umask (a temp file starts at 0600); removed when it does not."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.normpath(path)) or ".",
+                               prefix=f".{os.path.basename(path)}.", suffix=os.path.splitext(path)[1])
+    os.close(fd)
+    try:
+        yield tmp
+        umask = os.umask(0o022)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def replace_file(path: str, text: str) -> str:
+    """``text`` at ``path`` through a new temp file in its folder (:func:`atomic_path`), fsynced, and one rename, so a
+    reader (torchrun, a restarted attempt, a user) finds the old file or the whole new one, even when this process is
+    killed mid-write. Every text file the package writes goes through it (:func:`write_text_atomically` adds the
+    one-line error; the guard's crash log and torchrun's error file, launched_by, take the OSError themselves)."""
+    with atomic_path(path) as tmp, open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    return path
+
+
 def write_text_atomically(path: str, text: str) -> str:
     """``text`` into ``path`` through a temp file in the same folder, fsynced, then renamed over it."""
     try:
@@ -242,15 +280,7 @@ def check_image_format(path: str, option: str) -> None:
                         f".{', .'.join(sorted(formats))})")
 
 
-# ----------------------------------------------------------------------------- tables and figures
-
-def markdown_table(header: list[str], rows: list[list]) -> str:
-    """A Markdown table, the one writer of every table the commands print; each cell is ``str()``-ed and a '|'
-    in it is escaped so the columns hold."""
-    def line(cells) -> str:
-        return "| " + " | ".join(str(c).replace("|", "\\|").replace("\n", " ") for c in cells) + " |"
-    return "\n".join([line(header), line(["---"] * len(header))] + [line(r) for r in rows])
-
+# ----------------------------------------------------------------------------- figures
 
 def figure(width: float, height: float):
     """A matplotlib Figure drawn off screen (Agg; no display, no pyplot state), for ``save_figure``."""
