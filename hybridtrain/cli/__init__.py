@@ -45,5 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    return run_guarded(lambda: args.func(args), lambda: getattr(args, "crash_log_dir", None))
+    """Parse and run under run_guarded: parsing reads the engine plugins (--engine's choices), whose refusal is one
+    line too."""
+    parsed = {}
+
+    def parse_and_run():
+        args = parsed["args"] = build_parser().parse_args(argv)
+        return args.func(args)
+    return run_guarded(parse_and_run, lambda: getattr(parsed.get("args"), "crash_log_dir", None))
