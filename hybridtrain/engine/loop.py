@@ -311,13 +311,21 @@ def stall_watchdog(cfg: Config, topo) -> StallWatchdog:
     return StallWatchdog(cfg.distributed.stall_warning_s, cfg.distributed.stall_shutdown_s, topo.rank)
 
 
+def start_epoch_clock(position: EpochPosition) -> float:
+    """The epoch's start (a ``perf_counter``), the same moment on every rank: after a barrier, so rank 0's own
+    set-up (the sinks' tracked runs, TensorBoard's writer, config.yaml) is not its peers' first step. A continued
+    epoch starts its earlier training time before: its epoch_time_s, train_time_s and breakdown span the same."""
+    distributed.barrier()
+    return time.perf_counter() - (position.resume.train_time_s if position.resume else 0.0)
+
+
 def train_epoch_range(cfg: Config, t: Trainer, watch: PreemptionWatch, watchdog: StallWatchdog, start_epoch: int,
                       resumed: EpochPosition | None, run: RunRecord) -> dict | None:
     """Epochs ``start_epoch`` to the end, each followed by the end-of-epoch path; a SIGTERM stops after a step."""
     topo = t.topo
     for epoch in range(start_epoch, cfg.train.epochs):
-        epoch_start = time.perf_counter()
         position = resumed if resumed and epoch == start_epoch else EpochPosition(epoch)
+        epoch_start = start_epoch_clock(position)
         result = train_epoch(cfg, t, position, epoch == start_epoch, watchdog, lambda steps: watch.after_step())
         if result.stopped:
             watch.close()
