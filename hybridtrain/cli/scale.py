@@ -12,6 +12,7 @@ from hybridtrain.outputs import check_output_dir, check_output_file, write_json_
 
 def cmd_scale(args) -> int:
     from hybridtrain.cluster import netns as cluster
+    args.crash_log_dir = args.out  # its runs' folder: a bug's traceback goes to its logs/
     check_output_dir(args.out, "--out")
     if args.json:
         check_output_file(args.json, "--json")
