@@ -126,11 +126,12 @@ def _coerce(value: Any, f: dataclasses.Field, dotted: str):
 
 
 def _span(meta) -> str:
-    """The allowed range as the error line writes it, e.g. [1, 65536] or (0.0, inf)."""
+    """The allowed values as the error line writes them, e.g. [1, 65536], (0.0, inf) or [0.0, 1.0), or -1.0 (...)."""
     lo, hi = meta.get("lo"), meta.get("hi")
     left = "(" if meta.get("lo_open") or lo is None else "["
     right = ")" if meta.get("hi_open") or hi is None else "]"
-    return f"{left}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}{right}"
+    special = f", or {meta['special'][0]} ({meta['special'][1]})" if meta.get("special") else ""
+    return f"{left}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}{right}{special}"
 
 
 def _as_float(value, meta, dotted) -> float:
@@ -176,6 +177,8 @@ def _check_numbers(values: list, meta, dotted) -> list:
 
 
 def _check_range(value, meta, dotted):
+    if meta.get("special") and value == meta["special"][0]:
+        return
     lo, hi = meta.get("lo"), meta.get("hi")
     too_low = lo is not None and (value <= lo if meta.get("lo_open") else value < lo)
     too_high = hi is not None and (value >= hi if meta.get("hi_open") else value > hi)

@@ -14,10 +14,12 @@ def choice(default, choices, doc=""):
     return field(default=default, metadata={"choices": tuple(choices), "doc": doc})
 
 
-def number(default, lo=None, hi=None, lo_open=False, hi_open=False, doc=""):
-    """An int or float key in [lo, hi] (open ends with lo_open/hi_open). Floats are finite: NaN and +-inf are refused
-    for every key (no key gives infinity a meaning), so a bound left out means any finite value."""
-    return field(default=default, metadata={"lo": lo, "hi": hi, "lo_open": lo_open, "hi_open": hi_open, "doc": doc})
+def number(default, lo=None, hi=None, lo_open=False, hi_open=False, doc="", special=None):
+    """An int or float key in [lo, hi] (open ends with lo_open/hi_open), or ``special``'s value (value, meaning) outside
+    it. Floats are finite: NaN and +-inf are refused for every key (no key gives infinity a meaning), so a bound left
+    out means any finite value."""
+    return field(default=default, metadata={"lo": lo, "hi": hi, "lo_open": lo_open, "hi_open": hi_open, "doc": doc,
+                                            "special": special})
 
 
 def numbers(default, lo=None, hi=None, lo_open=False, hi_open=False, length=None, increasing=False, doc=""):
@@ -139,7 +141,7 @@ class TrainConfig:
                          "auto: each rank's own GPU when CUDA works, else the CPU; cuda: a GPU or one error line "
                          "saying why not; cpu: the CPU even on a GPU host")
     # issue 45: the recipes' options (docs/experiments.md)
-    label_smoothing: float = number(-1.0, lo=-1.0, hi=1.0, hi_open=True,
+    label_smoothing: float = number(-1.0, lo=0.0, hi=1.0, hi_open=True, special=(-1.0, "the optimizer's default"),
                                     doc="label smoothing e of the FP32 softmax cross-entropy (target (1-e) on the "
                                         "label + e/classes on every class), in [0, 1); -1 = the optimizer's "
                                         "default: 0.1 for optim.name=mlperf, else 0 (the resolved value is saved)")
@@ -157,6 +159,14 @@ class TrainConfig:
 OPTIMIZER_FLAGS = {"hybrid": ("fusable", "needs_fp32_state"), "adabound": ("fusable", "needs_fp32_state"),
                    "goyal": (), "sgd": (), "mlperf": ()}
 SCHEDULED = ("goyal", "sgd")  # the SGD-family optimizers whose decay optim.schedule picks
+# optim.<key> -> the optimizers (optim.name) whose build or schedule reads it (optim/factory.py, optim/schedules.py);
+# the keys every optimizer reads (lr, weight_decay, ...) are not listed
+OPTIMIZER_KEYS = {"adabound_epochs": ("hybrid",), "alpha": ("hybrid", "adabound"), "betas": ("hybrid", "adabound"),
+                  "eps": ("hybrid", "adabound"), "bound_granularity": ("hybrid",), "kappa": ("hybrid",),
+                  "kappa_origin": ("hybrid",), "lars": ("hybrid",), "trust_coefficient": ("hybrid",),
+                  "adabound_gamma": ("adabound",), "warmup_epochs": ("goyal", "mlperf"), "milestones": SCHEDULED,
+                  "decay_factor": SCHEDULED, "end_lr": ("mlperf",), "poly_power": ("mlperf",),
+                  "mlperf_trust_coefficient": ("mlperf",), "mlperf_eps": ("mlperf",)}
 DEFAULT_LABEL_SMOOTHING = {"mlperf": 0.1}  # optim.name -> train.label_smoothing's default (else 0): MLPerf's 0.1
 
 
@@ -323,7 +333,8 @@ class ProfileConfig:
 @dataclass
 class SinksConfig:
     mlflow: str = plain("", "rank 0 logs the run to MLflow: '' = off, 'local' = a file store in run_dir/mlruns, else "
-                            "a tracking URI (file:/path, http://host:5000); needs mlflow or mlflow-skinny (pip install "
+                            "a tracking URI (file:/absolute/path, http://host:5000, or sqlite:///path/mlflow.db with "
+                            "the full mlflow package); needs mlflow or mlflow-skinny (pip install "
                             "'hybridtrain[sinks]')")
     wandb: str = choice("", ["", "offline", "online"],
                         "rank 0 logs the run to Weights & Biases: '' = off, offline (run_dir/wandb, 'wandb sync' "
