@@ -5,21 +5,27 @@ import os
 import sys
 
 from hybridtrain.cli.options import RANKS, add_engine_option, add_recipe_options, bounded_float, with_engine
+from hybridtrain.errors import UserError
 from hybridtrain.outputs import check_output_dir, check_output_file, write_text_atomically
 
 
 def cmd_experiment(args) -> int:
     from hybridtrain.reports.experiments import run_experiment
+    args.crash_log_dir = args.out  # its runs' folder: a bug's traceback goes to its logs/
+    rows = None if args.rows is None else [row.strip() for row in args.rows.split(",") if row.strip()]
+    if rows == []:  # not every row: an empty list asked for none
+        raise UserError(f"--rows names no row (got {args.rows!r}): name rows as the experiment's table shows them, "
+                        f"e.g. --rows hybrid,goyal, or drop --rows to run them all")
     check_output_dir(args.out, "--out")
     from hybridtrain.cluster.netns import stopped_cleanly
     with stopped_cleanly("its runs' ranks ended"):
-        run_experiment(args.name, args.config, with_engine(args), args.out, args.ranks, args.target,
-                       [row.strip() for row in args.rows.split(",")] if args.rows else None)
+        run_experiment(args.name, args.config, with_engine(args), args.out, args.ranks, args.target, rows)
     return 0
 
 
 def cmd_report(args) -> int:
     from hybridtrain.reports.report import comparison_markdown, report_run, summary_table
+    args.crash_log_dir = args.run_dirs[0]  # the run reported on: a bug's traceback goes to its logs/
     if args.out is not None:
         check_output_file(args.out, "--out", "comparison.md")
     reports = [report_run(d, args.top1_target, args.top5_target, args.single_gpu_speed) for d in args.run_dirs]
