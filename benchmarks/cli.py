@@ -87,6 +87,7 @@ def cmd_bench_data(args) -> int:
 
 
 def cmd_scale(args) -> int:
+    args.crash_log_dir = args.out  # its runs' folder: a bug's traceback goes to its logs/
     check_output_dir(args.out, "--out")
     if args.json:
         check_output_file(args.json, "--json")

@@ -72,3 +72,27 @@ def test_a_writer_killed_mid_write_leaves_the_old_file_or_the_new_one(tmp_path):
     whole = ("config.yaml", "rank-0-error.log", "final_model.pt", "final_model.pt.sha256", "metrics.jsonl")
     leftovers = [n for n in os.listdir(tmp_path) if n not in whole]
     assert all(n.startswith((".config.yaml.", ".rank-0-error.log.")) or ".tmp-" in n for n in leftovers), leftovers
+
+
+def test_a_killed_saves_temp_files_go_at_the_next_start(small_digits, tmp_path, write_config):
+    """The writer killed mid-write in a run folder leaves temp files (final_model.pt.tmp-PID, .config.yaml.XXXXXXXX.yaml,
+    ...); the next train into that folder removes every one of them as it claims the folder (here it then refuses:
+    the folder holds another run's files), and leaves the files that are whole."""
+    from conftest import HYBRIDTRAIN, assert_one_error_line, run, tiny_config
+    folder = tmp_path / "run"
+    folder.mkdir()
+    rng = random.Random(1)
+    for _ in range(4):
+        proc = subprocess.Popen([sys.executable, "-c", WRITER, str(folder)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(rng.uniform(0.2, 1.0))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    (folder / f"final_model.pt.tmp-{proc.pid}").write_bytes(b"half a model")  # the kill inside final_model's save
+    (folder / ".report.md.a1b2c3d4.md").write_text("half a report")  # and inside the report's
+    left = [n for n in os.listdir(folder) if ".tmp-" in n or n.startswith((".config.yaml.", ".report.md."))]
+    assert f"final_model.pt.tmp-{proc.pid}" in left
+    config = write_config(tiny_config(small_digits, str(folder)), "train.yaml")
+    assert_one_error_line(run([HYBRIDTRAIN, "train", "--config", config]), "holds another run's files")
+    assert not [n for n in os.listdir(folder) if ".tmp-" in n or n.startswith((".config.yaml.", ".report.md."))]
+    assert {"final_model.pt", "config.yaml"} <= set(os.listdir(folder))

@@ -232,6 +232,20 @@ def test_resume_into_a_model_with_another_class_count_is_one_error_line(trained_
 
 
 @pytest.mark.slow
+def test_a_config_changed_at_resume_names_each_key_from_what_to_what_and_whether_it_applies(trained_run, tmp_path):
+    """The finished 2-epoch run resumed for a third epoch with a new learning rate and convolution init: one line
+    names each changed key with its old and new value; the init's does not apply (the checkpoint's weights load)."""
+    config, run_dir = copy_run(trained_run, tmp_path)
+    proc = train(config, "--resume", "--set", "train.epochs=3", "--set", "optim.lr=0.06", "--set",
+                 "model.conv_init=xavier")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = [x for x in proc.stdout.splitlines() if "the config differs from the checkpoint's" in x]
+    assert line == ("hybridtrain: warning: the config differs from the checkpoint's: optim.lr 0.05 -> 0.06, "
+                    "train.epochs 2 -> 3 (applies from here on); model.conv_init kaiming -> xavier (does not apply: "
+                    "it shapes the initial weights, and the checkpoint's are loaded)"), line
+    assert [r["epoch"] for r in read_metrics(run_dir)] == [1, 2, 3]
+
+
 def test_resume_with_another_optimizer_is_one_error_line(trained_run, tmp_path):
     config, _ = copy_run(trained_run, tmp_path, epochs=3)
     proc = train(config, "--resume", "--set", "optim.name=hybrid", "--set", "optim.adabound_epochs=1")

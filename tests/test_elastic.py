@@ -20,9 +20,11 @@ from conftest import (
     read_metrics,
     tiny_config,
 )
+from test_time_breakdown import assert_parts_add_up
 
 from hybridtrain.config import config_from_dict
 from hybridtrain.data import sharding
+from hybridtrain.engine.breakdown import STARTUP_PARTS
 from hybridtrain.engine.elastic import step_in_epoch
 from hybridtrain.optim import create_schedule
 from hybridtrain.optim.schedules import adabound_bounds, bound_progress
@@ -71,6 +73,7 @@ def test_the_schedule_follows_the_current_rank_count():
     ({"HOROVOD_ELASTIC": "1"}, ["--set", "horovod.fusion_threshold_mb=64", "--set", "horovod.cycle_time_ms=2"],
      "keep one of them at its default"),
     ({"HOROVOD_ELASTIC": "1"}, ["--set", "train.cuda_graphs=true"], "set train.cuda_graphs=false"),
+    ({"HOROVOD_ELASTIC": "1"}, ["--profile"], "--profile (profile.enabled) profiles the static loop"),
 ])
 def test_what_elastic_cannot_do_is_one_line(small_digits, tmp_path, write_config, launcher_env, override, needle):
     cfg = write_config(tiny_config(small_digits, str(tmp_path / "run"), data=WITH_WORKERS))  # other backends too
@@ -148,6 +151,11 @@ def test_elastic_run_survives_3_to_2_to_3_ranks_and_covers_every_sample(small_di
     records = read_metrics(run_dir)
     assert [r["epoch"] for r in records] == list(range(1, 5))
     assert records[1]["world_size"] == 2 and records[-1]["world_size"] == 3
+    for record in records:  # a resized epoch's record covers its committed segments, each rank's parts add up
+        assert_parts_add_up(record)
+    startup = records[0]["startup_s"]  # the elastic start's own parts, as a static run's
+    assert set(STARTUP_PARTS) <= set(startup) and all(startup[p] > 0 for p in ("imports", "model_build"))
+    assert abs(sum(startup[p] for p in STARTUP_PARTS) - startup["total"]) < 1e-6
     assert records[-1]["val_top1"] > 0.5  # it went on learning
     samples = {}
     for path in glob.glob(os.path.join(run_dir, "samples", "*.jsonl")):
@@ -203,4 +211,7 @@ def test_a_preempted_static_run_resumes_elastically_on_more_ranks_where_it_stopp
     assert row["epoch"] == 1 and sorted(first_commit) == [0, 1, 2]
     order = np.random.default_rng([3, 0]).permutation(240)  # tiny_config's seed 3, epoch 0
     assert sum((first_commit[r] for r in range(3)), []) == order[consumed:consumed + 24].tolist()
-    assert [r["world_size"] for r in read_metrics(run_dir)] == [3, 3]
+    records = read_metrics(run_dir)
+    assert [r["world_size"] for r in records] == [3, 3]
+    for record in records:  # the continued epoch covers the static run's steps too
+        assert_parts_add_up(record)

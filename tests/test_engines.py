@@ -164,3 +164,48 @@ def test_a_plugin_engine_is_one_file_and_trains_through_hybridtrain_train(digits
     records = read_metrics(run_dir)
     assert [(r["epoch"], r["world_size"]) for r in records] == [(1, 2)]
     assert math.isfinite(records[0]["train_loss"])
+
+
+# ----------------------------------------------------------------------------- a broken plugin, wherever it is named
+
+BROKEN_PLUGINS = {  # module -> (its code, what the line says is wrong)
+    "raises_at_import": ("raise RuntimeError('no licence server')\n", "its import raised RuntimeError: no licence"),
+    "second_torch": ("import dataclasses\nfrom hybridtrain.distributed.engines import ENGINES\n"
+                     "ENGINE_SPEC = dataclasses.replace(ENGINES['torch'])\n", "registers engine 'torch', a name "
+                     "already taken: rename it"),
+}
+HALF_ENGINE = '''import dataclasses
+from hybridtrain.distributed.engines import ENGINES
+from hybridtrain.distributed.torch_distributed import init  # noqa: F401
+NAME = "half"
+ENGINE_SPEC = dataclasses.replace(ENGINES["torch"], name=NAME, module=__name__)
+'''
+
+
+def test_a_broken_plugin_is_one_line_from_engine_the_config_and_bench(small_digits, tmp_path, write_config):
+    """Plugins written into tmp_path and named by HYBRIDTRAIN_ENGINE_PLUGINS, in real processes: one that raises at
+    its import or takes a taken name is one line naming it and the fix whether --engine names an engine (read while
+    the command line is parsed: train, bench, experiment) or the config does; one without the engine's functions is
+    one line naming what it lacks when the run starts, before any of them is called."""
+    for name, (code, _) in BROKEN_PLUGINS.items():
+        (tmp_path / f"{name}.py").write_text(code)
+    (tmp_path / "half.py").write_text(HALF_ENGINE)
+    config = write_config(tiny_config(small_digits, str(tmp_path / "run")))
+
+    def hybridtrain(plugins: str, *args: str) -> subprocess.CompletedProcess:
+        env = {**env_with_venv(1), PLUGINS_VAR: plugins,
+               "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+        return subprocess.run([HYBRIDTRAIN, *args], capture_output=True, text=True, timeout=300, env=env,
+                              stdin=subprocess.DEVNULL)
+    for name, (_, what) in BROKEN_PLUGINS.items():
+        for args in (("train", "--config", config, "--engine", "torch"),
+                     ("train", "--config", config, "--set", "distributed.engine=torch"),
+                     ("bench", "--engine", "torch", "--steps", "1"),
+                     ("experiment", "optimizers", "--config", config, "--engine", "torch")):
+            line = assert_one_error_line(hybridtrain(name, *args), name, what)
+            assert "a bug" not in line and ("fix the module" in line or "rename it" in line), line
+    line = assert_one_error_line(hybridtrain("half", "train", "--config", config, "--engine", "half"),
+                                 "the ENGINE_SPEC of engine 'half' names half, which is not an engine module: it "
+                                 "lacks size, broadcast_tensors")
+    assert "wrap_optimizer" in line and " init" not in line.split("lacks", 1)[1] and "a bug" not in line
+    assert not os.path.exists(tmp_path / "run")

@@ -53,6 +53,14 @@ def test_unknown_experiment_is_one_line(tmp_path):
     assert_one_error_line(run([*TOOLS, "experiment", "nosuch", "--out", str(tmp_path)]), "unknown experiment")
 
 
+@pytest.mark.parametrize("rows", ["", " , "])
+def test_an_empty_rows_list_is_one_line_not_every_row(tmp_path, rows):
+    out = tmp_path / "out"
+    assert_one_error_line(run([*TOOLS, "experiment", "optimizers", "--rows", rows, "--out", str(out)]),
+                          "--rows names no row", "drop --rows to run them all")
+    assert not out.exists()
+
+
 def test_plot_schedule_png_and_series(tmp_path):
     out = tmp_path / "s.png"
     proc = run([HYBRIDTRAIN, "plot-schedule", "--config", "configs/demo.yaml", "--ranks", "4",
@@ -126,3 +134,7 @@ def test_prepare_mnist5k_writes_the_real_digits_in_class_folders(tmp_path):
     assert labels[index] == 7
     written = np.asarray(Image.open(tmp_path / "m" / "val" / "7" / name).convert("L"), dtype=np.float64)
     assert written.shape == (28, 28) and np.abs(written - images[index]).mean() < 3  # JPEG quality 95
+    marker = json.load(open(tmp_path / "m" / ".hybridtrain-mnist5k.json"))  # the set's marker names its own set
+    assert marker["dataset"] == "mnist5k" and not (tmp_path / "m" / ".hybridtrain-digits.json").exists()
+    assert_one_error_line(run([HYBRIDTRAIN, "prepare-data", "digits", "--out", str(tmp_path / "m")]),
+                          "holds mnist5k prepared with other settings (.hybridtrain-mnist5k.json)")

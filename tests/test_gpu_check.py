@@ -91,7 +91,12 @@ def test_a_read_only_out_folder_is_refused(tmp_path):
     (["--bundle", "{tmp}/wheels"], ["--bundle", "has no horovod-0.28.1.tar.gz", "make gpu-bundle"]),
     (["--gpus", "2"], ["--gpus is for --plan"]),
     (["--rehearse", "--archive", "{tmp}/back"], ["--archive brings a GPU call's results back", "drop --archive"]),
-], ids=["bundle-without-sdist", "gpus-without-plan", "archive-with-rehearse"])
+    (["--plan", "--archive", "{tmp}/back"], ["--archive does nothing with --plan", "drop --archive"]),
+    (["--plan", "--fresh", "--budget-s", "60"], ["--budget-s, --fresh do nothing with --plan",
+                                                 "drop --budget-s and --fresh"]),
+    (["--rehearse", "--fresh"], ["--fresh does nothing with --rehearse", "drop --fresh"]),
+], ids=["bundle-without-sdist", "gpus-without-plan", "archive-with-rehearse", "archive-with-plan",
+        "budget-and-fresh-with-plan", "fresh-with-rehearse"])
 def test_bad_options_are_refused_in_one_line_before_any_work(tmp_path, args, needles):
     (tmp_path / "wheels").mkdir()
     argv = [a.replace("{tmp}", str(tmp_path)) for a in args]

@@ -73,6 +73,26 @@ def tiny_model() -> torch.nn.Module:
     return model
 
 
+def test_another_optimizers_keys_are_named_in_one_warning_line(tmp_path):
+    """optim keys set for another optimizer than optim.name are said in one line (rank 0's) as train reads the
+    config, each named once; the keys optim.name reads, and defaults, are not. The run then stops on its missing
+    data folder, before torch, so that the test costs a config load."""
+    import subprocess
+
+    from conftest import HYBRIDTRAIN, env_with_venv
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"run_dir": str(tmp_path / "run"), "optim": {
+        "name": "goyal", "kappa": 0.5, "adabound_epochs": 3, "end_lr": 0.01, "warmup_epochs": 1.0,
+        "alpha": 1e-3}, "data": {"path": str(tmp_path / "nodata")}}))
+    proc = subprocess.run([HYBRIDTRAIN, "train", "--config", str(config)], capture_output=True, text=True,
+                          timeout=120, env=env_with_venv(1), stdin=subprocess.DEVNULL)
+    warnings = [line for line in proc.stderr.splitlines() if "warning: config:" in line]
+    assert warnings == ["hybridtrain: warning: config: optim.adabound_epochs, optim.kappa, optim.end_lr are set but "
+                        "optim.name=goyal does not read them (ignored): drop them, or choose the optimizer that "
+                        "does"], proc.stderr
+    assert proc.returncode == 2 and "nodata" in proc.stderr
+
+
 def test_the_ema_follows_a_hand_worked_sequence_with_its_warmup_and_restores_exactly():
     model = tiny_model()
     ema = WeightEMA(model, decay=0.25)
@@ -198,6 +218,11 @@ def stop_and_resume_matches_straight(tmp_path, few, optim: dict, train: dict, en
     assert file_digest(tmp_path / "straight" / "final_model.pt") == file_digest(tmp_path / "broken" / "final_model.pt")
     (record,) = read_metrics(str(tmp_path / "straight"))
     assert record["val_count"] == 30 and "val_top1_ema" in record
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(tmp_path / "straight" / "tensorboard"))
+    events.Reload()  # the EMA's figures beside the raw ones
+    for tag, key in (("top1/val_ema", "val_top1_ema"), ("loss/val_ema", "val_loss_ema"), ("top1/val", "val_top1")):
+        assert [(e.step, round(e.value, 5)) for e in events.Scalars(tag)] == [(1, round(record[key], 5))], tag
     assert read_metrics(str(tmp_path / "broken"))[0]["val_top1_ema"] == record["val_top1_ema"]
     return record
 

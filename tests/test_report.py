@@ -23,6 +23,36 @@ def write_run(run_dir, top1, top5, world_size=4, samples=1000, train_s=10.0, epo
     return str(run_dir)
 
 
+BREAKDOWN = {"input": 1.0, "compute": 6.0, "communication": 1.0, "optimizer": 1.0, "validation": 1.5,
+             "checkpoint": 0.5, "other": 1.0}
+DAMAGED_FIELDS = [  # (what the record holds, the field the line names)
+    ({"breakdown_s": {**BREAKDOWN, "compute": "6.0"}}, "breakdown_s.compute is \"6.0\", not a number of seconds"),
+    ({"breakdown_s": "compute 50%"}, "breakdown_s is \"compute 50%\", not a mapping"),
+    ({"startup_s": {"imports": 1.0, "first_step": 2.0}}, "startup_s is {\"imports\": 1.0, \"first_step\": 2.0}"),
+    ({"startup_s": {"imports": None, "total": 3.0}}, "startup_s.imports is null, not a number of seconds"),
+    ({"slowest_rank": "1"}, "slowest_rank is \"1\", not a rank"),
+    ({"dominant": "gpu"}, "dominant is \"gpu\", not one of input"),
+    ({"val_top1_ema": "0.5"}, "val_top1_ema is \"0.5\", not a number"),
+    ({"train_resolution": 1.5}, "train_resolution is 1.5, not a size in pixels"),
+]
+
+
+@pytest.mark.parametrize("fields, needle", DAMAGED_FIELDS, ids=[n.split(" ")[0] for _, n in DAMAGED_FIELDS])
+def test_a_damaged_newer_field_is_one_line_naming_file_epoch_and_field(tmp_path, fields, needle):
+    """A record's newer fields (the breakdown, the start-up, the EMA's and progressive resizing's figures) damaged by
+    hand or by another tool: one line naming metrics.jsonl, the record and its epoch, and the field; never a bug."""
+    run_dir = write_run(tmp_path / "run", [0.5, 0.7], [0.8, 0.9])
+    path = os.path.join(run_dir, "metrics.jsonl")
+    records = [json.loads(line) for line in open(path)]
+    records[0].update(breakdown_s=BREAKDOWN, startup_s={"imports": 1.0, "total": 1.0})  # sound: read as before
+    records[1].update(fields)
+    with open(path, "w") as fh:
+        fh.write("".join(json.dumps(r) + "\n" for r in records))
+    line = assert_one_error_line(run([HYBRIDTRAIN, "report", run_dir]), f"{path} record 2 (epoch 2): {needle}",
+                                 "restore the file, or remove that line")
+    assert "bug" not in line
+
+
 def test_report_figures_match_hand_computation(tmp_path):
     run_dir = write_run(tmp_path / "run", [0.5, 0.7, 0.76, 0.8], [0.8, 0.9, 0.94, 0.95])
     proc = run([HYBRIDTRAIN, "report", run_dir, "--single-gpu-speed", "26"])

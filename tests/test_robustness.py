@@ -96,3 +96,21 @@ def test_robustness_table_lists_25_inputs_across_all_areas_each_with_a_real_test
         assert ids and behaviour, f"row '{bad_input}' names no test or behaviour"
         for path, name in ids:
             assert name in defined_tests(os.path.join(REPO, path)), f"row '{bad_input}': {path}::{name} does not exist"
+
+
+@pytest.mark.parametrize("command, broken", [
+    (["report", "{run}"], "hybridtrain.reports.report:report_run"),
+    (["experiment", "optimizers", "--out", "{run}"], "hybridtrain.reports.experiments:run_experiment"),
+], ids=["report", "experiment"])
+def test_a_bugs_crash_log_goes_into_the_commands_run_folder(tmp_path, command, broken):
+    """A bug (an unexpected error) in a command that has a run folder: one line naming the log, and the traceback in
+    that folder's logs/, not in the system's temp folder."""
+    folder = tmp_path / "run"
+    folder.mkdir()
+    script = os.path.join(REPO, "tests", "scripts", "with_a_bug.py")
+    argv = [a.replace("{run}", str(folder)) for a in command]
+    proc = subprocess.run([sys.executable, script, broken, *argv], capture_output=True, text=True, timeout=120,
+                          env=env_with_venv(1), cwd=str(tmp_path), stdin=subprocess.DEVNULL)
+    log = folder / "logs" / "rank-0-error.log"
+    assert_one_error_line(proc, "unexpected ZeroDivisionError", str(log))
+    assert "ZeroDivisionError" in log.read_text() and "Traceback" in log.read_text()

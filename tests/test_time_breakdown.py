@@ -4,13 +4,25 @@ a large model at a small batch (compute), Horovod's all-reduce held back by a lo
 record, its report (report.md, breakdown.png) and, for one, TensorBoard name the dominant part."""
 from __future__ import annotations
 
+import glob
+import importlib.util
 import json
 import os
 import subprocess
 import time
 
 import torch
-from conftest import BIN, HOROVODRUN, REPO, TORCHRUN, digits_subset, env_with_venv, read_metrics, tiny_config
+from conftest import (
+    BIN,
+    HOROVODRUN,
+    REPO,
+    TORCHRUN,
+    assert_one_error_line,
+    digits_subset,
+    env_with_venv,
+    read_metrics,
+    tiny_config,
+)
 
 from hybridtrain.config import load_config
 from hybridtrain.distributed.engines import with_step_contract
@@ -81,11 +93,19 @@ def test_the_step_marks_the_engines_synchronize_as_communication():
 def test_a_slow_loader_is_named_input_and_the_first_step_is_split(small_digits, tmp_path, write_config):
     """Each training batch collates 1 s longer (7 steps): waiting for input dominates. The first record holds the
     time from the process's start to its first step, split into the set-up's parts, which add up to it. Under
-    --profile, the window's steps (1 waited, 1 warmed up, 2 recorded) are a Chrome trace in the run folder."""
+    --profile, the window's steps (1 waited, 1 warmed up, 2 recorded) are a Chrome trace in the run folder, and the
+    CUDA memory snapshot asked for on the CPU is said not to be taken; a window past the run's 7 steps is refused."""
     run_dir = str(tmp_path / "input")
     cfg = one_epoch(small_digits, run_dir, train={"batch_size": 32}, report={"tensorboard": False},
-                    profile={"wait": 1, "warmup": 1, "active": 2})
+                    profile={"wait": 1, "warmup": 1, "active": 2, "memory": True})
     proc = launch([], write_config(cfg), 1, args=("--profile",), SLOW_BATCH_S=1.0)
+    assert "warning: profile.memory is a CUDA memory snapshot and this run is on cpu" in proc.stdout
+    assert not glob.glob(os.path.join(run_dir, "profile", "memory-*"))
+    beyond = str(tmp_path / "beyond")
+    refused = subprocess.run([PYTHON, SLOWED, "train", "--profile", "--config", write_config(
+        one_epoch(small_digits, beyond, train={"batch_size": 32}, profile={"wait": 5, "warmup": 1, "active": 2}),
+        "beyond.yaml")], capture_output=True, text=True, timeout=300, cwd=REPO, env=env_with_venv(1))
+    assert_one_error_line(refused, "profile.wait + warmup + active = 5 + 1 + 2 = 8 steps, ends after the 7 step(s)")
     trace = json.load(open(os.path.join(run_dir, "profile", "trace-rank0.json")))
     assert any(event.get("name") == "ProfilerStep#3" for event in trace["traceEvents"])  # the recorded steps
     record = checked_record(run_dir, "input")
@@ -134,6 +154,57 @@ def test_a_straggler_under_ddp_is_named_and_its_peer_waits_in_communication(smal
     report = json.load(open(os.path.join(run_dir, "report.json")))
     assert report["slowest_rank"] == 1
     assert "Slowest rank: 1" in open(os.path.join(run_dir, "report.md")).read()
+
+
+def assert_parts_add_up(record: dict) -> None:
+    """Every rank's parts sum to the record's epoch time within 2%, and the epoch's training time lies inside it:
+    the ranks' clocks start together (no rank counts rank 0's own set-up as its first step's wait), and a continued
+    epoch's times and breakdown span the same (its earlier process's steps included)."""
+    epoch_s, parts = record["epoch_time_s"], record.get("breakdown_per_rank_s") or {
+        part: [seconds] for part, seconds in record["breakdown_s"].items()}
+    for rank in range(len(parts["other"])):
+        total = sum(parts[part][rank] for part in PARTS)
+        assert abs(total - epoch_s) <= 0.02 * epoch_s, (rank, total, record)
+        steps = sum(parts[part][rank] for part in PARTS[:4])
+        assert steps <= record["train_time_s"] * 1.02 + 0.01, (rank, steps, record)
+    assert record["train_time_s"] <= epoch_s, record
+    assert abs(record["images_per_sec"] - record["samples_seen"] / record["train_time_s"]) < 1e-6 * record[
+        "images_per_sec"]
+
+
+def test_the_parts_add_up_on_every_rank_fresh_with_tensorboard_under_horovod(small_digits, tmp_path, write_config):
+    """A fresh 2-rank Horovod run where rank 0 alone starts TensorBoard's writer before the first step: each rank's
+    parts still sum to the epoch, its first record's start-up parts to their total."""
+    run_dir = str(tmp_path / "fresh")
+    launch([HOROVODRUN, "--gloo", "-np", "2", "-H", "localhost:2"], write_config(one_epoch(small_digits, run_dir)), 2)
+    (record,) = read_metrics(run_dir)
+    assert_parts_add_up(record)
+    startup = record["startup_s"]
+    assert abs(sum(startup[p] for p in STARTUP_PARTS) - startup["total"]) < 1e-6 and startup["first_step"] > 0
+
+
+def test_the_parts_add_up_on_every_rank_with_sinks_stopped_and_resumed_under_ddp(small_digits, tmp_path,
+                                                                                  write_config):
+    """A 2-rank DDP run logging to MLflow and W&B (rank 0 starts their tracked runs, seconds of set-up its peer
+    does not have), SIGTERM'd mid-epoch 1 and resumed: the continued epoch's record covers both processes' steps
+    (its epoch and training times and its parts), the next one its own, and each rank's parts sum to the epoch."""
+    import pytest
+    from test_preemption import train_until_sigterm
+    sinks = {name: mode for name, mode in (("mlflow", "local"), ("wandb", "offline"))
+             if importlib.util.find_spec(name) is not None}
+    if not sinks:
+        pytest.skip("the sinks extra (pip install 'hybridtrain[sinks]') is not installed")
+    run_dir = str(tmp_path / "sinks")
+    config = write_config(one_epoch(small_digits, run_dir, train={"epochs": 2, "batch_size": 8},
+                                    report={"tensorboard": False}, sinks={**sinks, "project": "breakdown"}))
+    stopped = train_until_sigterm(config, (0, 1), resume=False, engine="torch")
+    assert stopped.returncode == 0 and "stopped on SIGTERM after step" in stopped.stdout, stopped.stdout[-3000:]
+    launch([TORCHRUN, "--standalone", "--nproc-per-node=2", "--no-python"], config, 2, args=("--resume", "auto"))
+    records = read_metrics(run_dir)
+    assert [r["epoch"] for r in records] == [1, 2]
+    for record in records:
+        assert_parts_add_up(record)
+    assert records[0]["samples_seen"] == records[1]["samples_seen"]  # the whole epoch, both processes' share
 
 
 def test_the_transforms_are_torchvisions_pixel_for_pixel_and_the_loader_imports_no_torchvision():

@@ -54,10 +54,14 @@ def cmd_cluster(args) -> int:
 
 def cmd_experiment(args) -> int:
     from tools.experiments import run_experiment
+    args.crash_log_dir = args.out  # its runs' folder: a bug's traceback goes to its logs/
+    rows = None if args.rows is None else [row.strip() for row in args.rows.split(",") if row.strip()]
+    if rows == []:  # not every row: an empty list asked for none
+        raise UserError(f"--rows names no row (got {args.rows!r}): name rows as the experiment's table shows them, "
+                        f"e.g. --rows hybrid,goyal, or drop --rows to run them all")
     check_output_dir(args.out, "--out")
     with stopped_cleanly("its runs' ranks ended"):
-        run_experiment(args.name, args.config, with_engine(args), args.out, args.ranks, args.target,
-                       [row.strip() for row in args.rows.split(",")] if args.rows else None)
+        run_experiment(args.name, args.config, with_engine(args), args.out, args.ranks, args.target, rows)
     return 0
 
 

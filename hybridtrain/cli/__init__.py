@@ -65,10 +65,16 @@ def moved_command(argv: list[str]) -> str | None:
 
 
 def main(argv=None) -> int:
+    """Parse and run under run_guarded: parsing reads the engine plugins (--engine's choices), whose refusal is one
+    line too."""
     argv = sys.argv[1:] if argv is None else list(argv)
     line = moved_command(argv)
     if line:
         sys.stderr.write(line + "\n")
         return 2
-    args = build_parser(argv[0] if argv else None).parse_args(argv)
-    return run_guarded(lambda: args.func(args), lambda: getattr(args, "crash_log_dir", None))
+    parsed = {}
+
+    def parse_and_run():
+        args = parsed["args"] = build_parser(argv[0] if argv else None).parse_args(argv)
+        return args.func(args)
+    return run_guarded(parse_and_run, lambda: getattr(parsed.get("args"), "crash_log_dir", None))

@@ -5,10 +5,20 @@ from hybridtrain.cli.options import bounded_float, bounded_int
 from hybridtrain.errors import UserError
 
 
+def refuse_unused(args, mode: str, unused: tuple[str, ...]) -> None:
+    """One line when an option that ``mode`` ignores was given (argparse's defaults are None or False here)."""
+    given = [option for option in unused if getattr(args, option.lstrip("-").replace("-", "_")) not in (None, False)]
+    if given:
+        raise UserError(f"{', '.join(given)} {'does' if len(given) == 1 else 'do'} nothing with {mode}: drop "
+                        f"{' and '.join(given)}")
+
+
 def cmd_gpu_check(args) -> int:
     if args.gpus is not None and not args.plan:
         raise UserError("--gpus is for --plan (a real check counts the GPUs it finds): drop --gpus")
-    if args.plan:
+    if args.plan:  # prints the rows: no call, no build, no results to bring back
+        refuse_unused(args, "--plan (it only prints the rows)",
+                      ("--archive", "--bundle", "--venv", "--budget-s", "--fresh", "--rehearse"))
         from hybridtrain.gpucheck.rows import Pythons, build_rows, format_plan, plan_calls
         print(format_plan(plan_calls(build_rows(args.gpus or 1, args.out or "OUT", Pythons(horovod_bin="VENV/bin")))))
         return 0
@@ -16,10 +26,12 @@ def cmd_gpu_check(args) -> int:
         if args.archive is not None:
             raise UserError("--archive brings a GPU call's results back; --rehearse writes its table to --out: "
                             "drop --archive")
+        refuse_unused(args, "--rehearse (every step, each time, no time budget)", ("--budget-s", "--fresh"))
         from hybridtrain.gpucheck.rehearsal import rehearse
         return rehearse(args.out, args.bundle, args.venv)
-    from hybridtrain.gpucheck.check import run_gpu_check
-    return run_gpu_check(args.out, args.bundle, args.venv, args.budget_s, args.fresh, args.archive)
+    from hybridtrain.gpucheck.check import BUDGET_S, OUT, run_gpu_check
+    args.crash_log_dir = args.out or OUT  # its table's folder: a bug's traceback goes to its logs/
+    return run_gpu_check(args.out, args.bundle, args.venv, args.budget_s or BUDGET_S, args.fresh, args.archive)
 
 
 def add_commands(sub) -> None:
@@ -36,7 +48,7 @@ def add_commands(sub) -> None:
     gpu.add_argument("--bundle", help="what the machine lacks for the Horovod build (make gpu-bundle; default "
                                       ".gpu-bundle/ of the checkout when it exists)")
     gpu.add_argument("--venv", help="venv for the Horovod build (default .gpu-check/venv of the checkout)")
-    gpu.add_argument("--budget-s", type=bounded_float(0, 86400, lo_open=True), default=480,  # a day
+    gpu.add_argument("--budget-s", type=bounded_float(0, 86400, lo_open=True),  # a day
                      help="time for this call, the node checks included; a row that would not fit is left for "
                           "the next call (default 480)")
     gpu.add_argument("--fresh", action="store_true", help="run every row again, ignoring an earlier call's table")

@@ -11,6 +11,7 @@ from hybridtrain.files import atomic_path, check_image_format, check_output_file
 
 def cmd_report(args) -> int:
     from hybridtrain.reports.report import comparison_markdown, report_run, summary_table
+    args.crash_log_dir = args.run_dirs[0]  # the run reported on: a bug's traceback goes to its logs/
     if args.out is not None:
         check_output_file(args.out, "--out", "comparison.md")
     reports = [report_run(d, args.top1_target, args.top5_target, args.single_gpu_speed) for d in args.run_dirs]

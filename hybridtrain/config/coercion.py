@@ -98,11 +98,13 @@ def _coerce(value: Any, f: dataclasses.Field, dotted: str):
 
 
 def _span(meta) -> str:
-    """The allowed range as the error line writes it, e.g. [1, 65536] or (0.0, inf)."""
+    """The allowed values as the error line writes them, e.g. [1, 65536], (0.0, inf), or [0.0, 1.0) or null for a key
+    whose default is None (resolved from other keys)."""
     lo, hi = meta.get("lo"), meta.get("hi")
     left = "(" if meta.get("lo_open") or lo is None else "["
     right = ")" if meta.get("hi_open") or hi is None else "]"
-    return f"{left}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}{right}"
+    unset = " or null (the default resolved from other keys)" if meta.get("kind") else ""
+    return f"{left}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}{right}{unset}"
 
 
 def _as_float(value, meta, dotted) -> float:

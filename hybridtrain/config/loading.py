@@ -14,7 +14,7 @@ import yaml
 from hybridtrain.config.coercion import build, default_of, printable, show
 from hybridtrain.config.paths import check_paths, not_dangling
 from hybridtrain.config.rules import validate
-from hybridtrain.config.sections import Config
+from hybridtrain.config.sections import OPTIMIZER_KEYS, Config, OptimConfig
 from hybridtrain.errors import UserError
 from hybridtrain.files import write_text_atomically
 from hybridtrain.launched_by import launcher_rank
@@ -262,9 +262,24 @@ def load_config(path: str | None = None, overrides: list[str] | None = None, for
             leaf = _current_name(leaf, moved, by_name)
             _apply_override(tree, leaf, _as_written(leaf, item, text) if item is value else item)
     cfg = config_from_dict(tree, "by --set", moved)
+    if for_command == "train":
+        warn_unread_optimizer_keys(cfg)
     if for_command:
         check_paths(cfg, for_command)
     return cfg
+
+
+def warn_unread_optimizer_keys(cfg: Config) -> None:
+    """One line (rank 0's) naming the optim keys set away from their defaults that optim.name does not read: a
+    recipe's keys for another optimizer (an experiment's rows change optim.name over one recipe, so not a refusal)."""
+    defaults, o = OptimConfig(), cfg.optim
+    unread = [f"optim.{key}" for key, users in OPTIMIZER_KEYS.items()
+              if o.name not in users and getattr(o, key) != getattr(defaults, key)]
+    if unread and launcher_rank() == 0:
+        print(f"hybridtrain: warning: config: {', '.join(unread)} {'is' if len(unread) == 1 else 'are'} set but "
+              f"optim.name={o.name} does not read {'it' if len(unread) == 1 else 'them'} (ignored): drop "
+              f"{'it' if len(unread) == 1 else 'them'}, or choose the optimizer that does", file=sys.stderr,
+              flush=True)
 
 
 def config_from_dict(tree: dict, where: str = "in the mapping", moved: list[tuple[str, str]] | None = None) -> Config:

@@ -40,6 +40,7 @@ def validate(cfg: Config) -> Config:
     if cfg.horovod.autotune_log and not cfg.horovod.autotune:
         raise UserError("config error: horovod.autotune_log is set but horovod.autotune is false: set "
                         "horovod.autotune: true, or unset autotune_log")
+    validate_sinks(cfg)
     if cfg.data.backend == "synthetic" and cfg.data.file_lists:
         raise UserError("config error: data.file_lists names real images but data.backend is synthetic: "
                         "unset one of them")
@@ -135,6 +136,25 @@ def validate_progressive(cfg: Config) -> None:
         raise UserError(f"config error: progressive resizing needs data.res_start_epoch < data.res_end_epoch < "
                         f"train.epochs, got {d.res_start_epoch}, {d.res_end_epoch}, {epochs} (0-based epochs; the "
                         f"last epoch trains at data.res_end, where BN's last-iteration statistics are taken)")
+
+
+# the tracking URIs sinks.mlflow takes, by scheme: MLflow's file store, a tracking server, a database store
+MLFLOW_SCHEMES = ("file", "http", "https", "sqlite", "postgresql", "mysql", "mssql", "databricks")
+
+
+def validate_sinks(cfg: Config) -> None:
+    """sinks.mlflow is off, local or a tracking URI MLflow takes (a bare word such as 'true' would be a relative
+    file store, made in whatever folder the run starts in); sinks.project a name both trackers take."""
+    uri, project = cfg.sinks.mlflow, cfg.sinks.project
+    scheme = uri.split(":", 1)[0].split("+", 1)[0] if ":" in uri else ""
+    if uri not in ("", "local") and (scheme not in MLFLOW_SCHEMES or (scheme == "file" and not
+                                     uri.removeprefix("file:").removeprefix("//").startswith("/"))):
+        raise UserError(f"config error: sinks.mlflow={show(uri)} is not a form it takes: '' (off), local (a file "
+                        f"store in run_dir/mlruns), file:/absolute/path, http://host:5000 (a tracking server) or "
+                        f"sqlite:///path/mlflow.db (with the full mlflow package)")
+    if not project.strip() or len(project) > 128 or any(c in project for c in "/\\#?%:"):
+        raise UserError(f"config error: sinks.project={show(project)} must be a name of 1 to 128 characters without "
+                        f"/ \\ # ? % : (the MLflow experiment and the W&B project)")
 
 
 def validate_recipe(cfg: Config) -> None:

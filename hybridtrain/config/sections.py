@@ -160,6 +160,14 @@ class TrainConfig:
 OPTIMIZER_FLAGS = {"hybrid": ("fusable", "needs_fp32_state"), "adabound": ("fusable", "needs_fp32_state"),
                    "goyal": (), "sgd": (), "mlperf": ()}
 SCHEDULED = ("goyal", "sgd")  # the SGD-family optimizers whose decay optim.schedule picks
+# optim.<key> -> the optimizers (optim.name) whose build or schedule reads it (optim/factory.py, optim/schedules.py);
+# the keys every optimizer reads (lr, weight_decay, ...) are not listed
+OPTIMIZER_KEYS = {"adabound_epochs": ("hybrid",), "alpha": ("hybrid", "adabound"), "betas": ("hybrid", "adabound"),
+                  "eps": ("hybrid", "adabound"), "bound_granularity": ("hybrid",), "kappa": ("hybrid",),
+                  "kappa_origin": ("hybrid",), "lars": ("hybrid",), "trust_coefficient": ("hybrid",),
+                  "adabound_gamma": ("adabound",), "warmup_epochs": ("goyal", "mlperf"), "milestones": SCHEDULED,
+                  "decay_factor": SCHEDULED, "end_lr": ("mlperf",), "poly_power": ("mlperf",),
+                  "mlperf_trust_coefficient": ("mlperf",), "mlperf_eps": ("mlperf",)}
 DEFAULT_LABEL_SMOOTHING = {"mlperf": 0.1}  # optim.name -> train.label_smoothing's default (else 0): MLPerf's 0.1
 
 
@@ -326,7 +334,8 @@ class ProfileConfig:
 @dataclass
 class SinksConfig:
     mlflow: str = plain("", "rank 0 logs the run to MLflow: '' = off, 'local' = a file store in run_dir/mlruns, else "
-                            "a tracking URI (file:/path, http://host:5000); needs mlflow or mlflow-skinny (pip install "
+                            "a tracking URI (file:/absolute/path, http://host:5000, or sqlite:///path/mlflow.db with "
+                            "the full mlflow package); needs mlflow or mlflow-skinny (pip install "
                             "'hybridtrain[sinks]')")
     wandb: str = choice("", ["", "offline", "online"],
                         "rank 0 logs the run to Weights & Biases: '' = off, offline (run_dir/wandb, 'wandb sync' "

@@ -171,29 +171,36 @@ def plugin_specs(env: Mapping | None = None) -> dict[str, EngineSpec]:
                     f"its ENGINE_SPEC names the engine {str(spec.name)[:40]!r}, not a word")
             raise not_an_engine(name, what, "define ENGINE_SPEC = EngineSpec(...) in it (docs/engines.md)")
         if spec.name in ENGINES or spec.name in found or spec.name == "auto":
-            raise UserError(f"{PLUGINS_VAR}: {name} registers engine '{spec.name}', a name already taken: rename it")
+            raise UserError(f"{PLUGINS_VAR}: {name} registers engine '{spec.name}', a name already taken: rename it "
+                            f"in its ENGINE_SPEC, or unset {PLUGINS_VAR}")
         found[spec.name] = spec
     return found
 
 
-def plugin_module(name: str):
-    """The module ``name`` of HYBRIDTRAIN_ENGINE_PLUGINS, or one line: not found, or what its import raised (a
-    plugin's own code runs at its import, so anything it raises is the plugin's fault, named with its line)."""
+def plugin_module(name: str, named_by: str = PLUGINS_VAR):
+    """The module ``name`` of HYBRIDTRAIN_ENGINE_PLUGINS (or of a plugin's ENGINE_SPEC, ``named_by``), or one line:
+    not found, or what its import raised (a plugin's own code runs at its import, so anything it raises is the
+    plugin's fault, named with its line)."""
     try:
         return importlib.import_module(name)
     except Exception as exc:  # noqa: BLE001
         if isinstance(exc, ModuleNotFoundError) and exc.name and (name + ".").startswith(exc.name + "."):
-            raise not_an_engine(name, "it is not found on this python's path", "put its folder on PYTHONPATH")
+            raise not_an_engine(name, "it is not found on this python's path", "put its folder on PYTHONPATH",
+                                named_by)
         frames = [] if isinstance(exc, SyntaxError) else traceback.extract_tb(exc.__traceback__)[-1:]
         where = "".join(f" at {frame.filename}:{frame.lineno}" for frame in frames)
         message = (str(exc).strip().splitlines() or [""])[0][:200]
         raise not_an_engine(name, f"its import raised {type(exc).__name__}{': ' + message if message else ''}{where}",
-                            "fix the module") from None
+                            "fix the module", named_by) from None
 
 
-def not_an_engine(name: str, what: str, fix: str) -> UserError:
-    return UserError(f"{PLUGINS_VAR} names {name}, which is not an engine module: {what}: {fix}, or unset "
+def not_an_engine(name: str, what: str, fix: str, named_by: str = PLUGINS_VAR) -> UserError:
+    return UserError(f"{named_by} names {name}, which is not an engine module: {what}: {fix}, or unset "
                      f"{PLUGINS_VAR}")
+
+
+# what an engine module must define (the Engine protocol's functions), checked before the first is called
+ENGINE_FUNCTIONS = tuple(name for name, value in vars(Engine).items() if callable(value) and not name.startswith("_"))
 
 
 def registered(env: Mapping | None = None) -> dict[str, EngineSpec]:
@@ -209,8 +216,18 @@ def engine_spec(name: str, env: Mapping | None = None) -> EngineSpec:
 
 
 def engine_module(name: str) -> Engine:
-    """The module of engine ``name`` (imported now: torch, and the engine's library, with it)."""
-    return importlib.import_module(engine_spec(name).module)
+    """The module of engine ``name`` (imported now: torch, and the engine's library, with it). A plugin's module that
+    fails to import or lacks the engine's functions is one line naming it, before any of them is called."""
+    spec = engine_spec(name)
+    if name in ENGINES:
+        return importlib.import_module(spec.module)
+    named_by = f"the ENGINE_SPEC of engine '{name}'"
+    module = plugin_module(spec.module, named_by)
+    missing = [what for what in ("NAME", *ENGINE_FUNCTIONS) if not hasattr(module, what)]
+    if missing:
+        raise not_an_engine(spec.module, f"it lacks {', '.join(missing)}", "define them (docs/engines.md lists the "
+                            "Engine functions), or point ENGINE_SPEC's module at the module that does", named_by)
+    return module
 
 
 def launcher_size(env: Mapping | None = None) -> int:

@@ -163,8 +163,11 @@ _startup: dict = {"marks": [], "reported": False}
 
 
 def startup_mark(name: str) -> None:
-    """The end of set-up part ``name`` (STARTUP_PARTS), now; each part runs from the mark before it."""
-    _startup["marks"].append((name, time.perf_counter()))
+    """The end of set-up part ``name`` (STARTUP_PARTS), now; each part runs from the mark before it. None after the
+    first step: an elastic reset's set-up again is training time, not the start-up's."""
+    marks = _startup["marks"]
+    if not any(mark == "first_step" for mark, _ in marks):
+        marks.append((name, time.perf_counter()))
 
 
 def startup_fields() -> dict:

@@ -30,8 +30,17 @@ from hybridtrain.config import Config
 from hybridtrain.data.loaders import create_loaders
 from hybridtrain.distributed import collectives as distributed
 from hybridtrain.distributed import horovod
+from hybridtrain.engine.breakdown import startup_mark
 from hybridtrain.engine.epoch import EpochPosition, EpochProgress
-from hybridtrain.engine.loop import claim_run_dir, end_epoch, finish, log_setup, stall_watchdog, train_epoch
+from hybridtrain.engine.loop import (
+    claim_run_dir,
+    end_epoch,
+    finish,
+    log_setup,
+    stall_watchdog,
+    start_epoch_clock,
+    train_epoch,
+)
 from hybridtrain.engine.profiling import step_profiler
 from hybridtrain.engine.records import RunRecord, SampleAudit, audit_path
 from hybridtrain.engine.resume import (
@@ -65,6 +74,9 @@ def check_elastic(cfg: Config) -> None:
                         "Horovod 0.28.1 when ranks change: keep one of them at its default (128, 1.0)")
     if cfg.bn.per_rank_batch != "fixed":
         raise UserError("--elastic keeps a fixed per-rank batch: set bn.per_rank_batch=fixed, or drop --elastic")
+    if cfg.profile.enabled:  # the profiler steps in the static loop only (engine/profiling.py)
+        raise UserError("--profile (profile.enabled) profiles the static loop, and --elastic runs its own: drop "
+                        "--profile, or profile a run without --elastic")
     if cfg.train.cuda_graphs:  # gpu-path-2 #10: the graph's static tensors stay on the old GPU after a reset
         raise UserError("--elastic with train.cuda_graphs: a captured step cannot follow the model to another GPU "
                         "when ranks change: set train.cuda_graphs=false (train.compile works), or drop --elastic")
@@ -77,6 +89,7 @@ class Position:
     consumed: int = 0  # samples of this epoch's permutation used by committed steps, over all ranks
     totals: list = field(default_factory=lambda: [0.0, 0.0, 0.0])  # this epoch's loss sum, correct, seen (global)
     train_time_s: float = 0.0  # this epoch's training time so far
+    breakdown: dict = field(default_factory=dict)  # its seconds per step part (EpochProgress.breakdown)
     skipped_steps: int = 0  # this epoch's skipped (overflowing) steps so far
     elapsed_s: float = 0.0  # run time so far
     started: bool = False  # the run's start (fresh or resumed) is done
@@ -190,7 +203,7 @@ def restore_position(cfg: Config, t: Trainer, loaded: dict, pos: Position) -> No
     t.load_state_dict(loaded)
     pos.epoch, pos.elapsed_s = loaded["epoch"] + 1, loaded.get("elapsed_s", 0.0)
     if loaded.get("partial"):
-        pos.consumed, pos.totals, pos.train_time_s, pos.skipped_steps = stopped_by_samples(loaded)
+        pos.consumed, pos.totals, pos.train_time_s, pos.skipped_steps, pos.breakdown = stopped_by_samples(loaded)
 
 
 class Committer:
@@ -216,7 +229,7 @@ class Committer:
                                                         dtype=torch.float64), "elastic_totals")
         pos.totals = totals.tolist()
         pos.consumed = consumed_samples(self.segment_start, done.passes, t.topo.size, self.batch_size)
-        pos.train_time_s, pos.skipped_steps = done.train_time_s, done.skipped_steps
+        pos.train_time_s, pos.skipped_steps, pos.breakdown = done.train_time_s, done.skipped_steps, done.breakdown
         pos.elapsed_s = time.perf_counter() - self.run_start
         t.audit.write(pos.epoch, t.topo)
         state.commit()
@@ -234,6 +247,7 @@ def train_elastic(state: ElasticState, cfg: Config) -> dict | None:
         else:
             continued = start_run(cfg, state)
             state.commit()
+        startup_mark("model_build")  # built, state synced from rank 0, restored (none after the first step)
         log_setup(cfg, t)
         if t.profiler is None:  # once per process, its window counted from the process's first step, as static
             t.profiler = step_profiler(cfg, t.topo)
@@ -241,6 +255,7 @@ def train_elastic(state: ElasticState, cfg: Config) -> dict | None:
         # written), and the sinks continue their tracked runs; a reset's exception ends them (the next body
         # continues them)
         run = RunRecord(cfg, t.topo, state.owner, state.position.epoch, state.position.elapsed_s, resumed=continued)
+        startup_mark("run_setup")
         with run:
             return train_recorded_epochs(state, cfg, run, watchdog)
     finally:
@@ -250,11 +265,13 @@ def train_elastic(state: ElasticState, cfg: Config) -> dict | None:
 def train_recorded_epochs(state: ElasticState, cfg: Config, run: RunRecord, watchdog) -> dict | None:
     t, first_epoch_of_process = state.trainer, True
     while state.position.epoch < cfg.train.epochs:
-        pos, b, epoch_start = state.position, cfg.train.batch_size, time.perf_counter()
+        pos, b = state.position, cfg.train.batch_size
         committer = Committer(state, cfg.elastic.commit_steps, b, run.start)
-        base = carried_progress(pos.totals, pos.train_time_s, pos.skipped_steps, t.topo.is_root)  # the epoch so far
+        base = carried_progress(pos.totals, pos.train_time_s, pos.skipped_steps, t.topo.is_root,
+                                pos.breakdown)  # the epoch so far
         segment = EpochPosition(pos.epoch, resume=base, start=pos.consumed,
                                 first_step=step_in_epoch(pos.consumed, t.topo.size, b, t.k))
+        epoch_start = start_epoch_clock(segment)
         result = train_epoch(cfg, t, segment, first_epoch_of_process, watchdog,
                              lambda steps: committer.after_step(steps.progress))
         first_epoch_of_process = False
@@ -271,9 +288,11 @@ def train_recorded_epochs(state: ElasticState, cfg: Config, run: RunRecord, watc
 def run_elastic(cfg: Config, resume: str | None = None, move_aside: bool = False) -> dict | None:
     """Train under Horovod elastic; ``resume`` and ``move_aside`` as for ``run_training``."""
     check_elastic(cfg)
+    startup_mark("imports")  # the start-up's parts as run_training marks them (breakdown.py)
     hvd = horovod.import_horovod()
-    t = build_trainer(cfg, distributed.init(cfg.train.threads, cfg, elastic=True,
-                                          device=cfg.train.device, engine="horovod"))
+    topo = distributed.init(cfg.train.threads, cfg, elastic=True, device=cfg.train.device, engine="horovod")
+    startup_mark("engine_start")
+    t = build_trainer(cfg, topo)
     state = horovod_elastic_state()(t, Position())
     state.resume, state.move_aside = resume, move_aside
     state.register_reset_callbacks([lambda: on_reset(cfg, state)])

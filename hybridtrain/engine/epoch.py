@@ -4,7 +4,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,6 +31,7 @@ class EpochProgress:
     seen: float = 0.0
     train_time_s: float = 0.0
     skipped_steps: int = 0
+    breakdown: dict = field(default_factory=dict)  # seconds per step part in train_time_s (StepClock.totals)
 
 
 @dataclass
@@ -129,6 +130,8 @@ class EpochSteps:
         self.compiling_end = done.passes // t.k + compiling
         self.warmup_time, self.warmup_seen = 0.0, torch.zeros((), dtype=torch.float64, device=device)
         self.clock = StepClock(device)  # where each step's time goes (breakdown.py), read once at the epoch's end
+        for part, seconds in done.breakdown.items():  # a continued epoch's earlier steps: its record covers them
+            self.clock.add(part, seconds)
 
     def __iter__(self):
         t, k, position = self.t, self.t.k, self.position
@@ -180,7 +183,7 @@ class EpochSteps:
     def progress(self) -> EpochProgress:
         """This rank's progress after the latest step (reads the device): what a mid-epoch checkpoint keeps."""
         return EpochProgress(self.passes, float(self.loss_sum), float(self.correct), float(self.seen),
-                             time.perf_counter() - self.began, self.skipped)
+                             time.perf_counter() - self.began, self.skipped, self.clock.totals())
 
     def stopped(self) -> EpochResult:
         """The result of the epoch stopped after the latest step (a preemption)."""

@@ -238,6 +238,8 @@ def train_epochs(cfg: Config, t: Trainer, watch: PreemptionWatch, resume: str | 
             t.ema.reset()  # from the broadcast weights
     startup_mark("model_build")  # built, wrapped and broadcast (or restored)
     log_setup(cfg, t)
+    if cfg.profile.enabled:
+        check_profile(cfg, t, start_epoch, resumed)
     run = RunRecord(cfg, topo, owner, start_epoch, elapsed_before, resumed=state is not None)
     with run:  # the tracked runs end as failed on an error, as stopped on a SIGTERM's stop or Ctrl-C
         if state:
@@ -251,6 +253,22 @@ def train_epochs(cfg: Config, t: Trainer, watch: PreemptionWatch, resume: str | 
             watchdog.close()
             if t.profiler is not None:
                 t.profiler.close()
+
+
+def check_profile(cfg: Config, t: Trainer, start_epoch: int, resumed: EpochPosition | None) -> None:
+    """--profile's window within the steps this process trains (one line when it ends after them: the trace would
+    be cut short or empty), and a line when profile.memory's CUDA snapshot cannot be taken on this device."""
+    p = cfg.profile
+    window = p.wait + p.warmup + p.active
+    done = resumed.first_step + resumed.resume.passes // t.k if resumed and resumed.resume else 0
+    left = (cfg.train.epochs - start_epoch) * t.updates - done
+    if window > left:
+        raise UserError(f"--profile's window, profile.wait + warmup + active = {p.wait} + {p.warmup} + {p.active} = "
+                        f"{window} steps, ends after the {left} step(s) this run trains ({t.updates} per epoch): "
+                        f"lower profile.wait (or warmup, active), or train more epochs")
+    if p.memory and t.topo.device.type != "cuda":
+        log(t.topo, f"hybridtrain: warning: profile.memory is a CUDA memory snapshot and this run is on "
+                    f"{t.topo.device}: no snapshot is written (the trace is)")
 
 
 def resumed_at(position: EpochPosition | None, t: Trainer, start_epoch: int) -> str:
@@ -304,13 +322,21 @@ def stall_watchdog(cfg: Config, topo) -> StallWatchdog:
     return StallWatchdog(cfg.distributed.stall_warning_s, cfg.distributed.stall_shutdown_s, topo.rank)
 
 
+def start_epoch_clock(position: EpochPosition) -> float:
+    """The epoch's start (a ``perf_counter``), the same moment on every rank: after a barrier, so rank 0's own
+    set-up (the sinks' tracked runs, TensorBoard's writer, config.yaml) is not its peers' first step. A continued
+    epoch starts its earlier training time before: its epoch_time_s, train_time_s and breakdown span the same."""
+    distributed.barrier()
+    return time.perf_counter() - (position.resume.train_time_s if position.resume else 0.0)
+
+
 def train_epoch_range(cfg: Config, t: Trainer, watch: PreemptionWatch, watchdog: StallWatchdog, start_epoch: int,
                       resumed: EpochPosition | None, run: RunRecord) -> dict | None:
     """Epochs ``start_epoch`` to the end, each followed by the end-of-epoch path; a SIGTERM stops after a step."""
     topo = t.topo
     for epoch in range(start_epoch, cfg.train.epochs):
-        epoch_start = time.perf_counter()
         position = resumed if resumed and epoch == start_epoch else EpochPosition(epoch)
+        epoch_start = start_epoch_clock(position)
         result = train_epoch(cfg, t, position, epoch == start_epoch, watchdog, lambda steps: watch.after_step())
         if result.stopped:
             watch.close()

@@ -21,7 +21,8 @@ from hybridtrain.files import append_json_line
 TENSORBOARD_SCALARS = {"loss/train": "train_loss", "loss/val": "val_loss", "top1/train": "train_top1",
                        "top1/val": "val_top1", "top5/val": "val_top5", "lr": "lr", "images_per_sec": "images_per_sec",
                        "precision/loss_scale": "loss_scale", "precision/skipped_steps": "skipped_steps",
-                       "memory/peak_mb": "peak_memory_mb"}
+                       "memory/peak_mb": "peak_memory_mb", "loss/val_ema": "val_loss_ema",
+                       "top1/val_ema": "val_top1_ema", "top5/val_ema": "val_top5_ema"}  # the EMA's, when recorded
 
 
 # ----------------------------------------------------------------------------- peak memory
@@ -103,7 +104,8 @@ class RunRecord:
             self.history.append(record)
             if self.board:
                 for tag, key in TENSORBOARD_SCALARS.items():
-                    self.board.add_scalar(tag, record[key], record["epoch"])
+                    if key in record:
+                        self.board.add_scalar(tag, record[key], record["epoch"])
                 for part, seconds in (record.get("breakdown_s") or {}).items():  # where the time went (breakdown.py)
                     self.board.add_scalar(f"time/{part}_s", seconds, record["epoch"])
                 self.board.flush()

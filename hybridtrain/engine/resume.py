@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hybridtrain.config import Config
+from hybridtrain.config.sections import NOT_RECIPE
 from hybridtrain.distributed import collectives as distributed
 from hybridtrain.engine import rundir
 from hybridtrain.engine.epoch import EpochPosition, EpochProgress
@@ -36,9 +37,41 @@ def resume_state(cfg: Config, topo, required: bool = True) -> dict | None:
         return None
     if "error" in state:
         raise UserError(state["error"])
-    if state.get("config_fingerprint") != cfg.fingerprint():
-        log(topo, "hybridtrain: warning: the config differs from the checkpoint's; continuing with the new one")
+    if state.get("config_fingerprint") != cfg.fingerprint() and (line := config_change_line(state.get("config") or {},
+                                                                                          cfg)):
+        log(topo, line)
     return state
+
+
+# the keys that only shape the initial weights: a resumed run loads the checkpoint's weights instead
+INITIAL_WEIGHTS_KEYS = ("model.zero_init_last_bn", "model.conv_init", "model.gaussian_std")
+
+
+def config_change_line(saved: dict, cfg: Config) -> str:
+    """The warning of a resume under a changed recipe: each changed key, from what to what, and whether it applies
+    from here on (a key of the initial weights does not: the checkpoint's weights are loaded); "" when only the
+    run_dir moved."""
+    new = cfg.to_dict()
+    changes = {"apply": [], "not": []}
+    for section in sorted(set(saved) | set(new)):
+        if section in NOT_RECIPE or section == "run_dir":  # run_dir: where the checkpoint was found, moved or not
+            continue
+        before, after = saved.get(section), new.get(section)
+        pairs = {section: (before, after)} if not isinstance(after, dict) or not isinstance(before, dict) else {
+            f"{section}.{key}": (before.get(key, "(unset)"), after.get(key, "(unset)"))
+            for key in sorted(set(before) | set(after))}
+        for key, (old, now) in pairs.items():
+            if old != now:
+                changes["not" if key in INITIAL_WEIGHTS_KEYS else "apply"].append(f"{key} {old} -> {now}")
+    if not changes["apply"] and not changes["not"]:
+        return ""
+    line = "hybridtrain: warning: the config differs from the checkpoint's"
+    if changes["apply"]:
+        line += f": {', '.join(changes['apply'])} (applies from here on)"
+    if changes["not"]:
+        line += (f"; {', '.join(changes['not'])} (does not apply: it shapes the initial weights, and the "
+                 f"checkpoint's are loaded)")
+    return line
 
 
 def restore(t: Trainer, state: dict, backend: str) -> EpochPosition | None:
@@ -61,9 +94,10 @@ def restore(t: Trainer, state: dict, backend: str) -> EpochPosition | None:
             t.ema.load_bn_buffers(mine["ema_bn_buffers"])  # the EMA's of them too
         return EpochPosition(partial["epoch"], EpochProgress(**mine["progress"]), partial.get("start", 0),
                              partial.get("first_step", 0))
-    consumed, totals, train_time_s, skipped_steps = stopped_by_samples(state)
+    consumed, totals, train_time_s, skipped_steps, breakdown = stopped_by_samples(state)
     check_continuable_by_samples(backend, partial["epoch"], consumed, (ranks, batch_size), (t.topo.size, t.batch_size))
-    return EpochPosition(partial["epoch"], carried_progress(totals, train_time_s, skipped_steps, t.topo.is_root),
+    return EpochPosition(partial["epoch"], carried_progress(totals, train_time_s, skipped_steps, t.topo.is_root,
+                                                            breakdown),
                          consumed, step_in_epoch(consumed, t.topo.size, t.batch_size, t.k))
 
 
@@ -85,16 +119,17 @@ def stopped_layout(state: dict) -> tuple[int, int]:
     return len(partial["ranks"]), partial.get("batch_size", state["config"]["train"]["batch_size"])
 
 
-def stopped_by_samples(state: dict) -> tuple[int, list[float], float, int]:
+def stopped_by_samples(state: dict) -> tuple[int, list[float], float, int, dict]:
     """A mid-epoch checkpoint's epoch as it continues by samples, on any layout (a static resume on another one, an
     elastic start): the samples its permutation consumed, the epoch's (loss sum, correct, seen) over all ranks, its
-    training time so far and its skipped steps."""
+    training time so far (the longest rank's), its skipped steps and that rank's breakdown of the time."""
     partial = state["partial"]
     progress = [r["progress"] for r in partial["ranks"]]
     consumed = partial.get("samples", consumed_samples(partial.get("start", 0), progress[0]["passes"],
                                                        *stopped_layout(state)))
     totals = [sum(p[key] for p in progress) for key in ("loss_sum", "correct", "seen")]
-    return consumed, totals, max(p["train_time_s"] for p in progress), progress[0]["skipped_steps"]
+    longest = max(progress, key=lambda p: p["train_time_s"])
+    return consumed, totals, longest["train_time_s"], progress[0]["skipped_steps"], longest.get("breakdown", {})
 
 
 def consumed_samples(start: int, passes: int, world_size: int, batch_size: int) -> int:
@@ -109,11 +144,12 @@ def step_in_epoch(consumed: int, world_size: int, batch_size: int, accumulation_
     return consumed // (world_size * batch_size * accumulation_steps)
 
 
-def carried_progress(totals: list[float], train_time_s: float, skipped_steps: int, is_root: bool) -> EpochProgress:
+def carried_progress(totals: list[float], train_time_s: float, skipped_steps: int, is_root: bool,
+                     breakdown: dict) -> EpochProgress:
     """An epoch's totals so far as this rank's starting point: rank 0 carries the sums (the epoch's sums are
-    all-reduced), every rank the time and the skipped steps."""
+    all-reduced), every rank the time, its breakdown and the skipped steps."""
     sums = totals if is_root else [0.0, 0.0, 0.0]
-    return EpochProgress(0, *sums, train_time_s, skipped_steps)
+    return EpochProgress(0, *sums, train_time_s, skipped_steps, dict(breakdown))
 
 
 def checkpoint_state(cfg: Config, t: Trainer, completed_epoch: int, elapsed_s: float,

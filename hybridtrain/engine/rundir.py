@@ -35,10 +35,11 @@ LOCK = ".lock"
 PATTERN = "checkpoint-epoch{epoch:04d}.pt"
 STOPPED_PATTERN = "checkpoint-epoch{epoch:04d}-step{step:06d}.pt"  # a preempted epoch, after ``step`` steps
 NAME_RE = re.compile(r"checkpoint-epoch(\d+)(?:-step(\d+))?\.pt")  # the whole name of a checkpoint this code writes
-# a save's temp file: a checkpoint's or its sidecar's (atomic_save), run.json's and metrics.jsonl's
-# (files.atomic_path; older versions named them run.json.tmp-PID and metrics.jsonl.tmp-PID)
-TEMP_RE = re.compile(r"(?:checkpoint-epoch\d+(?:-step\d+)?\.pt(?:\.sha256)?|run\.json|metrics\.jsonl)\.tmp-\d+"
-                     r"|\.run\.json\.\w{8}\.json|\.metrics\.jsonl\.\w{8}\.jsonl")
+# a save's temp file: a checkpoint's, the final model's or their sidecars' (atomic_save), and those of the run's
+# other files (files.atomic_path: .NAME.XXXXXXXX.EXT; older versions wrote run.json's, metrics.jsonl's NAME.tmp-PID)
+TEMP_RE = re.compile(r"(?:(?:checkpoint-epoch\d+(?:-step\d+)?|final_model)\.pt(?:\.sha256)?|run\.json|metrics\.jsonl)"
+                     r"\.tmp-\d+|\.(?:run\.json|metrics\.jsonl|config\.yaml|sinks\.json|report\.json|report\.md|"
+                     r"(?:accuracy|throughput|lr|breakdown)\.png)\.\w{8}\.(?:json|jsonl|yaml|md|png)")
 WHOLE_EPOCH = 1 << 30  # sorts a finished epoch after every stopped checkpoint of the same epoch
 
 

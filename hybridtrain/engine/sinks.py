@@ -128,17 +128,36 @@ def needed(module: str, key: str):
                         f"{key}") from None
 
 
+# MLflow's HTTP client retries a request 7 times with a doubling back-off (minutes) and waits 120 s for each: a
+# tracking server that stops answering would hold rank 0, and its peers in the next collective, that long
+MLFLOW_HTTP_LIMITS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                      "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+PROBE_TIMEOUT_S = 5.0  # a tracking server that does not answer a request in this long is refused before the work
+
+
+def mlflow_uri(cfg) -> str:
+    """The tracking URI sinks.mlflow names ('local': the file store in run_dir/mlruns)."""
+    uri = cfg.sinks.mlflow
+    return "file:" + os.path.abspath(os.path.join(cfg.run_dir, "mlruns")) if uri == "local" else uri
+
+
 class MlflowSink:
     def __init__(self, cfg, run_id: str | None):
+        for name, value in MLFLOW_HTTP_LIMITS.items():  # read by MLflow at each request: the user's own win
+            os.environ.setdefault(name, value)
         mlflow = self.mlflow = needed("mlflow", "sinks.mlflow")
-        uri = cfg.sinks.mlflow
-        if uri == "local":  # MLflow's file store: in maintenance since MLflow 3, and refused unless allowed
+        uri = mlflow_uri(cfg)
+        if uri.startswith("file:"):  # MLflow's file store: in maintenance since MLflow 3, and refused unless allowed
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-            uri = "file:" + os.path.abspath(os.path.join(cfg.run_dir, "mlruns"))
         mlflow.set_tracking_uri(uri)
-        mlflow.set_experiment(cfg.sinks.project)
-        self.run = mlflow.start_run(run_id=run_id) if run_id else \
-            mlflow.start_run(run_name=os.path.basename(os.path.abspath(cfg.run_dir)))
+        try:
+            mlflow.set_experiment(cfg.sinks.project)
+            self.run = mlflow.start_run(run_id=run_id) if run_id else \
+                mlflow.start_run(run_name=os.path.basename(os.path.abspath(cfg.run_dir)))
+        except mlflow.exceptions.MlflowException as exc:
+            message = " ".join(str(exc).split())[:300]
+            raise UserError(f"sinks.mlflow={cfg.sinks.mlflow}: MLflow could not start the tracked run ({message}): "
+                            f"fix the tracking server or the URI, or unset sinks.mlflow") from None
         self.id = self.run.info.run_id
         if not run_id:
             params = flat_params(cfg.to_dict())
@@ -189,12 +208,45 @@ class WandbSink:
 SINKS = {"mlflow": MlflowSink, "wandb": WandbSink}
 
 
+# the tracking URIs whose store is a database: MLflow's SQLAlchemy store, in the full mlflow package only
+DATABASE_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
+MLFLOW_FORMS = ("local (a file store in run_dir/mlruns), file:/absolute/path, http://host:5000 (a tracking server) or "
+                "sqlite:///path/mlflow.db (with the full mlflow package)")
+
+
 def check_sinks(cfg) -> None:
-    """One line on every rank, before torch is imported, when a sink is asked for and its package is missing."""
+    """One line on every rank, before torch is imported, when a sink is asked for and its package is missing, when
+    MLflow's store needs what mlflow-skinny lacks, or when its tracking server does not answer within
+    PROBE_TIMEOUT_S (not minutes later, on rank 0 alone, with its peers waiting in a collective)."""
     import importlib.util
     for name in SINKS:
         if getattr(cfg.sinks, name) and importlib.util.find_spec(name) is None:
             raise UserError(f"sinks.{name} is set but {name} is not installed: {INSTALL}, or unset sinks.{name}")
+    uri = cfg.sinks.mlflow
+    scheme = uri.split(":", 1)[0].split("+", 1)[0]
+    if scheme in DATABASE_SCHEMES and not all(importlib.util.find_spec(m) for m in ("sqlalchemy", "alembic")):
+        raise UserError(f"sinks.mlflow={uri} is a database store, which needs the full mlflow package (mlflow-skinny "
+                        f"has no SQLAlchemy): pip install mlflow, or use {MLFLOW_FORMS}")
+    if scheme in ("http", "https"):
+        probe_tracking_server(uri, cfg.sinks.project)
+
+
+def probe_tracking_server(uri: str, project: str) -> None:
+    """One request to the tracking server, the experiment looked up by name: any HTTP answer (an error status
+    included: a missing experiment, a login asked for) is an answer; no answer in PROBE_TIMEOUT_S is one line."""
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+    url = f"{uri.rstrip('/')}/api/2.0/mlflow/experiments/get-by-name?" + urllib.parse.urlencode(
+        {"experiment_name": project})
+    try:
+        urllib.request.urlopen(url, timeout=PROBE_TIMEOUT_S).close()
+    except urllib.error.HTTPError:
+        return
+    except (OSError, ValueError) as exc:  # refused, unknown host, timed out, a malformed URL
+        reason = getattr(exc, "reason", None) or exc
+        raise UserError(f"sinks.mlflow={uri}: the tracking server does not answer ({' '.join(str(reason).split())}, "
+                        f"{PROBE_TIMEOUT_S:g} s allowed): start it or fix the URI, or unset sinks.mlflow") from None
 
 
 def open_sinks(cfg, resumed: bool) -> list:

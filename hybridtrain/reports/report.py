@@ -15,6 +15,7 @@ import os
 
 import yaml
 
+from hybridtrain.engine.breakdown import PARTS
 from hybridtrain.engine.metrics_file import RECORD_FIGURES, read_metrics
 from hybridtrain.errors import UserError
 from hybridtrain.files import atomic_path, figure, save_figure
@@ -64,10 +65,56 @@ def checked_records(path: str, records: list[dict]) -> list[dict]:
             if wrong or value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
                 raise UserError(f"{path} record {n} (epoch {epoch}): {key} is {json.dumps(value)[:40]}, not a number: "
                                 f"restore the file, or remove that line")
+        damaged = newer_field_problem(record)
+        if damaged:
+            field, value, what = damaged
+            raise UserError(f"{path} record {n} (epoch {epoch}): {field} is {json.dumps(value)[:40]}, not {what}: "
+                            f"restore the file, or remove that line")
         unknown = {key: float("nan") for key in ("val_top1", *RECORD_FIGURES)}  # lacked, or null: not recorded
         checked.append({**unknown, **{key: value for key, value in record.items() if value is not None}})
         line_of[epoch] = n
     return checked
+
+
+def is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def newer_field_problem(record: dict) -> tuple[str, object, str] | None:
+    """The first of the fields newer versions write (the EMA's figures, progressive resizing's resolution, the time
+    breakdown and the start-up) that the report reads and that is there but not what it should be: (the field, its
+    value, what it should be); None when all are sound or absent (an older version's record)."""
+    for key in ("val_loss_ema", "val_top1_ema", "val_top5_ema"):
+        if key in record and not is_number(record[key]):
+            return key, record[key], "a number"
+    if "train_resolution" in record and (isinstance(record["train_resolution"], bool)
+                                         or not isinstance(record["train_resolution"], int)):
+        return "train_resolution", record["train_resolution"], "a size in pixels"
+    parts = record.get("breakdown_s")
+    if parts is not None:
+        if not isinstance(parts, dict):
+            return "breakdown_s", parts, "a mapping of parts to seconds"
+        for part, seconds in parts.items():
+            if part in PARTS and seconds is not None and not is_number(seconds):
+                return f"breakdown_s.{part}", seconds, "a number of seconds"
+    for key, names in (("dominant", PARTS), ("slowest_rank", None)):
+        value = record.get(key)
+        if value is not None and (value not in names if names else isinstance(value, bool) or not isinstance(
+                value, int) or value < 0):
+            return key, value, f"one of {', '.join(names)}" if names else "a rank"
+    per_rank = record.get("dominant_per_rank")
+    if per_rank is not None and (not isinstance(per_rank, list) or any(p not in PARTS for p in per_rank)):
+        return "dominant_per_rank", per_rank, "a list of parts"
+    startup = record.get("startup_s")
+    if startup is not None:
+        if not isinstance(startup, dict):
+            return "startup_s", startup, "a mapping of set-up parts to seconds"
+        if "total" not in startup:
+            return "startup_s", startup, "a mapping of set-up parts to seconds with their total"
+        for part, seconds in startup.items():
+            if not is_number(seconds):
+                return f"startup_s.{part}", seconds, "a number of seconds"
+    return None
 
 
 def read_run_config(run_dir: str) -> dict:

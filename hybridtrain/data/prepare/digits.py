@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import numpy as np
 from PIL import Image
@@ -15,7 +16,8 @@ from hybridtrain.data.prepare.ilsvrc_jobs import read_json
 from hybridtrain.errors import UserError
 from hybridtrain.files import finish_partial, start_partial
 
-MARKER = ".hybridtrain-digits.json"
+MARKER = ".hybridtrain-{dataset}.json"  # a prepared set's marker, named by its set: digits, mnist5k, synthetic-...
+MARKER_RE = re.compile(r"\.hybridtrain-[a-z0-9-]+\.json")  # any set's (older versions marked every set -digits)
 SIZE = 32
 
 
@@ -46,14 +48,15 @@ def prepared_counts(out: str, params: dict) -> dict | None:
         return None
     if not os.path.isdir(out):
         raise UserError(f"{out} exists and is not a directory: choose another --out")
-    marker = os.path.join(out, MARKER)
-    if os.path.isfile(marker):
-        found = read_json(marker)
+    name = next((n for n in sorted(os.listdir(out)) if MARKER_RE.fullmatch(n)
+                 and os.path.isfile(os.path.join(out, n))), None)
+    if name is not None:
+        found = read_json(os.path.join(out, name))
         if found == params:
             return _counts(out)
         what = found.get("dataset", "a dataset") if isinstance(found, dict) else "a dataset (damaged marker)"
-        raise UserError(f"{out} holds {what} prepared with other settings ({MARKER}), left as it is: choose another "
-                        f"--out (or give the settings it was prepared with)")
+        raise UserError(f"{out} holds {str(what)[:40]} prepared with other settings ({name}), left as it is: choose "
+                        f"another --out (or give the settings it was prepared with)")
     if os.listdir(out):
         raise UserError(f"{out} is not empty and was not made by prepare-data: choose another --out")
     return None
@@ -85,7 +88,7 @@ def write_split_set(out: str, params: dict, labels: np.ndarray, image_of) -> dic
 
 def publish(tmp: str, out: str, params: dict) -> dict:
     """Mark the finished temporary tree and move it into place in one rename; returns counts per split."""
-    with open(os.path.join(tmp, MARKER), "w") as fh:
+    with open(os.path.join(tmp, MARKER.format(dataset=params["dataset"])), "w") as fh:
         json.dump(params, fh)
     finish_partial(tmp, out)  # out: absent or empty, checked by prepared_counts
     return _counts(out)
