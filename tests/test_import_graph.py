@@ -99,7 +99,8 @@ def test_building_the_parser_imports_no_torch():
 # above nor a sibling folder on its own floor.
 FLOORS = (("hybridtrain", "hybridtrain.__main__", "hybridtrain.cli"),
           ("hybridtrain.gpucheck", "hybridtrain.cluster", "hybridtrain.install"),
-          ("hybridtrain.perf",), ("hybridtrain.predict",), ("hybridtrain.reports", "hybridtrain.data.prepare"),
+          ("hybridtrain.perf",), ("hybridtrain.predict",),
+          ("hybridtrain.reports", "hybridtrain.inference", "hybridtrain.data.prepare"),
           ("hybridtrain.engine",),
           ("hybridtrain.data", "hybridtrain.models", "hybridtrain.optim", "hybridtrain.precision"),
           ("hybridtrain.distributed", "hybridtrain.hardware"), ("hybridtrain.config",), ("hybridtrain.outputs",),
@@ -128,7 +129,7 @@ def wrong_way(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
 def test_imports_go_down_the_readme_chain_floor_by_floor():
     """cli -> gpucheck (the GPU acceptance check), cluster (the emulated cluster on one machine), install (the
     install's plan) -> perf (benchmarks)
-    -> predict (the cluster model) -> reports, data.prepare -> engine -> data, models, optim, precision ->
+    -> predict (the cluster model) -> reports, inference (a trained model), data.prepare -> engine -> data, models, optim, precision ->
     distributed, hardware (the node checks) -> config -> outputs (whose path rules the config's
     path keys share) -> errors -> launched_by (which launcher started this process): the training code never imports a tool, a report or the command line, and the
     folders of one floor stay apart.
