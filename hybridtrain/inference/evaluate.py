@@ -7,6 +7,7 @@ the sums it counts each image's top-1 class into a confusion matrix (one more al
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -122,18 +123,18 @@ def evaluate_command(args) -> int:
     paths = result_paths(out_dir, result_name(args.data))
     cfg = evaluation_config(trained.cfg, args)
     topo = distributed.init(cfg.train.threads, cfg, device=cfg.train.device)
-    finished = False
     try:
         result = evaluate_on_ranks(trained, cfg, images, topo)
-        if topo.is_root:
-            result["run_reported"] = run_reported(trained, args.data)
-            if args.out:
-                os.makedirs(out_dir, exist_ok=True)
-            write_results(result, trained, paths)
-        finished = True
-    finally:
-        if finished:
+    except BaseException:
+        with contextlib.suppress(Exception):  # this rank's own error line matters more than the teardown
             distributed.shutdown()
+        raise
+    distributed.shutdown()  # after the last collective: rank 0 writes alone
+    if topo.is_root:
+        result["run_reported"] = run_reported(trained, args.data)
+        if args.out:
+            os.makedirs(out_dir, exist_ok=True)
+        write_results(result, paths)
     return 0
 
 
@@ -205,7 +206,7 @@ def confused_table(result: dict) -> str:
         "(no image was confused)"
 
 
-def write_results(result: dict, trained: Trained, paths: dict[str, str]) -> None:
+def write_results(result: dict, paths: dict[str, str]) -> None:
     """The JSON, the Markdown and the confusion matrix's PNG (atomically), and the summary on stdout."""
     classes = per_class(result)
     write_json_atomically(paths["json"], {**result, "per_class": classes, "most_confused": most_confused(result)})

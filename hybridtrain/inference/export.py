@@ -73,7 +73,8 @@ def exported_outputs(fmt: str, path: str, inputs: torch.Tensor) -> torch.Tensor:
         import onnxruntime
         session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
         return torch.from_numpy(session.run(None, {"images": inputs.numpy()})[0])
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # torch 2.13 points TorchScript users to torch.export
         return torch.jit.load(path, map_location="cpu")(inputs)
 
 
