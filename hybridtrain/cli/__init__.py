@@ -2,9 +2,9 @@
 
 One module per family of commands, each holding its parsers (``add_commands``) beside its ``cmd_`` handlers:
 ``train``, ``data`` (prepare-data, reorganise-val, check-data), ``bench`` (bench, bench-optim, bench-data),
-``reports`` (experiment, report), ``scale`` (scale, cluster), ``predict``, ``schedule`` (plot-schedule) and
-``gpu_check``; ``options`` holds the argparse types and the options several share. Building the parser imports no
-torch: every heavy import sits inside a handler.
+``reports`` (experiment, report; evaluate, classify, export of a trained model), ``scale`` (scale, cluster),
+``predict``, ``schedule`` (plot-schedule) and ``gpu_check``; ``options`` holds the argparse types and the options
+several share. Building the parser imports no torch: every heavy import sits inside a handler.
 """
 from __future__ import annotations
 
