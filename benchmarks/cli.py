@@ -7,12 +7,12 @@ import sys
 
 from benchmarks.bench_sets import precision_sets, row_sets
 from hybridtrain.cli import Parser
-from hybridtrain.cli.options import add_recipe_options, bounded_float, bounded_int, engine_name
+from hybridtrain.cli.options import BATCH, CROP, add_recipe_options, bounded_float, bounded_int, engine_name
 from hybridtrain.errors import UserError
 from hybridtrain.files import check_output_dir, check_output_file, write_json_atomically
 from hybridtrain.launched_by import run_guarded
 from tools.jobs import stopped_cleanly
-from tools.options import BATCH, CROP, add_timing_options, count_list
+from tools.options import add_timing_options, count_list
 
 BENCH_PRECISIONS = ("fp64", "fp32", "mixed-fp16", "mixed-bf16", "layered", "fp16_pure")
 

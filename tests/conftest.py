@@ -77,6 +77,8 @@ FILE_WEIGHTS = {
     "test_gpu_check.py": 330,  # the rehearsal (~200 s: a venv, the cached NCCL build, every row started), resume driver
     "test_recipes.py": 175,  # a 2-rank torchrun and a 2-rank horovodrun run, each stopped and resumed (issue 45)
     "test_bad_input_round4_commands.py": 160,  # netns clusters killed at 4 points, bench/experiment killed, plugins
+    "test_after_training.py": 200,  # a 2-rank torchrun and a 2-rank horovodrun run, ~20 evaluate/classify/export
+    # processes, 2 of them 2-rank (estimated beside test_recipes.py: measured here only under a load of ~24)
     "test_atomic_writes.py": 35,  # 8 writers SIGKILLed mid-write (a torch import each)
     "test_bad_input_round4_data.py": 30,  # crafted archives, a tmpfs filled mid-run, a read-only bind mount
 }

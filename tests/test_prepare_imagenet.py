@@ -174,6 +174,8 @@ def prepared(sources, tmp_path_factory) -> str:
 
 def test_the_archives_give_sorted_classes_true_val_labels_and_only_rgb_jpegs(prepared):
     assert open(os.path.join(prepared, "classes.txt")).read().split() == sorted(LEAVES)  # not the ILSVRC2012_ID order
+    # the devkit's words of each class, kept for hybridtrain classify
+    assert open(os.path.join(prepared, "synset_words.txt")).read() == "".join(f"{w} words {w}\n" for w in sorted(LEAVES))
     for n, wnid in enumerate(val_truth()):
         assert os.path.isfile(os.path.join(prepared, "val", wnid, val_name(n))), (n, wnid)
     files = tree_files(prepared)
@@ -195,6 +197,8 @@ def test_the_kaggle_tree_and_extracted_trees_give_the_same_tree(form, labels, so
     summary = prepare_imagenet(source, out, workers=1, val_labels=labels and os.path.join(source, labels))
     assert (summary["train"], summary["val"], summary["classes"], summary["full"]) == (72, 24, 12, False)
     assert tree_files(out) == tree_files(prepared)
+    if form == "kaggle":  # its LOC_synset_mapping.txt's words
+        assert open(os.path.join(out, "synset_words.txt")).read() == "".join(f"{w} words\n" for w in sorted(LEAVES))
 
 
 def test_an_md5_mismatch_is_one_line_naming_the_file_both_sums_and_no_md5(sources, tmp_path):

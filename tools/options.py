@@ -9,8 +9,6 @@ from hybridtrain.cli.options import bounded_int
 
 # a reason for each bound that is not the config key's own (config/sections.py)
 STEPS, WARMUP = bounded_int(1, 100_000), bounded_int(0, 100_000)  # a benchmark of 100k steps is hours already
-BATCH = bounded_int(1, 65536)             # train.batch_size's bound
-CROP = bounded_int(8, 1024)               # data.crop_size's bound
 
 
 def count_list(lo: int, hi: int, example: str = "1,2"):

@@ -1,8 +1,8 @@
 """The hybridtrain command: train, and the commands on one run's input and output; bad input is one clear error line.
 
 One module per family of commands, each holding its parsers (``add_commands``) beside its ``cmd_`` handlers:
-``train``, ``data`` (prepare-data, reorganise-val, check-data), ``reports`` (report, plot-schedule) and
-``gpu_check``; ``options`` holds the argparse types and the options several share. A command loads its own
+``train``, ``data`` (prepare-data, reorganise-val, check-data), ``reports`` (report, plot-schedule; evaluate,
+classify, export of a trained model) and ``gpu_check``; ``options`` holds the argparse types and the options several share. A command loads its own
 family's module alone (a train rank parses no dataset command), ``--help`` all of them; building the parser imports
 no torch and no module a handler alone needs. The benchmarks and the research tools run from the checkout beside
 the package (``python -m benchmarks``, ``python -m tools``): MOVED names their new form to a user who types an old
@@ -22,7 +22,8 @@ __all__ = ["build_parser", "main", "out_of_memory_device", "run_guarded"]
 
 # command -> the module of its family (hybridtrain.cli.<family>), in the order --help lists them
 FAMILY_OF = {"train": "train", "prepare-data": "data", "reorganise-val": "data", "check-data": "data",
-             "report": "reports", "plot-schedule": "reports", "gpu-check": "gpu_check"}
+             "report": "reports", "plot-schedule": "reports", "evaluate": "reports", "classify": "reports",
+             "export": "reports", "gpu-check": "gpu_check"}
 # commands that left the package for the checkout's tools: their form now
 MOVED = {"bench": "python -m benchmarks bench", "bench-optim": "python -m benchmarks bench-optim",
          "bench-data": "python -m benchmarks bench-data", "scale": "python -m benchmarks scale",

@@ -60,6 +60,8 @@ def recipe_path(text: str) -> str:
 SEED = bounded_int(0, 2**32 - 1)          # numpy's legacy seed range; the generators here take any of them
 WORKERS = bounded_int(0, 256)             # processes; no host has more cores
 RANKS = bounded_int(1, 4096)              # more ranks than any job of the paper (24 GPUs) by far
+BATCH = bounded_int(1, 65536)             # train.batch_size's bound
+CROP = bounded_int(8, 1024)               # data.crop_size's bound
 
 
 def add_recipe_options(parser: argparse.ArgumentParser, config_help: str, set_help: str = "config override",

@@ -1,11 +1,13 @@
-"""The commands on one run's output and recipe: `report` (run directories: report.md/.json, PNGs, a comparison) and
-`plot-schedule` (B_l, B_u and the SGD lr of the hybrid recipe, drawn)."""
+"""The commands on one run's output and recipe: `report` (run directories: report.md/.json, PNGs, a comparison),
+`plot-schedule` (B_l, B_u and the SGD lr of the hybrid recipe, drawn); and after training, one run's model:
+`evaluate` (on a data set), `classify` (pictures), `export` (ONNX, TorchScript)."""
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
-from hybridtrain.cli.options import RANKS, add_recipe_options, bounded_float, bounded_int
+from hybridtrain.cli.options import BATCH, CROP, RANKS, add_recipe_options, bounded_float, bounded_int
 from hybridtrain.files import atomic_path, check_image_format, check_output_file, write_text_atomically
 
 
@@ -67,3 +69,63 @@ def add_commands(sub) -> None:
                       help="iterations per epoch (default 100)")
     plot.add_argument("--out", default="schedule.png", help="PNG path")
     plot.set_defaults(func=cmd_plot_schedule)
+
+    add_after_training_commands(sub)
+
+
+# ----------------------------------------------------------------------------- after training: one run's model
+
+def cmd_evaluate(args) -> int:
+    from hybridtrain.inference.evaluate import evaluate_command
+    return evaluate_command(args)
+
+
+def cmd_classify(args) -> int:
+    from hybridtrain.inference.classify import classify_command
+    return classify_command(args)
+
+
+def cmd_export(args) -> int:
+    from hybridtrain.inference.export import export_command
+    return export_command(args)
+
+
+MODEL_HELP = ("a run folder (its newest checkpoint), a checkpoint-epoch*.pt, or a final_model.pt beside its "
+              "config.yaml; checked against its .sha256")
+
+
+def add_after_training_commands(sub) -> None:
+    """evaluate, classify and export's parsers."""
+    ev = sub.add_parser("evaluate", help="a trained model's top-1/top-5, loss, per-class accuracy and confusion "
+                                         "matrix on a folder of class folders (alone, or under horovodrun/torchrun)")
+    ev.add_argument("model", metavar="RUN_DIR|CHECKPOINT", help=MODEL_HELP)
+    ev.add_argument("--data", required=True, metavar="FOLDER",
+                    help="a folder of class folders with the run's classes, e.g. data/digits/val")
+    ev.add_argument("--weights", choices=("raw", "ema"),
+                    help="the raw weights or their EMA (default: the run's train.final_weights)")
+    ev.add_argument("--flip", action=argparse.BooleanOptionalAction,
+                    help="average each image's logits with its mirror's (default: the run's train.val_flip)")
+    ev.add_argument("--batch-size", type=BATCH, help="images per rank and batch (default: the run's validation "
+                                                     "batch)")
+    ev.add_argument("--val-resize", type=bounded_int(8, 4096),
+                    help="shorter side resized to this many px before the crop (default: the run's data.val_resize)")
+    ev.add_argument("--crop-size", type=CROP, help="center crop in px (default: the run's data.crop_size)")
+    ev.add_argument("--out", metavar="FOLDER", help="where the results go (default: beside the model, in its run "
+                                                    "folder): evaluation-<data>.json, .md and .png")
+    ev.set_defaults(func=cmd_evaluate)
+
+    cl = sub.add_parser("classify", help="each picture's most likely classes under a trained model")
+    cl.add_argument("model", metavar="RUN_DIR|CHECKPOINT", help=MODEL_HELP + "; the run's train.final_weights")
+    cl.add_argument("images", nargs="+", metavar="IMAGE|FOLDER", help="pictures, or folders of them (not recursive)")
+    cl.add_argument("--top", type=bounded_int(1, 1000), default=5, help="classes shown per picture (default 5)")
+    cl.add_argument("--json", action="store_true", help="print JSON lines instead of a table")
+    cl.set_defaults(func=cmd_classify)
+
+    ex = sub.add_parser("export", help="a trained model for inference (ONNX or TorchScript), checked against "
+                                       "PyTorch on the run's images before it is written")
+    ex.add_argument("model", metavar="RUN_DIR|CHECKPOINT", help=MODEL_HELP + "; the run's train.final_weights")
+    ex.add_argument("--format", required=True, choices=("onnx", "torchscript"),
+                    help="onnx (checked by ONNX Runtime; needs pip install 'hybridtrain[export]') or torchscript")
+    ex.add_argument("--out", required=True, metavar="FILE", help="the new file (never replaces one)")
+    ex.add_argument("--fp16", action="store_true", help="FP16 weights and input (default FP32)")
+    ex.set_defaults(func=cmd_export)

@@ -148,8 +148,9 @@ def _refusal(exc: pickle.UnpicklingError) -> str:
             f"nothing in it was run")
 
 
-def load_checkpoint(path: str) -> dict:
-    """The verified, weights-only state of ``path``; ValueError saying why when it is unusable."""
+def load_verified(path: str):
+    """What ``path`` holds (a checkpoint, or final_model.pt's bare weights), its SHA-256 checked first and then
+    loaded weights-only; ValueError saying why when it is unusable."""
     if not verify_checksum(path):
         print(f"hybridtrain: warning: {path} has no {os.path.basename(checksum_path(path))}: its integrity "
               f"cannot be verified (copy the .sha256 file along with a checkpoint)", file=sys.stderr)
@@ -161,6 +162,12 @@ def load_checkpoint(path: str) -> dict:
         if isinstance(exc, pickle.UnpicklingError) and "weights only" in str(exc).lower():
             raise ValueError(_refusal(exc)) from None
         raise ValueError(f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}") from None
+    return state
+
+
+def load_checkpoint(path: str) -> dict:
+    """The verified, weights-only state of ``path``; ValueError saying why when it is unusable."""
+    state = load_verified(path)
     if not isinstance(state, dict) or "model" not in state or "epoch" not in state:
         raise ValueError("not a hybridtrain checkpoint (missing 'model' or 'epoch')")
     return state

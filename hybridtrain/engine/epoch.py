@@ -201,9 +201,10 @@ class EpochSteps:
 
 
 @torch.no_grad()
-def evaluate(model, loader, precision: Precision, tag: str, flip: bool = False) -> EvalResult:
+def evaluate(model, loader, precision: Precision, tag: str, flip: bool = False, on_batch=None) -> EvalResult:
     """Loss, top-1, top-5 over the whole validation set: per-rank sums, then one all-reduce of the sums.
     ``flip`` (train.val_flip): each image's logits are the mean of its own and its horizontal mirror's, in FP32.
+    ``on_batch(logits, labels)``: sees each batch's final logits (``hybridtrain evaluate``'s confusion matrix).
 
     A rank that cannot read a validation image stops reading but still joins the all-reduce, with a flag: every
     rank then raises the same line naming that rank and the file (never a "dead peer" on the others)."""
@@ -211,7 +212,7 @@ def evaluate(model, loader, precision: Precision, tag: str, flip: bool = False) 
     device = next(model.parameters()).device
     sums = torch.zeros(5, dtype=torch.float64, device=device)  # loss, top1, top5, count, failed
     with local_work("validation"):  # the pass may outlast the stall limit; the wait for the peers' sums may not
-        failure = evaluate_shard(model, loader, precision, sums, flip)
+        failure = evaluate_shard(model, loader, precision, sums, flip, on_batch)
     sums = distributed.allreduce_sum(sums.cpu(), f"eval_totals.{tag}")
     if sums[4] > 0:  # the lowest failing rank's line, on every rank (one allgather, made only when some rank failed)
         failures = distributed.allgather_object(failure, f"eval_failure.{tag}")
@@ -223,7 +224,19 @@ def evaluate(model, loader, precision: Precision, tag: str, flip: bool = False) 
     return EvalResult(float(sums[0] / count), float(sums[1] / count), float(sums[2] / count), count)
 
 
-def evaluate_shard(model, loader, precision: Precision, sums: torch.Tensor, flip: bool = False) -> str:
+def eval_logits(model, images: torch.Tensor, precision: Precision, flip: bool = False) -> torch.Tensor:
+    """The logits validation scores ``images`` by; with ``flip``, the mean of its own and its horizontal mirror's."""
+    with precision.forward_context(images.device):
+        logits = model(images)
+        mirrored = model(images.flip(-1)) if flip else None  # NCHW (or its channels_last view): W is last
+    if flip:
+        wide = torch.promote_types(logits.dtype, torch.float32)  # FP32, or FP64 in fp64 mode
+        logits = (logits.to(wide) + mirrored.to(wide)) / 2  # (z(x) + z(mirror x)) / 2
+    return logits
+
+
+def evaluate_shard(model, loader, precision: Precision, sums: torch.Tensor, flip: bool = False,
+                   on_batch=None) -> str:
     """This rank's sums (loss, top1, top5, count, failed) into ``sums``; the unreadable file's line, or ""."""
     device = sums.device
     batches = iter(loader)
@@ -236,12 +249,9 @@ def evaluate_shard(model, loader, precision: Precision, sums: torch.Tensor, flip
         except UserError as exc:
             sums[4] = 1
             return str(exc)
-        with precision.forward_context(device):
-            logits = model(images)
-            mirrored = model(images.flip(-1)) if flip else None  # NCHW (or its channels_last view): W is last
-        if flip:
-            wide = torch.promote_types(logits.dtype, torch.float32)  # FP32, or FP64 in fp64 mode
-            logits = (logits.to(wide) + mirrored.to(wide)) / 2  # (z(x) + z(mirror x)) / 2
+        logits = eval_logits(model, images, precision, flip)
+        if on_batch is not None:
+            on_batch(logits, labels)
         loss = classification_loss(logits, labels, reduction="sum")
         top1, top5 = topk_correct(logits, labels)
         sums[:3] += torch.stack([loss.double(), top1.double(), top5.double()])

@@ -13,7 +13,7 @@ import json
 import os
 from dataclasses import replace
 
-from hybridtrain.cli.options import bounded_float, bounded_int
+from hybridtrain.cli.options import BATCH, bounded_float, bounded_int
 from hybridtrain.errors import UserError
 from hybridtrain.files import (
     atomic_path,
@@ -23,7 +23,7 @@ from hybridtrain.files import (
     write_json_atomically,
 )
 from hybridtrain.reports import markdown_table
-from tools.options import BATCH, count_list
+from tools.options import count_list
 from tools.predict import cluster_model as predict
 from tools.predict import time_to_target as ttt
 

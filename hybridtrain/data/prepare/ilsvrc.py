@@ -17,7 +17,7 @@ import re
 import tarfile
 from dataclasses import dataclass, field
 
-from hybridtrain.data.folder import is_image_file, scan_split
+from hybridtrain.data.folder import is_image_file, read_text_lines, scan_split
 from hybridtrain.data.prepare.flat_val import match_images, read_val_labels
 from hybridtrain.data.prepare.names import refuse_member
 from hybridtrain.errors import UserError
@@ -58,6 +58,7 @@ class Source:
     jobs: list[Job]
     archives: list[str] = field(default_factory=list)
     nbytes: int = 0
+    words: dict[str, str] = field(default_factory=dict)  # WNID -> its words, where the source names them
 
 
 # ----------------------------------------------------------------------------- detection
@@ -85,7 +86,7 @@ def detect_source(root: str, val_labels: str | None = None) -> Source:
 
 def archive_source(root: str) -> Source:
     devkit = os.path.join(root, DEVKIT)
-    id_to_wnid, gt_ids = read_devkit(devkit)
+    id_to_wnid, gt_ids, words = read_devkit(devkit)
     train, val = os.path.join(root, TRAIN_TAR), os.path.join(root, VAL_TAR)
     classes = set(id_to_wnid.values())
     jobs = []
@@ -113,7 +114,7 @@ def archive_source(root: str) -> Source:
                             f"partial training archive? download it whole)")
     jobs += val_jobs(items, "members", val)
     sizes = sum(os.path.getsize(p) for p in (train, val))
-    return Source("official archives", root, jobs, [train, val, devkit], sizes)
+    return Source("official archives", root, jobs, [train, val, devkit], sizes, words)
 
 
 def label_of(id_to_wnid: dict[int, str], ilsvrc_id: int, devkit: str) -> str:
@@ -141,8 +142,9 @@ def tar_members(path: str) -> list[tarfile.TarInfo]:
     return members
 
 
-def read_devkit(path: str) -> tuple[dict[int, str], list[int]]:
-    """(ILSVRC2012_ID -> WNID of the 1,000 leaf synsets, the validation ground truth in file order)."""
+def read_devkit(path: str) -> tuple[dict[int, str], list[int], dict[str, str]]:
+    """(ILSVRC2012_ID -> WNID of the 1,000 leaf synsets, the validation ground truth in file order, WNID -> the
+    synset's words)."""
     try:
         with tarfile.open(path, "r:gz") as tar:
             files = {os.path.basename(m.name): m for m in tar if m.isfile()}
@@ -153,16 +155,20 @@ def read_devkit(path: str) -> tuple[dict[int, str], list[int]]:
             truth = tar.extractfile(files["ILSVRC2012_validation_ground_truth.txt"]).read().decode()
     except (tarfile.TarError, OSError, EOFError) as exc:
         raise UserError(f"cannot read {path} as a .tar.gz archive ({exc}): re-download it") from None
-    return leaf_synsets(meta, path), [int(line) for line in truth.split()]
+    leaves, words = leaf_synsets(meta, path)
+    return leaves, [int(line) for line in truth.split()], words
 
 
-def leaf_synsets(meta_mat: bytes, where: str) -> dict[int, str]:
-    """ILSVRC2012_ID -> WNID of the synsets with no children (the classes) in a devkit's meta.mat."""
+def leaf_synsets(meta_mat: bytes, where: str) -> tuple[dict[int, str], dict[str, str]]:
+    """ILSVRC2012_ID -> WNID of the synsets with no children (the classes) in a devkit's meta.mat, and WNID -> their
+    words."""
     import scipy.io
 
     try:
         synsets = scipy.io.loadmat(io.BytesIO(meta_mat), squeeze_me=True)["synsets"]
         leaves = {int(s["ILSVRC2012_ID"]): str(s["WNID"]) for s in synsets if int(s["num_children"]) == 0}
+        words = {str(s["WNID"]): plain_words(str(s["words"])) for s in synsets
+                 if int(s["num_children"]) == 0 and "words" in synsets.dtype.names}
     except (ValueError, KeyError, TypeError, IndexError) as exc:
         raise UserError(f"{where}: its meta.mat has no readable synsets ({exc}): re-download the devkit") from None
     if not leaves:
@@ -173,7 +179,26 @@ def leaf_synsets(meta_mat: bytes, where: str) -> dict[int, str]:
                             f"is not a WordNet ID (n and 8 digits, e.g. n01440764) and would name a folder under "
                             f"--out: refused before anything was written (a damaged or crafted devkit: download the "
                             f"original)")
-    return leaves
+    return leaves, words
+
+
+def plain_words(text: str) -> str:
+    """A synset's words as one line of printable text (they are data: no tab, newline or control character)."""
+    return " ".join("".join(c for c in text if c.isprintable() or c.isspace()).split())[:300]
+
+
+def synset_mapping(root: str) -> dict[str, str]:
+    """WNID -> words from Kaggle's LOC_synset_mapping.txt ('n01440764 tench, Tinca tinca' lines) beside the
+    source, or {} when it has none."""
+    path = os.path.join(root, "LOC_synset_mapping.txt")
+    if not os.path.isfile(path):
+        return {}
+    words = {}
+    for line in read_text_lines(path):
+        wnid, _, text = line.strip().partition(" ")
+        if WNID.fullmatch(wnid) and text.strip():
+            words[wnid] = plain_words(text)
+    return words
 
 
 # ----------------------------------------------------------------------------- trees of files
@@ -209,7 +234,7 @@ def kaggle_source(root: str, val_labels: str | None) -> Source:
                         f"with --val-labels")
     jobs, nbytes = class_file_jobs(data, "train")
     val, val_bytes = labelled_val(data, solution, jobs)
-    return Source("Kaggle tree", root, jobs + val, [], nbytes + val_bytes)
+    return Source("Kaggle tree", root, jobs + val, [], nbytes + val_bytes, synset_mapping(root))
 
 
 def tree_source(root: str, val_labels: str | None) -> Source:
@@ -226,10 +251,11 @@ def tree_source(root: str, val_labels: str | None) -> Source:
                             f"{os.path.join(root, 'train')} (first: {extra[0]}): is it the validation set of this "
                             f"training set? Add the class's training images, or move {os.path.join(val_dir, extra[0])} "
                             f"out of {val_dir}")
-        return Source("extracted tree, val in class folders", root, jobs + val, [], nbytes + val_bytes)
+        return Source("extracted tree, val in class folders", root, jobs + val, [], nbytes + val_bytes,
+                      synset_mapping(root))
     labels_file = val_labels or find_label_file(root)
     val, val_bytes = labelled_val(root, labels_file, jobs)
-    return Source("extracted tree, flat val", root, jobs + val, [], nbytes + val_bytes)
+    return Source("extracted tree, flat val", root, jobs + val, [], nbytes + val_bytes, synset_mapping(root))
 
 
 def find_label_file(root: str) -> str:

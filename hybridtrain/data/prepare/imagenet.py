@@ -36,6 +36,7 @@ from hybridtrain.errors import UserError
 from hybridtrain.files import check_input_dir, nearest_existing
 
 PARAMS, COMPLETE = "params.json", "complete.json"
+SYNSET_WORDS = "synset_words.txt"  # WNID -> words, where the source gave them (classify names classes by them)
 RESIZE_SAMPLE = 32  # validation images re-encoded to estimate the size of a --resize copy
 RESIZE_MARGIN = 1.15  # on top of the sample's ratio: the training images vary more than 32 images show
 MD5_CHUNK = 8 << 20
@@ -173,6 +174,9 @@ def finish(source: Source, out: str, records: list[dict]) -> dict:
                             f"something else writes there: give a new folder as --out")
     classes = sorted(tree["train"])  # every validation class has training images: checked by ilsvrc at the start
     write_atomically(os.path.join(out, "classes.txt"), "".join(f"{c}\n" for c in classes).encode())
+    if source.words:  # the words of each class, as Caffe's synset_words.txt: 'n01440764 tench, Tinca tinca'
+        write_atomically(os.path.join(out, SYNSET_WORDS), "".join(f"{c} {source.words[c]}\n" for c in classes
+                                                                 if c in source.words).encode())
     rewritten = sorted(line for r in records for line in r["rewritten"])
     write_atomically(os.path.join(out, "rewritten.txt"), "".join(f"{line}\n" for line in rewritten).encode())
     summary = {"layout": source.layout, **totals, "classes": len(classes), "rewritten": rewritten,
