@@ -2,11 +2,11 @@
 
 One module per family of commands, each holding its parsers (``add_commands``) beside its ``cmd_`` handlers:
 ``train``, ``data`` (prepare-data, reorganise-val, check-data), ``reports`` (report, plot-schedule; evaluate,
-classify, export of a trained model) and ``gpu_check``; ``options`` holds the argparse types and the options several share. A command loads its own
-family's module alone (a train rank parses no dataset command), ``--help`` all of them; building the parser imports
-no torch and no module a handler alone needs. The benchmarks and the research tools run from the checkout beside
-the package (``python -m benchmarks``, ``python -m tools``): MOVED names their new form to a user who types an old
-one.
+classify, export of a trained model) and ``gpu_check``; ``options`` holds the argparse types and the options several
+share. A command loads its own family's module alone (a train rank parses no dataset command), ``--help`` all of
+them; building the parser imports no torch and no module a handler alone needs. The benchmarks and the research
+tools run from the checkout beside the package (``python -m benchmarks``, ``python -m tools``): MOVED names their
+new form to a user who types an old one.
 """
 from __future__ import annotations
 
