@@ -59,7 +59,7 @@ FILE_WEIGHTS = {
     "test_time_breakdown.py": 90,  # 2 one-rank runs, a 2-rank horovodrun and a 2-rank torchrun launch (issue 44)
     "test_sinks.py": 60,  # a one-rank run logging to MLflow and W&B offline, and its resume
     "test_progressive.py": 120,  # a 2-rank torchrun and a 2-rank horovodrun (DALI) run, each stopped and resumed
-    "test_gpu_check.py": 330,  # the rehearsal (~200 s: a venv, the cached NCCL build, every row started), resume driver
+    "test_gpu_harness.py": 330,  # the rehearsal (~200 s: a venv, the cached NCCL build, every row started), resume driver
     "test_recipes.py": 175,  # a 2-rank torchrun and a 2-rank horovodrun run, each stopped and resumed (issue 45)
     "test_bad_input_round4_commands.py": 160,  # netns clusters killed at 4 points, bench/experiment killed, plugins
     "test_atomic_writes.py": 35,  # 8 writers SIGKILLed mid-write (a torch import each)
@@ -98,7 +98,7 @@ def cluster_box():
 def venv_without(root, excluded: list[str]) -> str:
     """A real venv whose site-packages links every entry of this one except ``excluded`` (paths relative to
     site-packages, globs allowed, e.g. 'nvidia/dali'): importing those genuinely fails there. Returns its python."""
-    from hybridtrain.gpucheck.rehearsal import linked_venv
+    from venvs import linked_venv
     return linked_venv(str(root), excluded)
 
 

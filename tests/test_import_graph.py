@@ -98,7 +98,7 @@ def test_building_the_parser_imports_no_torch():
 # The README's chain, top floor first: a module imports its own folder and the floors below it, never a floor
 # above nor a sibling folder on its own floor.
 FLOORS = (("hybridtrain", "hybridtrain.__main__", "hybridtrain.cli"),
-          ("hybridtrain.gpucheck", "hybridtrain.cluster", "hybridtrain.install"),
+          ("hybridtrain.cluster", "hybridtrain.install"),
           ("hybridtrain.perf",), ("hybridtrain.predict",), ("hybridtrain.reports", "hybridtrain.data.prepare"),
           ("hybridtrain.engine",),
           ("hybridtrain.data", "hybridtrain.models", "hybridtrain.optim", "hybridtrain.precision"),
@@ -126,7 +126,7 @@ def wrong_way(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
 
 
 def test_imports_go_down_the_readme_chain_floor_by_floor():
-    """cli -> gpucheck (the GPU acceptance check), cluster (the emulated cluster on one machine), install (the
+    """cli -> cluster (the emulated cluster on one machine), install (the
     install's plan) -> perf (benchmarks)
     -> predict (the cluster model) -> reports, data.prepare -> engine -> data, models, optim, precision ->
     distributed, hardware (the node checks) -> config -> outputs (whose path rules the config's

@@ -2,8 +2,8 @@
 
 One module per family of commands, each holding its parsers (``add_commands``) beside its ``cmd_`` handlers:
 ``train``, ``data`` (prepare-data, reorganise-val, check-data), ``bench`` (bench, bench-optim, bench-data),
-``reports`` (experiment, report), ``scale`` (scale, cluster), ``predict``, ``schedule`` (plot-schedule) and
-``gpu_check``; ``options`` holds the argparse types and the options several share. Building the parser imports no
+``reports`` (experiment, report), ``scale`` (scale, cluster), ``predict`` and ``schedule`` (plot-schedule);
+``options`` holds the argparse types and the options several share. Building the parser imports no
 torch: every heavy import sits inside a handler.
 """
 from __future__ import annotations
@@ -12,14 +12,14 @@ import argparse
 import re
 import sys
 
-from hybridtrain.cli import bench, data, gpu_check, predict, reports, scale, schedule, train
+from hybridtrain.cli import bench, data, predict, reports, scale, schedule, train
 from hybridtrain.cli.train import out_of_memory_device
 from hybridtrain.errors import run_guarded
 
 __all__ = ["build_parser", "main", "out_of_memory_device", "run_guarded"]
 
 # in the order --help lists the commands
-FAMILIES = (train, data, bench, reports, scale, predict, schedule, gpu_check)
+FAMILIES = (train, data, bench, reports, scale, predict, schedule)
 
 
 class Parser(argparse.ArgumentParser):

@@ -10,6 +10,7 @@ from hybridtrain.cli.options import (
     bounded_int,
     engine_name,
 )
+from hybridtrain.errors import UserError
 from hybridtrain.outputs import check_output_dir, check_output_file, write_json_atomically
 
 BENCH_PRECISIONS = ("fp64", "fp32", "mixed-fp16", "mixed-bf16", "layered", "fp16_pure")
@@ -49,10 +50,13 @@ def cmd_bench(args) -> int:
     with stopped_cleanly("its ranks ended"):  # --engine launches the whole step's ranks
         rows = bench(args.config, sets, args.precision or [], args.batch_size or [], args.steps, args.warmup,
                      args.baseline, args.profile, args.threads, engines, args.phase)
-    print(format_table(rows))
+    print(format_table([r for r in rows if "error" not in r]))
     if args.json is not None:
         write_json_atomically(args.json, rows)
         print(f"rows written to {args.json}")
+    failed = [r["error"] for r in rows if "error" in r]
+    if failed:  # after the rows measured are out
+        raise UserError(failed[0])
     return 0
 
 
@@ -82,7 +86,7 @@ def add_commands(sub) -> None:
     step = sub.add_parser("bench", help="the trainer's training step on synthetic data: img/s, step time, memory; "
                                          "--baseline compares a plain PyTorch loop")
     add_recipe_options(step, "recipe (default: the built-in defaults, ResNet-50 at batch 256, 224 px)")
-    # config.sections.ARCHS, written out: the parser imports no config (PyYAML may be missing: gpu-check's start)
+    # config.sections.ARCHS, written out: the parser imports no config (PyYAML may be missing on a bare machine)
     step.add_argument("--arch", choices=["resnet18", "resnet34", "resnet50", "resnet101", "resnet152"],
                       help="model.arch")
     step.add_argument("--precision", action="append", metavar="MODE", choices=list(BENCH_PRECISIONS),

@@ -1,0 +1,180 @@
+"""The GPU check's rows, in the order users ask: the trainer's whole step per GPU against a plain PyTorch AMP loop
+(ResNet-50, batch 256, NHWC, SGD+LARS phase: 89% of the recipe's epochs) in fp16 and bf16, with CUDA graphs and
+with compile; a run resumed bitwise; the largest batch; then Horovod (its build beside the rows that time nothing):
+its whole step, and one rank with its gradient hooks forced, so the FP16 wire, the NHWC compressor and NCCL's
+all-reduce run once on one GPU. Each row is one real process (OUT/<row>.log); its figures go to the table."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from gpu.harness import REPO, option, refused, row, run_command
+
+from hybridtrain.perf.bench_sets import precision_sets
+
+RECIPE = os.path.join(REPO, "configs", "resnet50_h100.yaml")
+BATCH, STEPS, WARMUP = 256, 20, 5
+SLOPE_MB, BASE_MB = 42.1, 431  # reserved MiB per image and at none: the H100 run's max-batch table, mixed-bf16 NHWC
+HEADROOM_MB, MARGIN = 3072, 0.05  # perf.max_batch's TRAINING_HEADROOM_MB and bench's default --memory-margin
+PLAIN_LOOP: dict = {}  # precision -> the plain loop's img/s (rows without a plain loop of their own)
+
+
+def bench_argv(python, out, name, precision, *extra):
+    return [python, "-m", "hybridtrain", "bench", "--precision", precision, "--channels-last", "--batch-size",
+            BATCH, "--steps", STEPS, "--warmup", WARMUP, "--phase", "sgd", "--json", os.path.join(out, f"{name}.json"),
+            *extra]
+
+
+def read_bench(out: str, name: str, record, precision: str, loop: str = "trainer") -> dict:
+    """Records the figures of ``name``.json (whatever the command's exit: a whole-step child that failed leaves the
+    in-process rows); returns {loop: row}."""
+    try:
+        with open(os.path.join(out, f"{name}.json")) as fh:
+            loops = {r["loop"]: r for r in json.load(fh)}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        pytest.fail(f"no bench JSON ({exc.__class__.__name__}): see {name}.log")
+    main = loops.get(loop) or pytest.fail(f"the bench JSON has no {loop} row")
+    record("img/s", main["images_per_sec"])
+    record("phase", main.get("optimizer", ""))
+    record("peak reserved MiB", main.get("peak_memory_reserved_mb"))
+    if "baseline" in loops:
+        PLAIN_LOOP[precision] = loops["baseline"]["images_per_sec"]
+        record("plain loop img/s", PLAIN_LOOP[precision])
+    if precision in PLAIN_LOOP:
+        record("÷ plain loop", main["images_per_sec"] / PLAIN_LOOP[precision])
+    return loops
+
+
+@row(20, 180)
+def test_node(node, record_property):
+    """The node checks per precision; a refusal in fp32 (no kernels for this GPU, a driver too old) fails here."""
+    record_property("device", node["name"])
+    record_property("sm", node["cc"])
+    assert not node["checks"].get("fp32", [""])[0], node["checks"]["fp32"][0]
+
+
+@row(85, 300)
+@pytest.mark.parametrize("precision", ["mixed-fp16", "mixed-bf16"])
+def test_step_against_plain_loop(precision, node, python, pytestconfig, record_property):
+    """The trainer's step and the plain loop alternated in one process; then the whole step under torchrun (DDP,
+    NCCL, the FP16 hook). The in-process figures stay when the whole step fails."""
+    refused(node, precision)
+    out, name = option(pytestconfig, "gpu_out"), f"bench-{precision}"
+    rc = run_command(pytestconfig, name, bench_argv(python, out, name, precision, "--baseline", "--engine", "torch"))
+    loops = read_bench(out, name, record_property, precision)
+    whole = loops.get("train/torch", {})
+    if "images_per_sec" in whole:
+        record_property("torchrun img/s", whole["images_per_sec"])
+    assert rc == 0 and "error" not in whole, whole.get("error") or f"exit {rc}: see {name}.log"
+
+
+@row(45, 200)
+def test_graphed_step(node, python, pytestconfig, record_property):
+    """The trainer's step captured in a CUDA graph, in process (its ratio across processes: the eager row's loop)."""
+    out = option(pytestconfig, "gpu_out")
+    rc = run_command(pytestconfig, "bench-mixed-fp16-graphed", bench_argv(
+        python, out, "bench-mixed-fp16-graphed", "mixed-fp16", "--set", "train.cuda_graphs=true"))
+    read_bench(out, "bench-mixed-fp16-graphed", record_property, "mixed-fp16")
+    assert rc == 0
+
+
+@row(95, 400)
+def test_compiled_step(node, python, pytestconfig, record_property):
+    refused(node, "mixed-bf16")
+    out = option(pytestconfig, "gpu_out")
+    rc = run_command(pytestconfig, "bench-mixed-bf16-compiled", bench_argv(
+        python, out, "bench-mixed-bf16-compiled", "mixed-bf16", "--set", "train.compile=true"))
+    read_bench(out, "bench-mixed-bf16-compiled", record_property, "mixed-bf16")
+    assert rc == 0
+
+
+def train_sets(run_dir: str, precision: str, ranks: int = 1, epochs: int = 2) -> list[str]:
+    """The recipe on its GPU (never the CPU), synthetic input, NHWC, 2 epochs of 30 steps (T=1: the steady epoch is
+    SGD+LARS), no TensorBoard."""
+    sets = [f"run_dir={run_dir}", "train.device=cuda", "data.backend=synthetic", "data.channels_last=true",
+            f"train.batch_size={BATCH}", f"data.synthetic_images={BATCH * 30 * ranks}", f"train.epochs={epochs}",
+            "optim.adabound_epochs=1", "train.progress=false", "report.tensorboard=false", *precision_sets(precision)]
+    return [a for s in sets[0 if run_dir else 1:] for a in ("--set", s)]
+
+
+@row(65, 240)
+def test_resume_is_bitwise(node, python, pytestconfig, record_property, beside_build):
+    """2 epochs, and the same run resumed from its epoch-1 checkpoint, deterministic, on the torch engine: the final
+    model and optimizer state bitwise equal. Not a speed row: Horovod's build runs beside it."""
+    folder = os.path.join(option(pytestconfig, "gpu_out"), "runs", "resume")
+    sets = train_sets("", "mixed-fp16")  # each run's run_dir is the driver's
+    rc = run_command(pytestconfig, "resume", [python, os.path.join(os.path.dirname(__file__), "resume_check.py"),
+                                              folder, RECIPE, *sets, "--set", "train.deterministic=true"])
+    assert rc == 0, "the resumed run differs or a run failed: see resume.log"
+    record_property("result", "bitwise equal")
+
+
+def predicted_max_batch(total_mb: float, granularity: int = 256) -> int:
+    """The largest batch the H100's line of reserved memory per image allows on a device of ``total_mb``, rounded
+    down to ``granularity``: the search's first trial, so that a 141 GB device needs no doubling from 1536."""
+    return max(granularity, int(((1 - MARGIN) * total_mb - HEADROOM_MB - BASE_MB) / SLOPE_MB) // granularity
+               * granularity)
+
+
+@row(120, 300)
+def test_largest_batch(node, python, pytestconfig, record_property, beside_build):
+    """The largest batch whose reserved memory leaves 5% of the device and 3 GiB free; a memory figure, so it runs
+    beside Horovod's build."""
+    refused(node, "mixed-bf16")
+    start = predicted_max_batch(node.get("total_mb", 81079))
+    rc = run_command(pytestconfig, "max-batch", [python, "-m", "hybridtrain", "bench", "--find-max-batch",
+                                                 "--precision", "mixed-bf16", "--channels-last", "--start-batch",
+                                                 start, "--batch-granularity", 256, "--steps", 3, "--warmup", 1])
+    with open(os.path.join(option(pytestconfig, "gpu_out"), "max-batch.log")) as fh:
+        largest = [line for line in fh if "(largest)" in line]
+    assert rc == 0 and largest, "no (largest) row: see max-batch.log"
+    cells = [c.strip() for c in largest[-1].strip().strip("|").split("|")]
+    record_property("predicted start", start)
+    record_property("largest batch", int(cells[0].split()[0]))
+    record_property("img/s", float(cells[1]))
+
+
+@row(70, 240)
+def test_horovod_whole_step(horovod, python, pytestconfig, record_property):
+    """The whole step under horovodrun on one rank. Horovod registers no gradient hooks at size 1: no all-reduce
+    here (the next row forces them)."""
+    out = option(pytestconfig, "gpu_out")
+    rc = run_command(pytestconfig, "bench-mixed-fp16-horovod", bench_argv(
+        os.path.join(horovod, "python"), out, "bench-mixed-fp16-horovod", "mixed-fp16", "--engine", "horovod"),
+        env={"PATH": horovod + os.pathsep + os.environ.get("PATH", "")})
+    read_bench(out, "bench-mixed-fp16-horovod", record_property, "mixed-fp16", loop="train/horovod")
+    record_property("all-reduce", "none at 1 rank")
+    assert rc == 0
+
+
+@row(60, 200)
+def test_horovod_hooks_forced_on_one_rank(horovod, python, pytestconfig, record_property):
+    """Training on one rank with Horovod's hooks on (HOROVOD_ELASTIC=1: its optimizer registers them at any size),
+    the FP16 wire and NHWC: the path 2+ ranks take, through NCCL. Its timeline must hold the gradients' all-reduces."""
+    out = option(pytestconfig, "gpu_out")
+    run_dir, timeline = os.path.join(out, "runs", "horovod-hooks"), os.path.join(out, "horovod-hooks.timeline.json")
+    argv = [os.path.join(horovod, "horovodrun"), "-np", 1, "-H", "localhost:1", os.path.join(horovod, "python"), "-m",
+            "hybridtrain", "train", "--config", RECIPE, "--engine", "horovod",
+            *train_sets(run_dir, "mixed-fp16"), "--set", "distributed.compression=fp16"]
+    rc = run_command(pytestconfig, "horovod-hooks", argv, env={"HOROVOD_ELASTIC": "1", "HOROVOD_TIMELINE": timeline})
+    assert rc == 0, "see horovod-hooks.log"
+    with open(timeline) as fh:
+        reduced = fh.read().count("ALLREDUCE")
+    record_property("timeline all-reduce events", reduced)
+    assert reduced > 0, "Horovod's timeline holds no all-reduce: the hooks did not run"
+
+
+GPU_TESTS = ["tests/test_step_speed.py", "tests/test_optim_math.py", "-k", "guard_counts or reads_only or one_host_sync "
+             "or compiled_steps or graphed_steps or hooks_firing or hooks_forced or fused_updates"]
+
+
+@row(180, 300)
+def test_suite_gpu_tests(horovod, pytestconfig, record_property):
+    """The CPU suite's tests that use the GPU where they see one (the hook order under compile, graphed and compiled
+    steps, Horovod's hooks forced, fused updates), from Horovod's venv."""
+    xml = os.path.join(option(pytestconfig, "gpu_out"), "gpu-tests.xml")
+    rc = run_command(pytestconfig, "gpu-tests", [os.path.join(horovod, "python"), "-m", "pytest", "-q", "-p",
+                                                 "no:cacheprovider", "--timeout=120", f"--junitxml={xml}", *GPU_TESTS],
+                     env={"PATH": horovod + os.pathsep + os.environ.get("PATH", "")})
+    assert rc == 0, "see gpu-tests.log"
