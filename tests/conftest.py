@@ -21,6 +21,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: several real training runs (minutes); make test and .ci/run include "
                                        "it, -m 'not slow' leaves it out")
+    config.addinivalue_line("markers", "row(estimate_s): a GPU check row (tests/gpu) and its estimated seconds")
     if getattr(config.option, "loadscopereorder", False) and "--loadscope-reorder" not in config.invocation_params.args:
         config.option.loadscopereorder = False  # pytest-xdist keeps FILE_WEIGHTS' order (see there)
 

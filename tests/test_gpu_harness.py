@@ -187,7 +187,7 @@ def test_call_one_holds_the_headline_rows_and_the_largest_batch_and_the_device_t
         timeout_2 = left - 30
         assert start + timeout_1 + timeout_2 + 30 <= 900 and timeout_2 - 60 > 0
     text = open(os.path.join(REPO, "docs", "benchmarks.md")).read()
-    assert "(timeout_s 580)" in text and "--session-timeout 520" in text
+    assert "timeout_s 580" in text and "--session-timeout 520" in text
     assert '--session-timeout $((BUDGET_LEFT - 90))' in text
 
 

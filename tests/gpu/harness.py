@@ -54,7 +54,7 @@ def gpu_call(config) -> bool:
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "row(estimate_s): a GPU check row and its estimated seconds")
+    config.addinivalue_line("markers", "row(estimate_s): a GPU check row and its estimated seconds")  # stand-ins
     config.started = time.monotonic()
     config.earlier = {}
     if gpu_call(config):
