@@ -12,7 +12,6 @@ import shutil
 import subprocess
 import sys
 import tarfile
-import textwrap
 import time
 
 import pytest
@@ -233,6 +232,41 @@ def test_every_rows_config_passes_the_checks_it_meets_on_an_h200(tmp_path, monke
     cfg = load_config(test_rows.RECIPE, [hooks[i + 1] for i in range(0, len(hooks), 2)])
     assert cfg.distributed.compression == "fp16" and cfg.data.channels_last and not cfg.train.cuda_graphs
     check_graphs_and_compression(cfg.train.cuda_graphs, cfg.distributed.compression, 1)
+
+
+SHIM = ("import torch, hybridtrain.hardware.checks as c\ntorch.cuda.is_available = lambda: True\n"
+        "torch.cuda.get_device_name = lambda *a: 'NVIDIA H200'\ntorch.cuda.get_device_capability = lambda *a: (9, 0)\n"
+        "torch.cuda.get_device_properties = lambda *a: type('P', (), {'total_memory': 143771 * 2**20})\n"
+        "c.driver_api_version = lambda: %d\n")
+
+
+@pytest.mark.parametrize("driver, refusal", [(13000, ""), (12040, "driver supports CUDA 12.4")])
+def test_the_node_probe_on_a_stand_in_h200(driver, refusal):
+    """The probe's GPU branch, its torch's real arch list and node checks, on a stand-in H200 (sm_90) with driver
+    API 13000 (r580), and one too old for torch's CUDA 13, which test_node fails on."""
+    from gpu.conftest import PROBE
+    proc = subprocess.run([sys.executable, "-c", SHIM % driver + PROBE], capture_output=True, text=True, timeout=120,
+                          cwd=REPO)
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert found["name"] == "NVIDIA H200" and found["cc"] == "90" and found["total_mb"] == 143771
+    assert set(found["checks"]) == {"fp32", "mixed-fp16", "mixed-bf16"}
+    if refusal:
+        assert all(refusal in line for line, _ in found["checks"].values())
+    else:
+        assert all(check == ["", []] for check in found["checks"].values()), found["checks"]
+
+
+def test_a_failed_build_keeps_install_shs_line_and_the_last_2000_lines_of_its_log(tmp_path):
+    from gpu.conftest import Build
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "install-1.log").write_text("".join(f"line {i}\n" for i in range(3000)))
+    (tmp_path / "build.log").write_text("Traceback: ModuleNotFoundError\ninstall: error: no nvcc: set CUDA_HOME\n")
+    job = Build.__new__(Build)
+    job.cache, job.log = str(tmp_path / "cache"), str(tmp_path / "build.log")
+    job.config = type("Config", (), {"getoption": lambda self, name, default=None: str(tmp_path)})()
+    assert job.failure(1) == "Horovod build: install: error: no nvcc: set CUDA_HOME"
+    kept = (tmp_path / "build-install.log").read_text().splitlines()
+    assert len(kept) == 2000 and kept[0] == "line 1000" and kept[-1] == "line 2999"
 
 
 def test_the_resume_driver_finds_a_resumed_torch_engine_run_bitwise_equal(tmp_path, small_digits):

@@ -20,7 +20,8 @@ LIMIT_MIB = 64
 
 
 def pip(*args: str) -> bool:
-    return subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", *args], stdin=subprocess.DEVNULL).returncode == 0
+    cmd = [sys.executable, "-m", "pip", "download", "--quiet", *args]
+    return subprocess.run(cmd, stdin=subprocess.DEVNULL).returncode == 0
 
 
 def main(argv: list) -> int:

@@ -8,9 +8,9 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
+
 from gpu.harness import *  # noqa: F401,F403  (the runner's hooks)
 from gpu.harness import REPO, budget_left, option, read_tail, stop_group
 
@@ -109,7 +109,6 @@ class Build:
             self.proc = subprocess.Popen(["nice", "-n", "10", os.path.join(REPO, "install.sh")], cwd=REPO,
                                          stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env={**os.environ, **self.env}, start_new_session=True)
-        self.began = time.monotonic()
 
     def wait(self) -> str:
         """The venv's bin folder once built; pytest.fail with install.sh's own line when it failed (the last

@@ -10,7 +10,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import tarfile
 import time
 
@@ -271,8 +270,3 @@ def refused(node: dict, precision: str) -> None:
 def last_line(text: str) -> str:
     lines = [s.strip() for s in text.splitlines() if s.strip()]
     return lines[-1][:300] if lines else ""
-
-
-def python_of(config) -> str:
-    """The Python the rows run with: the one running the check (the image's), or --rehearse's image-like venv."""
-    return getattr(config, "image_python", None) or sys.executable

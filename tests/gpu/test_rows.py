@@ -9,8 +9,8 @@ import json
 import os
 
 import pytest
-from gpu.harness import REPO, option, refused, row, run_command
 
+from gpu.harness import REPO, option, refused, row, run_command
 from hybridtrain.perf.bench_sets import precision_sets
 
 RECIPE = os.path.join(REPO, "configs", "resnet50_h100.yaml")
@@ -72,6 +72,7 @@ def test_step_against_plain_loop(precision, node, python, pytestconfig, record_p
 @row(45, 200)
 def test_graphed_step(node, python, pytestconfig, record_property):
     """The trainer's step captured in a CUDA graph, in process (its ratio across processes: the eager row's loop)."""
+    refused(node, "mixed-fp16")
     out = option(pytestconfig, "gpu_out")
     rc = run_command(pytestconfig, "bench-mixed-fp16-graphed", bench_argv(
         python, out, "bench-mixed-fp16-graphed", "mixed-fp16", "--set", "train.cuda_graphs=true"))
@@ -102,6 +103,7 @@ def train_sets(run_dir: str, precision: str, ranks: int = 1, epochs: int = 2) ->
 def test_resume_is_bitwise(node, python, pytestconfig, record_property, beside_build):
     """2 epochs, and the same run resumed from its epoch-1 checkpoint, deterministic, on the torch engine: the final
     model and optimizer state bitwise equal. Not a speed row: Horovod's build runs beside it."""
+    refused(node, "mixed-fp16")
     folder = os.path.join(option(pytestconfig, "gpu_out"), "runs", "resume")
     sets = train_sets("", "mixed-fp16")  # each run's run_dir is the driver's
     rc = run_command(pytestconfig, "resume", [python, os.path.join(os.path.dirname(__file__), "resume_check.py"),
@@ -136,9 +138,10 @@ def test_largest_batch(node, python, pytestconfig, record_property, beside_build
 
 
 @row(70, 240)
-def test_horovod_whole_step(horovod, python, pytestconfig, record_property):
+def test_horovod_whole_step(node, horovod, python, pytestconfig, record_property):
     """The whole step under horovodrun on one rank. Horovod registers no gradient hooks at size 1: no all-reduce
     here (the next row forces them)."""
+    refused(node, "mixed-fp16")
     out = option(pytestconfig, "gpu_out")
     rc = run_command(pytestconfig, "bench-mixed-fp16-horovod", bench_argv(
         os.path.join(horovod, "python"), out, "bench-mixed-fp16-horovod", "mixed-fp16", "--engine", "horovod"),
@@ -149,9 +152,10 @@ def test_horovod_whole_step(horovod, python, pytestconfig, record_property):
 
 
 @row(60, 200)
-def test_horovod_hooks_forced_on_one_rank(horovod, python, pytestconfig, record_property):
+def test_horovod_hooks_forced_on_one_rank(node, horovod, python, pytestconfig, record_property):
     """Training on one rank with Horovod's hooks on (HOROVOD_ELASTIC=1: its optimizer registers them at any size),
     the FP16 wire and NHWC: the path 2+ ranks take, through NCCL. Its timeline must hold the gradients' all-reduces."""
+    refused(node, "mixed-fp16")
     out = option(pytestconfig, "gpu_out")
     run_dir, timeline = os.path.join(out, "runs", "horovod-hooks"), os.path.join(out, "horovod-hooks.timeline.json")
     argv = [os.path.join(horovod, "horovodrun"), "-np", 1, "-H", "localhost:1", os.path.join(horovod, "python"), "-m",
