@@ -269,6 +269,22 @@ def test_a_failed_build_keeps_install_shs_line_and_the_last_2000_lines_of_its_lo
     assert len(kept) == 2000 and kept[0] == "line 1000" and kept[-1] == "line 2999"
 
 
+def test_horovods_hooks_run_on_one_rank_as_the_gpu_row_forces_them(tmp_path):
+    """The GPU row's way to Horovod's hooks on one rank (HOROVOD_ELASTIC=1 under a static horovodrun), on the CPU
+    with the demo's recipe: training ends well and the timeline names the gradients' all-reduces, which a plain
+    1-rank job never does (Horovod registers no hooks at size 1)."""
+    sets = ["data.backend=synthetic", "train.epochs=2", "optim.adabound_epochs=1", "data.synthetic_images=32",
+            "train.batch_size=16", f"run_dir={tmp_path / 'run'}", "report.tensorboard=false", "train.progress=false"]
+    argv, env, timeline = test_rows.hooks_forced(os.path.dirname(sys.executable), str(tmp_path),
+                                                 os.path.join(REPO, "configs", "demo.yaml"),
+                                                 [a for s in sets for a in ("--set", s)])
+    proc = subprocess.run(list(map(str, argv)), capture_output=True, text=True, timeout=600, cwd=REPO,
+                          env={**os.environ, **env}, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    text = open(timeline).read()
+    assert "allreduce.conv1.weight" in text and "allreduce.fc.weight" in text
+
+
 def test_the_resume_driver_finds_a_resumed_torch_engine_run_bitwise_equal(tmp_path, small_digits):
     cfg = tiny_config(small_digits, str(tmp_path / "unused"), train={"epochs": 2, "batch_size": 16, "threads": 1,
                                                                      "progress": False, "device": "cpu"})
