@@ -1,8 +1,6 @@
-"""The GPU check (tests/gpu) on the CPU: its runner's hooks on stand-in rows run as real pytest sessions (the table
-and archive whatever happens, a row that raises or times out failing alone, figures kept when a later step fails,
-what passed skipped on a warm machine and on a fresh one, an earlier call's leftovers stopped, the rehearsal's
-judging); the real rows without a GPU; the plan and the device time; every row's config through the checks it
-meets on an H200; the resume driver; the bundle; and the rehearsal with the network cut."""
+"""The GPU check (tests/gpu) on the CPU: its runner on stand-in rows as real pytest sessions; the real rows without
+a GPU; the plan and the device time; the rows' configs, probe and build on a stand-in H200; the forced-hooks row's
+command; the resume driver; the bundle; and the rehearsal with the network cut."""
 from __future__ import annotations
 
 import json
@@ -97,22 +95,28 @@ def test_each_row_fails_alone_and_the_call_ends_with_its_table_and_archive(tmp_p
     assert "| test_raises | **FAIL** |" in proc.stdout and "archive: " in proc.stdout  # the table, printed
 
 
-def test_what_passed_is_skipped_on_a_warm_machine_and_on_a_fresh_one_from_the_archive(tmp_path):
-    first = tmp_path / "first"
-    first.mkdir()
-    session(first, "--archive", str(first / "back"), "-k", "passes or raises")
+def test_what_passed_is_skipped_on_a_warm_machine_and_a_fresh_one_and_a_calls_leftovers_are_stopped(tmp_path):
+    first, fresh = tmp_path / "first", tmp_path / "fresh"  # fresh: no cache, no out folder, only call 1's archive
+    first.mkdir(), fresh.mkdir()
+    leftover = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True,
+                                env={**os.environ, harness.MARK: "1"})  # an earlier call's row
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        session(first, "--archive", str(first / "back"), "-k", "passes or raises")
+        assert leftover.wait(timeout=30) == -9 and bystander.poll() is None
+    finally:
+        for proc in (leftover, bystander):
+            proc.kill()
+            proc.wait()
     (first / "out" / "passes.log").unlink()
-    warm = session(first, "--archive", str(first / "back2"), "-k", "passes or raises")
-    rows = results(first / "back2" / "gpu-check.tgz")
-    assert rows["test_passes"] == {**rows["test_passes"], "result": "pass", "note": "passed in an earlier call",
-                                   "figures": {"img/s": 123.5}}
-    assert rows["test_raises"]["result"] == "fail" and not (first / "out" / "passes.log").exists()
-    fresh = tmp_path / "fresh"  # no cache, no out folder: only the archive call 1 brought back
-    fresh.mkdir()
-    again = session(fresh, "--archive", str(fresh / "back"), "--earlier", str(first / "back" / "gpu-check.tgz"),
-                    "-k", "passes or raises")
-    assert results(fresh / "back" / "gpu-check.tgz")["test_passes"]["note"] == "passed in an earlier call"
-    assert not (fresh / "out" / "passes.log").exists(), warm.stdout + again.stdout
+    session(first, "--archive", str(first / "back2"), "-k", "passes or raises")
+    session(fresh, "--archive", str(fresh / "back"), "--earlier", str(first / "back" / "gpu-check.tgz"), "-k",
+            "passes or raises")
+    for rows in (results(first / "back2" / "gpu-check.tgz"), results(fresh / "back" / "gpu-check.tgz")):
+        assert rows["test_passes"] == {**rows["test_passes"], "result": "pass", "note": "passed in an earlier call",
+                                       "figures": {"img/s": 123.5}}
+        assert rows["test_raises"]["result"] == "fail"
+    assert not (first / "out" / "passes.log").exists() and not (fresh / "out" / "passes.log").exists()
     bad = session(fresh, "--archive", str(fresh / "back"), "--earlier", str(first / "out" / "gpu_check.md"))
     assert bad.returncode == 4 and "not a gpu-check archive" in bad.stderr
 
@@ -123,19 +127,6 @@ def test_the_rehearsal_passes_a_row_that_reaches_its_gpu_step_and_fails_one_that
     assert rows["test_wants_the_gpu"]["result"] == "skip" and rows["test_passes"]["result"] == "skip"
     assert rows["test_breaks"]["result"] == "fail" and "no such option --fast" in rows["test_breaks"]["note"]
     assert proc.returncode == 1
-
-
-def test_a_call_stops_the_processes_an_earlier_call_left_running(tmp_path):
-    leftover = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True,
-                                env={**os.environ, harness.MARK: "1"})
-    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-    try:
-        session(tmp_path, "--archive", str(tmp_path / "back"), "-k", "passes")
-        assert leftover.wait(timeout=30) == -9 and bystander.poll() is None
-    finally:
-        for proc in (leftover, bystander):
-            proc.kill()
-            proc.wait()
 
 
 def test_without_a_gpu_every_row_is_skipped_and_the_documented_call_brings_back_its_archive(tmp_path):

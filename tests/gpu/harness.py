@@ -34,14 +34,10 @@ def row(estimate_s: float, timeout_s: float):
 
 def pytest_addoption(parser):
     group = parser.getgroup("gpu-check")
-    group.addoption("--archive", metavar="DIR", help="end the call by writing DIR/gpu-check.tgz (the table, every "
-                                                     "row's log and figures; under 16 MiB): give the device's $OUT")
-    group.addoption("--earlier", metavar="TGZ", help="a previous call's gpu-check.tgz: the rows that passed there "
-                                                     "are not run again (a fresh machine has no pytest cache)")
-    group.addoption("--gpu-out", metavar="DIR", default=os.path.join(REPO, ".gpu-check", "out"),
-                    help="the rows' logs and outputs (default .gpu-check/out, git-ignored)")
-    group.addoption("--rehearse", action="store_true", help="on a CPU machine: every row's command started from an "
-                                                            "image-like Python and the offline Horovod build")
+    group.addoption("--archive", metavar="DIR", help="end by writing DIR/gpu-check.tgz (give the device's $OUT)")
+    group.addoption("--earlier", metavar="TGZ", help="an earlier call's gpu-check.tgz: skip the rows it passed")
+    group.addoption("--gpu-out", metavar="DIR", default=os.path.join(REPO, ".gpu-check", "out"), help="rows' logs")
+    group.addoption("--rehearse", action="store_true", help="on a CPU: start every row's command, no GPU step")
 
 
 def option(config, name: str, default=None):
@@ -63,24 +59,17 @@ def pytest_configure(config):
         os.environ[MARK] = str(os.getpid())
 
 
-def stop_leftovers(proc: str = "/proc") -> list[int]:
+def stop_leftovers(proc: str = "/proc") -> None:
     """Kill what an earlier call left running (a call killed at its limit leaves its rows' own sessions behind,
-    holding GPU memory): every process whose environment carries MARK of another call. Returns their pids."""
-    killed = []
+    holding GPU memory): every process whose environment carries another call's MARK."""
     for pid in filter(str.isdigit, os.listdir(proc)):
         try:
             with open(os.path.join(proc, pid, "environ"), "rb") as fh:
                 env = dict(e.split(b"=", 1) for e in fh.read().split(b"\0") if b"=" in e)
+            if env.get(MARK.encode(), str(os.getpid()).encode()) != str(os.getpid()).encode():
+                os.kill(int(pid), signal.SIGKILL)
         except OSError:
             continue
-        mark = env.get(MARK.encode())
-        if mark is not None and mark != str(os.getpid()).encode() and int(pid) != os.getpid():
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-                killed.append(int(pid))
-            except OSError:
-                pass
-    return killed
 
 
 def budget_left(config) -> float:
