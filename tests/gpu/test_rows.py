@@ -17,18 +17,17 @@ RECIPE = os.path.join(REPO, "configs", "resnet50_h100.yaml")
 BATCH, STEPS, WARMUP = 256, 20, 5
 SLOPE_MB, BASE_MB = 42.1, 431  # reserved MiB per image and at none: the H100 run's max-batch table, mixed-bf16 NHWC
 HEADROOM_MB, MARGIN = 3072, 0.05  # perf.max_batch's TRAINING_HEADROOM_MB and bench's default --memory-margin
+GRAPHED, COMPILED = ("--set", "train.cuda_graphs=true"), ("--set", "train.compile=true")
 PLAIN_LOOP: dict = {}  # precision -> the plain loop's img/s (rows without a plain loop of their own)
 
 
-def bench_argv(python, out, name, precision, *extra):
-    return [python, "-m", "hybridtrain", "bench", "--precision", precision, "--channels-last", "--batch-size",
-            BATCH, "--steps", STEPS, "--warmup", WARMUP, "--phase", "sgd", "--json", os.path.join(out, f"{name}.json"),
-            *extra]
-
-
-def read_bench(out: str, name: str, record, precision: str, loop: str = "trainer") -> dict:
-    """Records the figures of ``name``.json (whatever the command's exit: a whole-step child that failed leaves the
-    in-process rows); returns {loop: row}."""
+def bench(config, record, python: str, name: str, precision: str, *extra, loop: str = "trainer", env=None) -> dict:
+    """``bench`` at the recipe's batch, NHWC, SGD+LARS phase; its figures recorded from its JSON whatever its exit
+    (a whole-step launch that failed leaves the in-process rows), then the row fails on a bad exit."""
+    out = option(config, "gpu_out")
+    rc = run_command(config, name, [python, "-m", "hybridtrain", "bench", "--precision", precision, "--channels-last",
+                                    "--batch-size", BATCH, "--steps", STEPS, "--warmup", WARMUP, "--phase", "sgd",
+                                    "--json", os.path.join(out, f"{name}.json"), *extra], env=env)
     try:
         with open(os.path.join(out, f"{name}.json")) as fh:
             loops = {r["loop"]: r for r in json.load(fh)}
@@ -43,6 +42,10 @@ def read_bench(out: str, name: str, record, precision: str, loop: str = "trainer
         record("plain loop img/s", PLAIN_LOOP[precision])
     if precision in PLAIN_LOOP:
         record("÷ plain loop", main["images_per_sec"] / PLAIN_LOOP[precision])
+    whole = loops.get("train/torch", {})
+    if "images_per_sec" in whole:
+        record("torchrun img/s", whole["images_per_sec"])
+    assert rc == 0 and "error" not in whole, whole.get("error") or f"exit {rc}: see {name}.log"
     return loops
 
 
@@ -58,36 +61,22 @@ def test_node(node, record_property):
 @pytest.mark.parametrize("precision", ["mixed-fp16", "mixed-bf16"])
 def test_step_against_plain_loop(precision, node, python, pytestconfig, record_property):
     """The trainer's step and the plain loop alternated in one process; then the whole step under torchrun (DDP,
-    NCCL, the FP16 hook). The in-process figures stay when the whole step fails."""
+    NCCL, the FP16 hook)."""
     refused(node, precision)
-    out, name = option(pytestconfig, "gpu_out"), f"bench-{precision}"
-    rc = run_command(pytestconfig, name, bench_argv(python, out, name, precision, "--baseline", "--engine", "torch"))
-    loops = read_bench(out, name, record_property, precision)
-    whole = loops.get("train/torch", {})
-    if "images_per_sec" in whole:
-        record_property("torchrun img/s", whole["images_per_sec"])
-    assert rc == 0 and "error" not in whole, whole.get("error") or f"exit {rc}: see {name}.log"
+    bench(pytestconfig, record_property, python, f"bench-{precision}", precision, "--baseline", "--engine", "torch")
 
 
 @row(45, 200)
 def test_graphed_step(node, python, pytestconfig, record_property):
     """The trainer's step captured in a CUDA graph, in process (its ratio across processes: the eager row's loop)."""
     refused(node, "mixed-fp16")
-    out = option(pytestconfig, "gpu_out")
-    rc = run_command(pytestconfig, "bench-mixed-fp16-graphed", bench_argv(
-        python, out, "bench-mixed-fp16-graphed", "mixed-fp16", "--set", "train.cuda_graphs=true"))
-    read_bench(out, "bench-mixed-fp16-graphed", record_property, "mixed-fp16")
-    assert rc == 0
+    bench(pytestconfig, record_property, python, "bench-graphed", "mixed-fp16", *GRAPHED)
 
 
 @row(95, 400)
 def test_compiled_step(node, python, pytestconfig, record_property):
     refused(node, "mixed-bf16")
-    out = option(pytestconfig, "gpu_out")
-    rc = run_command(pytestconfig, "bench-mixed-bf16-compiled", bench_argv(
-        python, out, "bench-mixed-bf16-compiled", "mixed-bf16", "--set", "train.compile=true"))
-    read_bench(out, "bench-mixed-bf16-compiled", record_property, "mixed-bf16")
-    assert rc == 0
+    bench(pytestconfig, record_property, python, "bench-compiled", "mixed-bf16", *COMPILED)
 
 
 def train_sets(run_dir: str, precision: str, ranks: int = 1, epochs: int = 2) -> list[str]:
@@ -138,17 +127,13 @@ def test_largest_batch(node, python, pytestconfig, record_property, beside_build
 
 
 @row(70, 240)
-def test_horovod_whole_step(node, horovod, python, pytestconfig, record_property):
+def test_horovod_whole_step(node, horovod, pytestconfig, record_property):
     """The whole step under horovodrun on one rank. Horovod registers no gradient hooks at size 1: no all-reduce
     here (the next row forces them)."""
     refused(node, "mixed-fp16")
-    out = option(pytestconfig, "gpu_out")
-    rc = run_command(pytestconfig, "bench-mixed-fp16-horovod", bench_argv(
-        os.path.join(horovod, "python"), out, "bench-mixed-fp16-horovod", "mixed-fp16", "--engine", "horovod"),
-        env={"PATH": horovod + os.pathsep + os.environ.get("PATH", "")})
-    read_bench(out, "bench-mixed-fp16-horovod", record_property, "mixed-fp16", loop="train/horovod")
     record_property("all-reduce", "none at 1 rank")
-    assert rc == 0
+    bench(pytestconfig, record_property, os.path.join(horovod, "python"), "bench-horovod", "mixed-fp16", "--engine",
+          "horovod", loop="train/horovod", env={"PATH": horovod + os.pathsep + os.environ.get("PATH", "")})
 
 
 def hooks_forced(horovod: str, out: str, config: str, sets: list) -> tuple[list, dict, str]:
