@@ -54,17 +54,20 @@ def test_breaks(pytestconfig):
 '''
 
 
-def session(folder, *args, env=None) -> subprocess.CompletedProcess:
-    """A pytest session over the stand-in rows, with the GPU check's runner as their conftest."""
+def session(folder, *args, wait: bool = True):
+    """A pytest session over the stand-in rows, with the GPU check's runner as their conftest (its Popen when not
+    ``wait``)."""
     rows = folder / "rows"
     if not rows.exists():
         rows.mkdir()
         (rows / "conftest.py").write_text(f"import sys\nsys.path.insert(0, {TESTS!r})\nfrom gpu.harness import *\n")
         (rows / "test_stand_in.py").write_text(STAND_IN_ROWS)
-    return subprocess.run([sys.executable, "-m", "pytest", str(rows), "-q", "-p", "no:randomly", "--rootdir",
-                           str(rows), "--gpu-out", str(folder / "out"), "-o", f"cache_dir={folder / 'cache'}", *args],
-                          capture_output=True, text=True, timeout=300, cwd=str(folder), stdin=subprocess.DEVNULL,
-                          env={**os.environ, "PID_FILE": str(folder / "pid"), **(env or {})})
+    argv = [sys.executable, "-m", "pytest", str(rows), "-q", "-p", "no:randomly", "--rootdir", str(rows), "--gpu-out",
+            str(folder / "out"), "-o", f"cache_dir={folder / 'cache'}", *args]
+    how = dict(cwd=str(folder), stdin=subprocess.DEVNULL, env={**os.environ, "PID_FILE": str(folder / "pid")})
+    if not wait:
+        return subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, **how)
+    return subprocess.run(argv, capture_output=True, text=True, timeout=300, **how)
 
 
 def archived(path) -> dict:
@@ -91,6 +94,20 @@ def test_each_row_fails_alone_and_the_call_ends_with_its_table_and_archive(tmp_p
     names = archived(tmp_path / "back" / "gpu-check.tgz")
     assert {"gpu-check/gpu_check.md", "gpu-check/junit.xml", "gpu-check/passes.log"} <= set(names)
     assert "| test_raises | **FAIL** |" in proc.stdout and "archive: " in proc.stdout  # the table, printed
+
+
+def test_a_call_stopped_by_sigterm_ends_with_its_table_and_archive_and_no_row_left_running(tmp_path):
+    proc = session(tmp_path, "--archive", str(tmp_path / "back"), "-k", "hangs", "-p", "no:timeout", wait=False)
+    for _ in range(600):
+        if (tmp_path / "pid").exists():
+            break
+        time.sleep(0.1)
+    proc.terminate()  # the device tool's limit
+    stdout, _ = proc.communicate(timeout=120)
+    assert "| test_hangs | skip | 0 |  | left for the next call (the call was stopped) |" in stdout
+    assert results(tmp_path / "back" / "gpu-check.tgz")["test_hangs"]["result"] == "skip"
+    with pytest.raises(ProcessLookupError):
+        os.kill(int((tmp_path / "pid").read_text()), 0)
 
 
 def test_what_passed_is_skipped_on_a_warm_machine_and_a_fresh_one_and_a_calls_leftovers_are_stopped(tmp_path):

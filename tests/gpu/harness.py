@@ -15,6 +15,9 @@ import time
 
 import pytest
 
+from hybridtrain.errors import atomic_path
+from hybridtrain.outputs import markdown_table, write_json_atomically, write_text_atomically
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PASSED_KEY = "gpu-check/passed"
 ARCHIVE, ARCHIVE_LIMIT, LOG_TAIL = "gpu-check.tgz", 16 * 2**20, 256 * 1024
@@ -57,6 +60,11 @@ def pytest_configure(config):
         os.makedirs(option(config, "gpu_out"), exist_ok=True)
         stop_leftovers()
         os.environ[MARK] = str(os.getpid())
+        signal.signal(signal.SIGTERM, interrupted)  # the device call's limit: the table and archive still written
+
+
+def interrupted(signum, frame):
+    raise KeyboardInterrupt
 
 
 def stop_leftovers(proc: str = "/proc") -> None:
@@ -97,6 +105,7 @@ def pytest_runtest_setup(item):
     marker = item.get_closest_marker("row")
     if marker is None or not gpu_call(item.config):
         return
+    item.config.running = item.nodeid
     if item.nodeid in item.config.earlier:
         item.user_properties += [*item.config.earlier[item.nodeid].items(), ("earlier call", True)]
         pytest.skip("passed in an earlier call")
@@ -127,13 +136,10 @@ def pytest_runtest_logreport(report):
 
 
 def format_table(rows: list[dict]) -> str:
-    out = ["| row | result | s | figures | note |", "| --- | --- | --- | --- | --- |"]
-    for r in rows:
-        figures = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in r["figures"].items())
-        cells = [r["id"].split("::")[-1], "**FAIL**" if r["result"] == "fail" else r["result"],
-                 f"{r['seconds']:.0f}", figures, r["note"]]
-        out.append("| " + " | ".join(str(c).replace("|", "/").replace("\n", " ") for c in cells) + " |")
-    return "\n".join(out)
+    return markdown_table(["row", "result", "s", "figures", "note"], [[
+        r["id"].split("::")[-1], "**FAIL**" if r["result"] == "fail" else r["result"], f"{r['seconds']:.0f}",
+        ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in r["figures"].items()),
+        r["note"]] for r in rows])
 
 
 @pytest.hookimpl(trylast=True)  # after junitxml has written its report: it goes into the archive too
@@ -141,12 +147,16 @@ def pytest_sessionfinish(session, exitstatus):
     config = session.config
     if not gpu_call(config):
         return
+    running = getattr(config, "running", None)
+    if exitstatus == pytest.ExitCode.INTERRUPTED and running and not ROWS.get(running, {}).get("result"):
+        ROWS[running] = {"id": running, "result": "skip", "seconds": 0.0, "figures": {},
+                         "note": "left for the next call (the call was stopped)"}
     out, rows = option(config, "gpu_out"), list(ROWS.values())
     failed = [r["id"] for r in rows if r["result"] == "fail"]
     head = f"# hybridtrain GPU check: {'FAILED: ' + ', '.join(failed) if failed else 'every row that ran passed'}"
     config.table = f"{head}\n\n{format_table(rows)}\n"
-    write_atomically(os.path.join(out, "gpu_check.md"), config.table.encode())
-    write_atomically(os.path.join(out, "gpu_check.json"), json.dumps({"passed": not failed, "rows": rows}).encode())
+    write_text_atomically(os.path.join(out, "gpu_check.md"), config.table)
+    write_json_atomically(os.path.join(out, "gpu_check.json"), {"passed": not failed, "rows": rows})
     if config.cache is not None and not option(config, "rehearse"):
         passed = dict(config.cache.get(PASSED_KEY, {}))
         passed.update({r["id"]: r["figures"] for r in rows if r["result"] == "pass"})
@@ -158,15 +168,6 @@ def pytest_sessionfinish(session, exitstatus):
 def pytest_terminal_summary(terminalreporter, config):
     if getattr(config, "table", None):
         terminalreporter.write("\n" + config.table)
-
-
-def write_atomically(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
 
 
 def read_tail(path: str, limit: int | None) -> bytes:
@@ -196,7 +197,8 @@ def write_archive(out: str, folder: str) -> str:
         if buffer.tell() <= ARCHIVE_LIMIT:
             break
     path = os.path.join(folder, ARCHIVE)
-    write_atomically(path, buffer.getvalue())
+    with atomic_path(path) as tmp, open(tmp, "wb") as fh:
+        fh.write(buffer.getvalue())
     return path
 
 
