@@ -259,8 +259,8 @@ make_venv() {
     fi
     step "virtual environment $VENV exists"; return
   fi
-  step "creating virtual environment $VENV ${opts[*]}"
   [ "${NO_ENSUREPIP:-0}" = 1 ] && opts+=(--without-pip)
+  step "creating virtual environment $VENV ${opts[*]}"
   run "$PYTHON" -m venv "${opts[@]}" "$VENV" || fail "could not create $VENV: see the log"
   [ "${NO_ENSUREPIP:-0}" = 0 ] || see_python_site   # its pip: $PYTHON's
   [ "$PIP_MODE" = wheelhouse ] && return   # offline: the pip that ensurepip installed
