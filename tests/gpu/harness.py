@@ -57,6 +57,7 @@ def pytest_configure(config):
     config.earlier = {}
     if gpu_call(config):
         config.earlier = earlier_rows(config)  # a bad --earlier: one usage error before any row
+        config.option.gpu_out = os.path.abspath(option(config, "gpu_out"))  # install.sh changes its folder
         os.makedirs(option(config, "gpu_out"), exist_ok=True)
         stop_leftovers()
         os.environ[MARK] = str(os.getpid())
