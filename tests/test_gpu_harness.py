@@ -113,8 +113,10 @@ def test_a_call_stopped_by_sigterm_ends_with_its_table_and_archive_and_no_row_le
 def test_what_passed_is_skipped_on_a_warm_machine_and_a_fresh_one_and_a_calls_leftovers_are_stopped(tmp_path):
     first, fresh = tmp_path / "first", tmp_path / "fresh"  # fresh: no cache, no out folder, only call 1's archive
     first.mkdir(), fresh.mkdir()
+    ended = subprocess.Popen(["true"])  # an earlier call, killed: its row goes on
+    ended.wait()
     leftover = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True,
-                                env={**os.environ, harness.MARK: "1"})  # an earlier call's row
+                                env={**os.environ, harness.MARK: str(ended.pid)})
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:
         session(first, "--archive", str(first / "back"), "-k", "passes or raises")
@@ -280,7 +282,7 @@ def test_the_resume_driver_finds_a_resumed_torch_engine_run_bitwise_equal(tmp_pa
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
     driver = os.path.join(TESTS, "gpu", "resume_check.py")
     proc = run([sys.executable, driver, str(tmp_path / "check"), str(tmp_path / "cfg.yaml"), "--set",
-                "train.deterministic=true"], timeout=300)
+                "train.deterministic=true"], timeout=900)
     assert proc.returncode == 0 and "bitwise equal" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert not [f for f in os.listdir(tmp_path / "check" / "straight") if f.endswith(".pt")]  # weights dropped
 

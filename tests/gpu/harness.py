@@ -70,12 +70,13 @@ def interrupted(signum, frame):
 
 def stop_leftovers(proc: str = "/proc") -> None:
     """Kill what an earlier call left running (a call killed at its limit leaves its rows' own sessions behind,
-    holding GPU memory): every process whose environment carries another call's MARK."""
+    holding GPU memory): every process whose environment carries the MARK of a call that has ended."""
     for pid in filter(str.isdigit, os.listdir(proc)):
         try:
             with open(os.path.join(proc, pid, "environ"), "rb") as fh:
                 env = dict(e.split(b"=", 1) for e in fh.read().split(b"\0") if b"=" in e)
-            if env.get(MARK.encode(), str(os.getpid()).encode()) != str(os.getpid()).encode():
+            mark = env.get(MARK.encode(), b"")
+            if mark.isdigit() and not os.path.exists(os.path.join(proc, mark.decode())):
                 os.kill(int(pid), signal.SIGKILL)
         except OSError:
             continue
