@@ -3,7 +3,7 @@ VENV ?= .venv
 BIN := $(abspath $(VENV))/bin
 export PATH := $(BIN):$(PATH)
 
-.PHONY: install install-oldest-torch demo demo-torch test gpu-bundle
+.PHONY: install install-oldest-torch demo demo-torch test gpu-bundle gpu-check gpu-rehearsal
 install:
 	./install.sh
 
@@ -31,7 +31,22 @@ test: install install-oldest-torch
 	python -m pytest tests -q -rs --durations=25 -n $(TEST_WORKERS) --dist loadfile --timeout=900 \
 		-o tmp_path_retention_policy=failed -o tmp_path_retention_count=1
 
-# what a lent offline GPU machine lacks for `hybridtrain gpu-check` (Horovod's source and its build's wheels), in
-# .gpu-bundle/ beside the tree; prints its size with the tree's (docs/benchmarks.md). Needs a package registry.
+# what a lent offline GPU machine lacks for the GPU check (Horovod's source and its build's wheels), in .gpu-bundle/
+# beside the tree; prints its size with the tree's (docs/benchmarks.md). Needs a package registry.
 gpu-bundle:
-	PYTHONPATH=$(CURDIR) python3 -m hybridtrain.gpucheck.bundle .gpu-bundle
+	python3 tools/gpu_bundle.py .gpu-bundle
+
+# the GPU check (tests/gpu) on this GPU node, in one call of BUDGET seconds: the table printed and $(OUT)/gpu-check.tgz
+# written whatever happens; rows that passed before are skipped (pytest's cache; EARLIER=an earlier call's archive)
+OUT ?= .gpu-check
+BUDGET ?= 520
+gpu-check:
+	PYTHONPATH=$(CURDIR) python3 -m pytest tests/gpu -q -rfEs --session-timeout $(BUDGET) --archive "$(OUT)" \
+		--junitxml .gpu-check/out/junit.xml $(if $(EARLIER),--earlier "$(EARLIER)")
+
+# the same call rehearsed on this CPU machine, the network cut but loopback: an image-like Python, Horovod built
+# with NCCL from .gpu-bundle, every row's command started; exit 0 when every row got as far as its GPU step
+gpu-rehearsal:
+	unshare -n sh -c 'ip link set lo up && exec "$$0" "$$@"' env PYTHONPATH=$(CURDIR) python -m pytest tests/gpu \
+		-q -rfEs --rehearse --gpu-out .gpu-check/rehearsal --archive .gpu-check/rehearsal \
+		--junitxml .gpu-check/rehearsal/junit.xml

@@ -154,7 +154,14 @@ check_tools() {
   step "checking tools (python, compiler, cmake)"
   command -v "$PYTHON" >/dev/null || fail "python3 not found: install Python >= 3.9 (Debian: apt-get install python3 python3-venv python3-dev)"
   "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 9))' || fail "Python >= 3.9 is required, found $("$PYTHON" --version 2>&1)"
-  "$PYTHON" -c 'import venv, ensurepip' 2>/dev/null || fail "Python's venv module is missing: apt-get install python3-venv"
+  "$PYTHON" -c 'import venv' 2>/dev/null || fail "Python's venv module is missing: apt-get install python3-venv"
+  # an image's Python without ensurepip (Debian ships it in python3-venv): the venv is made without pip and uses the
+  # pip of $PYTHON's own site (HYBRIDTRAIN_TORCH=system, see_python_site)
+  NO_ENSUREPIP=0
+  "$PYTHON" -c 'import ensurepip' 2>/dev/null || NO_ENSUREPIP=1
+  if [ "$NO_ENSUREPIP" = 1 ] && ! { [ "$TORCH_MODE" = system ] && "$PYTHON" -c 'import pip' 2>/dev/null; }; then
+    fail "Python's venv module cannot install pip (no ensurepip): apt-get install python3-venv"
+  fi
   if [ "$SKIP_HOROVOD" = 1 ]; then return 0; fi   # no Horovod build: no compiler, no cmake
   command -v "$HVD_CXX" >/dev/null || fail "no C++ compiler ($HVD_CXX) for the Horovod build: apt-get install g++ (or build-essential), or set CXX"
   command -v cmake >/dev/null || fail "cmake not found for the Horovod build: apt-get install cmake (>= 3.13), or pip install cmake"
@@ -265,8 +272,10 @@ make_venv() {
     fi
     step "virtual environment $VENV exists"; return
   fi
+  [ "${NO_ENSUREPIP:-0}" = 1 ] && opts+=(--without-pip)
   step "creating virtual environment $VENV ${opts[*]}"
   run "$PYTHON" -m venv "${opts[@]}" "$VENV" || fail "could not create $VENV: see the log"
+  [ "${NO_ENSUREPIP:-0}" = 0 ] || see_python_site   # its pip: $PYTHON's
   [ "$PIP_MODE" = wheelhouse ] && return   # offline: the pip that ensurepip installed
   run vpip install --upgrade pip || fail "could not upgrade pip in $VENV (no registry? use HYBRIDTRAIN_WHEELHOUSE=DIR)"
 }
@@ -785,6 +794,13 @@ install_rest() {
   mapfile -t reqs < <(hybridtrain_requirements "${extras[@]}")
   [ ${#reqs[@]} -gt 0 ] || fail "could not read hybridtrain's requirements: see the log"
   [ -z "$dali" ] || reqs+=("$dali")
+  if [ "$TORCH_MODE" = system ]; then  # an image's own test packages as they are: no resolve of their pins
+    local -a base=() extra=()
+    mapfile -t base < <(hybridtrain_requirements)
+    mapfile -t extra < <(printf '%s\n' "${reqs[@]}" | grep -vxF -f <(printf '%s\n' "${base[@]}"))
+    reqs=("${base[@]}")
+    [ ${#extra[@]} -eq 0 ] || run vpip install --no-deps "${extra[@]}" || fail "could not install ${extra[*]}: see the log"
+  fi
   run vpip install "${reqs[@]}" || fail "could not install ${reqs[*]}: see the log"
   torch_ok || fail "a dependency replaced torch or torchvision: see the log"
 }

@@ -48,7 +48,11 @@ def cmd_bench(args) -> int:
     with stopped_cleanly("its ranks ended"):  # --engine launches the whole step's ranks
         rows = bench(args.config, sets, args.precision or [], args.batch_size or [], args.steps, args.warmup,
                      args.baseline, args.profile, args.threads, engines, args.phase)
-    return show_rows(format_table(rows), rows, args.json)
+    show_rows(format_table([r for r in rows if "error" not in r]), rows, args.json)
+    failed = [r["error"] for r in rows if "error" in r]
+    if failed:  # after the rows measured are out
+        raise UserError(failed[0])
+    return 0
 
 
 def cmd_max_batch(args) -> int:
@@ -225,4 +229,4 @@ def build_parser() -> Parser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    return run_guarded(lambda: args.func(args))
+    return run_guarded(lambda: args.func(args), lambda: getattr(args, "crash_log_dir", None))

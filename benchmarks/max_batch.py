@@ -117,5 +117,5 @@ NEEDS_GPU = ("max-batch measures GPU memory and needs a CUDA GPU, and none is vi
 
 
 def explain_cpu() -> int:
-    """Nothing can be measured here: one error line and exit 2, as gpu-check does, so a script sees no result."""
+    """Nothing can be measured here: one error line and exit 2, so a script sees no result."""
     raise UserError(NEEDS_GPU)

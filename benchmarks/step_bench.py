@@ -153,11 +153,12 @@ def summarise(label: str, cfg, times: list[float], device: torch.device, skipped
 
 
 def synthetic_batch(cfg, device: torch.device, dtype: torch.dtype, classes: int):
-    generator = torch.Generator().manual_seed(cfg.seed)
+    # drawn where it is used: max-batch's batches of thousands took a CPU thread tens of seconds each
+    generator = torch.Generator(device).manual_seed(cfg.seed)
     size, b = cfg.data.crop_size, cfg.train.batch_size
     memory_format = torch.channels_last if cfg.data.channels_last else torch.contiguous_format
-    images = torch.randn(b, 3, size, size, generator=generator).to(device, dtype)
-    labels = torch.randint(classes, (b,), generator=generator).to(device)
+    images = torch.randn(b, 3, size, size, generator=generator, device=device).to(dtype)
+    labels = torch.randint(classes, (b,), generator=generator, device=device)
     return images.contiguous(memory_format=memory_format), labels
 
 
@@ -313,13 +314,19 @@ def bench(config: str | None, overrides: list[str], precisions: list[str], batch
                 timed = [trainer]
                 if engines:
                     release_device_memory()  # the child process needs the GPU memory these rows cached
-                timed += [engine_row(config, sets, cfg, steps, warmup, threads, phase, engine) for engine in engines]
+                failed = []
+                for engine in engines:  # a failed launch keeps the rows measured: its line goes with them
+                    try:
+                        timed.append(engine_row(config, sets, cfg, steps, warmup, threads, phase, engine))
+                    except UserError as exc:
+                        failed.append({"loop": f"train/{engine}", "error": str(exc)})
                 rows += timed
                 if baseline:
                     rows.append(plain)
                     for row in timed:
                         row["over_baseline"] = row["images_per_sec"] / rows[-1]["images_per_sec"]
                     rows[-1]["trainer_over_baseline"] = timed[0]["over_baseline"]
+                rows += failed
     return rows
 
 

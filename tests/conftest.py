@@ -36,6 +36,7 @@ if REPO not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: several real training runs (minutes); make test and .ci/run include "
                                        "it, -m 'not slow' leaves it out")
+    config.addinivalue_line("markers", "row(estimate_s): a GPU check row (tests/gpu) and its estimated seconds")
     if getattr(config.option, "loadscopereorder", False) and "--loadscope-reorder" not in config.invocation_params.args:
         config.option.loadscopereorder = False  # pytest-xdist keeps FILE_WEIGHTS' order (see there)
 
@@ -74,7 +75,7 @@ FILE_WEIGHTS = {
     "test_time_breakdown.py": 90,  # 2 one-rank runs, a 2-rank horovodrun and a 2-rank torchrun launch (issue 44)
     "test_sinks.py": 60,  # a one-rank run logging to MLflow and W&B offline, and its resume
     "test_progressive.py": 120,  # a 2-rank torchrun and a 2-rank horovodrun (DALI) run, each stopped and resumed
-    "test_gpu_check.py": 330,  # the rehearsal (~200 s: a venv, the cached NCCL build, every row started), resume driver
+    "test_gpu_harness.py": 330,  # the rehearsal (~200 s: a venv, the cached NCCL build, every row started), resume driver
     "test_recipes.py": 175,  # a 2-rank torchrun and a 2-rank horovodrun run, each stopped and resumed (issue 45)
     "test_bad_input_round4_commands.py": 160,  # netns clusters killed at 4 points, bench/experiment killed, plugins
     "test_after_training.py": 200,  # a 2-rank torchrun and a 2-rank horovodrun run, ~20 evaluate/classify/export
@@ -115,7 +116,7 @@ def cluster_box():
 def venv_without(root, excluded: list[str]) -> str:
     """A real venv whose site-packages links every entry of this one except ``excluded`` (paths relative to
     site-packages, globs allowed, e.g. 'nvidia/dali'): importing those genuinely fails there. Returns its python."""
-    from hybridtrain.gpucheck.rehearsal import linked_venv
+    from venvs import linked_venv
     return linked_venv(str(root), excluded)
 
 

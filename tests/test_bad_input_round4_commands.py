@@ -225,7 +225,7 @@ def test_a_section_mapping_in_set_is_judged_key_by_key_against_where_each_value_
 def test_a_cpu_compile_without_setuptools_is_one_line_naming_the_package(tmp_path, tiny_data):
     """Inductor builds a CPU model's kernels through torch.utils.cpp_extension, which imports setuptools; a Python
     3.12+ venv has none. That used to end in the first step as 'unexpected InductorError ... a bug'."""
-    from hybridtrain.gpucheck.rehearsal import linked_venv
+    from venvs import linked_venv
     python = linked_venv(str(tmp_path / "venv"), ["setuptools", "setuptools-*", "_distutils_hack",
                                                   "distutils-precedence.pth", "pkg_resources"])
     gone = subprocess.run([python, "-c", "import setuptools"], capture_output=True, text=True, cwd=tmp_path)

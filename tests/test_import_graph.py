@@ -107,7 +107,7 @@ FLOORS = (("tools", "tools.__main__", "tools.cli", "benchmarks.__main__", "bench
           ("tools.cluster", "tools.experiments"), ("tools.predict",), ("benchmarks",),
           ("tools.jobs", "tools.options", "install"),
           ("hybridtrain", "hybridtrain.__main__", "hybridtrain.cli"),
-          ("hybridtrain.gpucheck",), ("hybridtrain.reports", "hybridtrain.inference", "hybridtrain.data.prepare"),
+          ("hybridtrain.reports", "hybridtrain.inference", "hybridtrain.data.prepare"),
           ("hybridtrain.engine",),
           ("hybridtrain.data", "hybridtrain.models", "hybridtrain.optim", "hybridtrain.precision"),
           ("hybridtrain.distributed", "hybridtrain.hardware"), ("hybridtrain.config",), ("hybridtrain.launched_by",),
@@ -139,7 +139,7 @@ def wrong_way(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
 def test_imports_go_down_the_readme_chain_floor_by_floor():
     """Beside the package: the tools' commands -> cluster (the emulated cluster on one machine), experiments ->
     predict (the cluster model) -> benchmarks -> jobs, options, install (the install's plan). The package: cli ->
-    gpucheck (the GPU acceptance check) -> reports, inference (a trained model), data.prepare -> engine -> data, models, optim, precision ->
+    reports, inference (a trained model), data.prepare -> engine -> data, models, optim, precision ->
     distributed, hardware (the node checks) -> config -> launched_by (which launcher started this process, and the
     guard that tells it how a command ended) -> files (every write, and the path rules the config's path keys share)
     -> errors: the training code never imports a tool, a report or the command line, and the folders of one floor
@@ -310,22 +310,17 @@ def test_the_parser_loads_only_the_package_commands_modules_within_its_size():
 COMMAND_ROOTS = {
     "train": ("hybridtrain.cli.train", *ENGINE_MODULES),  # the engines load by name from their registry
     "prepare-data, reorganise-val, check-data": ("hybridtrain.cli.data",),
-    "report, plot-schedule": ("hybridtrain.cli.reports",),
+    "report, plot-schedule, evaluate, classify, export": ("hybridtrain.cli.reports",),
 }
 ENTRY_POINTS = {"hybridtrain.__main__", "hybridtrain.cli.__main__"}  # python -m hybridtrain, python -m hybridtrain.cli
-# gpu-check's harness, until its rows become pytest tests under tests/gpu/: the merge that removes it deletes this set
-GPU_CHECK_UNTIL_ITS_PYTEST_REWRITE = {"hybridtrain.cli.gpu_check", "hybridtrain.gpucheck", "hybridtrain.gpucheck.bundle",
-                                      "hybridtrain.gpucheck.check", "hybridtrain.gpucheck.probe",
-                                      "hybridtrain.gpucheck.rehearsal", "hybridtrain.gpucheck.results",
-                                      "hybridtrain.gpucheck.resume_check", "hybridtrain.gpucheck.rows"}
 
 
-def served(graph: dict[str, set[str]], roots, stop=frozenset()) -> set[str]:
+def served(graph: dict[str, set[str]], roots) -> set[str]:
     """The modules ``roots`` import, directly or not; a module brings its packages' ``__init__`` along."""
     seen, stack = set(), list(roots)
     while stack:
         module = stack.pop()
-        if module in seen or module in stop:
+        if module in seen:
             continue
         seen.add(module)
         stack += graph.get(module, ())
@@ -336,9 +331,9 @@ def served(graph: dict[str, set[str]], roots, stop=frozenset()) -> set[str]:
 def test_every_file_of_the_package_serves_train_or_a_command_on_a_runs_input_or_output():
     graph = import_graph()
     package = {m for m in graph if m.split(".")[0] == "hybridtrain"}
-    reached = served(graph, [r for roots in COMMAND_ROOTS.values() for r in roots], GPU_CHECK_UNTIL_ITS_PYTEST_REWRITE)
-    assert sorted(package - reached - ENTRY_POINTS - GPU_CHECK_UNTIL_ITS_PYTEST_REWRITE) == []
-    assert GPU_CHECK_UNTIL_ITS_PYTEST_REWRITE | ENTRY_POINTS <= package  # a stale exception fails: delete it
+    reached = served(graph, [r for roots in COMMAND_ROOTS.values() for r in roots])
+    assert sorted(package - reached - ENTRY_POINTS) == []
+    assert ENTRY_POINTS <= package  # a stale exception fails: delete it
     assert "hybridtrain.engine.elastic" in served(graph, COMMAND_ROOTS["train"])
 
 

@@ -100,7 +100,7 @@ def test_robustness_table_lists_25_inputs_across_all_areas_each_with_a_real_test
 
 @pytest.mark.parametrize("command, broken", [
     (["report", "{run}"], "hybridtrain.reports.report:report_run"),
-    (["experiment", "optimizers", "--out", "{run}"], "hybridtrain.reports.experiments:run_experiment"),
+    (["experiment", "optimizers", "--out", "{run}"], "tools.experiments:run_experiment"),
 ], ids=["report", "experiment"])
 def test_a_bugs_crash_log_goes_into_the_commands_run_folder(tmp_path, command, broken):
     """A bug (an unexpected error) in a command that has a run folder: one line naming the log, and the traceback in

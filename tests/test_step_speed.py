@@ -413,3 +413,20 @@ def test_train_with_the_fused_optimizer_crosses_the_phase_switch_and_times_its_c
     assert [r["epoch"] for r in records] == [1, 2]
     assert all(r["warmup_samples"] == 3 * 16 and 0 < r["warmup_time_s"] < r["train_time_s"] for r in records)
     assert all(r["train_loss"] == r["train_loss"] and r["train_loss"] < 10 for r in records)  # finite
+
+
+def test_bench_keeps_the_rows_it_measured_when_the_whole_step_launch_fails(tmp_path):
+    """The whole step under torchrun is bench's last row: a launch that fails (here torchrun refuses its own
+    PET_MAX_RESTARTS) leaves the in-process trainer and plain-loop rows in the JSON, then one error line, exit 2."""
+    path = tmp_path / "bench.json"
+    proc = subprocess.run([HYBRIDTRAIN, "bench", "--config", os.path.join(REPO, "configs", "demo.yaml"), "--engine",
+                           "torch", "--baseline", "--steps", "1", "--warmup", "1", "--batch-size", "2", "--json",
+                           str(path)], capture_output=True, text=True, timeout=600, cwd=str(tmp_path),
+                          env={**os.environ, "PET_MAX_RESTARTS": "x"}, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 2
+    assert_one_error_line(proc, "scale row torch np=1", "failed")
+    rows = {r["loop"]: r for r in json.loads(path.read_text())}
+    assert rows["trainer"]["images_per_sec"] > 0 and rows["baseline"]["trainer_over_baseline"] > 0
+    assert rows["train/torch"] == {"loop": "train/torch", "error": proc.stderr.strip().removeprefix(
+        "hybridtrain: error: ")}
+    assert "| trainer |" in proc.stdout and "| baseline |" in proc.stdout

@@ -102,4 +102,4 @@ def build_parser() -> Parser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    return run_guarded(lambda: args.func(args))
+    return run_guarded(lambda: args.func(args), lambda: getattr(args, "crash_log_dir", None))

@@ -2,11 +2,11 @@
 
 One module per family of commands, each holding its parsers (``add_commands``) beside its ``cmd_`` handlers:
 ``train``, ``data`` (prepare-data, reorganise-val, check-data), ``reports`` (report, plot-schedule; evaluate,
-classify, export of a trained model) and ``gpu_check``; ``options`` holds the argparse types and the options several
-share. A command loads its own family's module alone (a train rank parses no dataset command), ``--help`` all of
-them; building the parser imports no torch and no module a handler alone needs. The benchmarks and the research
-tools run from the checkout beside the package (``python -m benchmarks``, ``python -m tools``): MOVED names their
-new form to a user who types an old one.
+classify, export of a trained model); ``options`` holds the argparse types and the options several share. A
+command loads its own family's module alone (a train rank parses no dataset command), ``--help`` all of them;
+building the parser imports no torch and no module a handler alone needs. The benchmarks, the research tools and
+the GPU check run from the checkout beside the package (``python -m benchmarks``, ``python -m tools``,
+``make gpu-check``): MOVED names their new form to a user who types an old one.
 """
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ FAMILY_OF = {"train": "train", "prepare-data": "data", "reorganise-val": "data",
 MOVED = {"bench": "python -m benchmarks bench", "bench-optim": "python -m benchmarks bench-optim",
          "bench-data": "python -m benchmarks bench-data", "scale": "python -m benchmarks scale",
          "predict": "python -m tools predict", "cluster": "python -m tools cluster",
-         "experiment": "python -m tools experiment"}
+         "experiment": "python -m tools experiment",
+         "gpu-check": "make gpu-check"}  # the GPU check: pytest rows, tests/gpu
 
 
 class Parser(argparse.ArgumentParser):
@@ -61,6 +62,9 @@ def moved_command(argv: list[str]) -> str | None:
     if not argv or argv[0] not in MOVED:
         return None
     new = "python -m benchmarks max-batch" if argv[0] == "bench" and "--find-max-batch" in argv else MOVED[argv[0]]
+    if new.startswith("make"):
+        return (f"hybridtrain: error: `{argv[0]}` runs from the checkout now, beside the package: {new} (in the "
+                f"repository's root; docs/benchmarks.md, \"Checking a GPU machine\", has its calls)")
     return (f"hybridtrain: error: `{argv[0]}` runs from the checkout now, beside the package: {new} ... (in the "
             f"repository's root; {new} --help lists its options)")
 

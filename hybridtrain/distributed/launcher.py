@@ -69,7 +69,7 @@ def check_launch(wanted: str, env=None) -> str:
 def launch_command(engine: str, np_: int, program: list[str], launcher_args: tuple = (),
                    python: str | None = None) -> list[str]:
     """The command that runs ``program`` (e.g. [hybridtrain, train, ...]) as ``np_`` local ranks under
-    ``engine``'s launcher: the sub-jobs of scale, bench, experiment and gpu-check. ``launcher_args``: the
+    ``engine``'s launcher: the sub-jobs of scale, bench and experiment. ``launcher_args``: the
     launcher's own options (horovodrun's timeline); ``python``: the environment whose launcher starts them
-    (gpu-check's build venv for Horovod, the image's Python for torch; default: this one)."""
+    (the GPU check's build venv for Horovod, the image's Python for torch; default: this one)."""
     return engine_spec(engine).launch_command(np_, program, launcher_args, python=python)

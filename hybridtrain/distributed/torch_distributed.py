@@ -26,7 +26,7 @@ NAME = "torch"
 
 
 # HYBRIDTRAIN_TORCH_BACKEND=gloo: every collective over Gloo, CUDA tensors too, and ranks may share a GPU, which
-# NCCL refuses: gpu-check's two ranks on one GPU (DDP's buckets and FP16 hook on CUDA tensors; review 3 #8)
+# NCCL refuses: two ranks sharing one GPU (DDP's buckets and FP16 hook on CUDA tensors; review 3 #8)
 BACKEND_VAR = "HYBRIDTRAIN_TORCH_BACKEND"
 
 

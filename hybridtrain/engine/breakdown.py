@@ -19,9 +19,10 @@ What each part is (per rank; the epoch's record holds the mean over the ranks an
 - ``other``: the rest of the epoch's wall time (the progress bar, the audit, BN averaging, the record).
 
 On the CPU each mark is ``time.perf_counter()``. On a GPU each mark records a CUDA event on the current stream (no
-host sync), and the events are read once, at the epoch's end (one ``synchronize`` of the last event): the parts are
-then the GPU's view, e.g. ``input`` is how long the GPU waited for the batch to arrive, ``communication`` how long it
-waited for the host to leave ``synchronize()``.
+host sync); once more than 64 steps are pending, those the GPU has finished are folded in (``query`` and
+``elapsed_time``, neither blocks), the rest at the epoch's end (one ``synchronize`` of the last event): the parts
+are then the GPU's view, e.g. ``input`` is how long the GPU waited for the batch to arrive, ``communication`` how
+long it waited for the host to leave ``synchronize()``.
 
 The slowest rank is the one with the most time in its own work (input + compute + optimizer): the rank its peers
 wait for in communication. Records hold ``breakdown_s`` (the mean over ranks), ``breakdown_per_rank_s``,

@@ -2,5 +2,5 @@
 (``checks``) and the GPU and driver facts they share with the install's plan (``gpus``; install/plan.py).
 docs/hardware.md is the table, with its sources.
 
-May import: errors. Imported by engine (the rank's checks), gpucheck and the install's plan.
+May import: errors. Imported by engine (the rank's checks) and the install's plan.
 """
