@@ -107,7 +107,7 @@ FLOORS = (("tools", "tools.__main__", "tools.cli", "benchmarks.__main__", "bench
           ("tools.cluster", "tools.experiments"), ("tools.predict",), ("benchmarks",),
           ("tools.jobs", "tools.options", "install"),
           ("hybridtrain", "hybridtrain.__main__", "hybridtrain.cli"),
-          ("hybridtrain.reports", "hybridtrain.inference", "hybridtrain.data.prepare"),
+          ("hybridtrain.inference",), ("hybridtrain.reports", "hybridtrain.data.prepare"),
           ("hybridtrain.engine",),
           ("hybridtrain.data", "hybridtrain.models", "hybridtrain.optim", "hybridtrain.precision"),
           ("hybridtrain.distributed", "hybridtrain.hardware"), ("hybridtrain.config",), ("hybridtrain.launched_by",),
@@ -139,7 +139,7 @@ def wrong_way(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
 def test_imports_go_down_the_readme_chain_floor_by_floor():
     """Beside the package: the tools' commands -> cluster (the emulated cluster on one machine), experiments ->
     predict (the cluster model) -> benchmarks -> jobs, options, install (the install's plan). The package: cli ->
-    reports, inference (a trained model), data.prepare -> engine -> data, models, optim, precision ->
+    inference (a trained model) -> reports, data.prepare -> engine -> data, models, optim, precision ->
     distributed, hardware (the node checks) -> config -> launched_by (which launcher started this process, and the
     guard that tells it how a command ended) -> files (every write, and the path rules the config's path keys share)
     -> errors: the training code never imports a tool, a report or the command line, and the folders of one floor

@@ -23,7 +23,7 @@ __all__ = ["build_parser", "main", "out_of_memory_device", "run_guarded"]
 # command -> the module of its family (hybridtrain.cli.<family>), in the order --help lists them
 FAMILY_OF = {"train": "train", "prepare-data": "data", "reorganise-val": "data", "check-data": "data",
              "report": "reports", "plot-schedule": "reports", "evaluate": "reports", "classify": "reports",
-             "export": "reports", "gpu-check": "gpu_check"}
+             "export": "reports"}
 # commands that left the package for the checkout's tools: their form now
 MOVED = {"bench": "python -m benchmarks bench", "bench-optim": "python -m benchmarks bench-optim",
          "bench-data": "python -m benchmarks bench-data", "scale": "python -m benchmarks scale",
