@@ -72,7 +72,8 @@ FILE_WEIGHTS = {
     "test_bad_input_round3_launch.py": 60,  # ~6 torchrun launches (a restart, pmix sbatch, preemption), 9 refusals
     "test_bad_input_round3_run.py": 50,  # one 2-rank run stopped and resumed on 1 rank, the real watchdog
     "test_bad_input_round3_nodes.py": 45,  # install.sh --plan with stand-in nvidia-smi, train in a small /dev/shm
-    "test_time_breakdown.py": 90,  # 2 one-rank runs, a 2-rank horovodrun and a 2-rank torchrun launch (issue 44)
+    "test_time_breakdown.py": 200,  # 3 one-rank runs, 2 two-rank horovodrun and 3 two-rank torchrun launches (a stop
+    # and its resume with both sinks)
     "test_sinks.py": 60,  # a one-rank run logging to MLflow and W&B offline, and its resume
     "test_progressive.py": 120,  # a 2-rank torchrun and a 2-rank horovodrun (DALI) run, each stopped and resumed
     "test_gpu_harness.py": 330,  # the rehearsal (~200 s: a venv, the cached NCCL build, every row started), resume driver

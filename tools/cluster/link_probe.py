@@ -24,7 +24,8 @@ from hybridtrain.errors import UserError
 from hybridtrain.files import check_output_dir, write_json_atomically
 from hybridtrain.launched_by import run_guarded
 from hybridtrain.reports.links import PROBE_FILE, host_rates, links_lines, probe_problem
-from tools.cluster.netns import in_use, stopped_cleanly
+from tools.cluster.netns import in_use
+from tools.jobs import stopped_cleanly
 
 TIMEOUT_S = 60
 RECEIVER = """import socket, sys, time
