@@ -1,4 +1,4 @@
-"""Bad inputs, round 2 (issue 25): a run touches only its own files, input is never changed silently, faults of the
+"""A run touches only its own files, input is never changed silently, faults of the
 environment are named as such, what the config accepts the run can do, exit codes tell the truth, every line of
 output leaves whole, and the fixes the launch scripts print are right. Real processes and real files (images made
 with PIL, read-only and full file systems mounted for the test where the machine allows it)."""
