@@ -65,7 +65,7 @@ def check_elastic(cfg: Config) -> None:
                         "Horovod 0.28.1 when ranks change: keep one of them at its default (128, 1.0)")
     if cfg.bn.per_rank_batch != "fixed":
         raise UserError("--elastic keeps a fixed per-rank batch: set bn.per_rank_batch=fixed, or drop --elastic")
-    if cfg.train.cuda_graphs:  # gpu-path-2 #10: the graph's static tensors stay on the old GPU after a reset
+    if cfg.train.cuda_graphs:  # the graph's static tensors stay on the old GPU after a reset
         raise UserError("--elastic with train.cuda_graphs: a captured step cannot follow the model to another GPU "
                         "when ranks change: set train.cuda_graphs=false (train.compile works), or drop --elastic")
 
