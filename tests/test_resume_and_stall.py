@@ -156,7 +156,7 @@ def test_a_validation_longer_than_the_stall_limit_is_work_not_a_hang(stopped_the
     assert resumed.returncode == 0 and "no training step finished" not in output, output[-3000:]
     [record] = read_metrics(str(run_dir))
     # the test means something: the time after training (checkpoint, validation) is past the limit, which the
-    # watchdog before issue 34 counted as a stall (it ended this run with 'a rank hung')
+    # watchdog without local_work counted as a stall (it ended this run with 'a rank hung')
     assert record["epoch_time_s"] - record["train_time_s"] > exit_after_s(STALL_SHUTDOWN_S, 0) + 1, record
 
 
