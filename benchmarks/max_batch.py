@@ -1,4 +1,4 @@
-"""``python -m benchmarks max-batch``: the largest per-GPU batch (seed 001, 2.2.3 item 4).
+"""``python -m benchmarks max-batch``: the largest per-GPU batch (Lu et al. 2020, §2.2.3 item 4).
 
 The paper grows the per-GPU batch until GPU memory is nearly full (its Fig 3.4 and Table 3.3). Each trial
 is a real training step (the recipe's model, optimizer, precision and loss scaling, as ``bench``) at one

@@ -142,7 +142,7 @@ def parse_compressions(text: str) -> list[str]:
 
 def available_slots(device: str = "cpu", gpus: int = 0) -> tuple[int, str]:
     """(ranks this node holds, what each needs): one GPU per rank when the ranks train on GPUs (train.device cuda,
-    or auto where a GPU is visible; gpu-path-2 #18), else one core per rank."""
+    or auto where a GPU is visible: ranks cannot share a GPU), else one core per rank."""
     if device == "cuda" or (device == "auto" and gpus > 0):
         return gpus, "GPU"
     return (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1), "core"

@@ -79,8 +79,8 @@ def job_of_one():
     """A job of this process alone on the torch engine (no launcher, no port), for the trainer's step: its optimizer
     gets the engine's step contract, and a collective needs an engine. The row's model is not in DDP, so that
     optimizer's zero_grad sets the gradients to None, as the plain loop's does (zeroed in place, as DDP's bucket
-    views need, they cost the row a pass over the gradients and an add instead of a steal in every backward: review
-    4 #8). Its group is Gloo's on the CPU (the step calls no collective, and a GPU keeps the memory an NCCL
+    views need, they cost the row a pass over the gradients and an add instead of a steal in every backward).
+    Its group is Gloo's on the CPU (the step calls no collective, and a GPU keeps the memory an NCCL
     communicator would take), and costs nothing per step; the threads are left as they are."""
     distributed.init(torch.get_num_threads(), device="cpu", engine="torch")
     try:
@@ -226,7 +226,7 @@ def trainer_and_baseline_rows(cfg, steps: int, warmup: int, profile_dir: str | N
 def release_device_memory() -> None:
     """Give the GPU memory the rows before cached back to the driver, so the engine row's child process (another
     ResNet-50 of the same batch) has it: about 25 GB stay reserved in torch's allocator after a row at b=256, and a
-    40 GB GPU cannot hold both (review 3 #15). Reference cycles first (the rows' models, optimizers and graphs),
+    40 GB GPU cannot hold both. Reference cycles first (the rows' models, optimizers and graphs),
     then compiled code that may hold parameters, then the allocator's free blocks."""
     gc.collect()
     if "torch._dynamo" in sys.modules:  # imported only where something was compiled

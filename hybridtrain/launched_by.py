@@ -160,7 +160,7 @@ def refusal_mark() -> str | None:
     """Under torchrun --max-restarts: the file, in torchrun's folder of this run (shared by its attempts), that
     keeps the first attempt's refusal of bad input. torchrun restarts every failed attempt, and no restart can fix
     bad input: a restarted rank that finds the file ends at once with status 2, silently, instead of importing
-    torch to refuse the same input again with the same line (issue 34, class 2)."""
+    torch to refuse the same input again with the same line."""
     path, restarts = os.environ.get(TORCHRUN_ERROR_FILE), os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
     if not path or restarts in ("", "0"):
         return None

@@ -41,14 +41,14 @@ def pytest_configure(config):
         config.option.loadscopereorder = False  # pytest-xdist keeps FILE_WEIGHTS' order (see there)
 
 
-# The slowest first (issue 32): the heaviest test files in estimated worker-seconds, the one list of them. `make test`
+# The slowest first: the heaviest test files in estimated worker-seconds, the one list of them. `make test`
 # runs whole files on 2 workers (-n 2 --dist loadfile). pytest-xdist (3.8, xdist/scheduler/loadscope.py schedule())
 # queues the files by their number of tests, most first (--loadscope-reorder, its default), and each worker takes the
 # next file from the front of the queue when it has at most 2 tests left (_reschedule): the files of 100 quick tests
 # started first and the few long multi-rank files ran alone at the end. pytest_collection_modifyitems puts these
 # files first, heaviest first, the others after them as collected; pytest_configure turns xdist's reordering off
 # (--no-loadscope-reorder) so that its queue keeps this order (an explicit --loadscope-reorder still wins).
-# Figures: the per-file times of the third layout review (§7.2) where it has them (*), else counted from the code at
+# Figures: per-file times measured under `make test` where marked (*), else counted from the code at
 # about 39 s per 2-rank tiny launch, 15 s per one-rank run; refresh them from `make test`'s --durations.
 FILE_WEIGHTS = {
     "test_preemption.py": 550,  # * 14 two-rank launches (6 precisions, 3 stopped + resumed, --resume auto)
@@ -64,25 +64,25 @@ FILE_WEIGHTS = {
     "test_install.py": 150,  # install.sh for real: an offline install from a wheelhouse, header compiles
     "test_hybrid_training.py": 120,  # 3 two-rank launches: the phase switch, 2 resumes
     "test_oldest_torch.py": 120,  # 3 two-rank torchrun launches in .venv-oldest
-    "test_bad_input_round2.py": 120,  # ~25 one-rank processes, 2 trainings
+    "test_run_files_and_faults.py": 120,  # ~25 one-rank processes, 2 trainings
     "test_launch.py": 100,  # 107 tests: launch scripts' dry runs (bash), 2 one-rank launches
     "test_prepare_imagenet.py": 95,  # 2 two-rank launches (shards: DALI, torchvision), ~6 prepare-data processes
     "test_multihost.py": 180,  # a 3-host netns cluster: up/down, horovodrun over ssh with a cut link, torchrun per
     # host, a 3-rank run beside a 10x slower link and its probe, then scale --cluster 2 on a cluster of its own
-    "test_bad_input_round3_launch.py": 60,  # ~6 torchrun launches (a restart, pmix sbatch, preemption), 9 refusals
-    "test_bad_input_round3_run.py": 50,  # one 2-rank run stopped and resumed on 1 rank, the real watchdog
-    "test_bad_input_round3_nodes.py": 45,  # install.sh --plan with stand-in nvidia-smi, train in a small /dev/shm
+    "test_launch_environment.py": 60,  # ~6 torchrun launches (a restart, pmix sbatch, preemption), 9 refusals
+    "test_resume_and_stall.py": 50,  # one 2-rank run stopped and resumed on 1 rank, the real watchdog
+    "test_broken_nodes.py": 45,  # install.sh --plan with stand-in nvidia-smi, train in a small /dev/shm
     "test_time_breakdown.py": 200,  # 3 one-rank runs, 2 two-rank horovodrun and 3 two-rank torchrun launches (a stop
     # and its resume with both sinks)
     "test_sinks.py": 60,  # a one-rank run logging to MLflow and W&B offline, and its resume
     "test_progressive.py": 120,  # a 2-rank torchrun and a 2-rank horovodrun (DALI) run, each stopped and resumed
     "test_gpu_harness.py": 330,  # the rehearsal (~200 s: a venv, the cached NCCL build, every row started), resume driver
-    "test_recipes.py": 175,  # a 2-rank torchrun and a 2-rank horovodrun run, each stopped and resumed (issue 45)
-    "test_bad_input_round4_commands.py": 160,  # netns clusters killed at 4 points, bench/experiment killed, plugins
+    "test_recipes.py": 175,  # a 2-rank torchrun and a 2-rank horovodrun run, each stopped and resumed
+    "test_stopped_commands.py": 160,  # netns clusters killed at 4 points, bench/experiment killed, plugins
     "test_after_training.py": 200,  # a 2-rank torchrun and a 2-rank horovodrun run, ~20 evaluate/classify/export
     # processes, 2 of them 2-rank (estimated beside test_recipes.py: measured here only under a load of ~24)
     "test_atomic_writes.py": 35,  # 8 writers SIGKILLed mid-write (a torch import each)
-    "test_bad_input_round4_data.py": 30,  # crafted archives, a tmpfs filled mid-run, a read-only bind mount
+    "test_crafted_archives.py": 30,  # crafted archives, a tmpfs filled mid-run, a read-only bind mount
 }
 
 
@@ -107,7 +107,7 @@ def cluster_box():
     """The cluster's namespaces (htc-h0, htc-h1, ...) are one per machine, and `make test` runs two files at a time:
     a file's cluster tests hold this lock from the first of them to the file's end, so that one file's `cluster down`
     never removes the hosts under the other's run (CI's failure: test_multihost's scale row lost its hosts to
-    test_bad_input_round4_commands' SIGTERM tests)."""
+    test_stopped_commands' SIGTERM tests)."""
     import fcntl
     with open(os.path.join("/tmp", "hybridtrain-tests-cluster.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

@@ -113,7 +113,7 @@ def refused_without_torch(argv: list[str], *needles: str) -> str:
 
 
 def test_train_refuses_a_config_typo_before_importing_torch(tmp_path, write_config):
-    """issue 32: the recipe, its --set overrides, its paths and the command line are checked before torch or
+    """The recipe, its --set overrides, its paths and the command line are checked before torch or
     Horovod is imported, with the same line and exit status as before."""
     cfg = tiny_config(str(tmp_path / "data"), str(tmp_path / "run"))
     (tmp_path / "data").mkdir()

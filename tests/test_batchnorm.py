@@ -1,4 +1,4 @@
-"""Seed 001's training strategies (2.2.3): BN across ranks, the init ablations, gradient accumulation.
+"""The paper's training strategies (Lu et al. 2020, §2.2.3): BN across ranks, the init ablations, gradient accumulation.
 
 Every figure is checked against an independent computation: NumPy on the gathered BN inputs, a one-process
 global-batch step, or the closed-form init standard deviations.
@@ -101,7 +101,7 @@ def test_sync_bn_trains_on_two_ranks_with_identical_buffers(small_digits, tmp_pa
                                    bn={"sync": True, "stats": "moving_average", "per_rank_batch": "random"}))
     proc = horovodrun(2, ["train", "--config", cfg])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "cuDNN autotuning off" in proc.stdout + proc.stderr  # gpu-path-2 #8
+    assert "cuDNN autotuning off" in proc.stdout + proc.stderr  # a new shape every step
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     assert len(set(report["rank_digests"])) == 1
 
@@ -112,7 +112,7 @@ def test_random_splits_cover_the_global_batch_and_differ_between_steps():
     splits = [random_split_sizes(64, 4, seed=1, epoch=0, step=s) for s in range(50)]
     assert all(sum(s) == 64 and min(s) >= MIN_RANDOM_SHARE for s in splits)
     assert len({tuple(s) for s in splits}) > 40
-    # at most twice the fixed batch (gpu-path-2 #8), and the whole range is used: 8 ranks of 16, odd counts too
+    # at most twice the fixed batch (memory and kernel shapes near the fixed run's), and the whole range is used: 8 ranks of 16, odd counts too
     for ranks in (8, 7, 2):
         shares = np.array([random_split_sizes(16 * ranks, ranks, seed=3, epoch=1, step=s) for s in range(400)])
         assert (shares.sum(axis=1) == 16 * ranks).all()
@@ -234,7 +234,7 @@ def test_more_accumulation_steps_than_batches_is_one_line(small_digits, tmp_path
 
 
 def test_a_skipped_step_puts_back_the_running_statistics_and_the_batch_counters():
-    """RunningStatsGuard: the passes of a skipped step (or a CUDA graph's warm-up passes, gpu-path-2 #16) leave
+    """RunningStatsGuard: the passes of a skipped step (or a CUDA graph's warm-up passes) leave
     every BN's running mean, variance and num_batches_tracked as they were."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),

@@ -1,8 +1,8 @@
-"""Values validated to the bit (issue 17): every config key and every command-line option, fed any value, either
+"""Values validated to the bit: every config key and every command-line option, fed any value, either
 gives a valid run or one line ``hybridtrain: error: ...`` (exit 2), never a traceback, a hang or a silent wrong run.
 
 Property-based (Hypothesis, derandomized so CI is reproducible) over every key of the config dataclasses and every
-option of every subcommand, plus the issue's own examples through a real ``hybridtrain`` process. No mocks.
+option of every subcommand, plus hand-picked bad values through a real ``hybridtrain`` process. No mocks.
 """
 from __future__ import annotations
 
@@ -244,7 +244,7 @@ def test_any_option_value_parses_within_bounds_or_is_one_error_line(command, dat
                     (argv, action.dest, n)
 
 
-# ----------------------------------------------------------------------------- the issue's examples, in-process
+# ----------------------------------------------------------------------------- hand-picked bad values, in-process
 
 def test_duplicate_keys_at_any_depth_name_the_key_and_line(tmp_path):
     path = tmp_path / "dup.yaml"
@@ -290,7 +290,7 @@ def test_path_checks_skip_data_for_the_synthetic_backend(tmp_path):
         check_paths(cfg, "bench")
 
 
-# ----------------------------------------------------------------------------- keys that moved (issue 35)
+# ----------------------------------------------------------------------------- keys that moved (horovod: -> distributed:)
 
 # each unlike its default (and valid with the default precision)
 MOVED_VALUES = {"compression": "none", "stall_warning_s": 7, "stall_shutdown_s": 70, "gloo_timeout_s": 9}
@@ -354,7 +354,7 @@ def test_both_names_of_a_moved_key_are_refused_in_one_line(tmp_path, capsys, how
 
 def test_a_checkpoint_written_before_the_compression_moved_keeps_its_fingerprint(capsys):
     """A resume compares the checkpoint's config fingerprint with the config's. One written with
-    horovod.compression (the layout until issue 35), its fingerprint as that code took it (the sha256 of every
+    horovod.compression (where the key first stood), its fingerprint as that code took it (the sha256 of every
     section but distributed), still matches once the key has moved; the compression still counts (it changes the
     math), the engine's limits still do not."""
     old_layout = Config().to_dict()
@@ -393,11 +393,11 @@ def test_the_compression_under_its_old_name_reaches_the_trainer(tmp_path, capsys
     assert trainer.compression == "none"
 
 
-# ----------------------------------------------------------------------------- the issue's examples, real processes
+# ----------------------------------------------------------------------------- hand-picked bad values, real processes
 
 @pytest.fixture(scope="module")
 def examples(tmp_path_factory) -> dict:
-    """Each example of the issue through a real ``hybridtrain`` process; started three at a time (each one imports
+    """Each hand-picked bad value through a real ``hybridtrain`` process; started three at a time (each one imports
     torch), so the file stays quick. name -> CompletedProcess."""
     root = tmp_path_factory.mktemp("examples")
     (root / "a-file").write_text("x")

@@ -131,7 +131,7 @@ def test_validation_images_match_torchvision_preprocessing(dataset):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_output_dtype_and_layout_follow_the_arguments(dataset, dtype, channels_last):
-    """A CPU pipeline delivers uint8 pixels in the asked layout (gpu-path-2 #15); to_device gives the model's dtype,
+    """A CPU pipeline delivers uint8 pixels in the asked layout (a quarter of the bytes to copy); to_device gives the model's dtype,
     the layout kept, normalised."""
     train, val = dataset
     cfg = make_cfg()
@@ -230,7 +230,7 @@ def test_dali_gpu_without_a_gpu_is_one_clear_error(dataset):
 
 
 def test_dali_gpu_for_a_rank_that_trains_on_the_cpu_is_one_line():
-    """gpu-path-2 #17: train.device=cpu with dali_gpu would decode on a GPU to copy each batch back; refused in the
+    """train.device=cpu with dali_gpu would decode on a GPU to copy each batch back; refused in the
     config, on any node. On a GPU node auto and cuda train on the GPU; on a CPU node the loader says no GPU."""
     from hybridtrain.config import load_config
     with pytest.raises(UserError, match=r"decodes on the GPU but train.device=cpu .*train.device=cuda.*dali_cpu"):
@@ -269,7 +269,7 @@ class StreamEvent:
 
 
 def test_a_shared_batch_is_held_until_torch_is_done_with_it(dataset):
-    """gpu-path-3 #10: a batch shared without a copy is DALI's memory, freed in DALI's order once torch lets go.
+    """A batch shared without a copy is DALI's memory, freed in DALI's order once torch lets go.
     The loader holds it until an event recorded after its consumer's work (when the batch after next is asked
     for: the step reads one ahead) has passed, and a pass's end waits once and lets everything go."""
     train, _ = dataset
@@ -302,7 +302,7 @@ def test_only_a_gpu_pipeline_holds_its_batches(dataset):
 
 @pytest.mark.parametrize("output,dtype", [("fp16", torch.float16), ("fp32", torch.float32)])
 def test_crop_mirror_normalize_delivers_the_dtype_chosen(dataset, output, dtype):
-    """gpu-path-3 #16.3: dali_gpu's end of the graph (crop_mirror_normalize normalising to FP16 or FP32), run on a
+    """dali_gpu's end of the graph (crop_mirror_normalize normalising to FP16 or FP32), run on a
     CPU pipeline, delivers the dtype chosen through the zero-copy path, normalised."""
     train, _ = dataset
     spec = dali.GraphSpec(True, "cpu", CROP, RESIZE, 0.35, True, output, False)
@@ -313,7 +313,7 @@ def test_crop_mirror_normalize_delivers_the_dtype_chosen(dataset, output, dtype)
 
 @pytest.mark.parametrize("compute,delivered", [("fp16", torch.float16), ("bf16", torch.float32)])
 def test_dali_delivers_the_autocast_dtype_where_it_has_that_type(compute, delivered):
-    """gpu-path-3 #16.3: mixed precision with fp16 gets FP16 batches from DALI (the V100 recipe); with bf16 FP32,
+    """Mixed precision with fp16 gets FP16 batches from DALI (the V100 recipe); with bf16 FP32,
     as DALI has no BF16 type (if it gains one, deliver BF16 and change this test)."""
     from nvidia.dali import types
 

@@ -113,7 +113,7 @@ def test_uint8_batches_normalised_on_the_device_equal_the_float_transform(channe
 def test_in_process_loading_gives_the_workers_batches_and_leaves_the_training_rng_alone(small_digits):
     """data.in_process: every batch of an epoch equals the one a spawned worker makes, and the per-sample seeding
     of the augmentation does not touch the rank's own random state. The workers are started early, as the
-    trainer starts them while it builds the model (Loaders.start, issue 24 part 8): the epoch set afterwards
+    trainer starts them while it builds the model (Loaders.start): the epoch set afterwards
     still gets its own batches."""
     import multiprocessing
 

@@ -73,7 +73,7 @@ def test_an_optimizer_of_an_engine_that_reduces_in_the_backward_keeps_the_step_c
 
 
 def test_the_registry_is_the_only_list_of_engines(tmp_path, monkeypatch):
-    """Layout review 4 §3: the config key and --engine take what is registered, a plugin included, and refuse
+    """The config key and --engine take what is registered, a plugin included, and refuse
     anything else in one line naming the registered engines; no module but the registry spells the names out."""
     import re
 

@@ -76,7 +76,7 @@ def test_plot_schedule_png_and_series(tmp_path):
     assert s["lr"][:warm] == [None] * warm and s["upper"][warm:] == [None] * (len(s["lr"]) - warm)
 
 
-# ----------------------------------------------------------------------------- issue 45: experiment recipes
+# ------------------------------------------------------------------------------ experiment recipes (recipe_rows)
 
 def test_recipe_rows_put_each_option_beside_each_recipe():
     from tools.experiments import progressive_sets, recipe_rows

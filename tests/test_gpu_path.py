@@ -218,7 +218,7 @@ def test_a_bug_in_one_rank_is_one_line_naming_it_with_the_traceback_in_a_log(tmp
 
 
 def test_cuda_graphs_with_a_compressed_wire_on_several_horovod_ranks_is_one_line():
-    """gpu-path-2 #4: Horovod's hooks (registered at 2+ ranks) decompress FP16 gradients into new tensors set as
+    """Horovod's hooks (registered at 2+ ranks) decompress FP16 gradients into new tensors set as
     p.grad, which a replayed graph never writes again; refused. One rank (no hooks) and no compression stay."""
     with pytest.raises(UserError, match=r"cuda_graphs with fp16 gradient compression on 2 Horovod ranks.*"
                                         r"distributed.compression=none, or train.cuda_graphs=false"):
@@ -232,7 +232,7 @@ def test_cuda_graphs_with_a_compressed_wire_on_several_horovod_ranks_is_one_line
 
 
 def test_cuda_graphs_are_captured_in_thread_local_mode_which_torch_documents():
-    """gpu-path-3 #9: the DataLoader's pin-memory thread pins batches (cuMemHostAlloc, cudaEventQuery) while the
+    """The DataLoader's pin-memory thread pins batches (cuMemHostAlloc, cudaEventQuery) while the
     graph may be captured; torch's default "global" mode fails the capture on another thread's unsafe call,
     "thread_local" only on the capturing thread's. The keywords are torch.cuda.graph's own, with a documented
     value, and GraphedStep passes them."""
@@ -245,7 +245,7 @@ def test_cuda_graphs_are_captured_in_thread_local_mode_which_torch_documents():
 
 @pytest.mark.parametrize("capability,refused", [((6, 1), True), ((7, 0), False), ((9, 0), False)])
 def test_compile_or_fused_on_a_gpu_too_old_for_triton_is_one_line(capability, refused):
-    """gpu-path-3 #14: a P40 (6.1) would get inductor's GPUTooOldForTriton traceback at the first step; a V100
+    """A P40 (6.1) would get inductor's GPUTooOldForTriton traceback at the first step; a V100
     (7.0) and an H100 (9.0) compile."""
     assert hardware_checks.too_old_for_triton(capability) is refused
     for key in ("train.compile", "optim.fused"):

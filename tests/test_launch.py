@@ -710,7 +710,7 @@ def test_apptainer_definition():
     assert re.search(r"^%runscript", text, re.M)
 
 
-PAPER_RECIPES = {  # config -> (ranks it is written for, global batch, lr x N), from seed 001 section 3.1
+PAPER_RECIPES = {  # config -> (ranks it is written for, global batch, lr x N), from Lu et al. 2020, §3.1
     "resnet50_cluster1_v100.yaml": (24, 6144, 2.4),
     "resnet50_cluster2_p40.yaml": (24, 3072, 2.4),
     "resnet50_h100.yaml": (8, 2048, 0.8),

@@ -137,7 +137,7 @@ def test_system_torch_is_checked_against_the_driver():
 
 
 def test_system_torch_under_forward_compatibility_is_decided_by_the_driver_api():
-    """gpu-path-3 #4: a CUDA 13 torch on an r550 data-centre driver runs through cuda-compat's libcuda, which
+    """A CUDA 13 torch on an r550 data-centre driver runs through cuda-compat's libcuda, which
     reports CUDA 13.0 (cuDriverGetVersion 13000): accepted with a warning, as the trainer's check accepts it; the
     same node whose libcuda reports 12.4 is refused with the trainer's driver line."""
     plan = planner.choose([(9, 0)], "550.54", "2.11.0+cu130", torch_cuda="13.0", driver_api=13000)
@@ -219,7 +219,7 @@ def test_install_plan_with_a_system_torch_asks_the_driver_library_it_loads(tmp_p
 
 
 def test_the_plan_names_the_index_host_and_what_to_do_without_it(tmp_path):
-    """gpu-path-3 #6: on an H100 with r550 the pinned torch comes from PyTorch's own index, not the registry:
+    """On an H100 with r550 the pinned torch comes from PyTorch's own index, not the registry:
     the plan names that host and the two ways round it; the registry's build gets no such line."""
     host = urlsplit(planner.PYTORCH_INDEX).netloc
     result = plan_of(tmp_path, "9.0, 550.127.05\n" * 8)

@@ -120,7 +120,7 @@ def _optim(**changes):
     ("goyal", {}, (True, 10), "world_size"),
 ])
 def test_schedule_arguments_are_checked_once_when_the_schedule_is_made(name, changes, sizes, match):
-    """Issue 27: the formulas run unchecked at every step; create_schedule checks what they assume, once."""
+    """The formulas run unchecked at every step; create_schedule checks what they assume, once."""
     from types import SimpleNamespace
 
     from hybridtrain.optim import create_schedule

@@ -106,7 +106,7 @@ def test_residual_bn_scale_and_bn_swap_follow_their_equations():
         x_hat = (c - bn.running_mean.view(1, -1, 1, 1)) / torch.sqrt(bn.running_var.view(1, -1, 1, 1) + bn.eps)
         assert torch.allclose(block(x), torch.relu(bn.weight.view(1, -1, 1, 1) * x_hat + bn.bias.view(1, -1, 1, 1) + x),
                               atol=1e-5)
-        h_scaled = torch.relu(0.25 * other.bn1(other.conv1(x)))  # y = 0.25 * BN(x) inside the block (seed 002)
+        h_scaled = torch.relu(0.25 * other.bn1(other.conv1(x)))  # y = 0.25 * BN(x) inside the block (Cheng et al.)
         c_scaled = other.conv2(h_scaled)
         x_hat_s = (c_scaled - bn.running_mean.view(1, -1, 1, 1)) / torch.sqrt(bn.running_var.view(1, -1, 1, 1) + bn.eps)
         swap = 0.25 * (bn.weight.view(1, -1, 1, 1) * (x_hat_s + x) + bn.bias.view(1, -1, 1, 1))  # gamma*(x_hat+r)+beta
@@ -179,7 +179,7 @@ def precision_config(data, run_dir, mode, epochs=1, **precision):
 
 # Every mode on two Horovod ranks (no NaN, equal parameters, the loss scale's halvings) is checked on the 2-epoch NHWC
 # runs of tests/test_preemption.py::test_channels_last_trains_on_two_ranks_and_its_model_loads_strictly_into_torchvision
-# (one run per mode for the whole suite, issue 32).
+# (one run per mode for the whole suite, to keep CI short).
 
 
 def test_checkpoint_carries_the_scaler_and_resume_is_exact(tiny_digits, tmp_path, write_config):

@@ -225,7 +225,7 @@ watch.close()
 
 
 def test_the_sigterm_flag_is_summed_every_few_steps_and_still_stops_within_them():
-    """gpu-path-2 #13: the flag's CPU all-reduce runs on Horovod's background thread, between the gradients', so
+    """The flag's CPU all-reduce runs on Horovod's background thread, between the gradients', so
     a long epoch sums it every 8th step, not every step; a SIGTERM before step 11 is summed at step 16 and stops
     the run after step 17 (the check started at 16 is collected one step later). steps_between_checks: every 8th
     step, or 4 times an epoch, so the 5-step epochs above stop after every step."""

@@ -1,4 +1,4 @@
-"""Issue 45 item 3, progressive resizing (data.res_*, data/resolution.py): the schedule against a hand-worked table,
+"""Progressive resizing (data.res_*, data/resolution.py): the schedule against a hand-worked table,
 its one-line refusals, both backends' batches at the epoch's resolution, one compile per resolution (dynamo's
 counters), one CUDA-graph capture per batch shape (its dispatch), and a 2-rank run of each engine stopped mid-epoch
 and resumed bit-exactly at the epoch's resolution, its report listing the resolution per epoch."""

@@ -1,4 +1,4 @@
-"""Issue 45's options, each against an independent computation: label smoothing against NumPy, the weights' EMA
+"""The recipe options, each against an independent computation: label smoothing against NumPy, the weights' EMA
 against a hand-worked sequence, the mlperf schedule against numbers worked from MLPerf's reference code, the
 budgeted linear and the cosine schedules against hand-worked numbers; and on 2 ranks of each engine, every option
 at once, stopped mid-epoch and resumed bit-exactly, with the flip-averaged validation counted exactly."""

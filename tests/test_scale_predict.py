@@ -81,7 +81,7 @@ def test_scale_refuses_more_ranks_than_slots():
 
 
 def test_ranks_on_gpus_count_gpus_not_cores():
-    """gpu-path-2 #18: on a 1-GPU node, --np 2 would start and then fail with the shared-GPU line."""
+    """On a 1-GPU node, --np 2 would start and then fail with the shared-GPU line."""
     from benchmarks.scaling import available_slots
     cores = available_slots("cpu", 8)
     assert cores[1] == "core" and cores[0] >= 1

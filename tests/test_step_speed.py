@@ -1,4 +1,4 @@
-"""Issue 9, speed: Horovod's tuning knobs taking effect on real 2-rank jobs, torch.compile on the CPU, the CUDA
+"""Speed: Horovod's tuning knobs taking effect on real 2-rank jobs, torch.compile on the CPU, the CUDA
 graphs switch, and no host sync inside the training step."""
 from __future__ import annotations
 
@@ -193,7 +193,7 @@ def compiled_regions(loss) -> list[set[str]]:
 
 
 def test_every_resnet50_block_is_compiled_in_training_and_in_evaluation():
-    """gpu-path-2 #11: the 16 blocks share their class's forward, and ResNet-50 has 8 block shapes, so with
+    """The 16 blocks share their class's forward, and ResNet-50 has 8 block shapes, so with
     dynamo's default limit of 8 graphs per code object the evaluation pass would run most blocks eagerly. Traced
     with dynamo's eager backend (no code generation: the limit is dynamo's, not the compiler's)."""
     import torch
@@ -215,9 +215,9 @@ def test_every_resnet50_block_is_compiled_in_training_and_in_evaluation():
 
 
 def test_horovods_hooks_forced_on_one_rank_give_the_plain_step_with_the_wire_rounding(tmp_path):
-    """gpu-path-2 #9: the multi-rank step's Horovod path (gradient hooks, LayoutCompressor, synchronize, unscale),
+    """The multi-rank step's Horovod path (gradient hooks, LayoutCompressor, synchronize, unscale),
     forced on one process (Horovod registers no hooks at size 1), on the GPU where this test sees one (gpu-check;
-    gpu-path-3 #7: one process keeps the GPU, even on a 1-GPU node), else on the CPU: bitwise the plain optimizer's
+    one process keeps the GPU, even on a 1-GPU node), else on the CPU: bitwise the plain optimizer's
     steps with each gradient rounded as the wire rounds it, NCHW and NHWC, the gradients' layouts kept; the FP16
     wire's losses differ from the uncompressed ones (it really rounds)."""
     out = tmp_path / "hooks.json"
@@ -235,7 +235,7 @@ def test_horovods_hooks_forced_on_one_rank_give_the_plain_step_with_the_wire_rou
 
 
 def test_only_launches_of_two_or_more_ranks_are_pinned_to_the_cpu(monkeypatch):
-    """gpu-path-3 #7: the tests pin a launch to the CPU only when it starts more ranks than the host has GPUs; a
+    """The tests pin a launch to the CPU only when it starts more ranks than the host has GPUs; a
     single process keeps the GPUs (so the test above runs on a 1-GPU node's GPU). run() counts the ranks from
     the command line as the suite writes them."""
     import torch
@@ -320,7 +320,7 @@ def test_bench_with_compile_runs_and_says_so(tmp_path):
 def test_bench_times_the_whole_step_as_train_runs_it_under_horovodrun(tmp_path):
     """In the hybrid optimizer's second phase (--phase sgd): both trainer rows report the phase their optimizer's
     groups were in after the timed steps, in process and in the horovodrun worker. Without --config, as gpu-check
-    runs it: the worker gets the built-in defaults as a file (gpu-path-2 #3 crashed on a None in its argv)."""
+    runs it: the worker gets the built-in defaults as a file (a None in its argv once crashed it)."""
     out = tmp_path / "bench.json"
     proc = run([*BENCHMARKS, "bench", "--set", "model.arch=resnet18", "--batch-size", "4", "--image-size", "32",
                 "--set", "model.num_classes=10", "--steps", "2", "--warmup", "1", "--baseline", "--horovod",

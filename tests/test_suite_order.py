@@ -1,4 +1,4 @@
-"""The slowest test files start first under `make test`'s pytest-xdist (issue 32): conftest.FILE_WEIGHTS names
+"""The slowest test files start first under `make test`'s pytest-xdist: conftest.FILE_WEIGHTS names
 files that exist, and a real pytest run with --dist loadfile takes a listed file before a file of more tests."""
 from __future__ import annotations
 

@@ -157,7 +157,7 @@ def test_the_plan_is_the_fastest_batch_within_the_published_range():
 # ---------------------------------------------------------------------------------------------- the checks
 
 
-def test_the_model_meets_the_issue_limits_against_the_three_mlperf_runs():
+def test_the_model_meets_its_error_limits_against_the_three_mlperf_runs():
     checks = ttt.mlperf_check()
     assert [c.run.gpus for c in checks] == [8, 64, 3584]
     for c in checks:

@@ -83,7 +83,7 @@ def test_the_rendezvous_comes_from_torchrun_or_from_srun():
 
 
 def test_gloo_can_be_forced_for_two_ranks_on_one_gpu_and_only_gloo():
-    """gpu-path-3 #8: gpu-check's 2-rank row on one GPU runs DDP over Gloo (NCCL refuses a shared GPU)."""
+    """gpu-check's 2-rank row on one GPU runs DDP over Gloo (NCCL refuses a shared GPU)."""
     import torch
 
     from hybridtrain.distributed.torch_distributed import BACKEND_VAR, backend_for
@@ -99,7 +99,7 @@ def test_gloo_can_be_forced_for_two_ranks_on_one_gpu_and_only_gloo():
 
 @pytest.mark.parametrize("stall,gloo", [(600, 60), (8, 300), (1, 60), (60, 3600), (86400, 60)])
 def test_the_collective_timeout_outlasts_the_stall_watchdog_of_every_rank(stall, gloo):
-    """gpu-path-3 #11: NCCL's watchdog (SIGABRT, C++ dumps) or Gloo's timeout must never end a stuck rank before
+    """NCCL's watchdog (SIGABRT, C++ dumps) or Gloo's timeout must never end a stuck rank before
     the project's stall watchdog prints its one line, which rank r does stall_shutdown_s + min(r, 30) s after
     its last step (polling every 0.5 s); the group's timeout is a minute past the last rank's exit."""
     from hybridtrain.config import load_config
@@ -153,7 +153,7 @@ def test_the_ddp_step_matches_numpy_fp16_wire_accumulation_channels_last_and_a_s
         # the inf was on rank 1 only: both ranks skipped, halved S, then stepped together
         assert mine["skipped_on_this_rank"] and mine["skipped_steps"] == 1 and mine["scale_after"] == 512.0
         assert mine["stepped_after"] and mine["ranks_equal_after"]
-        # gpu-path-3 #12: the second backward accumulates into the bucket views in place (no allocation, no copy)
+        # the second backward accumulates into the bucket views in place (no allocation, no copy)
         assert mine["grads_accumulated_in_bucket_views"] and mine["grads_still_bucket_views"]
     assert r["group_destroyed"]  # torch's Gloo group left to the interpreter's teardown aborts (SIGABRT) at times
 
@@ -169,7 +169,7 @@ def top_level_ops(action) -> list[str]:
 
 
 def test_zero_grad_zeroes_ddp_bucket_views_in_one_foreach_op_and_sets_other_gradients_to_none(job_of_one):
-    """Review 4 #8: the torch engine's zero_grad zeroes the gradients DDP made views of its buckets with one
+    """The torch engine's zero_grad zeroes the gradients DDP made views of its buckets with one
     _foreach_zero_ (a zero_() each was 161 launches per ResNet-50 step on a GPU), in place (the views stay); the
     gradients of a model outside DDP (bench's trainer row) it sets to None, as torch's default and the plain loop
     bench compares with do."""
@@ -371,7 +371,7 @@ atexit.register(_say)
 
 def test_a_refusal_after_the_group_formed_ends_both_ranks_with_status_2_and_no_abort(small_digits, tmp_path,
                                                                                      write_config, monkeypatch):
-    """gpu-path-3 #13: both ranks refuse a Horovod knob in wrap_model, after the process group formed. Each rank
+    """Both ranks refuse a Horovod knob in wrap_model, after the process group formed. Each rank
     destroys its group on the way out (the probe sees it gone at exit), so each ends with the project's status 2
     and the one line, never with SIGABRT ("terminate called without an active exception", 134) from a group
     left to the interpreter's teardown, as it did at times."""
@@ -418,7 +418,7 @@ if "LOCAL_RANK" in os.environ:
 
 def test_a_failure_mid_epoch_frees_the_group_at_shutdown_and_ends_the_job_at_once(small_digits, tmp_path,
                                                                                   write_config, monkeypatch):
-    """Review 4 #10: an error after some steps of DDP (a static loss scale of 2^24 overflows the FP16 wire at every
+    """An error after some steps of DDP (a static loss scale of 2^24 overflows the FP16 wire at every
     step; the third skipped step in a row stops the run, in epoch 1 of 7 steps) still frees the DDP wrapper, and
     with it the process group, when the rank shuts the engine down: the error's traceback held the trainer in
     its frames (and in the epoch's closures), so the wrapper outlived shutdown(). The job ends with rank 0's status

@@ -48,8 +48,9 @@ def lars_rows(cfg) -> list[tuple[str, list[str]]]:
 
 
 def precision_rows(cfg) -> list[tuple[str, list[str]]]:
-    """Seed 003's schemes and seed 001's Fig 3.3: the recipe under every precision mode. fp16_pure keeps its
-    optimizer state in FP16, which AdaBound cannot use, so that row trains with goyal and seed 002's 0.25."""
+    """The schemes of "Low precision training of deep learning models" and Lu et al. 2020's Fig 3.3: the recipe
+    under every precision mode. fp16_pure keeps its optimizer state in FP16, which AdaBound cannot use, so that row
+    trains with goyal and Cheng et al.'s 0.25 BN scale."""
     rows = [("fp64", ["precision.mode=fp64"]), ("fp32", ["precision.mode=fp32"]),
             ("mixed-fp16", ["precision.mode=mixed", "precision.compute_dtype=fp16"]),
             ("mixed-bf16", ["precision.mode=mixed", "precision.compute_dtype=bf16"]),
@@ -65,7 +66,8 @@ OWN_SCALING = ["precision.loss_scaling=auto", "distributed.compression=auto"]
 
 
 def layered_rows(cfg) -> list[tuple[str, list[str]]]:
-    """Seed 000's Table 2: the first k residual stages in FP16 (k = 0..4), the stem and FC in FP32."""
+    """Li et al. 2023's Table 2 (layered mixed precision): the first k residual stages in FP16 (k = 0..4), the stem
+    and FC in FP32."""
     rows = []
     for k in range(5):
         stages = [f"precision.layers.layer{i}={'fp16' if i <= k else 'fp32'}" for i in range(1, 5)]
@@ -74,7 +76,7 @@ def layered_rows(cfg) -> list[tuple[str, list[str]]]:
 
 
 def bn_rows(cfg) -> list[tuple[str, list[str]]]:
-    """Seed 001's Table 3.4, top to bottom: (random batch, cross-rank, moving average) ... (fixed, per-rank,
+    """Lu et al. 2020's Table 3.4, top to bottom: (random batch, cross-rank, moving average) ... (fixed, per-rank,
     last iteration), the paper's strategy; then that strategy with the pooled variance (beyond the paper)."""
     return [("random, cross-rank, moving avg", ["bn.per_rank_batch=random", "bn.sync=true", "bn.stats=moving_average"]),
             ("fixed, cross-rank, moving avg", ["bn.per_rank_batch=fixed", "bn.sync=true", "bn.stats=moving_average"]),
@@ -86,12 +88,12 @@ def bn_rows(cfg) -> list[tuple[str, list[str]]]:
 
 
 def init_rows(cfg) -> list[tuple[str, list[str]]]:
-    """Seed 001's Table 3.5: Kaiming (fan_in), Xavier and N(0, 1) convolution weights."""
+    """Lu et al. 2020's Table 3.5: Kaiming (fan_in), Xavier and N(0, 1) convolution weights."""
     return [(name, [f"model.conv_init={name}"]) for name in ("kaiming", "xavier", "gaussian")]
 
 
 def gamma_rows(cfg) -> list[tuple[str, list[str]]]:
-    """Seed 001's Table 3.6: gamma = 0 or 1 in the last BN of every residual block."""
+    """Lu et al. 2020's Table 3.6: gamma = 0 or 1 in the last BN of every residual block."""
     return [("gamma=0", ["model.zero_init_last_bn=true"]), ("gamma=1", ["model.zero_init_last_bn=false"])]
 
 
@@ -108,7 +110,7 @@ def progressive_sets(cfg) -> list[str]:
 
 
 def recipe_rows(cfg) -> list[tuple[str, list[str]]]:
-    """Issue 45's recipes side by side: the paper's hybrid, MLPerf's (LARS, poly decay) and Goyal's, each alone
+    """The recipes side by side: the paper's hybrid, MLPerf's (LARS, poly decay) and Goyal's, each alone
     (label smoothing 0, mlperf's default 0.1 included), with label smoothing 0.1, with the EMA of the weights (its
     rows report the EMA's top-1) and with progressive resizing (``progressive_sets``). Warmups fit the run: T and
     the linear warmup at most a quarter and a third of it."""

@@ -1,4 +1,4 @@
-"""What the time breakdown (engine/breakdown.py) costs the training step: ``bench``'s trainer step on one synthetic
+"""What the time breakdown (engine/breakdown.py) costs the training step: bench's trainer step on one synthetic
 batch, run with and without the breakdown's marks in turn (off, on, off, on, ...: a drift of the machine's speed
 falls on both alike), each step timed with the device synchronised; the median step time of each, their ratio, and
 the host syncs per step of each (the breakdown adds none: on a GPU its marks are CUDA events, read without a host sync).

@@ -1,4 +1,4 @@
-"""What sending NHWC gradients through Horovod costs per step: ``python -m benchmarks.probes.compression_cost``.
+"""What sending NHWC gradients through Horovod costs per step: python -m benchmarks.probes.compression_cost.
 
 Times compress + decompress of ResNet-50's gradients, per step, for Horovod's own FP16 compressor on NCHW
 gradients (the reference: one cast each way), for hybridtrain's LayoutCompressor on NHWC gradients, and for the

@@ -1,4 +1,4 @@
-"""When Horovod's gradient hooks fire inside the backward, eager and under ``train.compile`` (the review's #9).
+"""When Horovod's gradient hooks fire inside the backward, eager and under train.compile.
 
 Horovod's ``DistributedOptimizer`` starts each gradient's all-reduce from a hook on that parameter's gradient
 accumulator. The all-reduce overlaps the backward only as far as those hooks fire while the backward still runs.

@@ -292,7 +292,7 @@ def config_from_dict(tree: dict, where: str = "in the mapping", moved: list[tupl
 # ----------------------------------------------------------------------------- keys that moved
 
 # old dotted key -> its new one. The old name still works, with one warning line (rank 0's) naming the new one;
-# giving both is refused. Issue 35: what both engines honour (the all-reduce's compression, the limits) left
+# giving both is refused. What both engines honour (the all-reduce's compression, the limits) left
 # horovod: for distributed:.
 MOVED_KEYS = {"horovod.compression": "distributed.compression",
               "horovod.stall_warning_s": "distributed.stall_warning_s",

@@ -49,7 +49,7 @@ def validate(cfg: Config) -> Config:
 
 def loss_scaling(p) -> str:
     """precision.loss_scaling resolved: ``auto`` is dynamic whenever FP16 computes anything (mixed fp16, a layered
-    fp16 stage, fp16_pure; seed 004), else none."""
+    fp16 stage, fp16_pure; Micikevicius et al., "Mixed precision training"), else none."""
     computes_fp16 = (p.mode == "fp16_pure" or (p.mode == "mixed" and p.compute_dtype == "fp16")
                      or (p.mode == "layered" and "fp16" in p.layers.values()))
     return p.loss_scaling if p.loss_scaling != "auto" else ("dynamic" if computes_fp16 else "none")
@@ -105,7 +105,7 @@ def validate_data(cfg: Config) -> None:
     if cfg.data.in_process and cfg.data.workers:
         raise UserError(f"config error: data.in_process=true starts no loader workers, so data.workers="
                         f"{cfg.data.workers} would be ignored: drop one of them")
-    if cfg.data.backend == "dali_gpu" and cfg.train.device == "cpu":  # gpu-path-2 #17: decode, then copy back
+    if cfg.data.backend == "dali_gpu" and cfg.train.device == "cpu":  # decoding on a GPU to copy back to the CPU
         raise UserError("config error: data.backend=dali_gpu decodes on the GPU but train.device=cpu trains on the "
                         "CPU: set train.device=cuda or auto, or use data.backend=dali_cpu")
     validate_progressive(cfg)

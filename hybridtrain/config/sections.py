@@ -83,7 +83,7 @@ class DataConfig:
     synthetic_images: int = number(12800, lo=1, hi=100_000_000,
                                    doc="synthetic: training images per epoch over all ranks")
     val_batch_size: int = number(0, lo=0, hi=65536, doc="validation batch per rank; 0 = train.batch_size")
-    # issue 45: progressive resizing (FFCV's), data/resolution.py
+    # progressive resizing (FFCV's), data/resolution.py
     res_start: int = number(0, lo=0, hi=1024, doc="progressive resizing: the training resolution (px) up to epoch "
                                                   "data.res_start_epoch, rising linearly to data.res_end; validation "
                                                   "keeps data.val_resize and data.crop_size; 0 = off (training at "
@@ -108,8 +108,8 @@ class ModelConfig:
     num_classes: int = number(0, lo=0, hi=100_000, doc="0 = number of class folders in the dataset")
     zero_init_last_bn: bool = plain(True, "gamma = 0 in the last BN of every residual block (paper 2.2.3)")
     residual_bn_scale: float = number(1.0, lo=0.0, hi=1.0, lo_open=True,
-                                      doc="multiply every BN output inside residual blocks by this (seed 002: 0.25)")
-    bn_swap: bool = plain(False, "seed 002's BN swap in the last BN of each block: y = gamma*(x_hat + shortcut) + beta")
+                                      doc="multiply every BN output inside residual blocks by this (fp16_pure: 0.25)")
+    bn_swap: bool = plain(False, "fp16_pure's stabiliser, in each block's last BN: y = gamma*(x_hat + shortcut) + beta")
     conv_init: str = choice("kaiming", ["kaiming", "xavier", "gaussian"],
                             "convolution init: kaiming N(0, 2/fan_in) (the paper), xavier N(0, 2/(fan_in+fan_out)), "
                             "or gaussian N(0, gaussian_std^2) (Table 3.5)")
@@ -227,10 +227,10 @@ STAGES = ("stem", "layer1", "layer2", "layer3", "layer4", "fc")  # a ResNet's st
 class PrecisionConfig:
     mode: str = choice("fp32", ["fp32", "fp64", "mixed", "layered", "fp16_pure"],
                        "fp32; fp64; mixed (FP16/BF16 compute, FP32 master weights, the paper); layered (per stage, "
-                       "seed 000); fp16_pure (no FP32 copy, seed 002)")
+                       "Li et al. 2023); fp16_pure (no FP32 copy, Cheng et al.)")
     compute_dtype: str = choice("fp16", ["fp16", "bf16"], "mixed: the reduced dtype of forward and backward")
     layers: dict = plain({"stem": "fp32", "layer1": "fp16", "layer2": "fp16", "layer3": "fp16", "layer4": "fp16",
-                          "fc": "fp32"}, "layered: dtype (fp32, fp16 or bf16) per stage; seed 000's default")
+                          "fc": "fp32"}, "layered: dtype (fp32, fp16 or bf16) per stage; Li et al. 2023's default")
     loss_scaling: str = choice("auto", ["auto", "dynamic", "static", "none"],
                                "auto = dynamic whenever FP16 computes, else none")
     loss_scale: float = number(65536.0, lo=0.0, hi=2.0 ** 24, lo_open=True,
@@ -268,8 +268,8 @@ class DistributedConfig:
                                 "included; checked when the job starts): horovod (horovodrun, mpirun), torch "
                                 "(torch.distributed DDP under torchrun or srun), or auto = the launcher's, else the "
                                 "first installed")
-    # What both engines honour: the all-reduce's wire and the limits (until issue 35 under horovod:, still read
-    # there: loading.MOVED_KEYS)
+    # What both engines honour: the all-reduce's wire and the limits (once under horovod:, still read there:
+    # loading.MOVED_KEYS)
     compression: str = choice("auto", ["auto", "fp16", "none"],
                               "gradient all-reduce compression: fp16 (the paper; needs loss scaling), none, or auto "
                               "= fp16 when the loss is scaled, else none")
@@ -375,7 +375,7 @@ class Config:
     def fingerprint(self) -> str:
         """The recipe's identity: the engine, its limits and the profiler are left out (a run resumes under either, with
         other limits, with the same math). The all-reduce's compression changes the math, so it counts, hashed where
-        it stood until issue 35 (horovod.compression): a checkpoint written before the move keeps its fingerprint."""
+        it first stood (horovod.compression): a checkpoint written before the move keeps its fingerprint."""
         recipe = {key: value for key, value in self.to_dict().items() if key not in NOT_RECIPE}
         recipe["horovod"]["compression"] = self.distributed.compression
         return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]

@@ -159,7 +159,7 @@ def reader_file_list(lines: list[str], samples: np.ndarray):
 
 class InFlight:
     """GPU batches that torch's stream may still read, each kept alive until a CUDA event recorded after the
-    consumer's work on it has completed (review 3 #10).
+    consumer's work on it has completed.
 
     A batch shared without a copy is DALI's memory: the torch tensor holds it, and once torch lets go DALI frees it
     in DALI's order, not after torch's stream, so DALI's pool could hand it to the next decode while a queued
@@ -171,7 +171,7 @@ class InFlight:
     batches at once and drops them after ``train_step``, whose overflow check waits for the passes on the host.
     ``fence()``: an event recorded now on torch's stream, with ``query()`` and ``synchronize()``.
 
-    The k >= 3 coupling (review 4 §2). With k <= 2 each batch's fence is recorded after its consumer's work. With
+    The k >= 3 coupling. With k <= 2 each batch's fence is recorded after its consumer's work. With
     k >= 3 (train.accumulation_steps; EpochSteps draws the step's k batches before any pass is enqueued) the
     request for batch j + 2 fences batch j, j = 0 .. k - 3, with an event recorded *before* that batch's forward:
     the event completes at once and this class lets those batches go early. They stay safe only because (1) the
@@ -365,7 +365,7 @@ class DaliLoader:
     def _shared(self, images) -> torch.Tensor:
         """DALI's batch as a torch tensor without a copy, as DALI's own PyTorch iterator does under its dynamic
         executor (the default since DALI 1.40 or so): DALI keeps the buffer while torch holds it. On the GPU,
-        DLPack makes torch's stream wait for DALI's work on the batch (gpu-path-2 #5: a copy through
+        DLPack makes torch's stream wait for DALI's work on the batch (a copy through
         ``feed_ndarray`` synchronised torch's whole stream for every batch), and ``run()`` bound to torch's stream
         (``_output_stream``) returns without waiting on the host; the other direction, DALI's reuse of the memory
         after torch's reads, is ``in_flight``'s (InFlight)."""
@@ -390,7 +390,7 @@ class DaliLoader:
 def graph_spec(cfg, training: bool, device: str, dtype: torch.dtype, channels_last: bool) -> GraphSpec:
     """``device`` "cpu" or "gpu"; ``dtype`` torch.float16 or torch.float32 (``loaders.delivered_dtype``)."""
     d = cfg.data
-    # a CPU pipeline delivers pixels (a quarter of the bytes to copy and to send to a GPU: gpu-path-2 #15),
+    # a CPU pipeline delivers pixels (a quarter of the bytes to copy and to send to a GPU),
     # normalised on the model's device as the torchvision backend's are; a GPU pipeline normalises itself
     output = "uint8" if device == "cpu" else "fp16" if dtype == torch.float16 else "fp32"
     return GraphSpec(training, device, d.crop_size, d.val_resize, d.min_crop_area, d.hflip, output, channels_last)

@@ -104,7 +104,7 @@ def to_device(batch, device: torch.device, dtype: torch.dtype) -> tuple[torch.Te
 def delivered_dtype(model_dtype: torch.dtype) -> torch.dtype:
     """The dtype the pipelines deliver: FP16 when the model takes FP16 input (fp16_pure, and mixed with fp16, whose
     autocast would cast the input to FP16 anyway), else FP32 (FP64 is cast later). Mixed with bf16 gets FP32: DALI
-    (2.4) has no BF16 type for crop_mirror_normalize, and FP16 then BF16 would round twice (gpu-path-3 #16.3)."""
+    (2.4) has no BF16 type for crop_mirror_normalize, and FP16 then BF16 would round twice."""
     return torch.float16 if model_dtype == torch.float16 else torch.float32
 
 

@@ -5,7 +5,7 @@ The transforms are torchvision's (RandomResizedCrop, RandomHorizontalFlip, Resiz
 ToTensor + Normalize; torchvision 0.2x's code, same random draws from torch's generator, same PIL calls, so the same
 pixels, tests/test_time_breakdown.py compares them), written here on PIL and torch alone: ``import torchvision``
 imports its models and ops, and with them ``torch._dynamo``, about 2 s of CPU in every rank and every loader worker
-before its first batch (issue 44: the time to the first step)."""
+before its first batch: time to the first step."""
 from __future__ import annotations
 
 import math

@@ -1,4 +1,4 @@
-"""Progressive resizing (issue 45, FFCV's): the training resolution as a pure function of the 0-based epoch.
+"""Progressive resizing (FFCV's): the training resolution as a pure function of the 0-based epoch.
 
 Low resolution first, from ``data.res_start`` px up to epoch ``data.res_start_epoch``, linearly up to
 ``data.res_end`` px at epoch ``data.res_end_epoch`` and after, each epoch in between rounded to a multiple of

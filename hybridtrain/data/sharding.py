@@ -44,7 +44,7 @@ def random_split_sizes(global_batch: int, world_size: int, seed: int, epoch: int
     """A random split of the global batch, the same on every rank (a pure function of (seed, epoch, step)): the
     even split's shares, paired at random, and each pair's total cut at a uniform point, so every share lies
     between MIN_RANDOM_SHARE and twice the even share less MIN_RANDOM_SHARE. A rank thus never holds more than
-    twice the fixed batch (its memory and its kernels' shapes stay near the fixed run's: gpu-path-2 #8); with
+    twice the fixed batch (its memory and its kernels' shapes stay near the fixed run's); with
     an odd number of ranks one rank, a random one, keeps the even share that step."""
     if global_batch < MIN_RANDOM_SHARE * world_size:
         raise UserError(f"bn.per_rank_batch=random needs a global batch of at least {MIN_RANDOM_SHARE} per rank "

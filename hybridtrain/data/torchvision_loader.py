@@ -111,7 +111,7 @@ class WorkerLoader(DataLoader):
     (``shared_memory_errors``). ``start()`` (``Loaders.start``) spawns the workers now; the next ``iter()``, when the
     sampler still draws the batches it drew then (the run's first epoch), takes the iterator they have been filling
     instead of resetting it: a reset waits for every worker to answer and throws away the batches they prefetched
-    (issue 44: the time to the first step)."""
+    (the time to the first step)."""
 
     def start(self) -> None:
         iter(self)

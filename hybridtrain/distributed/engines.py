@@ -42,7 +42,7 @@ class SteppingOptimizer(Protocol):
     """What ``wrap_optimizer`` returns, whatever the engine: the optimizer's own API plus ``synchronize()`` (finish
     the gradient all-reduce before the update) and ``skip_synchronize()`` (a context: the update does not reduce
     again). An engine that reduces in the backward (DDP) makes both no-ops. ``zero_grad()`` clears the gradients as
-    the engine's gradient memory needs: set to None under Horovod, in place under DDP (review 3 #12)."""
+    the engine's gradient memory needs: set to None under Horovod, in place under DDP."""
 
     param_groups: list
 

@@ -105,7 +105,7 @@ def init(threads: int = 0, cfg=None, elastic: bool = False, device: str = "auto"
         set_horovod_knobs(cfg, elastic)
     check_controller(hvd)
     # Open MPI busy-polls while Horovod's background thread waits on its peers: a core per rank, taken from the
-    # compute and the loader workers wherever they share cores; yielding gives it back (issue 44: a fifth off the
+    # compute and the loader workers wherever they share cores; yielding gives it back (a fifth off the
     # demo's epochs, docs/benchmarks.md). MPI_Init (in hvd.init) reads it; the user's own setting wins.
     os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
     hvd.init()
@@ -252,7 +252,7 @@ def wrap_model(model: torch.nn.Module, cfg, compression: str = "none") -> torch.
 
 
 def check_graphs_and_compression(cuda_graphs: bool, compression: str, size: int) -> None:
-    """gpu-path-2 #4: on 2+ ranks Horovod's hooks decompress each FP16 gradient into a new tensor and set it as
+    """On 2+ ranks Horovod's hooks decompress each FP16 gradient into a new tensor and set it as
     p.grad, so a CUDA graph, which writes the gradients it captured, would train on stale ones from step 2 on."""
     if cuda_graphs and compression != "none" and size > 1:
         raise UserError(f"train.cuda_graphs with {compression} gradient compression on {size} Horovod ranks would "

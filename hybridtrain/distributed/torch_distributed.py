@@ -26,7 +26,7 @@ NAME = "torch"
 
 
 # HYBRIDTRAIN_TORCH_BACKEND=gloo: every collective over Gloo, CUDA tensors too, and ranks may share a GPU, which
-# NCCL refuses: two ranks sharing one GPU (DDP's buckets and FP16 hook on CUDA tensors; review 3 #8)
+# NCCL refuses: two ranks sharing one GPU (DDP's buckets and FP16 hook on CUDA tensors)
 BACKEND_VAR = "HYBRIDTRAIN_TORCH_BACKEND"
 
 
@@ -59,7 +59,7 @@ def collective_timeout_s(limits) -> int:
     """How long one collective may wait for a peer before the group fails (Gloo raises; NCCL's watchdog aborts
     the process with C++ dumps). With the stall limit on, past the stall watchdog's latest exit
     (``distributed.stall_shutdown_s`` + 30 s of rank stagger) by a minute, so a stuck rank ends with the watchdog's
-    one line and never by the group's timeout first (gpu-path-3 #11); at least the connect timeout
+    one line and never by the group's timeout first; at least the connect timeout
     (``distributed.gloo_timeout_s``). 30 minutes (torch's default) when the stall limit is off (0)."""
     if limits is None:
         return 1800
@@ -73,7 +73,7 @@ def attempt_store(where: dict, timeout: timedelta):
     for each of torchrun's attempts. torchrun --max-restarts keeps one store (its agent's) for every attempt of a
     job, and torch's own prefix ("default_pg") is the same in each: a restarted rank found the addresses that the
     ranks of the attempt before had published there, connected to a rank that was gone and died in Gloo's
-    connectFullMesh ("Connection refused"), so the restart failed too (issue 34, class 3)."""
+    connectFullMesh ("Connection refused"), so the restart failed too."""
     store, _, _ = next(dist.rendezvous("env://", rank=where["rank"], world_size=where["size"], timeout=timeout))
     store.set_timeout(timeout)
     return dist.PrefixStore(f"hybridtrain/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/default_pg",
@@ -254,8 +254,8 @@ def zero_grad(optimizer: torch.optim.Optimizer, set_to_none: bool | None = None)
     """Clear ``optimizer``'s gradients as their memory needs. A gradient DDP made a view of its bucket
     (wrap_model, gradient_as_bucket_view) is zeroed in place, so the backward accumulates into the bucket itself;
     set to None, every step would allocate fresh gradients and the reducer copy them into the buckets (torch's DDP
-    docstring on gradient_as_bucket_view; review 3 #12). Those are zeroed with one ``torch._foreach_zero_`` per
-    device and dtype: a loop of ``zero_()`` was 161 kernel launches per ResNet-50 step on a GPU (review 4 #8);
+    docstring on gradient_as_bucket_view). Those are zeroed with one ``torch._foreach_zero_`` per
+    device and dtype: a loop of ``zero_()`` was 161 kernel launches per ResNet-50 step on a GPU;
     torch's own zero_grad batches them only for an optimizer built with foreach=True or fused=True (torch.optim.SGD's
     default foreach=None, and the project's own optimizers, take its loop). Any other gradient (a model outside DDP:
     bench's trainer row) is set to None, torch's default, as the Horovod engine and a plain PyTorch loop do, so that

@@ -77,7 +77,7 @@ def check_elastic(cfg: Config) -> None:
     if cfg.profile.enabled:  # the profiler steps in the static loop only (engine/profiling.py)
         raise UserError("--profile (profile.enabled) profiles the static loop, and --elastic runs its own: drop "
                         "--profile, or profile a run without --elastic")
-    if cfg.train.cuda_graphs:  # gpu-path-2 #10: the graph's static tensors stay on the old GPU after a reset
+    if cfg.train.cuda_graphs:  # the graph's static tensors stay on the old GPU after a reset
         raise UserError("--elastic with train.cuda_graphs: a captured step cannot follow the model to another GPU "
                         "when ranks change: set train.cuda_graphs=false (train.compile works), or drop --elastic")
 

@@ -1,4 +1,4 @@
-"""The exponential moving average of the weights (``train.ema_decay``, issue 45), as NVIDIA's ConvNets and timm
+"""The exponential moving average of the weights (``train.ema_decay``), as NVIDIA's ConvNets and timm
 keep it: every entry of the model's state dict, parameters and BN running statistics alike, averaged after each
 optimizer step that was applied (a skipped step leaves it alone), with a decay warmup so that the early average
 is not dominated by the random initial weights:

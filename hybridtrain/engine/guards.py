@@ -8,7 +8,7 @@ all-reduce finished while the gradients were being reduced. So every rank learns
 the same step, at most ``every`` + 1 steps after it arrived, and all ranks stop after the same step. A rank
 that stopped alone would leave the others hanging in the next all-reduce. At epoch boundaries the check is a
 blocking sum. The sum is a CPU tensor, which Horovod reduces on its one background thread between the
-gradients' all-reduces, hence not every step (gpu-path-2 #13): ``steps_between_checks``.
+gradients' all-reduces, hence not every step: ``steps_between_checks``.
 
 **Dead peers.** A SIGTERM can also be a launcher ending the job because a rank died: mpirun (and horovodrun on MPI) and
 torchrun terminate the survivors at once, before any collective could fail and name the dead rank. So a
@@ -24,7 +24,7 @@ why. So every rank also watches itself: the training loop beats after every step
 the launcher then ends the job. The watch starts at the first beat, so start-up does not count. Ranks wait
 ``rank`` extra seconds (at most 30), so the lowest one still alive speaks first.
 
-Long work of the rank's own is not a stall (issue 34): the one mechanism is ``local_work(what)``, a context
+Long work of the rank's own is not a stall: the one mechanism is ``local_work(what)``, a context
 around a phase that may take longer than ``stall_shutdown_s`` (a validation pass, the first steps of a compiling
 epoch, the first batch of an epoch: loader start, DALI pipeline build). Inside it the clock stands still; at its
 end it starts again from zero, so only the wait on peers after it counts. Rank 0's checkpoint write is such work
@@ -109,7 +109,7 @@ class PreemptionWatch:
     def _end_before_the_job_formed() -> None:
         """SIGTERM while the ranks are still meeting: nothing of this process is trained yet, and no step will come
         to agree on a stop. The flag alone kept a rank waiting for a peer that had died in the same set-up (a
-        restart of torchrun --max-restarts) until the launcher's SIGKILL 30 s later (issue 34, class 3)."""
+        restart of torchrun --max-restarts) until the launcher's SIGKILL 30 s later."""
         if launcher_rank() == 0:
             print("hybridtrain: stopped on SIGTERM while the ranks were meeting (nothing trained in this run yet): "
                   "rerun the same command with --resume auto", file=sys.stderr, flush=True)

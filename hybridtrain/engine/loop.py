@@ -60,7 +60,7 @@ def run_training(cfg: Config, resume: str | None = None, move_aside: bool = Fals
     When another rank dies, this one raises PeerFailure naming it.
 
     The process group is destroyed on the way out, after a finished or preempted run (every rank is past its last
-    collective) and after this rank's own error (gpu-path-3 #13: left to the interpreter's teardown, a Gloo group
+    collective) and after this rank's own error (left to the interpreter's teardown, a Gloo group
     aborts the process, "terminate called without an active exception", and exit 2 became 134). Destroying is
     local in torch (no collective: Gloo's group ends its own threads; NCCL's flushes what this rank issued), so a
     rank that failed alone does not wait for its peers. Not after a peer's failure: a peer may have died inside a
@@ -100,8 +100,8 @@ def run_training(cfg: Config, resume: str | None = None, move_aside: bool = Fals
 
 
 def release_failed_run(t: Trainer | None, exc: BaseException | None) -> None:
-    """Let go of what still holds a failed run's DDP wrapper, and with it the process group, before ``shutdown()``
-    (review 4 #10). The error's traceback keeps the frames it passed through (train_epochs, the epoch, the step) and
+    """Let go of what still holds a failed run's DDP wrapper, and with it the process group, before ``shutdown()``.
+    The error's traceback keeps the frames it passed through (train_epochs, the epoch, the step) and
     with them their locals (the trainer, the step, the DDP wrapper itself in its forward's frames) and, through the
     frames of closures (the epoch's ``walk``), their function objects and cells, which clearing a frame does not
     reach: without this the wrapper outlived ``shutdown()`` until the exception died in the CLI's ``except`` clause,

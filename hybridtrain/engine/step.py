@@ -7,7 +7,7 @@ checkpoints, the optimizer, Horovod and evaluation keep the plain module, which 
 state-dict keys do not change and evaluation does not trigger a second compilation. The first steps compile.
 ``train.compile_scope: blocks`` (the default) compiles each residual block apart: AOTAutograd makes a compiled
 region one autograd node, so with the whole model compiled every gradient hook Horovod registers fires at the end
-of the backward (the review's #9: the first hook at 90% of it on the CPU), while block by block a block's
+of the backward (the first hook at 90% of it on the CPU), while block by block a block's
 gradients start their all-reduce as soon as its backward is done (``python -m benchmarks.probes.hook_timing``).
 
 Progressive resizing (``data.res_*``) trains at a few resolutions: compiled, each is its own static-shape graph
@@ -49,7 +49,7 @@ from hybridtrain.precision.scaler import Precision
 
 # torch.cuda.graph's keywords for the capture. "thread_local": only this thread's unsafe CUDA calls invalidate the
 # capture; torch's default "global" also fails it on another thread's, such as the DataLoader's pin-memory thread
-# pinning a batch (cuMemHostAlloc, cudaEventQuery) while the graph is captured (review 3 #9).
+# pinning a batch (cuMemHostAlloc, cudaEventQuery) while the graph is captured.
 CAPTURE_OPTIONS = {"capture_error_mode": "thread_local"}
 
 
@@ -79,7 +79,7 @@ class RunningStatsGuard:
     def __init__(self, model: torch.nn.Module):
         counters = [bn.num_batches_tracked for bn in batch_norms(model) if bn.num_batches_tracked is not None]
         # one list per dtype for the foreach copies: the statistics, and the int64 batch counters (a CUDA graph's
-        # warm-up passes must not leave them ahead of eager's, gpu-path-2 #16)
+        # warm-up passes must not leave them ahead of eager's)
         self.groups = [group for group in (running_buffers(model), counters) if group]
         self.saved = [[buf.clone() for buf in group] for group in self.groups]
 
@@ -241,7 +241,7 @@ def compile_blocks(module: torch.nn.Module, backend: str = "inductor", dynamic: 
     Dynamo keeps at most ``recompile_limit`` (8) graphs per code object, and the blocks of a class share their
     forward's: ResNet-50's 16 blocks have 8 shapes, twice over with validation's eval mode, and past the limit
     dynamo runs the rest eagerly with only a warning. So the limit is raised to two graphs per block
-    (gpu-path-2 #11; ``cache_size_limit`` is its name on torch 2.3 and an alias of it on newer releases), and to
+    (``cache_size_limit`` is its name on torch 2.3 and an alias of it on newer releases), and to
     one more per block for each further training resolution (``resolutions``: progressive resizing; ``dynamic``:
     torch.compile's, False there: one static-shape graph per resolution)."""
     blocks = sum(isinstance(m, ResidualBlock) for m in module.modules())

@@ -72,7 +72,7 @@ def build_trainer(cfg: Config, topo) -> Trainer:
         torch.backends.cudnn.benchmark = False
     elif cfg.bn.per_rank_batch == "fixed":
         torch.backends.cudnn.benchmark = True  # fixed shapes: cuDNN picks the fastest kernels once
-    else:  # a new batch size almost every step would be autotuned anew every time (gpu-path-2 #8)
+    else:  # a new batch size almost every step would be autotuned anew every time
         torch.backends.cudnn.benchmark = False
         log(topo, "hybridtrain: bn.per_rank_batch=random: cuDNN autotuning off (the batch size changes every step)")
     fp32_math = set_fp32_math(cfg.precision.tf32)
@@ -101,7 +101,7 @@ def build_trainer(cfg: Config, topo) -> Trainer:
     # the engine's step contract: the forward through its wrapper (DDP), the update through its optimizer
     # (Horovod's); a CUDA graph is captured before Horovod's hooks exist
     step = build_step(model, cfg, precision, wrap=lambda m: distributed.wrap_model(m, cfg, compression))
-    if cfg.train.cuda_graphs:  # after the capture: no pin-memory thread runs CUDA calls during it (review 3 #9)
+    if cfg.train.cuda_graphs:  # after the capture: no pin-memory thread runs CUDA calls during it
         data.start()
     # Wrap first: Horovod rebuilds the optimizer from its param_groups, so state loaded before would be lost.
     bundle.optimizer = distributed.wrap_optimizer(bundle.optimizer, model, cfg, k, compression)

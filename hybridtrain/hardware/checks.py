@@ -149,7 +149,7 @@ def check_machine(cfg, policy, device) -> None:
 
 def check_triton_gpu(key: str, capability: tuple[int, int]) -> None:
     """``key`` (train.compile or optim.fused: inductor's Triton kernels) refused, in one line, on a GPU too old
-    for Triton; inductor would raise GPUTooOldForTriton as a traceback at the first step (review 3 #14)."""
+    for Triton; inductor would raise GPUTooOldForTriton as a traceback at the first step."""
     if too_old_for_triton(capability):
         major, minor = TRITON_MIN_CAPABILITY
         raise UserError(f"{key}=true compiles Triton kernels, which need a GPU of compute capability {major}.{minor} "

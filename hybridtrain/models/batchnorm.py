@@ -1,4 +1,4 @@
-"""BatchNorm across ranks (seed 001, 2.2.3, item 1) and the switches of its Table 3.4 ablation.
+"""BatchNorm across ranks (Lu et al. 2020, §2.2.3 item 1) and the switches of its Table 3.4 ablation.
 
 The paper's strategy, the default:
 - per-rank statistics in training: no communication in the forward pass, a fixed per-rank batch;

@@ -3,19 +3,20 @@
 A state_dict saved from these models loads into ``torchvision.models.resnetXX`` with ``strict=True``
 (the small-input stem changes conv1's shape, so only the standard stem is interchangeable).
 
-Initialisation follows the paper (seed 001, 2.2.3):
+Initialisation follows the paper (Lu et al. 2020, §2.2.3):
 - convolutions: N(0, std) with std = sqrt(2 / fan_in), fan_in = k * k * C_in (torchvision uses fan_out);
   Table 3.5's alternatives: Xavier (Glorot normal, std = sqrt(2 / (fan_in + fan_out)), fan_out = k * k * C_out)
   and N(0, 1) (``gaussian``, with a configurable std);
 - BN: gamma = 1, beta = 0, except gamma = 0 in the last BN of every residual block (``zero_init_last_bn``);
 - FC (not specified by the paper): weight N(0, 0.01^2), bias 0, as Goyal et al. (2017).
 
-Seed 002's two FP16 stabilisers, both off by default:
-- ``residual_bn_scale`` s: every BN output of a block's main branch is multiplied by s (the seed: 0.25);
+The two FP16 stabilisers of Cheng et al. ("Distributed low-precision training without mixed precision"),
+both off by default:
+- ``residual_bn_scale`` s: every BN output of a block's main branch is multiplied by s (that paper: 0.25);
   the stem BN and the shortcut's BN are unchanged.
 - ``bn_swap``: in the last BN of each block the shortcut r is added before gamma instead of after it:
   y = gamma * (x_hat + r) + beta, instead of y = gamma * x_hat + beta + r (x_hat = the normalised
-  activation). The seed says "swap the position of residual connection and gamma"; we read it as moving the
+  activation). That paper says "swap the position of residual connection and gamma"; we read it as moving the
   addition of the two branches inside the affine transform, so the two branches meet at comparable scale
   (x_hat has unit variance) before gamma scales their sum. With gamma = 0 this would cut the shortcut, so
   it needs ``zero_init_last_bn`` off.

@@ -358,7 +358,7 @@ class LinearScalingAdaBound(_GroupValidatingOptimizer):
     """AdaBound (Luo et al. 2019) with externally scheduled bounds.
 
     ``lr`` is AdaBound's alpha. ``lower_bound``/``upper_bound`` are group keys the trainer sets
-    before each step: from `schedules.adabound_bounds` (linear-scaling AdaBound, seed 001) or from
+    before each step: from `schedules.adabound_bounds` (linear-scaling AdaBound, Lu et al. 2020) or from
     `schedules.reference_adabound_bounds` (reference AdaBound baseline).
     """
 
@@ -375,7 +375,7 @@ class LinearScalingAdaBound(_GroupValidatingOptimizer):
 
 
 class HybridOptimizer(_GroupValidatingOptimizer):
-    """Linear-scaling AdaBound warmup, then LARS-SGD, in one optimizer (seed 001, 2.2.1).
+    """Linear-scaling AdaBound warmup, then LARS-SGD, in one optimizer (Lu et al. 2020, §2.2.1).
 
     ``group["phase"]`` selects the update: "adabound" uses ``alpha``, ``betas``, ``eps``,
     ``weight_decay`` and the bounds; "sgd" uses ``lr``, ``momentum``, ``weight_decay``,

@@ -1,4 +1,4 @@
-"""Learning-rate schedules and bounds as pure functions of (step, epoch) (seed 001, section 2.2.1).
+"""Learning-rate schedules and bounds as pure functions of (step, epoch) (Lu et al. 2020, §2.2.1).
 
 Pure Python (no torch): the trainer evaluates them before every optimizer step and writes the results into the
 optimizer's param groups as plain floats. ``step`` is the 0-based global optimizer step unless a function says

@@ -1,19 +1,20 @@
 """Compute precision (``precision.mode``) and loss scaling.
 
 Modes:
-- ``fp32``: the baseline. ``fp64``: everything in double (seed 003's scheme 1).
-- ``mixed`` (the paper's FP-mix, seeds 001/004): FP32 master weights and FP32 update; forward and backward
+- ``fp32``: the baseline. ``fp64``: everything in double (scheme 1 of the thesis "Low precision training of deep
+  learning models").
+- ``mixed`` (the paper's FP-mix; Micikevicius et al.): FP32 master weights and FP32 update; forward and backward
   under autocast in ``compute_dtype`` (fp16, or bf16 on modern GPUs). Autocast keeps exp/log/softmax and the
   reductions in FP32, and the loss is always taken in FP32 (``engine.step.classification_loss``).
-- ``layered`` (seed 000): each named stage (stem, layer1..layer4, fc) runs in its own dtype: its input is
+- ``layered`` (Li et al. 2023): each named stage (stem, layer1..layer4, fc) runs in its own dtype: its input is
   cast to that dtype; a reduced stage runs under autocast, an FP32 stage with autocast off.
-- ``fp16_pure`` (seed 002): weights, activations, gradients and optimizer state all FP16, no master copy,
-  with the seed's two stabilisers as options (see ``models.resnet`` for the BN swap and the 0.25 scale).
+- ``fp16_pure`` (Cheng et al.): weights, activations, gradients and optimizer state all FP16, no master copy,
+  with that paper's two stabilisers as options (see ``models.resnet`` for the BN swap and the 0.25 scale).
 
-Loss scaling (seeds 001 and 004): the loss is multiplied by S before backward; after Horovod's all-reduce
-(``optimizer.synchronize()``) the gradients are divided by S and checked; a step whose gradients hold an inf
-or NaN is skipped. As the all-reduced gradients are identical on every rank, every rank takes the same
-decision without another collective. Dynamic scaling halves S on overflow and doubles it after
+Loss scaling (Lu et al. 2020; Micikevicius et al., "Mixed precision training"): the loss is multiplied by S before
+backward; after Horovod's all-reduce (``optimizer.synchronize()``) the gradients are divided by S and checked; a step
+whose gradients hold an inf or NaN is skipped. As the all-reduced gradients are identical on every rank, every rank
+takes the same decision without another collective. Dynamic scaling halves S on overflow and doubles it after
 ``growth_interval`` clean steps; too many overflows in a row stop the run with one clear line.
 """
 from __future__ import annotations

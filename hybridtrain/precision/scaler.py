@@ -1,6 +1,6 @@
-"""Precision at step time: the forward's autocast context and loss scaling around the engine's step (seeds 001
-and 004): scale, all-reduce, unscale, skip a non-finite step, grow or shrink S. What the policy decides before the
-run (dtypes, the model's casts, per-stage precision) is ``policy``'s."""
+"""Precision at step time: the forward's autocast context and loss scaling around the engine's step
+(Lu et al. 2020; Micikevicius et al.): scale, all-reduce, unscale, skip a non-finite step, grow or shrink S. What
+the policy decides before the run (dtypes, the model's casts, per-stage precision) is ``policy``'s."""
 from __future__ import annotations
 
 import contextlib

@@ -1,7 +1,7 @@
 """The paper's report for a run directory: per-epoch log lines, ``report.md``/``report.json``, PNGs, the
 end-of-run summary table, and the side-by-side comparison of several runs (Tables 3.8-3.10).
 
-Headline (seed 001 §1, §3.2.2): the convergence epoch (first epoch at the top-1 target), the actual
+Headline (Lu et al. 2020, §1 and §3.2.2): the convergence epoch (first epoch at the top-1 target), the actual
 training time to the end of that epoch (with and without evaluation), and the actual average single-GPU
 training time = actual training time x N. S1, the single-GPU speed, comes from ``--single-gpu-speed``, from
 a ``scale.json`` that ``python -m benchmarks scale`` left in the run directory, or from the run itself when it had one

@@ -1,4 +1,4 @@
-"""One process, Horovod's gradient hooks forced on (gpu-path-2 #9): the path a 2+ rank job's step takes (hooks,
+"""One process, Horovod's gradient hooks forced on: the path a 2+ rank job's step takes (hooks,
 LayoutCompressor, synchronize, the scaler's unscale) on a node with one device, which Horovod alone would skip
 (it registers no hooks at size 1). Runs on the GPU when there is one (NCCL), else on the CPU.
 

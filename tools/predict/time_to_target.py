@@ -95,7 +95,7 @@ sized = cm.sized  # the template at a row's GPUs, batch and compute time
 
 @dataclass(frozen=True)
 class PublishedRun:
-    """One published time-to-target run (issue 26's table; MLPerf Training v4.0 closed, NVIDIA, H100)."""
+    """One published time-to-target run (MLPerf Training v4.0 closed, NVIDIA, H100)."""
 
     gpus: int
     global_batch: int

@@ -1,4 +1,4 @@
-"""Bad inputs, round 3 (issue 34), classes 7 and 8: broken GPU nodes at install, and containers with a small
+"""Broken GPU nodes at install, and containers with a small
 /dev/shm. Real processes: ``./install.sh --plan`` (and the install's first steps) with a stand-in ``nvidia-smi`` on
 PATH printing each broken form, or hanging; ``hybridtrain train`` and a real DataLoader worker in a mount namespace
 whose /dev/shm is a small tmpfs (root and ``unshare`` needed: skipped elsewhere)."""

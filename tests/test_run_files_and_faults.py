@@ -1,4 +1,4 @@
-"""Bad inputs, round 2 (issue 25): a run touches only its own files, input is never changed silently, faults of the
+"""A run touches only its own files, input is never changed silently, faults of the
 environment are named as such, what the config accepts the run can do, exit codes tell the truth, every line of
 output leaves whole, and the fixes the launch scripts print are right. Real processes and real files (images made
 with PIL, read-only and full file systems mounted for the test where the machine allows it)."""
@@ -278,7 +278,7 @@ def test_a_read_only_folder_a_full_disk_and_a_dangling_link_are_one_line_naming_
         remount_read_only(ro)
         proc = train(write_config(tiny_config(small_digits, str(ro / "run"))))
         line = assert_environment_line(proc, str(ro / "run"), "is on a read-only file system", "remount it read-write")
-        assert "permission" not in line  # issue 42: as root, read-only is no matter of permissions
+        assert "permission" not in line  # as root, read-only is no matter of permissions
 
         (full / "filler").write_bytes(b"\0" * (64 << 10))  # as full as it gets
         proc = train(write_config(tiny_config(small_digits, str(full / "run"))))

@@ -1,11 +1,11 @@
-"""Issue 34, classes 4 and 5, on real runs.
+"""The stall watchdog and a resume on another layout, on real runs.
 
-4. The stall watchdog never kills a healthy run: a validation pass longer than ``distributed.stall_shutdown_s`` is
+1. The stall watchdog never kills a healthy run: a validation pass longer than ``distributed.stall_shutdown_s`` is
    the rank's own work (``watchdog.local_work``), not a hang. A truly stuck rank is still named within the limit:
    tests/test_run_ownership.py::test_a_rank_frozen_mid_training_is_ended_by_the_stall_limits_with_a_warning_first
    (Horovod) and tests/test_torch_engine.py::test_a_frozen_torch_rank_is_ended_by_the_stall_limits_with_a_warning_first
    (torch) SIGSTOP rank 1 mid-training and still get the one 'a rank hung' line after stall_shutdown_s.
-5. Resume never trains an image twice or skips one: a mid-epoch checkpoint resumed on another layout (rank count,
+2. Resume never trains an image twice or skips one: a mid-epoch checkpoint resumed on another layout (rank count,
    train.batch_size) continues at the samples of the epoch's permutation already consumed.
 """
 from __future__ import annotations
@@ -156,7 +156,7 @@ def test_a_validation_longer_than_the_stall_limit_is_work_not_a_hang(stopped_the
     assert resumed.returncode == 0 and "no training step finished" not in output, output[-3000:]
     [record] = read_metrics(str(run_dir))
     # the test means something: the time after training (checkpoint, validation) is past the limit, which the
-    # watchdog before issue 34 counted as a stall (it ended this run with 'a rank hung')
+    # watchdog without local_work counted as a stall (it ended this run with 'a rank hung')
     assert record["epoch_time_s"] - record["train_time_s"] > exit_after_s(STALL_SHUTDOWN_S, 0) + 1, record
 
 

@@ -1,4 +1,4 @@
-"""Bad inputs, round 3 (issue 34), classes 6, 9 and 10: values are read as the user wrote them or refused in one line;
+"""Values are read as the user wrote them or refused in one line;
 reports and tools on damaged or doubled records give one line or a correct report; advice never deletes data and
 "did you mean" names the near key. Mostly in-process tests of the loader, the readers and the report, plus real
 ``hybridtrain`` processes for what the user sees (refused before torch is imported where the command does so)."""

@@ -1,7 +1,7 @@
-"""Bad inputs, round 4 (issue 42), the commands' classes: SIGTERM and Ctrl-C leave no namespace, sshd or rank behind
-(3); a broken engine plugin, or a run refused before its first epoch, is one line and no trace (4); the causes and
+"""Commands stopped and commands refused: SIGTERM and Ctrl-C leave no namespace, sshd or rank behind;
+a broken engine plugin, or a run refused before its first epoch, is one line and no trace; the causes and
 numbers in a line are true: a --set section mapping, a link rate tc cannot do, a read-only file system, a dangling
-link (5); a command given no work says so (6); records and bounded options are judged before they are shown (7).
+link; a command given no work says so; records and bounded options are judged before they are shown.
 Real processes: ``hybridtrain`` killed at several points with real namespaces and signals, plugins written into
 tmp_path, a read-only tmpfs in a mount namespace of its own."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Bad inputs, round 4 (issue 42), the data classes: ``hybridtrain prepare-data imagenet`` given crafted archives,
+"""Crafted and damaged data: ``hybridtrain prepare-data imagenet`` given crafted archives,
 devkits and label files writes nothing outside ``--out`` and refuses in one line naming the member; no image is
 dropped without a word (the trainer's scan and prepare-data read a layout alike); a damaged inner tar, a full or
 read-only disk and a link to nowhere are named as what they are; an option that does not apply is refused or used.

@@ -1,4 +1,4 @@
-"""Bad inputs, round 3 (issue 34), classes 1-3: the torch engine's launch environment, the launchers' own blocks,
+"""The torch engine's launch environment, the launchers' own blocks,
 restarts that work. Real processes: lone ``hybridtrain train`` runs in environments doctored as an old shell, srun
 (MpiDefault=pmix) or torchrun leaves them; real ``torchrun`` launches, bare and through ``launch/torchrun.sh``; a
 rank SIGKILLed under ``torchrun --max-restarts``."""
