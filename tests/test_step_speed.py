@@ -419,7 +419,7 @@ def test_bench_keeps_the_rows_it_measured_when_the_whole_step_launch_fails(tmp_p
     """The whole step under torchrun is bench's last row: a launch that fails (here torchrun refuses its own
     PET_MAX_RESTARTS) leaves the in-process trainer and plain-loop rows in the JSON, then one error line, exit 2."""
     path = tmp_path / "bench.json"
-    proc = subprocess.run([HYBRIDTRAIN, "bench", "--config", os.path.join(REPO, "configs", "demo.yaml"), "--engine",
+    proc = subprocess.run([*BENCHMARKS, "bench", "--config", os.path.join(REPO, "configs", "demo.yaml"), "--engine",
                            "torch", "--baseline", "--steps", "1", "--warmup", "1", "--batch-size", "2", "--json",
                            str(path)], capture_output=True, text=True, timeout=600, cwd=str(tmp_path),
                           env={**os.environ, "PET_MAX_RESTARTS": "x"}, stdin=subprocess.DEVNULL)

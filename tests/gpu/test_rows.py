@@ -25,7 +25,7 @@ def bench(config, record, python: str, name: str, precision: str, *extra, loop: 
     """``bench`` at the recipe's batch, NHWC, SGD+LARS phase; its figures recorded from its JSON whatever its exit
     (a whole-step launch that failed leaves the in-process rows), then the row fails on a bad exit."""
     out = option(config, "gpu_out")
-    rc = run_command(config, name, [python, "-m", "hybridtrain", "bench", "--precision", precision, "--channels-last",
+    rc = run_command(config, name, [python, "-m", "benchmarks", "bench", "--precision", precision, "--channels-last",
                                     "--batch-size", BATCH, "--steps", STEPS, "--warmup", WARMUP, "--phase", "sgd",
                                     "--json", os.path.join(out, f"{name}.json"), *extra], env=env)
     try:
@@ -114,7 +114,7 @@ def test_largest_batch(node, python, pytestconfig, record_property, beside_build
     beside Horovod's build."""
     refused(node, "mixed-bf16")
     start = predicted_max_batch(node.get("total_mb", 81079))
-    rc = run_command(pytestconfig, "max-batch", [python, "-m", "hybridtrain", "bench", "--find-max-batch",
+    rc = run_command(pytestconfig, "max-batch", [python, "-m", "benchmarks", "max-batch",
                                                  "--precision", "mixed-bf16", "--channels-last", "--start-batch",
                                                  start, "--batch-granularity", 256, "--steps", 3, "--warmup", 1])
     with open(os.path.join(option(pytestconfig, "gpu_out"), "max-batch.log")) as fh:
