@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from hybridtrain.errors import atomic_path
+from hybridtrain.files import atomic_path
 from hybridtrain.files import write_json_atomically, write_text_atomically
 from hybridtrain.reports import markdown_table
 
