@@ -15,8 +15,7 @@ import time
 
 import pytest
 
-from hybridtrain.files import atomic_path
-from hybridtrain.files import write_json_atomically, write_text_atomically
+from hybridtrain.files import atomic_path, write_json_atomically, write_text_atomically
 from hybridtrain.reports import markdown_table
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
