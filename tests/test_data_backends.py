@@ -18,6 +18,7 @@ from conftest import (
     HYBRIDTRAIN,
     REPO,
     assert_one_error_line,
+    command,
     horovodrun,
     read_metrics,
     run,
@@ -280,7 +281,7 @@ def test_prepare_synthetic_imagenet_and_bench_data_print_a_table(tmp_path):
 ])
 def test_data_tool_bad_input_is_one_line(argv, needle, tmp_path):
     argv = [str(tmp_path / "out") if a == "OUT" else a for a in argv]  # not a shared /tmp/x another run may hold
-    assert_one_error_line(run([HYBRIDTRAIN, *argv]), needle)
+    assert_one_error_line(run(command(argv)), needle)
     assert not (tmp_path / "out").exists()
 
 

@@ -11,8 +11,12 @@ CHECKOUT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fil
 
 def dump(label: str) -> None:
     files = {name: getattr(m, "__file__", None) for name, m in list(sys.modules.items())}
-    mods = {name: f for name, f in files.items()  # a real file (torch.ops names a relative one), not this script
-            if f and os.path.isabs(f) and f.startswith(CHECKOUT + os.sep) and f != os.path.abspath(__file__)}
+    # a real file (torch.ops names a relative one), not this script, nor a library of a venv made in the checkout
+    # (make test's .venv: site-packages lies under it)
+    libraries = tuple(os.path.realpath(p) + os.sep for p in {sys.prefix, sys.base_prefix, sys.exec_prefix})
+    mods = {name: f for name, f in files.items()
+            if f and os.path.isabs(f) and f.startswith(CHECKOUT + os.sep) and f != os.path.abspath(__file__)
+            and not os.path.realpath(f).startswith(libraries)}
     path = f"{label}-{os.getpid()}.json"
     with open(path + ".tmp", "w") as fh:
         json.dump(mods, fh)
