@@ -16,6 +16,7 @@ from conftest import (
     HYBRIDTRAIN,
     TORCHRUN,
     assert_one_error_line,
+    command,
     digits_subset,
     env_with_venv,
     read_metrics,
@@ -195,7 +196,7 @@ def test_a_broken_plugin_is_one_line_from_engine_the_config_and_bench(small_digi
     def hybridtrain(plugins: str, *args: str) -> subprocess.CompletedProcess:
         env = {**env_with_venv(1), PLUGINS_VAR: plugins,
                "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
-        return subprocess.run([HYBRIDTRAIN, *args], capture_output=True, text=True, timeout=300, env=env,
+        return subprocess.run(command(args), capture_output=True, text=True, timeout=300, env=env,
                               stdin=subprocess.DEVNULL)
     for name, (_, what) in BROKEN_PLUGINS.items():
         for args in (("train", "--config", config, "--engine", "torch"),

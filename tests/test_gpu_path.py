@@ -255,3 +255,72 @@ def test_compile_or_fused_on_a_gpu_too_old_for_triton_is_one_line(capability, re
                 hardware_checks.check_triton_gpu(key, capability)
         else:
             hardware_checks.check_triton_gpu(key, capability)
+
+
+# torch.use_deterministic_algorithms' list of ops that raise on CUDA in deterministic mode, each by the ATen ops that
+# alert (torch's CUDA kernels call alertNotDeterministic there); conservative where the alert needs a condition
+RAISES_IN_DETERMINISTIC_MODE = {
+    "torch.nn.AvgPool3d": ("avg_pool3d_backward",),
+    "torch.nn.AdaptiveAvgPool2d": ("_adaptive_avg_pool2d_backward",),
+    "torch.nn.AdaptiveAvgPool3d": ("_adaptive_avg_pool3d_backward",),
+    "torch.nn.AdaptiveMaxPool2d": ("adaptive_max_pool2d_backward",),
+    "torch.nn.FractionalMaxPool2d": ("fractional_max_pool2d_backward",),
+    "torch.nn.FractionalMaxPool3d": ("fractional_max_pool3d_backward",),
+    "torch.nn.MaxUnpool1d": ("max_unpool2d",),
+    "torch.nn.MaxUnpool2d": ("max_unpool2d",),
+    "torch.nn.MaxUnpool3d": ("max_unpool3d",),
+    "torch.nn.functional.interpolate": ("upsample_linear1d_backward", "upsample_bilinear2d_backward",
+                                        "_upsample_bilinear2d_aa_backward", "upsample_bicubic2d_backward",
+                                        "_upsample_bicubic2d_aa_backward", "upsample_trilinear3d_backward"),
+    "torch.nn.ReflectionPad1d": ("reflection_pad1d_backward",),
+    "torch.nn.ReflectionPad2d": ("reflection_pad2d_backward",),
+    "torch.nn.ReflectionPad3d": ("reflection_pad3d_backward",),
+    "torch.nn.NLLLoss": ("nll_loss2d_forward",),  # the 1-D nll_loss of a classifier reduces deterministically
+    "torch.nn.CTCLoss": ("_ctc_loss_backward",),
+    "torch.nn.EmbeddingBag": ("_embedding_bag_backward", "_embedding_bag_dense_backward"),
+    "torch.Tensor.put_": ("put_", "put"),
+    "torch.histc": ("histc",),
+    "torch.bincount": ("bincount",),
+    "torch.median": ("median",),
+    "torch.nn.functional.grid_sample": ("grid_sampler_2d_backward", "grid_sampler_3d_backward"),
+    "torch.cumsum": ("cumsum", "cumsum_"),
+    "torch.Tensor.scatter_reduce": ("scatter_reduce", "scatter_reduce_"),
+    "torch.Tensor.resize_": (),  # on a quantized tensor only: the step has none
+}
+
+
+def test_a_training_step_of_the_resume_rows_recipe_runs_no_op_that_raises_in_deterministic_mode_on_cuda():
+    """The GPU check's resume row trains the H100 recipe under train.deterministic=true: an op on torch's list would
+    raise there, on the GPU only. One step of each optimizer phase (AdaBound, then SGD+LARS) of the recipe's model,
+    loss, scaler and optimizer, profiled on the CPU: none of the ATen ops that alert is called. The list is read
+    from the installed torch's documentation, so a torch that adds an op fails here until it is mapped."""
+    from benchmarks.bench_sets import precision_sets
+    from hybridtrain.distributed.engines import with_step_contract
+    from hybridtrain.engine.step import build_train_step
+    from hybridtrain.models import model_from_config
+    from hybridtrain.optim import apply_schedule, create_optimizer
+    from hybridtrain.precision.policy import prepare_model
+    from hybridtrain.precision.scaler import create_precision
+
+    raising = torch.use_deterministic_algorithms.__doc__.split("operations will throw")[1].split("In addition")[0]
+    assert set(re.findall(r"\* :(?:class|func):`([\w.]+)`", raising)) == set(RAISES_IN_DETERMINISTIC_MODE)
+    sets = ["train.device=cpu", "data.backend=synthetic", "data.channels_last=true", "train.deterministic=true",
+            "optim.adabound_epochs=1", *precision_sets("mixed-fp16"), "precision.loss_scale=128"]
+    cfg = load_config(os.path.join(REPO, "configs", "resnet50_h100.yaml"), sets)
+    precision = create_precision(cfg.precision)
+    model = prepare_model(model_from_config(cfg.model, 10, seed=0), precision.policy)
+    model = model.to(memory_format=torch.channels_last)
+    bundle = create_optimizer(model, cfg, 1, 1)
+    optimizer = with_step_contract(bundle.optimizer)
+    images = torch.randn(2, 3, 32, 32).to(memory_format=torch.channels_last)
+    labels = torch.tensor([1, 7])
+    run_step = build_train_step(model, cfg, precision, (images, labels))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        for step in (0, 1):  # epoch 0 is AdaBound's, epoch 1 SGD+LARS's (one step per epoch)
+            apply_schedule(optimizer, bundle.schedule, step)
+            assert run_step(optimizer, precision, [(images, labels, 1.0)]).stepped  # a small scale: no overflow
+    ops = {event.name.removeprefix("aten::") for event in profile.events()}
+    # the backward, the scaler's check and both phases' updates were traced (AdaBound's sqrt, LARS's norm)
+    assert {"convolution_backward", "_amp_foreach_non_finite_check_and_unscale_", "_foreach_sqrt_", "_foreach_norm"} <= ops
+    called = {name: sorted(ops & set(aten)) for name, aten in RAISES_IN_DETERMINISTIC_MODE.items() if ops & set(aten)}
+    assert not called, called

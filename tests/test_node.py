@@ -80,7 +80,8 @@ def test_install_plan_on_real_nodes(tmp_path, name, smi, variant, dali, why):
     result = plan_of(tmp_path, smi)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert all(line.startswith("plan: ") for line in lines) and len(lines) <= 6, result.stdout
+    assert all(line.startswith("plan: ") for line in lines) and len(lines) <= 7, result.stdout
+    assert sum(line.startswith("plan: MPI: ") for line in lines) == 1, result.stdout
     torch_line = next(line for line in lines if line.startswith("plan: torch "))
     assert f"torch {planner.PINNED_TORCH} and torchvision {planner.PINNED_TORCHVISION}" in torch_line
     assert f"({variant})" in torch_line and why in torch_line
