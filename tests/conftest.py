@@ -63,7 +63,7 @@ FILE_WEIGHTS = {
     "test_run_ownership.py": 155,  # * 3 two-rank launches, 4 one-rank runs
     "test_install.py": 150,  # install.sh for real: an offline install from a wheelhouse, header compiles
     "test_hybrid_training.py": 120,  # 3 two-rank launches: the phase switch, 2 resumes
-    "test_oldest_torch.py": 120,  # 3 two-rank torchrun launches in .venv-oldest
+    "test_oldest_torch.py": 120,  # 3 two-rank torchrun launches in the oldest-torch venv
     "test_run_files_and_faults.py": 120,  # ~25 one-rank processes, 2 trainings
     "test_launch.py": 100,  # 107 tests: launch scripts' dry runs (bash), 2 one-rank launches
     "test_prepare_imagenet.py": 95,  # 2 two-rank launches (shards: DALI, torchvision), ~6 prepare-data processes

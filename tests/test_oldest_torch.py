@@ -13,13 +13,13 @@ import yaml
 from conftest import REPO, digits_subset, env_with_venv, read_metrics, tiny_config
 
 OLDEST_TORCH = "2.3.1"
-VENV = os.environ.get("HYBRIDTRAIN_OLDEST_VENV", os.path.join(REPO, ".venv-oldest"))
+VENV = os.environ.get("HYBRIDTRAIN_OLDEST_VENV") or os.path.join(
+    os.environ.get("HYBRIDTRAIN_CACHE") or os.path.expanduser("~/.cache/hybridtrain"), "venv-oldest-torch")
 BIN = os.path.join(VENV, "bin")
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     not os.path.exists(os.path.join(BIN, "torchrun")),
-    reason=f"no {VENV}: make test makes it (HYBRIDTRAIN_TORCH={OLDEST_TORCH} HYBRIDTRAIN_SKIP_HOROVOD=1 "
-           f"HYBRIDTRAIN_SKIP_DALI=1 HYBRIDTRAIN_VENV=.venv-oldest ./install.sh)")]
+    reason=f"no {VENV}: make test makes it (make install-oldest-torch)")]
 
 
 def oldest(args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
