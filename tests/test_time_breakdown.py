@@ -130,13 +130,14 @@ def test_a_large_model_at_a_small_batch_is_named_compute(digits_dir, tmp_path, w
 
 # Known regression since train_step marks synchronize() itself: under Horovod with a 500 ms cycle the parts split
 # about evenly between compute and communication (it passed with the method timed on the optimizer); open, to fix
-def test_an_all_reduce_held_back_on_every_rank_is_named_communication(small_digits, tmp_path, write_config):
-    """Horovod's background cycle at 2 s (horovod.cycle_time_ms): each step's all-reduce waits for the next cycle
-    in synchronize() on both ranks, about 1.5 s against the tiny model's 0.4-0.8 s of a step's passes on 2 loaded
-    cores, so exposed communication dominates on each; the parts reach TensorBoard."""
+def test_an_all_reduce_held_back_on_every_rank_is_named_communication(digits_dir, tmp_path, write_config):
+    """Horovod's background cycle at its longest, 1 s (horovod.cycle_time_ms): each step's all-reduce waits for the
+    next cycle in synchronize() on both ranks, so a step lasts a cycle; at 4 images per rank a step's own work is a
+    fraction of it even on 2 loaded cores, and exposed communication dominates on each; the parts reach TensorBoard."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     run_dir = str(tmp_path / "communication")
-    cfg = one_epoch(small_digits, run_dir, horovod={"cycle_time_ms": 2000})
+    data = digits_subset(digits_dir, str(tmp_path / "data"), 8, 2)  # 10 steps of 2 x 4 images
+    cfg = one_epoch(data, run_dir, horovod={"cycle_time_ms": 1000}, train={"batch_size": 4})
     launch([HOROVODRUN, "--gloo", "-np", "2", "-H", "localhost:2"], write_config(cfg), 2)
     record = checked_record(run_dir, "communication")
     assert record["dominant_per_rank"] == ["communication", "communication"]
