@@ -41,48 +41,53 @@ def pytest_configure(config):
         config.option.loadscopereorder = False  # pytest-xdist keeps FILE_WEIGHTS' order (see there)
 
 
-# The slowest first: the heaviest test files in estimated worker-seconds, the one list of them. `make test`
+# The slowest first: the heaviest test files in worker-seconds, the one list of them. `make test`
 # runs whole files on 2 workers (-n 2 --dist loadfile). pytest-xdist (3.8, xdist/scheduler/loadscope.py schedule())
 # queues the files by their number of tests, most first (--loadscope-reorder, its default), and each worker takes the
 # next file from the front of the queue when it has at most 2 tests left (_reschedule): the files of 100 quick tests
 # started first and the few long multi-rank files ran alone at the end. pytest_collection_modifyitems puts these
 # files first, heaviest first, the others after them as collected; pytest_configure turns xdist's reordering off
 # (--no-loadscope-reorder) so that its queue keeps this order (an explicit --loadscope-reorder still wins).
-# Figures: per-file times measured under `make test` where marked (*), else counted from the code at
-# about 39 s per 2-rank tiny launch, 15 s per one-rank run; refresh them from `make test`'s --durations.
+# Figures: worker-seconds per file measured under `make test`'s command on this 2-core machine (the junit report of a
+# whole run, 2026-11-28); refresh them from `make test`'s --durations.
 FILE_WEIGHTS = {
-    "test_preemption.py": 550,  # * 14 two-rank launches (6 precisions, 3 stopped + resumed, --resume auto)
-    "test_precision.py": 400,  # * 9 two-rank launches (6 modes), 2 one-rank runs, a 12-row bench
-    "test_torch_engine.py": 360,  # * 11 launches under torchrun and horovodrun, a run in a Horovod-free venv
-    "test_elastic.py": 350,  # * 237-461 s: a 3->2->3 elastic run of 4 epochs, a SIGTERM'd run, a 3-rank resume
-    "test_data_backends.py": 300,  # ~10 launches of 2-3 ranks (both DALI backends, corrupt JPEG, synthetic)
-    "test_horovod_training.py": 280,  # ~8 launches: the reference run, mpirun, interrupted + resumed, killed ranks
-    "test_batchnorm.py": 250,  # ~10 two-rank launches: BN scripts, sync BN, accumulation, resume
-    "test_step_speed.py": 200,  # 3 horovodrun, torch.compile on the CPU, a fused-optimizer run (timeout 900 s)
-    "test_checkpoint_integrity.py": 180,  # ~10 one-rank trainings and resumes
-    "test_run_ownership.py": 155,  # * 3 two-rank launches, 4 one-rank runs
-    "test_install.py": 150,  # install.sh for real: an offline install from a wheelhouse, header compiles
-    "test_hybrid_training.py": 120,  # 3 two-rank launches: the phase switch, 2 resumes
-    "test_oldest_torch.py": 120,  # 3 two-rank torchrun launches in the oldest-torch venv
-    "test_run_files_and_faults.py": 120,  # ~25 one-rank processes, 2 trainings
-    "test_launch.py": 100,  # 107 tests: launch scripts' dry runs (bash), 2 one-rank launches
-    "test_prepare_imagenet.py": 95,  # 2 two-rank launches (shards: DALI, torchvision), ~6 prepare-data processes
-    "test_multihost.py": 180,  # a 3-host netns cluster: up/down, horovodrun over ssh with a cut link, torchrun per
+    "test_preemption.py": 805,  # 14 two-rank launches (6 precisions, 3 stopped + resumed, --resume auto)
+    "test_precision.py": 412,  # 9 two-rank launches (6 modes), 2 one-rank runs, a 12-row bench
+    "test_torch_engine.py": 731,  # 11 launches under torchrun and horovodrun, a run in a Horovod-free venv
+    "test_elastic.py": 502,  # 237-461 s: a 3->2->3 elastic run of 4 epochs, a SIGTERM'd run, a 3-rank resume
+    "test_data_backends.py": 298,  # ~10 launches of 2-3 ranks (both DALI backends, corrupt JPEG, synthetic)
+    "test_horovod_training.py": 267,  # ~8 launches: the reference run, mpirun, interrupted + resumed, killed ranks
+    "test_batchnorm.py": 293,  # ~10 two-rank launches: BN scripts, sync BN, accumulation, resume
+    "test_step_speed.py": 356,  # 3 horovodrun, torch.compile on the CPU, a fused-optimizer run (timeout 900 s)
+    "test_checkpoint_integrity.py": 442,  # ~10 one-rank trainings and resumes
+    "test_run_ownership.py": 177,  # 3 two-rank launches, 4 one-rank runs
+    "test_install.py": 874,  # install.sh for real: an offline install from a wheelhouse, header compiles
+    "test_hybrid_training.py": 176,  # 3 two-rank launches: the phase switch, 2 resumes
+    "test_oldest_torch.py": 92,  # 3 two-rank torchrun launches in the oldest-torch venv
+    "test_run_files_and_faults.py": 131,  # ~25 one-rank processes, 2 trainings
+    "test_launch.py": 37,  # 107 tests: launch scripts' dry runs (bash), 2 one-rank launches
+    "test_prepare_imagenet.py": 74,  # 2 two-rank launches (shards: DALI, torchvision), ~6 prepare-data processes
+    "test_multihost.py": 333,  # a 3-host netns cluster: up/down, horovodrun over ssh with a cut link, torchrun per
     # host, a 3-rank run beside a 10x slower link and its probe, then scale --cluster 2 on a cluster of its own
-    "test_launch_environment.py": 60,  # ~6 torchrun launches (a restart, pmix sbatch, preemption), 9 refusals
-    "test_resume_and_stall.py": 50,  # one 2-rank run stopped and resumed on 1 rank, the real watchdog
-    "test_broken_nodes.py": 45,  # install.sh --plan with stand-in nvidia-smi, train in a small /dev/shm
-    "test_time_breakdown.py": 200,  # 3 one-rank runs, 2 two-rank horovodrun and 3 two-rank torchrun launches (a stop
+    "test_launch_environment.py": 105,  # ~6 torchrun launches (a restart, pmix sbatch, preemption), 9 refusals
+    "test_resume_and_stall.py": 71,  # one 2-rank run stopped and resumed on 1 rank, the real watchdog
+    "test_broken_nodes.py": 25,  # install.sh --plan with stand-in nvidia-smi, train in a small /dev/shm
+    "test_time_breakdown.py": 218,  # 3 one-rank runs, 2 two-rank horovodrun and 3 two-rank torchrun launches (a stop
     # and its resume with both sinks)
-    "test_sinks.py": 60,  # a one-rank run logging to MLflow and W&B offline, and its resume
-    "test_progressive.py": 120,  # a 2-rank torchrun and a 2-rank horovodrun (DALI) run, each stopped and resumed
-    "test_gpu_harness.py": 330,  # the rehearsal (~200 s: a venv, the cached NCCL build, every row started), resume driver
-    "test_recipes.py": 175,  # a 2-rank torchrun and a 2-rank horovodrun run, each stopped and resumed
-    "test_stopped_commands.py": 160,  # netns clusters killed at 4 points, bench/experiment killed, plugins
-    "test_after_training.py": 200,  # a 2-rank torchrun and a 2-rank horovodrun run, ~20 evaluate/classify/export
-    # processes, 2 of them 2-rank (estimated beside test_recipes.py: measured here only under a load of ~24)
-    "test_atomic_writes.py": 35,  # 8 writers SIGKILLed mid-write (a torch import each)
-    "test_crafted_archives.py": 30,  # crafted archives, a tmpfs filled mid-run, a read-only bind mount
+    "test_sinks.py": 172,  # a one-rank run logging to MLflow and W&B offline, and its resume
+    "test_progressive.py": 212,  # a 2-rank torchrun and a 2-rank horovodrun (DALI) run, each stopped and resumed
+    "test_gpu_harness.py": 147,  # stand-in GPU check sessions, the resume driver, the forced-hooks row's command
+    "test_recipes.py": 312,  # a 2-rank torchrun and a 2-rank horovodrun run, each stopped and resumed
+    "test_stopped_commands.py": 238,  # netns clusters killed at 4 points, bench/experiment killed, plugins
+    "test_after_training.py": 300,  # a 2-rank torchrun and a 2-rank horovodrun run, ~20 evaluate/classify/export
+    # processes, 2 of them 2-rank
+    "test_atomic_writes.py": 65,  # 8 writers SIGKILLed mid-write (a torch import each)
+    "test_crafted_archives.py": 21,  # crafted archives, a tmpfs filled mid-run, a read-only bind mount
+    "test_experiments.py": 203,  # the optimizers and recipes experiments, each a few one-rank runs
+    "test_scale_predict.py": 102,  # scale rows on 1-2 ranks and the bench sweep predict reads
+    "test_bad_input.py": 78,  # ~20 refused commands, 2 launches
+    "test_outputs_and_tools.py": 73,  # a hung rank, the tools' refusals
+    "test_report.py": 70,  # one-rank trainings writing their report and TensorBoard scalars
 }
 
 
