@@ -10,7 +10,7 @@ from hybridtrain.cli import Parser
 from hybridtrain.cli.options import BATCH, CROP, add_recipe_options, bounded_float, bounded_int, engine_name
 from hybridtrain.errors import UserError
 from hybridtrain.files import check_output_dir, check_output_file, write_json_atomically
-from hybridtrain.launched_by import run_guarded
+from hybridtrain.launched_by import parse_and_run
 from tools.jobs import stopped_cleanly
 from tools.options import add_timing_options, count_list
 
@@ -228,5 +228,4 @@ def build_parser() -> Parser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    return run_guarded(lambda: args.func(args), lambda: getattr(args, "crash_log_dir", None))
+    return parse_and_run(build_parser().parse_args, sys.argv[1:] if argv is None else list(argv))

@@ -128,6 +128,17 @@ def run_guarded(action, crash_log_dir=lambda: None) -> int:
                 stream.flush()
 
 
+def parse_and_run(parse, argv: list) -> int:
+    """``parse(argv)`` (argparse's namespace, its command in ``func``), then the command, both under run_guarded:
+    parsing reads the engine plugins (--engine's choices), whose refusal is one line like any other."""
+    parsed = {}
+
+    def action():
+        args = parsed["args"] = parse(argv)
+        return args.func(args)
+    return run_guarded(action, lambda: getattr(parsed.get("args"), "crash_log_dir", None))
+
+
 # A refusal every rank makes (UserError.same_on_all_ranks) is printed by rank 0 alone; the other ranks wait this long
 # before they exit. horovodrun, torchrun and mpirun end the whole job when its first rank exits non-zero, so a rank 1
 # that exits first has rank 0 killed before its line is out: a refusal made before torch is imported takes ~0.1 s, and

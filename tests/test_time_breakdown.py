@@ -195,7 +195,6 @@ def test_the_parts_add_up_on_every_rank_with_sinks_stopped_and_resumed_under_ddp
     """A 2-rank DDP run logging to MLflow and W&B (rank 0 starts their tracked runs, seconds of set-up its peer
     does not have), SIGTERM'd mid-epoch 1 and resumed: the continued epoch's record covers both processes' steps
     (its epoch and training times and its parts), the next one its own, and each rank's parts sum to the epoch."""
-    import pytest
     from test_preemption import train_until_sigterm
     sinks = {name: mode for name, mode in (("mlflow", "local"), ("wandb", "offline"))
              if importlib.util.find_spec(name) is not None}

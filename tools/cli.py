@@ -17,7 +17,7 @@ from hybridtrain.cli.options import (
 )
 from hybridtrain.errors import UserError
 from hybridtrain.files import check_output_dir
-from hybridtrain.launched_by import run_guarded
+from hybridtrain.launched_by import parse_and_run
 from tools.jobs import stopped_cleanly
 
 
@@ -101,5 +101,4 @@ def build_parser() -> Parser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    return run_guarded(lambda: args.func(args), lambda: getattr(args, "crash_log_dir", None))
+    return parse_and_run(build_parser().parse_args, sys.argv[1:] if argv is None else list(argv))

@@ -16,7 +16,7 @@ import re
 import sys
 
 from hybridtrain.cli.train import out_of_memory_device
-from hybridtrain.launched_by import run_guarded
+from hybridtrain.launched_by import parse_and_run, run_guarded
 
 __all__ = ["build_parser", "main", "out_of_memory_device", "run_guarded"]
 
@@ -77,9 +77,4 @@ def main(argv=None) -> int:
     if line:
         sys.stderr.write(line + "\n")
         return 2
-    parsed = {}
-
-    def parse_and_run():
-        args = parsed["args"] = build_parser(argv[0] if argv else None).parse_args(argv)
-        return args.func(args)
-    return run_guarded(parse_and_run, lambda: getattr(parsed.get("args"), "crash_log_dir", None))
+    return parse_and_run(build_parser(argv[0] if argv else None).parse_args, argv)
