@@ -16,6 +16,8 @@ HYBRIDTRAIN = os.path.join(BIN, "hybridtrain")
 HOROVODRUN = os.path.join(BIN, "horovodrun")
 TORCHRUN = os.path.join(BIN, "torchrun")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# install.sh's cache (Horovod wheels, the oldest-torch venv, the test wheelhouses), as install.sh finds it
+CACHE = os.environ.get("HYBRIDTRAIN_CACHE") or os.path.expanduser("~/.cache/hybridtrain")
 # The tools beside the package run from the checkout as their docs say (python -m benchmarks ..., python -m tools
 # ...); with the checkout on PYTHONPATH every process a test starts finds them, whatever its folder
 BENCHMARKS = [sys.executable, "-m", "benchmarks"]

@@ -14,7 +14,7 @@ import time
 
 import pytest
 import yaml
-from conftest import REPO, run, tiny_config
+from conftest import CACHE, REPO, run, tiny_config
 
 TESTS = os.path.join(REPO, "tests")
 sys.path.insert(0, TESTS)
@@ -315,7 +315,7 @@ def test_the_rehearsal_passes_offline_with_an_nccl_build(tmp_path):
     began = time.monotonic()
     proc = subprocess.run(["make", "-s", "gpu-rehearsal", f"VENV={os.path.dirname(os.path.dirname(sys.executable))}"],
                           cwd=REPO, capture_output=True, text=True, timeout=2300, stdin=subprocess.DEVNULL,
-                          env={**os.environ, "HYBRIDTRAIN_CACHE": os.path.expanduser("~/.cache/hybridtrain")})
+                          env={**os.environ, "HYBRIDTRAIN_CACHE": CACHE})
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
     rows = results(os.path.join(REPO, ".gpu-check", "rehearsal", "gpu-check.tgz"))
     assert len(rows) >= 9 and all(r["result"] in ("pass", "skip") for r in rows.values())

@@ -14,11 +14,12 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import CACHE as conftest_cache
 
 REPO = Path(__file__).resolve().parent.parent
 INSTALL = REPO / "install.sh"
 HOROVOD_VERSION = "0.28.1"
-CACHE = Path(os.environ.get("HYBRIDTRAIN_CACHE", Path.home() / ".cache" / "hybridtrain"))
+CACHE = Path(conftest_cache)
 SDIST = CACHE / "sdist" / f"horovod-{HOROVOD_VERSION}.tar.gz"
 VENV_PY = Path(sys.executable)
 

@@ -10,11 +10,10 @@ import subprocess
 
 import pytest
 import yaml
-from conftest import REPO, digits_subset, env_with_venv, read_metrics, tiny_config
+from conftest import CACHE, REPO, digits_subset, env_with_venv, read_metrics, tiny_config
 
 OLDEST_TORCH = "2.3.1"
-VENV = os.environ.get("HYBRIDTRAIN_OLDEST_VENV") or os.path.join(
-    os.environ.get("HYBRIDTRAIN_CACHE") or os.path.expanduser("~/.cache/hybridtrain"), "venv-oldest-torch")
+VENV = os.environ.get("HYBRIDTRAIN_OLDEST_VENV") or os.path.join(CACHE, "venv-oldest-torch")  # the Makefile's
 BIN = os.path.join(VENV, "bin")
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(

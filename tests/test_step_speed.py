@@ -9,8 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import BENCHMARKS, HOROVODRUN, HYBRIDTRAIN, REPO, assert_one_error_line, env_with_venv, run
-from conftest import command as conftest_command
+from conftest import BENCHMARKS, HOROVODRUN, HYBRIDTRAIN, REPO, assert_one_error_line, command, env_with_venv, run
 
 KNOBS_SCRIPT = os.path.join(REPO, "tests", "scripts", "horovod_knobs.py")
 
@@ -367,10 +366,10 @@ def test_compile_without_a_compiler_is_one_line():
 # ----------------------------------------------------------------------------- CUDA graphs
 
 @pytest.mark.skipif(torch_cuda_available(), reason="the CPU refusal; the GPU runs the graph below")
-@pytest.mark.parametrize("command", ["bench", "train"])
-def test_cuda_graphs_without_a_gpu_is_one_line(command, tmp_path):
+@pytest.mark.parametrize("name", ["bench", "train"])
+def test_cuda_graphs_without_a_gpu_is_one_line(name, tmp_path):
     # synthetic input: the refusal must not depend on the demo's data being prepared
-    proc = run([*conftest_command([command]), "--config", "configs/demo.yaml", "--set", "train.cuda_graphs=true",
+    proc = run([*command([name]), "--config", "configs/demo.yaml", "--set", "train.cuda_graphs=true",
                 "--set", "data.backend=synthetic", "--set", f"run_dir={tmp_path / 'run'}"], timeout=300)
     assert_one_error_line(proc, "train.cuda_graphs=true needs a CUDA GPU", "set train.cuda_graphs=false")
 

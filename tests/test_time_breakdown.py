@@ -128,8 +128,6 @@ def test_a_large_model_at_a_small_batch_is_named_compute(digits_dir, tmp_path, w
     assert not os.path.exists(os.path.join(run_dir, "profile"))  # off by default
 
 
-# Known regression since train_step marks synchronize() itself: under Horovod with a 500 ms cycle the parts split
-# about evenly between compute and communication (it passed with the method timed on the optimizer); open, to fix
 def test_an_all_reduce_held_back_on_every_rank_is_named_communication(digits_dir, tmp_path, write_config):
     """Horovod's background cycle at its longest, 1 s (horovod.cycle_time_ms): each step's all-reduce waits for the
     next cycle in synchronize() on both ranks, so a step lasts a cycle; at 4 images per rank a step's own work is a

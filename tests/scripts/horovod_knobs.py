@@ -15,7 +15,7 @@ from hybridtrain.config import load_config
 from hybridtrain.distributed import collectives as distributed
 from hybridtrain.distributed.horovod import import_horovod
 
-ROUNDS, TENSORS = 20, 6  # under load a round can miss a cycle's fusion; twenty never all do
+ROUNDS, TENSORS = 20, 6  # under load a round's tensors can reach separate cycles: more rounds, more chances to fuse
 
 
 def main(out: str, sets: list[str]) -> None:
